@@ -27,3 +27,7 @@ class StageFailed(MemraError):
     def __init__(self, message: str, stage: int | None = None):
         super().__init__(message)
         self.stage = stage
+
+
+class ProtocolError(StageFailed):
+    """A boundary message (slot header, control frame) did not decode: the link between two stages is broken."""
