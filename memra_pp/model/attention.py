@@ -1,0 +1,89 @@
+"""Gated full attention with q/k norms and partial interleaved M-RoPE (reference/qwen35.md 2.3)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import TextConfig
+from .layers import Param, rms_norm
+
+
+class Rope:
+    """Partial rotary embedding; frequency j takes its angle from row T, H or W (interleaved M-RoPE)."""
+
+    def __init__(self, cfg: TextConfig, device):
+        r = cfg.rotary_dim
+        self.r = r
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r))
+        row = torch.zeros(r // 2, dtype=torch.long)
+        sec = cfg.mrope_section
+        if cfg.mrope_interleaved:
+            for j in range(r // 2):
+                if j % 3 == 1 and j < 3 * sec[1]:
+                    row[j] = 1
+                elif j % 3 == 2 and j < 3 * sec[2]:
+                    row[j] = 2
+        else:
+            row[sec[0]:sec[0] + sec[1]] = 1
+            row[sec[0] + sec[1]:] = 2
+        self.row = row.to(device)
+
+    def cos_sin(self, pos_3T: torch.Tensor, dtype):
+        """pos [3, T] -> cos, sin [T, r] in the model dtype."""
+        p = pos_3T.to(self.inv_freq.device).float()                           # [3, T]
+        f = p[self.row, :].transpose(0, 1) * self.inv_freq                      # [T, r/2]
+        emb = torch.cat([f, f], -1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.shape[-1]
+    xr, xp = x_THD[..., :r], x_THD[..., r:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+    rot = torch.cat([-x2, x1], -1)
+    out = xr * cos[:, None, :] + rot * sin[:, None, :]
+    return torch.cat([out, xp], -1)
+
+
+class GatedAttention(Param):
+    def __init__(self, cfg: TextConfig):
+        super().__init__(["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_norm.weight",
+                          "k_norm.weight"])
+        self.cfg = cfg
+
+    def project(self, x_TH, cos, sin):
+        """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached)."""
+        c = self.cfg
+        T = x_TH.shape[0]
+        qg = F.linear(x_TH, self.q_proj_weight).view(T, c.num_attention_heads, 2 * c.head_dim)
+        q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, -1)
+        k = F.linear(x_TH, self.k_proj_weight).view(T, c.num_key_value_heads, c.head_dim)
+        v = F.linear(x_TH, self.v_proj_weight).view(T, c.num_key_value_heads, c.head_dim)
+        q = apply_rope(rms_norm(q, self.q_norm_weight, c.rms_norm_eps), cos, sin)
+        k = apply_rope(rms_norm(k, self.k_norm_weight, c.rms_norm_eps), cos, sin)
+        return q, gate, k, v
+
+    def output(self, attn_TX, gate_TX):
+        return F.linear(attn_TX * torch.sigmoid(gate_TX), self.o_proj_weight)
+
+
+def attend(q_THD: torch.Tensor, k_HSD: torch.Tensor, v_HSD: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal GQA attention of T new queries at positions start.. over S = start + T cached keys -> [T, nh*D]."""
+    T = q_THD.shape[0]
+    q = q_THD.transpose(0, 1)[None]                                           # [1, nh, T, D]
+    k, v = k_HSD[None], v_HSD[None]
+    if start == 0:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+    else:
+        S = k.shape[2]
+        mask = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(T, -1)
+
+
+def attend_decode(q_BHD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, lens: torch.Tensor):
+    """One query per sequence over padded caches; key s of sequence b is visible iff s < lens[b]."""
+    S = k_BHSD.shape[2]
+    mask = (torch.arange(S, device=q_BHD.device)[None, :] < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(q_BHD[:, :, None], k_BHSD, v_BHSD, attn_mask=mask, enable_gqa=True)
+    return o[:, :, 0].reshape(q_BHD.shape[0], -1)

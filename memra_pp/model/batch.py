@@ -1,0 +1,49 @@
+"""The work one microbatch asks of a stage: a segment of new tokens per sequence, rows concatenated in order."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class StepBatch:
+    slots: list[int]                 # cache slot of each sequence
+    starts: list[int]                # cached length before this step (must equal the stage's own count)
+    counts: list[int]                # new tokens of each sequence, >= 1
+    pos_3T: torch.Tensor             # [3, T] rope positions (T, H, W rows) of every new token
+    sample: list[bool]               # primary: produce logits for this sequence's last new token
+
+    def __post_init__(self):
+        n = len(self.slots)
+        assert len(self.starts) == n and len(self.counts) == n and len(self.sample) == n, "ragged batch"
+        assert all(c >= 1 for c in self.counts), "empty segment"
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def offsets(self) -> list[int]:
+        out, o = [], 0
+        for c in self.counts:
+            out.append(o)
+            o += c
+        return out
+
+    def decode_only(self) -> bool:
+        """Every segment is one token continuing a cached sequence: the batched decode path applies."""
+        return all(c == 1 and s > 0 for c, s in zip(self.counts, self.starts))
+
+    def sample_rows(self) -> list[int]:
+        return [o + c - 1 for o, c, s in zip(self.offsets, self.counts, self.sample) if s]
+
+    @staticmethod
+    def text_positions(starts: list[int], counts: list[int], deltas: list[int] | None = None) -> torch.Tensor:
+        """Text-only positions: all three rows equal start + i (+ the sequence's M-RoPE delta)."""
+        rows = []
+        for j, (s, c) in enumerate(zip(starts, counts)):
+            d = deltas[j] if deltas else 0
+            rows.append(torch.arange(s + d, s + d + c))
+        p = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        return p[None].expand(3, -1).contiguous()

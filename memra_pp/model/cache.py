@@ -1,0 +1,59 @@
+"""Per-sequence caches of one stage, in slot-indexed pools: KV for full layers, conv + fp32 state for linear.
+
+A sequence owns one slot for its life on every stage; `lens[slot]` is its cached length on this stage.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import TextConfig
+
+
+class StageCache:
+    def __init__(self, cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, device,
+                 kv_block: int = 256):
+        self.cfg, self.max_seqs, self.max_context = cfg, max_seqs, max_context
+        self.dtype, self.device, self.kv_block = dtype, torch.device(device), kv_block
+        K = cfg.linear_conv_kernel_dim
+        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.conv: dict[int, torch.Tensor] = {}
+        self.rec: dict[int, torch.Tensor] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        for i in layers:
+            if cfg.is_full(i):
+                shape = (max_seqs, cfg.num_key_value_heads, 0, cfg.head_dim)
+                self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+                self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+            else:
+                self.conv[i] = torch.zeros(max_seqs, cfg.conv_dim, K - 1, dtype=dtype, device=device)
+                self.rec[i] = torch.zeros(max_seqs, nv, dk, dv, dtype=torch.float32, device=device)
+        self.lens = [0] * max_seqs
+
+    @property
+    def kv_capacity(self) -> int:
+        return next(iter(self.k.values())).shape[2] if self.k else self.max_context
+
+    def reserve(self, length: int) -> None:
+        """Grow every KV pool (by whole blocks, up to max_context) so positions < length fit."""
+        if not self.k or length <= self.kv_capacity:
+            return
+        cap = min(self.max_context, -(-length // self.kv_block) * self.kv_block)
+        if length > cap:
+            raise ValueError(f"sequence length {length} exceeds max_context {self.max_context}")
+        for d in (self.k, self.v):
+            for i, t in d.items():
+                n = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
+                n[:, :, : t.shape[2]] = t
+                d[i] = n
+
+    def reset(self, slot: int) -> None:
+        """Forget a sequence: zero its linear states (a fresh prefill must start from S0 = 0)."""
+        for t in self.conv.values():
+            t[slot].zero_()
+        for t in self.rec.values():
+            t[slot].zero_()
+        self.lens[slot] = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.conv, self.rec, self.k, self.v) for t in d.values())

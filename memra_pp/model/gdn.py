@@ -1,0 +1,92 @@
+"""Gated delta rule (Gated DeltaNet core) in pure torch: chunked (prefill) and recurrent (decode) forms.
+
+Shapes: q, k [B, T, Hv, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; state S [B, Hv, dk, dv] float32.
+Math (reference/qwen35.md 2.4): S <- e^g S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prep(q, k, v, g, beta):
+    """fp32, l2-normalised q/k, q scaled by dk^-1/2, heads moved before time: [B, Hv, T, d]."""
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    k = l2norm(k.float())
+    return (q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2),
+            g.float().transpose(1, 2), beta.float().transpose(1, 2))
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Step-by-step recurrence; returns (o [B, T, Hv, dv] float32, final state). `state` is not modified."""
+    q, k, v, g, beta = _prep(q, k, v, g, beta)
+    S = state.float().clone()
+    outs = []
+    for t in range(q.shape[2]):
+        S = S * g[:, :, t, None, None].exp()
+        kt = k[:, :, t]
+        delta = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhkv,bhk->bhv", S, kt))
+        S = S + kt[..., :, None] * delta[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, :, t]))
+    return torch.stack(outs, 1), S
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
+    """Chunked (WY / UT-transform) form, state carried across chunks; same result as the recurrence.
+
+    Within a chunk with cumulative log-decay G: U = T(beta V) - T(beta e^G K) S0 with T = (I + L)^-1,
+    L[t,s] = beta_t e^(G_t - G_s) k_t.k_s (s < t); O = e^G Q S0 + (Q K^T * D) U; S' = e^G_C S0 + (K e^(G_C-G))^T U.
+    """
+    q, k, v, g, beta = _prep(q, k, v, g, beta)
+    B, Hh, T, dk = k.shape
+    pad = (-T) % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (T + pad) // chunk
+    q, k, v = (x.reshape(B, Hh, n, chunk, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, Hh, n, chunk).cumsum(-1), beta.reshape(B, Hh, n, chunk)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    diff = g[..., :, None] - g[..., None, :]
+    decay = diff.masked_fill(~lower, float("-inf")).exp()              # e^(G_t - G_s), s <= t
+    kk = k @ k.transpose(-1, -2)
+    L = (beta[..., None] * kk * decay).masked_fill(lower.logical_not() | torch.eye(
+        chunk, dtype=torch.bool, device=q.device), 0)
+    A = L + torch.eye(chunk, device=q.device)
+    u0 = torch.linalg.solve_triangular(A, beta[..., None] * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(A, (beta * g.exp())[..., None] * k, upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay
+    S = state.float().clone()
+    out = torch.empty_like(v)
+    for i in range(n):
+        u = u0[:, :, i] - w[:, :, i] @ S
+        out[:, :, i] = (q[:, :, i] * g[:, :, i, :, None].exp()) @ S + qk[:, :, i] @ u
+        gl = g[:, :, i, -1]
+        S = S * gl[..., None, None].exp() + (k[:, :, i] * (gl[..., None] - g[:, :, i]).exp()[..., None]
+                                              ).transpose(-1, -2) @ u
+    out = out.reshape(B, Hh, n * chunk, -1)[:, :, :T]
+    return out.transpose(1, 2), S
+
+
+def causal_conv(x_TC: torch.Tensor, w_CK: torch.Tensor, state_CK1: torch.Tensor | None):
+    """Depthwise causal conv + SiLU over one sequence. x [T, C]; state = the last K-1 inputs before x.
+
+    Returns (y [T, C], new state [C, K-1]) where the new state holds the last K-1 inputs (zeros if never seen).
+    """
+    K = w_CK.shape[1]
+    T, C = x_TC.shape
+    prev = state_CK1 if state_CK1 is not None else x_TC.new_zeros(C, K - 1)
+    xs = torch.cat([prev.to(x_TC.dtype), x_TC.transpose(0, 1)], 1)       # [C, K-1+T]
+    y = F.conv1d(xs[None], w_CK[:, None, :], groups=C)[0]               # [C, T]
+    return F.silu(y).transpose(0, 1), xs[:, -(K - 1):]
+
+
+def causal_conv_step(x_BC: torch.Tensor, w_CK: torch.Tensor, state_BCK1: torch.Tensor):
+    """One decode token per sequence, batched. Returns (y [B, C], new state [B, C, K-1])."""
+    xs = torch.cat([state_BCK1.to(x_BC.dtype), x_BC[:, :, None]], 2)     # [B, C, K]
+    y = F.conv1d(xs, w_CK[:, None, :], groups=xs.shape[1])[:, :, 0]
+    return F.silu(y), xs[:, :, 1:]

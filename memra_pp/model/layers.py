@@ -1,0 +1,79 @@
+"""Norms, dense MLP and the MoE block of Qwen3.5 (reference/qwen35.md 2.1, 2.5); no knowledge of stages."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm: weights hold w, the scale is (1 + w)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + w.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The linear-attention output norm: plain w (not 1 + w), normalise first, then gate by silu(z)."""
+    dt = x.dtype
+    xf = x.float()
+    y = (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt))
+    return (y * F.silu(z.float())).to(dt)
+
+
+class Param(nn.Module):
+    """Holds named tensors loaded from a WeightSource (no init: weights are always assigned)."""
+
+    def __init__(self, names: list[str]):
+        super().__init__()
+        self.names = names
+
+    def load(self, prefix: str, src, dtype, device):
+        for n in self.names:
+            self.register_buffer(n.replace(".", "_"), src.get(prefix + n, dtype, device), persistent=False)
+
+
+class DenseMLP(Param):
+    def __init__(self):
+        super().__init__(["gate_proj.weight", "up_proj.weight", "down_proj.weight"])
+
+    def forward(self, x):
+        return F.linear(F.silu(F.linear(x, self.gate_proj_weight)) * F.linear(x, self.up_proj_weight),
+                        self.down_proj_weight)
+
+
+class MoE(Param):
+    """Top-k routed experts (weights renormalised) plus a sigmoid-gated shared expert."""
+
+    def __init__(self, top_k: int):
+        super().__init__(["gate.weight", "shared_expert_gate.weight", "shared_expert.gate_proj.weight",
+                          "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
+                          "experts.gate_up_proj", "experts.down_proj"])
+        self.top_k = top_k
+
+    def forward(self, x_TH):
+        logits = F.linear(x_TH, self.gate_weight)
+        p = logits.float().softmax(-1)
+        w, idx = p.topk(self.top_k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(x_TH.dtype)
+        out = torch.zeros_like(x_TH)
+        gate_up, down = self.experts_gate_up_proj, self.experts_down_proj
+        inter = down.shape[-1]
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+        tok = order // self.top_k
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            sel = order[start:start + c]
+            rows = tok[start:start + c]
+            start += c
+            gu = F.linear(x_TH[rows], gate_up[e])
+            h = F.silu(gu[:, :inter]) * gu[:, inter:]
+            y = F.linear(h, down[e]) * w.reshape(-1)[sel, None]
+            out.index_add_(0, rows, y)
+        shared = F.linear(F.silu(F.linear(x_TH, self.shared_expert_gate_proj_weight)) *
+                          F.linear(x_TH, self.shared_expert_up_proj_weight), self.shared_expert_down_proj_weight)
+        return out + torch.sigmoid(F.linear(x_TH, self.shared_expert_gate_weight)) * shared

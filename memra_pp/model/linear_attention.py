@@ -1,0 +1,70 @@
+"""Gated DeltaNet mixer (reference/qwen35.md 2.4) over a StepBatch, with per-slot conv and recurrent state."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .batch import StepBatch
+from .cache import StageCache
+from .config import TextConfig
+from .gdn import causal_conv, causal_conv_step, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .layers import Param, gated_rms_norm
+
+
+class GatedDeltaNet(Param):
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__(["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                          "conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"])
+        self.cfg, self.layer = cfg, layer
+        self.rule = None   # optional fast kernels (GPU): object with chunk(...) and recurrent(...), same contract
+
+    def forward(self, x_TH: torch.Tensor, b: StepBatch, cache: StageCache) -> torch.Tensor:
+        c = self.cfg
+        nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
+            c.linear_value_head_dim
+        T = x_TH.shape[0]
+        u = F.linear(x_TH, self.in_proj_qkv_weight)                              # [T, C]
+        z = F.linear(x_TH, self.in_proj_z_weight).view(T, nv, dv)
+        beta = torch.sigmoid(F.linear(x_TH, self.in_proj_b_weight))                # model dtype, as HF
+        a = F.linear(x_TH, self.in_proj_a_weight)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        w = self.conv1d_weight[:, 0, :]
+        conv, rec = cache.conv[self.layer], cache.rec[self.layer]
+        out = torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)
+        r = nv // nk
+
+        def split(y):
+            n = y.shape[0]
+            q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
+            q = q.reshape(n, nk, dk).repeat_interleave(r, 1)
+            k = k.reshape(n, nk, dk).repeat_interleave(r, 1)
+            return q, k, v.reshape(n, nv, dv)
+
+        if b.decode_only():
+            slots = torch.tensor(b.slots, device=x_TH.device)
+            y, conv[slots] = causal_conv_step(u, w, conv[slots])
+            q, k, v = split(y)
+            o, rec[slots] = self._recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                                            rec[slots])
+            out[:] = o[:, 0].to(out.dtype)
+        else:
+            for slot, start, off, n in zip(b.slots, b.starts, b.offsets, b.counts):
+                y, conv[slot] = causal_conv(u[off:off + n], w, conv[slot] if start else None)
+                q, k, v = split(y)
+                s0 = rec[slot:slot + 1] if start else torch.zeros_like(rec[slot:slot + 1])
+                fn = self._recurrent if n == 1 else self._chunk
+                o, rec[slot:slot + 1] = fn(q[None], k[None], v[None], g[None, off:off + n],
+                                           beta[None, off:off + n], s0)
+                out[off:off + n] = o[0].to(out.dtype)
+        o = gated_rms_norm(out, z, self.norm_weight, c.rms_norm_eps).reshape(T, nv * dv)
+        return F.linear(o, self.out_proj_weight)
+
+    def _recurrent(self, q, k, v, g, beta, s):
+        if self.rule is not None:
+            return self.rule.recurrent(q, k, v, g, beta, s)
+        return recurrent_gated_delta_rule(q, k, v, g, beta, s)
+
+    def _chunk(self, q, k, v, g, beta, s):
+        if self.rule is not None:
+            return self.rule.chunk(q, k, v, g, beta, s)
+        return chunk_gated_delta_rule(q, k, v, g, beta, s)

@@ -1,0 +1,118 @@
+"""A stage slice of the Qwen3.5 text model: layers [start, end), the embedding on the intake slice and the
+final norm + lm_head on the primary slice. Knows nothing of actors, contexts or Ray.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import GatedAttention, Rope, attend, attend_decode
+from .batch import StepBatch
+from .cache import StageCache
+from .config import ModelConfig
+from .layers import DenseMLP, MoE, rms_norm
+from .linear_attention import GatedDeltaNet
+
+
+class Layer(nn.Module):
+    def __init__(self, mc: ModelConfig, i: int):
+        super().__init__()
+        c = mc.text
+        self.i, self.full = i, c.is_full(i)
+        self.mixer = GatedAttention(c) if self.full else GatedDeltaNet(c, i)
+        self.ffn = MoE(c.num_experts_per_tok) if c.moe else DenseMLP()
+        self.eps = c.rms_norm_eps
+
+    def load(self, src, dtype, device):
+        p = f"layers.{self.i}."
+        self.ln1 = src.get(p + "input_layernorm.weight", dtype, device)
+        self.ln2 = src.get(p + "post_attention_layernorm.weight", dtype, device)
+        self.mixer.load(p + ("self_attn." if self.full else "linear_attn."), src, dtype, device)
+        self.ffn.load(p + "mlp.", src, dtype, device)
+
+    def forward(self, h_TH, b: StepBatch, cache: StageCache, cos, sin):
+        x = rms_norm(h_TH, self.ln1, self.eps)
+        m = self._attention(x, b, cache, cos, sin) if self.full else self.mixer(x, b, cache)
+        h_TH = h_TH + m
+        return h_TH + self.ffn(rms_norm(h_TH, self.ln2, self.eps))
+
+    def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin):
+        at: GatedAttention = self.mixer
+        q, gate, k, v = at.project(x_TH, cos, sin)
+        kp, vp = cache.k[self.i], cache.v[self.i]
+        if b.decode_only():
+            slots = torch.tensor(b.slots, device=x_TH.device)
+            pos = torch.tensor(b.starts, device=x_TH.device)
+            kp[slots, :, pos] = k
+            vp[slots, :, pos] = v
+            S = max(b.starts) + 1
+            o = attend_decode(q, kp[slots, :, :S], vp[slots, :, :S], pos + 1)
+        else:
+            o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+            for slot, start, off, n in zip(b.slots, b.starts, b.offsets, b.counts):
+                kp[slot, :, start:start + n] = k[off:off + n].transpose(0, 1)
+                vp[slot, :, start:start + n] = v[off:off + n].transpose(0, 1)
+                o[off:off + n] = attend(q[off:off + n], kp[slot, :, :start + n], vp[slot, :, :start + n], start)
+        return at.output(o, gate)
+
+
+class StageModel(nn.Module):
+    """Layers [layer_start, layer_end) of the text model; `intake` embeds ids, `primary` returns logits."""
+
+    def __init__(self, mc: ModelConfig, layer_start: int, layer_end: int, intake: bool, primary: bool):
+        super().__init__()
+        n = mc.text.num_hidden_layers
+        assert 0 <= layer_start < layer_end <= n, f"bad slice [{layer_start}, {layer_end}) of {n} layers"
+        self.mc, self.start, self.end = mc, layer_start, layer_end
+        self.intake, self.primary = intake, primary
+        self.layers = nn.ModuleList(Layer(mc, i) for i in range(layer_start, layer_end))
+        self.embed = self.norm = self.lm_head = None
+        self.dtype, self.device, self.rope = None, None, None
+
+    def load(self, src, dtype=torch.float32, device="cpu", progress=None) -> "StageModel":
+        """Read exactly the tensors this slice owns from a WeightSource."""
+        self.dtype, self.device = dtype, torch.device(device)
+        if self.intake:
+            self.embed = src.get("embed_tokens.weight", dtype, device)
+        for j, layer in enumerate(self.layers):
+            layer.load(src, dtype, device)
+            if progress:
+                progress(j + 1, len(self.layers))
+        if self.primary:
+            self.norm = src.get("norm.weight", dtype, device)
+            if self.mc.tied:
+                self.lm_head = self.embed if self.embed is not None else src.get("embed_tokens.weight", dtype,
+                                                                                 device)
+            else:
+                self.lm_head = src.get("lm_head.weight", dtype, device)
+        self.rope = Rope(self.mc.text, device)
+        return self
+
+    def new_cache(self, max_seqs: int, max_context: int) -> StageCache:
+        return StageCache(self.mc.text, range(self.start, self.end), max_seqs, max_context, self.dtype, self.device)
+
+    def embed_ids(self, ids_T: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids_T.to(self.device), self.embed)
+
+    @torch.inference_mode()
+    def forward(self, b: StepBatch, h_TH: torch.Tensor, cache: StageCache) -> torch.Tensor:
+        """hidden [T, H] in -> hidden [T, H] out, or float32 logits [n_sample, V] on the primary slice."""
+        for slot, start in zip(b.slots, b.starts):
+            if cache.lens[slot] != start:
+                raise RuntimeError(f"stage layers [{self.start},{self.end}): slot {slot} holds "
+                                   f"{cache.lens[slot]} tokens but the step says {start}")
+            if start == 0:
+                cache.reset(slot)
+        cache.reserve(max(s + c for s, c in zip(b.starts, b.counts)))
+        cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
+        h = h_TH.to(self.dtype)
+        for layer in self.layers:
+            h = layer(h, b, cache, cos, sin)
+        for slot, start, n in zip(b.slots, b.starts, b.counts):
+            cache.lens[slot] = start + n
+        if not self.primary:
+            return h
+        rows = b.sample_rows()
+        hs = rms_norm(h[rows], self.norm, self.mc.text.rms_norm_eps)
+        return F.linear(hs, self.lm_head).float()

@@ -1,0 +1,202 @@
+"""Weight sources: canonical tensor names (docs/ARCHITECTURE.md) served lazily from safetensors, GGUF or random.
+
+A stage asks only for the tensors of its own layers; `read_names` records what was handed out.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from ..errors import ConfigError
+from .config import ModelConfig, TextConfig, load_config, parse_config
+from . import presets
+
+
+class WeightSource(Protocol):
+    config: ModelConfig
+    read_names: list[str]
+
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor: ...
+
+
+def expected_shape(name: str, cfg: TextConfig) -> tuple[int, ...] | None:
+    """The shape a canonical text tensor must have under `cfg` (None for names this table does not know)."""
+    H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return (V, H)
+    if name == "norm.weight":
+        return (H,)
+    parts = name.split(".")
+    if parts[0] != "layers" or len(parts) < 4:
+        return None
+    rest = ".".join(parts[2:])
+    E, I, Im, Is = cfg.num_experts, cfg.intermediate_size, cfg.moe_intermediate_size, \
+        cfg.shared_expert_intermediate_size
+    table = {
+        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (2 * cfg.num_attention_heads * D, H),
+        "self_attn.k_proj.weight": (cfg.num_key_value_heads * D, H),
+        "self_attn.v_proj.weight": (cfg.num_key_value_heads * D, H),
+        "self_attn.o_proj.weight": (H, cfg.num_attention_heads * D),
+        "self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,),
+        "linear_attn.in_proj_qkv.weight": (cfg.conv_dim, H), "linear_attn.in_proj_z.weight": (nv * dv, H),
+        "linear_attn.in_proj_b.weight": (nv, H), "linear_attn.in_proj_a.weight": (nv, H),
+        "linear_attn.conv1d.weight": (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim),
+        "linear_attn.A_log": (nv,), "linear_attn.dt_bias": (nv,), "linear_attn.norm.weight": (dv,),
+        "linear_attn.out_proj.weight": (H, nv * dv),
+        "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+        "mlp.gate.weight": (E, H), "mlp.shared_expert_gate.weight": (1, H),
+        "mlp.shared_expert.gate_proj.weight": (Is, H), "mlp.shared_expert.up_proj.weight": (Is, H),
+        "mlp.shared_expert.down_proj.weight": (H, Is),
+        "mlp.experts.gate_up_proj": (E, 2 * Im, H), "mlp.experts.down_proj": (E, H, Im),
+    }
+    return table.get(rest)
+
+
+def check_shape(name: str, t: torch.Tensor, cfg: TextConfig, where: str) -> torch.Tensor:
+    want = expected_shape(name, cfg)
+    if want is not None and tuple(t.shape) != want:
+        raise ConfigError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the config needs {want}")
+    return t
+
+
+class SafetensorsSource:
+    """Hugging Face checkpoint directory: single or sharded safetensors, VLM or text-only prefixes."""
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig | None = None):
+        from safetensors import safe_open
+        self.dir = Path(model_dir).expanduser()
+        self.config = config or load_config(self.dir)
+        self.read_names: list[str] = []
+        self._safe_open = safe_open
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                wm = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ConfigError(f"{index}: not a safetensors index ({e})") from None
+            self._file_of = {k: self.dir / f for k, f in wm.items()}
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise ConfigError(f"{self.dir}: no *.safetensors files and no model.safetensors.index.json")
+            self._file_of = {}
+            for f in files:
+                for k in self._open(f).keys():
+                    self._file_of[k] = f
+        self._handles: dict[Path, object] = {}
+        keys = self._file_of.keys()
+        self._prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in keys) \
+            else "model."
+
+    def _open(self, f: Path):
+        try:
+            return self._safe_open(str(f), framework="pt")
+        except Exception as e:  # safetensors raises its own SafetensorError / OSError for bad headers
+            raise ConfigError(f"{f}: cannot read safetensors header ({e})") from None
+
+    def _key(self, name: str) -> str:
+        if name == "lm_head.weight":
+            return name
+        if name.startswith("visual."):
+            return "model." + name
+        return self._prefix + name
+
+    def _raw(self, key: str) -> torch.Tensor:
+        f = self._file_of[key]
+        h = self._handles.get(f)
+        if h is None:
+            if not f.exists():
+                raise ConfigError(f"{f}: shard named by the index is missing")
+            h = self._handles[f] = self._open(f)
+        try:
+            return h.get_tensor(key)
+        except Exception as e:
+            raise ConfigError(f"{f}: cannot read tensor {key!r} (truncated or corrupt file?): {e}") from None
+
+    def has(self, name: str) -> bool:
+        if self._key(name) in self._file_of:
+            return True
+        return name.endswith(("experts.gate_up_proj", "experts.down_proj")) and \
+            self._key(name.rsplit(".", 1)[0] + ".0.down_proj.weight") in self._file_of
+
+    def get(self, name: str, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+        key = self._key(name)
+        if key in self._file_of:
+            t = self._raw(key)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            t = self._stack_experts(name)
+        else:
+            raise ConfigError(f"{self.dir}: tensor {key!r} (canonical {name!r}) is missing from the checkpoint")
+        self.read_names.append(name)
+        check_shape(name, t, self.config.text, str(self.dir))
+        return t.to(device=device, dtype=dtype)
+
+    def _stack_experts(self, name: str) -> torch.Tensor:
+        """Per-expert keys, as save_pretrained writes them, stacked into the canonical fused 3-D form."""
+        base = self._key(name.rsplit(".", 1)[0])
+        E = self.config.text.num_experts
+        out = []
+        for e in range(E):
+            def one(p):
+                k = f"{base}.{e}.{p}.weight"
+                if k not in self._file_of:
+                    raise ConfigError(f"{self.dir}: tensor {k!r} is missing from the checkpoint")
+                return self._raw(k)
+            out.append(torch.cat([one("gate_proj"), one("up_proj")], 0) if name.endswith("gate_up_proj")
+                       else one("down_proj"))
+        return torch.stack(out)
+
+
+class DummySource:
+    """Random weights for a real config, created directly on the stage's device (benchmarks; no files)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 0):
+        self.config = config
+        self.seed = seed
+        self.read_names: list[str] = []
+
+    def has(self, name: str) -> bool:
+        return name != "lm_head.weight" or not self.config.tied
+
+    def get(self, name: str, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+        shape = expected_shape(name, self.config.text)
+        if shape is None:
+            raise ConfigError(f"dummy weights: no shape known for tensor {name!r}")
+        self.read_names.append(name)
+        g = torch.Generator(device=device).manual_seed(self.seed + sum(map(ord, name)))
+        if name.endswith("A_log"):
+            return torch.empty(shape, device=device).uniform_(0.5, 8, generator=g).log().to(dtype)
+        if len(shape) == 1 or name.endswith("conv1d.weight"):
+            t = torch.randn(shape, device=device, generator=g) * 0.1
+            return (t + 1 if name.endswith("linear_attn.norm.weight") else t).to(dtype)
+        fan_in = shape[-1]
+        return (torch.randn(shape, device=device, generator=g, dtype=torch.float32) / math.sqrt(fan_in)).to(dtype)
+
+
+def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
+    """Pick the weight source for a placement's `model: {path, format}`."""
+    p = Path(str(path)).expanduser()
+    if fmt == "dummy":
+        if str(path).startswith("preset:"):
+            return DummySource(parse_config(presets.get(str(path)[7:]), str(path)))
+        return DummySource(load_config(p if p.is_dir() else p.parent))
+    if fmt == "gguf" or (fmt == "auto" and (p.suffix == ".gguf" or (p.is_dir() and not any(p.glob(
+            "*.safetensors*")) and any(p.glob("*.gguf"))))):
+        from .gguf_source import GGUFSource
+        if p.is_dir():
+            p = sorted(p.glob("*.gguf"))[0]
+        return GGUFSource(p)
+    if fmt in ("auto", "safetensors"):
+        if not p.exists():
+            raise ConfigError(f"model.path {str(path)!r} does not exist")
+        return SafetensorsSource(p)
+    raise ConfigError(f"model.format {fmt!r} is not one of auto, safetensors, gguf, dummy")

@@ -1,0 +1,26 @@
+"""Session-cached tiny checkpoints written by transformers (one build per kind), shared by the parity tests."""
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+from tiny_hf import build
+
+_ROOT = Path(tempfile.mkdtemp(prefix="memra-tiny-"))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_checkpoint(kind: str = "dense", tied: bool = False, seed: int = 0):
+    """(hf model, checkpoint dir) for a perturbed tiny model; built and saved once per session."""
+    m = build(kind, tied=tied, seed=seed)
+    path = _ROOT / f"{kind}-{'tied' if tied else 'untied'}-{seed}"
+    m.save_pretrained(path)
+    return m, path
+
+
+@functools.lru_cache(maxsize=None)
+def hf_reference(kind: str, tied: bool, prompt: tuple[int, ...], max_new_tokens: int):
+    from tiny_hf import hf_greedy
+    m, _ = tiny_checkpoint(kind, tied)
+    return hf_greedy(m, list(prompt), max_new_tokens)
