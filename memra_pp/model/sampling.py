@@ -1,0 +1,73 @@
+"""Sampling on the primary slice: greedy, temperature, top-k, top-p, min-p; seeded and reproducible.
+
+A seeded request draws step n's noise from a generator seeded by (seed, n), so its tokens do not depend on
+which other requests share the batch, nor on replays after a stage restart.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0          # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def validate(self) -> "SamplingParams":
+        if not (self.temperature >= 0):
+            raise InputError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0 < self.top_p <= 1):
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0 <= self.min_p < 1):
+            raise InputError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _filtered(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    x = logits_V / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.top_p < 1:
+        sx, si = x.sort(descending=True)
+        cum = sx.softmax(-1).cumsum(-1)
+        drop = cum - sx.softmax(-1) >= p.top_p          # keep the smallest prefix whose mass reaches top_p
+        x = x.scatter(0, si, sx.masked_fill(drop, float("-inf")))
+    return x
+
+
+def sample(logits_NV: torch.Tensor, params: list[SamplingParams], steps: list[int],
+           rng: torch.Generator | None = None) -> tuple[list[int], list[float]]:
+    """One token per row; returns (tokens, logprobs under the raw temperature-1 distribution)."""
+    logits_NV = logits_NV.float()
+    logp = torch.log_softmax(logits_NV, -1)
+    greedy = logits_NV.argmax(-1)
+    toks = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            toks.append(int(greedy[i]))
+            continue
+        x = _filtered(logits_NV[i], p)
+        g = rng
+        if p.seed is not None:
+            g = torch.Generator(device=logits_NV.device).manual_seed((p.seed * 1000003 + steps[i]) & (2**63 - 1))
+        u = torch.rand(x.shape, generator=g, device=x.device).clamp_(1e-20, 1.0)
+        toks.append(int((x - (-u.log()).log()).argmax()))      # Gumbel-max
+    lps = logp.gather(1, torch.tensor(toks, device=logp.device)[:, None])[:, 0].tolist()
+    return toks, lps
