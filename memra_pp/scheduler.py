@@ -1,0 +1,228 @@
+"""Continuous batching on the intake stage: admits requests into cache slots, cuts microbatches (decode plus
+chunked prefill), and turns sampled tokens into per-request events. Pure: no threads, no transport, no torch math.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections import deque
+
+import torch
+
+from .errors import InputError
+from .model.sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class Request:
+    rid: str
+    client: str
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stop_ids: frozenset[int] = frozenset()
+    positions_3L: torch.Tensor | None = None     # M-RoPE rows for the prompt (None: text positions)
+    rope_delta: int = 0
+    images: object = None                        # overlay payload for the intake (spliced by the runner)
+    adapter: int = -1                            # adapter slot, -1 = base model
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
+
+
+@dataclasses.dataclass
+class Seq:
+    req: Request
+    slot: int
+    fed: int = 0                                  # tokens whose cache entries exist on every stage
+    out: list[int] = dataclasses.field(default_factory=list)
+    lps: list[float] = dataclasses.field(default_factory=list)
+    in_flight: bool = False
+    admitted: bool = False                        # the primary has its sampling params
+    last_run: int = 0
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.fed >= len(self.req.prompt)
+
+
+@dataclasses.dataclass
+class Microbatch:
+    mb: int
+    seqs: list[Seq]
+    ids: list[int]
+    starts: list[int]
+    counts: list[int]
+    sample: list[bool]
+    pos_3T: torch.Tensor
+    admit: list[list]                             # [slot, temperature, top_k, top_p, min_p, seed, adapter]
+    release: list[int]
+
+
+@dataclasses.dataclass
+class Event:
+    client: str
+    rid: str
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str | None = None                     # "length" | "stop" | "error"
+    error: tuple[str, str] | None = None          # (error type name, message)
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, microbatches: int, prefill_chunk: int, max_context: int):
+        self.max_batch, self.M, self.chunk, self.max_context = max_batch, microbatches, prefill_chunk, max_context
+        self.waiting: deque[Request] = deque()
+        self.active: dict[int, Seq] = {}          # slot -> Seq
+        self.free_slots = list(range(max_batch))[::-1]
+        self.inflight: dict[int, Microbatch] = {}
+        self.pending_release: list[int] = []
+        self._mb = itertools.count()
+        self._tick = itertools.count()
+
+    def add(self, r: Request) -> None:
+        self.validate(r)
+        self.waiting.append(r)
+
+    def validate(self, r: Request) -> None:
+        """Refuse a request that can never run (pure: safe to call from any thread)."""
+        if not r.prompt:
+            raise InputError("the prompt is empty: give at least one token")
+        if len(r.prompt) > self.max_context:
+            raise InputError(f"the prompt has {len(r.prompt)} tokens, more than scheduler.max_context "
+                             f"({self.max_context}); shorten it or raise max_context")
+        if r.max_new_tokens < 0:
+            raise InputError(f"max_new_tokens must be >= 0, got {r.max_new_tokens}")
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def abort(self, rid: str) -> list[Event]:
+        for i, r in enumerate(self.waiting):
+            if r.rid == rid:
+                del self.waiting[i]
+                return [Event(r.client, rid, [], [], "abort")]
+        for s in list(self.active.values()):
+            if s.req.rid == rid and not s.in_flight:
+                self._finish(s)
+                return [Event(s.req.client, rid, [], [], "abort")]
+            if s.req.rid == rid:
+                s.req.max_new_tokens = 0          # ends when its microbatch returns
+        return []
+
+    def _admit(self) -> list[Event]:
+        done = []
+        while self.waiting and self.free_slots:
+            r = self.waiting.popleft()
+            if r.max_new_tokens == 0:
+                done.append(Event(r.client, r.rid, [], [], "length"))
+                continue
+            s = Seq(r, self.free_slots.pop())
+            self.active[s.slot] = s
+        return done
+
+    def next_microbatch(self) -> tuple[Microbatch | None, list[Event]]:
+        events = self._admit()
+        if len(self.inflight) >= self.M:
+            return None, events
+        ready = sorted((s for s in self.active.values() if not s.in_flight), key=lambda s: s.last_run)
+        if not ready:
+            return None, events
+        cap = max(1, math.ceil(len(self.active) / self.M))
+        take, counts, budget = [], [], self.chunk
+        for s in ready:
+            if len(take) >= cap:
+                break
+            if s.prompt_done:
+                take.append(s)
+                counts.append(1)
+            elif budget > 0:
+                c = min(len(s.req.prompt) - s.fed, budget)
+                budget -= c
+                take.append(s)
+                counts.append(c)
+        if not take:
+            return None, events
+        ids, starts, sample, pos, admit = [], [], [], [], []
+        tick = next(self._tick)
+        for s, c in zip(take, counts):
+            if s.prompt_done:
+                ids.append(s.out[-1])
+            else:
+                ids.extend(s.req.prompt[s.fed:s.fed + c])
+            starts.append(s.fed)
+            sample.append(s.fed + c >= len(s.req.prompt))
+            pos.append(self._positions(s, c))
+            if not s.admitted:
+                p = s.req.params
+                admit.append([s.slot, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, s.req.adapter])
+                s.admitted = True
+            s.in_flight, s.last_run = True, tick
+        mb = Microbatch(next(self._mb), take, ids, starts, counts, sample, torch.cat(pos, 1), admit,
+                        self.pending_release)
+        self.pending_release = []
+        self.inflight[mb.mb] = mb
+        return mb, events
+
+    @staticmethod
+    def _positions(s: Seq, c: int) -> torch.Tensor:
+        r = s.req
+        if r.positions_3L is not None and s.fed < len(r.prompt):
+            return r.positions_3L[:, s.fed:s.fed + c]
+        p = torch.arange(s.fed + r.rope_delta, s.fed + r.rope_delta + c)
+        return p[None].expand(3, -1)
+
+    def on_tokens(self, mb_id: int, tokens: list[int], logprobs: list[float]) -> list[Event]:
+        """The primary's sampled tokens for microbatch `mb_id` (one per sampled sequence, in order)."""
+        mb = self.inflight.pop(mb_id)
+        it = iter(zip(tokens, logprobs))
+        events = []
+        for s, c, smp in zip(mb.seqs, mb.counts, mb.sample):
+            s.in_flight = False
+            s.fed += c
+            if not smp:
+                continue
+            t, lp = next(it)
+            s.out.append(t)
+            s.lps.append(lp)
+            r = s.req
+            finish = None
+            if t in r.stop_ids:
+                finish = "stop"
+            elif len(s.out) >= r.max_new_tokens or s.fed + 1 > self.max_context:
+                finish = "length"
+            events.append(Event(r.client, r.rid, [t], [lp], finish))
+            if finish:
+                self._finish(s)
+        return events
+
+    def _finish(self, s: Seq) -> None:
+        del self.active[s.slot]
+        self.free_slots.append(s.slot)
+        self.pending_release.append(s.slot)
+
+    def fail_one(self, r: Request, e: Exception) -> list[Event]:
+        return [Event(r.client, r.rid, [], [], "error", (type(e).__name__, str(e)))]
+
+    def fail_mb(self, mb_id: int, etype: str, message: str) -> list[Event]:
+        """A microbatch failed on some stage: its requests end with the error, every other request goes on."""
+        mb = self.inflight.pop(mb_id, None)
+        if mb is None:
+            return []
+        evs = []
+        for s in mb.seqs:
+            s.in_flight = False
+            evs.append(Event(s.req.client, s.req.rid, [], [], "error", (etype, message)))
+            self._finish(s)
+        return evs
+
+    def fail_all(self, etype: str, message: str) -> list[Event]:
+        """End every request (waiting, active, in flight) with an error event; the scheduler is empty after."""
+        evs = [Event(r.client, r.rid, [], [], "error", (etype, message)) for r in self.waiting]
+        evs += [Event(s.req.client, s.req.rid, [], [], "error", (etype, message)) for s in self.active.values()]
+        self.waiting.clear()
+        for s in list(self.active.values()):
+            self._finish(s)
+        self.inflight.clear()
+        self.pending_release = []
+        return evs

@@ -1,0 +1,94 @@
+"""The scheduler must batch continuously, spread sequences over microbatches and never lose a request."""
+import random
+
+import pytest
+
+from memra_pp.errors import InputError
+from memra_pp.model.sampling import SamplingParams
+from memra_pp.scheduler import Request, Scheduler
+
+
+def req(i, n=5, new=3, stop=()):
+    return Request(f"r{i}", "c", list(range(1, n + 1)), new, SamplingParams(), frozenset(stop))
+
+
+def run_to_end(s: Scheduler, token=7, shuffle=None):
+    events, rounds = [], 0
+    while not s.idle():
+        mbs = []
+        while True:
+            mb, ev = s.next_microbatch()
+            events += ev
+            if mb is None:
+                break
+            mbs.append(mb)
+        if shuffle:
+            shuffle.shuffle(mbs)
+        for mb in mbs:
+            events += s.on_tokens(mb.mb, [token] * sum(mb.sample), [-0.5] * sum(mb.sample))
+        rounds += 1
+        assert rounds < 10_000
+    return events
+
+
+def test_every_request_finishes_once_with_its_tokens():
+    """Each request must get exactly max_new_tokens tokens and one finish event, whatever the arrival order."""
+    s = Scheduler(max_batch=4, microbatches=3, prefill_chunk=7, max_context=64)
+    for i in range(11):
+        s.add(req(i, n=1 + i * 3, new=1 + i % 4))
+    ev = run_to_end(s, shuffle=random.Random(0))
+    for i in range(11):
+        mine = [e for e in ev if e.rid == f"r{i}"]
+        assert sum(len(e.tokens) for e in mine) == 1 + i % 4
+        assert [e.finish for e in mine if e.finish] == ["length"]
+
+
+def test_microbatches_spread_sequences_and_respect_chunk():
+    """With M microbatches, active sequences must be split over them and prefill chunks capped."""
+    s = Scheduler(max_batch=6, microbatches=3, prefill_chunk=4, max_context=64)
+    for i in range(6):
+        s.add(req(i, n=10, new=5))
+    mbs = [s.next_microbatch()[0] for _ in range(4)]
+    assert mbs[3] is None, "no more than M microbatches may be in flight"
+    for mb in mbs[:3]:
+        assert len(mb.seqs) <= 2 and sum(mb.counts) <= 4
+    assert len({s.slot for mb in mbs[:3] for s in mb.seqs}) == sum(len(mb.seqs) for mb in mbs[:3])
+
+
+def test_stop_token_and_context_limit():
+    """A stop id must end the request with 'stop'; reaching max_context must end it with 'length'."""
+    s = Scheduler(max_batch=2, microbatches=1, prefill_chunk=16, max_context=8)
+    s.add(req(0, n=3, new=10, stop=[7]))
+    s.add(req(1, n=6, new=10))
+    ev = run_to_end(s, token=7)
+    assert [e.finish for e in ev if e.rid == "r0"] == ["stop"]
+    ev = run_to_end(s)
+    s2 = Scheduler(max_batch=1, microbatches=1, prefill_chunk=16, max_context=8)
+    s2.add(req(1, n=6, new=10))
+    ev = run_to_end(s2, token=9)
+    assert sum(len(e.tokens) for e in ev) == 3 and ev[-1].finish == "length"
+
+
+@pytest.mark.parametrize("r,msg", [
+    (Request("x", "c", [], 3, SamplingParams()), "prompt is empty"),
+    (Request("x", "c", list(range(100)), 3, SamplingParams()), "more than scheduler.max_context"),
+    (Request("x", "c", [1], -1, SamplingParams()), "max_new_tokens must be >= 0"),
+])
+def test_refusals(r, msg):
+    """Requests that can never run must be refused with InputError naming the problem."""
+    s = Scheduler(max_batch=2, microbatches=1, prefill_chunk=16, max_context=64)
+    with pytest.raises(InputError, match=msg):
+        s.add(r)
+
+
+def test_failed_microbatch_ends_only_its_requests():
+    """fail_mb must end that microbatch's requests with the error and leave the others running."""
+    s = Scheduler(max_batch=4, microbatches=2, prefill_chunk=64, max_context=64)
+    for i in range(4):
+        s.add(req(i, new=2))
+    a, _ = s.next_microbatch()
+    b, _ = s.next_microbatch()
+    ev = s.fail_mb(a.mb, "StageFailed", "boom")
+    assert {e.rid for e in ev} == {q.req.rid for q in a.seqs} and all(e.finish == "error" for e in ev)
+    rest = s.on_tokens(b.mb, [7] * len(b.seqs), [0.0] * len(b.seqs)) + run_to_end(s)
+    assert {e.rid for e in rest if e.finish == "length"} == {q.req.rid for q in b.seqs}
