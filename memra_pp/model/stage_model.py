@@ -99,11 +99,11 @@ class StageModel(nn.Module):
     def forward(self, b: StepBatch, h_TH: torch.Tensor, cache: StageCache) -> torch.Tensor:
         """hidden [T, H] in -> hidden [T, H] out, or float32 logits [n_sample, V] on the primary slice."""
         for slot, start in zip(b.slots, b.starts):
-            if cache.lens[slot] != start:
+            if start == 0:
+                cache.reset(slot)      # a new sequence in this slot
+            elif cache.lens[slot] != start:
                 raise RuntimeError(f"stage layers [{self.start},{self.end}): slot {slot} holds "
                                    f"{cache.lens[slot]} tokens but the step says {start}")
-            if start == 0:
-                cache.reset(slot)
         cache.reserve(max(s + c for s, c in zip(b.starts, b.counts)))
         cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
         h = h_TH.to(self.dtype)

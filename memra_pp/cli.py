@@ -1,0 +1,149 @@
+"""The `memra-pp` command line: demo, plan, launch, generate, status, stop, battery, bench, make-tiny."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .errors import MemraError
+
+
+def _print(args, obj, text: str) -> None:
+    print(json.dumps(obj, indent=1, default=str) if getattr(args, "json", False) else text)
+
+
+def cmd_plan(args) -> int:
+    from .model.weights import open_weights
+    from .placement import format_plan, load_placement, make_plan
+    p = load_placement(args.config)
+    plan = make_plan(p, open_weights(p.model.path, p.model.format).config)
+    _print(args, plan.to_dict(), format_plan(plan))
+    return 0
+
+
+def cmd_make_tiny(args) -> int:
+    from .model.tiny import make_tiny
+    path = make_tiny(args.path, moe=args.moe, vision=args.vision, seed=args.seed, overwrite=args.overwrite)
+    print(path)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(json_out=args.json, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+
+
+def cmd_launch(args) -> int:
+    import memra_pp
+    dep = memra_pp.launch(args.config, detached=True)
+    print(f"deployment {dep.placement.name!r} ready: {len(dep.actors)} stages; stop with `memra-pp stop "
+          f"{dep.placement.name}`", flush=True)
+    try:
+        while True:
+            time.sleep(1.0)
+            try:
+                dep.wait_ready(timeout=30)
+            except MemraError:
+                print("a stage is gone; exiting", file=sys.stderr)
+                return 1
+    except KeyboardInterrupt:
+        dep.shutdown()
+        return 0
+
+
+def cmd_generate(args) -> int:
+    import memra_pp
+    dep = memra_pp.connect(args.name, args.namespace)
+    c = dep.client()
+    prompt = [int(t) for t in args.prompt.split(",")] if args.ids else args.prompt
+    r = c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    _print(args, r.__dict__, r.text if r.text is not None else " ".join(map(str, r.token_ids)))
+    c.close()
+    return 0
+
+
+def cmd_status(args) -> int:
+    import memra_pp
+    dep = memra_pp.connect(args.name, args.namespace)
+    st = dep.stats()
+    lines = [f"{'stage':>5} {'device':>8} {'layers':>9} {'busy':>6} {'mbs':>7} {'handoffs':>9} {'p50 us':>8}"]
+    for s in st["stages"]:
+        lines.append(f"{s['index']:>5} {s['device']:>8} {str(tuple(s['layers'])):>9} {s['busy']:>6.1%} "
+                     f"{s['microbatches']:>7} {s['handoffs']:>9} {s['handoff_p50_us']:>8.1f}")
+    _print(args, st, "\n".join(lines))
+    return 0
+
+
+def cmd_stop(args) -> int:
+    import memra_pp
+    dep = memra_pp.connect(args.name, args.namespace)
+    dep.shutdown()
+    print(f"stopped {args.name}")
+    return 0
+
+
+def cmd_battery(args) -> int:
+    from .battery import main as battery_main
+    return battery_main(args)
+
+
+def cmd_bench(args) -> int:
+    from .bench import main as bench_main
+    return bench_main(args)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="memra-pp", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("demo", help="the embedded default: tiny model, two CPU stages, real Ray")
+    s.add_argument("--prompts", type=int, default=6)
+    s.add_argument("--max-new-tokens", type=int, default=24)
+    s.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("plan", help="print the resolved placement")
+    s.add_argument("config")
+    s.set_defaults(fn=cmd_plan)
+    s = sub.add_parser("launch", help="launch a detached deployment and keep it up until Ctrl-C")
+    s.add_argument("config")
+    s.set_defaults(fn=cmd_launch)
+    for name, fn in (("generate", cmd_generate), ("status", cmd_status), ("stop", cmd_stop)):
+        s = sub.add_parser(name)
+        s.add_argument("name", help="deployment name (the YAML's `name`)")
+        s.add_argument("--namespace", default="memra")
+        s.set_defaults(fn=fn)
+        if name == "generate":
+            s.add_argument("prompt", help="text, or comma-separated token ids with --ids")
+            s.add_argument("--ids", action="store_true")
+            s.add_argument("--max-new-tokens", type=int, default=32)
+            s.add_argument("--temperature", type=float, default=0.0)
+            s.add_argument("--seed", type=int, default=None)
+    s = sub.add_parser("battery", help="run the residency battery on a live placement")
+    s.add_argument("config")
+    s.add_argument("--out", default=None, help="write the JSON report here")
+    s.set_defaults(fn=cmd_battery)
+    s = sub.add_parser("bench", help="benchmark a placement")
+    s.add_argument("config")
+    s.add_argument("--concurrency", type=int, default=32)
+    s.add_argument("--prompt-len", type=int, default=64)
+    s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--out", default=None)
+    s.set_defaults(fn=cmd_bench)
+    s = sub.add_parser("make-tiny", help="write a tiny random Qwen3.5 checkpoint")
+    s.add_argument("path")
+    s.add_argument("--moe", action="store_true")
+    s.add_argument("--vision", action="store_true")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--overwrite", action="store_true")
+    s.set_defaults(fn=cmd_make_tiny)
+    for p in sub.choices.values():
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = ap.parse_args(argv)
+    try:
+        return args.fn(args)
+    except MemraError as e:
+        print(f"memra-pp {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Launch, attach to and shut down a deployment: one Ray actor per stage in a placement group (driver side).
+
+Boot order: validate the YAML and plan (no Ray yet), start Ray, create the actors, load every stage (fan-out,
+one wait), wire the boundary slots and the ring, start the loops. Any failure tears everything down again.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from .errors import ConfigError, MemraError, StageFailed
+from .model.weights import open_weights
+from .placement.planner import Plan, make_plan
+from .placement.schema import Placement, load_placement
+
+log = logging.getLogger("memra_pp")
+
+
+def _get(refs, timeout: float, what: str):
+    """The one fan-in: wait for every ref at once, with a timeout, unwrapping our own errors."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise StageFailed(f"{what}: no answer within {timeout:.0f} s") from None
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
+        if isinstance(cause, MemraError):
+            raise cause from None
+        raise StageFailed(f"{what}: {e}") from None
+    except ray.exceptions.RayActorError as e:
+        raise StageFailed(f"{what}: a stage actor died ({e})") from None
+
+
+class Deployment:
+    def __init__(self, placement: Placement, plan: Plan, actors: list, infos: list[dict], run_dir: str | None,
+                 owns_ray: bool, detached: bool):
+        self.placement, self.plan, self.actors, self.infos = placement, plan, actors, infos
+        self.run_dir, self.owns_ray, self.detached = run_dir, owns_ray, detached
+        self._clients = []
+        self._tokenizer = None
+        self.vocab_size = infos[0]["vocab_size"]
+        self.eos = infos[0]["eos"]
+
+    # -- boot -------------------------------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, config, detached: bool = False) -> "Deployment":
+        placement = load_placement(config)
+        mc = open_weights(placement.model.path, placement.model.format).config
+        plan = make_plan(placement, mc)
+        for w in plan.warnings:
+            log.warning(w)
+        owns_ray = cls._ray_up(placement)
+        run_dir = tempfile.mkdtemp(prefix="memra-")
+        actors, pg = [], None
+        try:
+            from ray.util.placement_group import placement_group, remove_placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            from .stages.actor import StageActor
+            pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK")
+            _get(pg.ready(), placement.timeouts.ready_s, "placement group")
+            for s in plan.stages:
+                env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+                opts = dict(num_cpus=s.num_cpus, runtime_env={"env_vars": env},
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.index))
+                if detached:
+                    opts.update(name=f"{placement.name}.stage{s.index}", lifetime="detached")
+                actors.append(StageActor.options(**opts).remote())
+            t = placement.timeouts.ready_s
+            infos = _get([a.setup.remote(placement.to_dict(), plan.to_dict(), i, run_dir)
+                          for i, a in enumerate(actors)], t, "stage setup")
+            n = len(actors)
+            _get([a.connect.remote(infos[i + 1]["endpoint"] if i + 1 < n else None,
+                                   infos[0]["ring"] if i == n - 1 and n > 1 else None, t)
+                  for i, a in enumerate(actors)], t, "stage wiring")
+            _get([a.start.remote() for a in actors], t, "stage start")
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            if pg is not None:
+                remove_placement_group(pg)
+            if owns_ray:
+                ray.shutdown()
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        dep = cls(placement, plan, actors, infos, run_dir, owns_ray, detached)
+        dep._pg = pg
+        return dep
+
+    @staticmethod
+    def _ray_up(p: Placement) -> bool:
+        if ray.is_initialized():
+            return False
+        if p.ray.address == "local":
+            need = sum(s.num_cpus for s in p.stages) + 0.5
+            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
+                     namespace=p.ray.namespace, log_to_driver=True, logging_level=logging.WARNING,
+                     _node_ip_address=p.ray.listen if p.ray.listen != "unix" else "127.0.0.1")
+        else:
+            ray.init(address=p.ray.address, namespace=p.ray.namespace, logging_level=logging.WARNING)
+        return True
+
+    @classmethod
+    def connect(cls, name: str, namespace: str = "memra", address: str = "auto") -> "Deployment":
+        """Attach to a detached deployment by name (from any process that can reach its Ray cluster)."""
+        owns = False
+        if not ray.is_initialized():
+            ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+            owns = True
+        try:
+            first = ray.get_actor(f"{name}.stage0")
+        except ValueError:
+            raise ConfigError(f"no deployment named {name!r} in namespace {namespace!r}") from None
+        d = _get(first.describe.remote(), 30, "describe")
+        plan = Plan.from_dict(d["plan"])
+        actors = [first] + [ray.get_actor(f"{name}.stage{i}") for i in range(1, len(plan.stages))]
+        infos = [{"vocab_size": d["vocab_size"], "eos": d["eos"]}]
+        return cls(load_placement(d["placement"]), plan, actors, infos, None, owns, True)
+
+    # -- use --------------------------------------------------------------------------------------------------
+    def client(self):
+        from .client import Client
+        c = Client(self)
+        self._clients.append(c)
+        return c
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from .model.tokenizer import Tokenizer
+            p = Path(self.placement.model.path).expanduser()
+            self._tokenizer = Tokenizer.from_model_dir(p) if p.is_dir() else None
+            if self._tokenizer is None:
+                self._tokenizer = False
+        return self._tokenizer or None
+
+    def stage_actor(self, i: int):
+        return self.actors[i]
+
+    def stats(self, reset: bool = False) -> dict:
+        st = _get([a.stats.remote(reset) for a in self.actors], self.placement.timeouts.step_s, "stats")
+        return {"stages": st}
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        _get([a.ping.remote() for a in self.actors], timeout, "wait_ready")
+
+    def shutdown(self) -> None:
+        for c in self._clients:
+            c.close()
+        try:
+            ray.get([a.stop.remote() for a in self.actors], timeout=10)
+        except Exception:  # a dead or hung stage must not stop the others from being torn down
+            pass
+        for a in self.actors:
+            ray.kill(a)
+        if getattr(self, "_pg", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self._pg)
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.owns_ray:
+            ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

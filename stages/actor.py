@@ -1,0 +1,42 @@
+"""The stage actor: a thin Ray shell over StageRunner, one process per stage; method names match the runner's."""
+from __future__ import annotations
+
+import ray
+
+from .runner import StageRunner
+
+
+@ray.remote(max_concurrency=16)
+class StageActor:
+    def __init__(self):
+        self.runner = StageRunner()
+
+    def setup(self, placement: dict, plan: dict, index: int, run_dir: str) -> dict:
+        return self.runner.setup(placement, plan, index, run_dir)
+
+    def connect(self, downstream, ring, timeout: float) -> None:
+        return self.runner.connect(downstream, ring, timeout)
+
+    def start(self) -> None:
+        return self.runner.start()
+
+    def submit(self, req: dict) -> None:
+        return self.runner.submit(req)
+
+    def abort(self, rid: str) -> None:
+        return self.runner.abort(rid)
+
+    def poll(self, client: str, timeout: float) -> list:
+        return self.runner.poll(client, timeout)
+
+    def describe(self) -> dict:
+        return self.runner.describe()
+
+    def stats(self, reset: bool = False) -> dict:
+        return self.runner.stats(reset)
+
+    def ping(self) -> int:
+        return self.runner.ping()
+
+    def stop(self) -> None:
+        return self.runner.stop()

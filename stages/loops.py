@@ -1,0 +1,219 @@
+"""The per-stage loop threads: the intake loop (scheduler + stage 0 layers) and the downstream stage loop.
+
+Microbatches flow stage 0 -> ... -> last through boundary slots; the last stage samples and sends the tokens
+back to stage 0 over the ring channel, so the next step is scheduled without the driver.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+
+import torch
+
+from ..errors import MemraError, StageFailed
+from ..model.batch import StepBatch
+from ..model.sampling import SamplingParams, sample
+from .channel import ChannelClosed
+
+
+class Sampler:
+    """Primary-stage sampling state per cache slot: the request's params and how many tokens it has drawn."""
+
+    def __init__(self):
+        self.params: dict[int, SamplingParams] = {}
+        self.steps: dict[int, int] = {}
+        self.rng = torch.Generator().manual_seed(int(time.time_ns() & 0xFFFFFFFF))
+
+    def admit(self, rows, release) -> None:
+        for s in release:
+            self.params.pop(s, None)
+        for slot, t, k, p, mp, seed, _adapter in rows:
+            self.params[slot] = SamplingParams(t, k, p, mp, seed)
+            self.steps[slot] = 0
+
+    def __call__(self, logits, b: StepBatch):
+        slots = [s for s, smp in zip(b.slots, b.sample) if smp]
+        toks, lps = sample(logits, [self.params[s] for s in slots], [self.steps[s] for s in slots], self.rng)
+        for s in slots:
+            self.steps[s] += 1
+        return toks, lps
+
+
+def mb_error(mb: int, stage: int, e: BaseException) -> dict:
+    return {"kind": "mb_error", "mb": mb, "stage": stage, "etype": type(e).__name__, "message": str(e)}
+
+
+def batch_of(h: dict) -> StepBatch:
+    return StepBatch(h["slots"], h["starts"], h["counts"], h["pos"].long(), h["sample"])
+
+
+class _Loop:
+    name = "stage"
+
+    def __init__(self, runner):
+        self.r = runner
+        self.stopping = threading.Event()
+        self.busy_s, self.microbatches, self.t0 = 0.0, 0, time.monotonic()
+        self.error: str | None = None
+        self.sampler = Sampler() if runner.spec.primary else None
+        self.thread = threading.Thread(target=self._guarded, name=f"memra-{self.name}-{runner.index}",
+                                       daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        self.stopping.set()
+        self.thread.join(timeout=5)
+
+    def stats(self, reset: bool = False) -> dict:
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        out = {"busy": self.busy_s / wall, "microbatches": self.microbatches, "loop_error": self.error}
+        if reset:
+            self.busy_s, self.t0 = 0.0, time.monotonic()
+        return out
+
+    def _guarded(self):
+        try:
+            self.run()
+        except Exception:  # the loop must never die silently: record it for stats() and the driver's monitor
+            self.error = traceback.format_exc()
+
+    def compute(self, b: StepBatch, h):
+        t = time.monotonic()
+        out = self.r.model(b, h, self.r.cache)
+        logits = None
+        if self.sampler is not None:
+            logits, out = out, self.sampler(out, b)
+        self.busy_s += time.monotonic() - t
+        self.microbatches += 1
+        return out
+
+
+class StageLoop(_Loop):
+    """Stage i > 0: receive a microbatch, run the layers, free the slot, pass it on (or sample and ring it)."""
+
+    def run(self):
+        r = self.r
+        step = r.placement.timeouts.step_s
+        while not self.stopping.is_set():
+            try:
+                hdr, view = r.receiver.recv(timeout=0.2)
+            except TimeoutError:
+                continue
+            except ChannelClosed:
+                return
+            out, slot = None, hdr.get("slot")
+            if hdr["kind"] == "step":
+                try:
+                    if self.sampler is not None:
+                        self.sampler.admit(hdr.get("admit", ()), hdr.get("release", ()))
+                    out = self.compute(batch_of(hdr), view)
+                except Exception as e:  # this microbatch fails; the stage keeps serving the others
+                    hdr = mb_error(hdr["mb"], r.index, e)
+                finally:
+                    if slot is not None:
+                        r.receiver.free(slot)
+            self._forward(hdr, out, step)
+
+    def _forward(self, hdr, out, step):
+        r = self.r
+        if hdr["kind"] == "step" and self.sampler is not None:
+            toks, lps = out
+            r.ring.send({"kind": "tokens", "mb": hdr["mb"], "tokens": toks, "logprobs": lps})
+        elif self.sampler is not None:
+            r.ring.send(hdr)
+        else:
+            r.sender.send(hdr, out if hdr["kind"] == "step" else None, timeout=step)
+
+
+class IntakeLoop(_Loop):
+    """Stage 0: owns the scheduler; embeds, runs its layers and sends each microbatch on (or samples, alone)."""
+    name = "intake"
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.sched = runner.scheduler
+        self.ring_thread = None
+        if runner.ring is not None:
+            self.ring_thread = threading.Thread(target=self._read_ring, name="memra-ring", daemon=True)
+
+    def start(self):
+        if self.ring_thread:
+            self.ring_thread.start()
+        super().start()
+
+    def _read_ring(self):
+        """Tokens coming back from the primary go into the same inbox as new requests."""
+        while not self.stopping.is_set():
+            try:
+                msg = self.r.ring.recv(timeout=0.2)
+            except TimeoutError:
+                continue
+            except (ChannelClosed, MemraError) as e:
+                if not self.stopping.is_set():
+                    self.r.inbox.put(("dead", f"the ring from the last stage broke: {e}"))
+                return
+            self.r.inbox.put(("ring", msg))
+
+    def run(self):
+        r, sched = self.r, self.sched
+        while not self.stopping.is_set():
+            worked = self._drain(block=False)
+            while True:
+                mb, evs = sched.next_microbatch()
+                r.mail.post(evs)
+                if mb is None:
+                    break
+                worked = True
+                self._run_mb(mb)
+            if not worked:
+                self._drain(block=True)
+
+    def _drain(self, block: bool) -> bool:
+        r, sched = self.r, self.sched
+        got = False
+        while True:
+            try:
+                kind, item = r.inbox.get(timeout=0.1) if block and not got else r.inbox.get_nowait()
+            except queue.Empty:
+                return got
+            got = True
+            if kind == "req":
+                try:
+                    sched.add(item)
+                except MemraError as e:
+                    r.mail.post(sched.fail_one(item, e))
+            elif kind == "abort":
+                r.mail.post(sched.abort(item))
+            elif kind == "ring" and item["kind"] == "tokens":
+                r.mail.post(sched.on_tokens(item["mb"], item["tokens"], item["logprobs"]))
+            elif kind == "ring":   # mb_error: that microbatch's requests fail, the others go on
+                msg = f"stage {item['stage']} failed a microbatch: {item['etype']}: {item['message']}"
+                r.mail.post(sched.fail_mb(item["mb"], "StageFailed", msg))
+            elif kind == "dead":
+                r.mail.post(sched.fail_all("StageFailed", item))
+
+    def _run_mb(self, mb):
+        r = self.r
+        b = StepBatch([s.slot for s in mb.seqs], mb.starts, mb.counts, mb.pos_3T, mb.sample)
+        try:
+            h = r.model.embed_ids(torch.tensor(mb.ids))
+            if self.sampler is not None:
+                self.sampler.admit(mb.admit, mb.release)
+            out = self.compute(b, h)
+        except Exception as e:  # this microbatch fails; the loop keeps serving
+            r.mail.post(self.sched.fail_mb(mb.mb, "StageFailed", f"stage 0 failed a microbatch: "
+                                           f"{type(e).__name__}: {e}"))
+            return
+        if self.sampler is not None:
+            r.mail.post(self.sched.on_tokens(mb.mb, *out))
+            return
+        hdr = {"kind": "step", "mb": mb.mb, "slots": b.slots, "starts": mb.starts, "counts": mb.counts,
+               "sample": mb.sample, "pos": mb.pos_3T.to(torch.int32), "admit": mb.admit, "release": mb.release}
+        try:
+            r.sender.send(hdr, out, timeout=r.placement.timeouts.step_s)
+        except (ChannelClosed, TimeoutError, MemraError) as e:
+            r.mail.post(self.sched.fail_all("StageFailed", f"stage 1 did not take a microbatch: {e}"))

@@ -1,0 +1,144 @@
+"""The stage runner: everything one stage process does (load its slice, own its boundary slots, run its loop),
+importable and testable without Ray. The Ray actor in actor.py is a thin shell over it.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import torch
+
+from ..errors import InputError, MemraError
+from ..model.config import ModelConfig
+from ..model.stage_model import StageModel
+from ..model.weights import open_weights
+from ..placement.planner import Plan
+from ..placement.schema import load_placement
+from ..scheduler import Request, Scheduler
+from ..model.sampling import SamplingParams
+from .events import Mailboxes
+from .loops import IntakeLoop, StageLoop
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class StageRunner:
+    def __init__(self):
+        self.index = -1
+        self.loop = None
+        self.receiver = self.sender = self.ring_listener = self.ring = None
+        self.mail = Mailboxes()
+        self.inbox: queue.Queue = queue.Queue()
+        self.t_setup = time.monotonic()
+
+    # -- boot -------------------------------------------------------------------------------------------------
+    def setup(self, placement: dict, plan: dict, index: int, run_dir: str) -> dict:
+        """Load this stage's slice and open its receiving side; returns what the neighbours need to connect."""
+        from ..engine import Engine
+        from ..stages.slots import SlotReceiver
+        from ..stages.channel import ChannelListener
+        self.placement, self.plan, self.index = load_placement(placement), Plan.from_dict(plan), index
+        sp = self.plan.stages[index]
+        self.spec = sp
+        torch.set_num_threads(sp.threads)
+        self.engine = Engine(sp.device)
+        t0 = time.monotonic()
+        m = self.placement.model
+        self.src = open_weights(m.path, m.format)
+        self.mc: ModelConfig = self.src.config
+        self.dtype = DTYPES[m.dtype]
+        self.model = StageModel(self.mc, sp.layer_start, sp.layer_end, sp.intake, sp.primary).load(
+            self.src, self.dtype, sp.device)
+        sc = self.placement.scheduler
+        self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
+        self.load_s = time.monotonic() - t0
+        n = len(self.plan.stages)
+        info = {"index": index, "ctx": str(self.engine.ctx), "load_s": self.load_s, "pid": os.getpid(),
+                "tensors": len(self.src.read_names), "endpoint": None, "ring": None,
+                "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids)}
+        max_tokens = sc.prefill_chunk + sc.max_batch
+        if index > 0:
+            nbytes = max_tokens * self.mc.text.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+            self.receiver = SlotReceiver(f"s{index}", nbytes, f"unix:{run_dir}/s{index}.sock")
+            info["endpoint"] = self.receiver.endpoint()
+        if index == 0 and n > 1:
+            self.ring_listener = ChannelListener(f"unix:{run_dir}/ring.sock", label="ring")
+            info["ring"] = self.ring_listener.address
+        if sp.intake:
+            self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
+        return info
+
+    def connect(self, downstream: dict | None, ring: str | None, timeout: float) -> None:
+        """Connect outgoing links first (a listener's backlog accepts them), then accept the incoming ones."""
+        from ..stages.slots import SlotSender
+        from ..stages.channel import connect
+        if downstream is not None:
+            self.sender = SlotSender(downstream)
+            self.sender.connect(timeout)
+        if ring is not None:
+            self.ring = connect(ring, timeout)
+        if self.receiver is not None:
+            self.receiver.accept(timeout)
+        if self.ring_listener is not None:
+            self.ring = self.ring_listener.accept(timeout)
+
+    def start(self) -> None:
+        cls = IntakeLoop if self.spec.intake else StageLoop
+        self.loop = cls(self)
+        self.loop.start()
+
+    # -- requests (intake) ------------------------------------------------------------------------------------
+    def submit(self, req: dict) -> None:
+        """Validate and queue one request; a bad one raises InputError here and nothing else is touched."""
+        V = self.mc.text.vocab_size
+        prompt = req["prompt"]
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < V]
+        if bad:
+            raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        params = SamplingParams(req.get("temperature", 0.0), req.get("top_k", 0), req.get("top_p", 1.0),
+                                req.get("min_p", 0.0), req.get("seed")).validate()
+        stops = req.get("stop_token_ids")
+        stop = frozenset(self.mc.eos_token_ids if stops is None else stops)
+        r = Request(req["rid"], req["client"], list(prompt), int(req["max_new_tokens"]), params, stop)
+        self.scheduler.validate(r)
+        self.inbox.put(("req", r))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def poll(self, client: str, timeout: float) -> list[tuple]:
+        return self.mail.poll(client, timeout)
+
+    # -- operators --------------------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        """What a client attaching by name needs: the placement, the plan and the model's vocabulary facts."""
+        return {"placement": self.placement.to_dict(), "plan": self.plan.to_dict(),
+                "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids)}
+
+    def stats(self, reset: bool = False) -> dict:
+        st = {"index": self.index, "device": self.spec.device, "layers": [self.spec.layer_start,
+              self.spec.layer_end], "ctx": str(self.engine.ctx), "load_s": self.load_s}
+        st.update(self.loop.stats(reset) if self.loop else {"busy": 0.0, "microbatches": 0})
+        link = self.receiver or self.sender
+        ls = link.stats() if link is not None else {}
+        st["handoffs"] = ls.get("handoffs", 0)
+        st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
+        st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
+        st["overlay_publications"] = self.engine.counters.publications
+        st["splices"] = self.engine.counters.splices
+        return st
+
+    def ping(self) -> int:
+        return self.index
+
+    def stop(self) -> None:
+        if self.loop:
+            self.loop.stop()
+        for x in (self.sender, self.ring, self.receiver, self.ring_listener):
+            if x is not None:
+                try:
+                    x.close()
+                except (OSError, MemraError):
+                    pass
