@@ -96,8 +96,8 @@ class Client:
         with self._lock:
             self._queues[rid] = put
         try:
-            from .deployment import _get
-            _get(self._intake.submit.remote(req), self.dep.placement.timeouts.step_s, "submit")
+            from .rayutil import get
+            get(self._intake.submit.remote(req), self.dep.placement.timeouts.step_s, "submit")
         except BaseException:
             with self._lock:
                 self._queues.pop(rid, None)

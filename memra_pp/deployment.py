@@ -15,27 +15,13 @@ from pathlib import Path
 
 import ray
 
-from .errors import ConfigError, MemraError, StageFailed
+from .errors import ConfigError
+from .rayutil import get as _get
 from .model.weights import open_weights
 from .placement.planner import Plan, make_plan
 from .placement.schema import Placement, load_placement
 
 log = logging.getLogger("memra_pp")
-
-
-def _get(refs, timeout: float, what: str):
-    """The one fan-in: wait for every ref at once, with a timeout, unwrapping our own errors."""
-    try:
-        return ray.get(refs, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise StageFailed(f"{what}: no answer within {timeout:.0f} s") from None
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else None
-        if isinstance(cause, MemraError):
-            raise cause from None
-        raise StageFailed(f"{what}: {e}") from None
-    except ray.exceptions.RayActorError as e:
-        raise StageFailed(f"{what}: a stage actor died ({e})") from None
 
 
 class Deployment:
@@ -76,8 +62,11 @@ class Deployment:
             infos = _get([a.setup.remote(placement.to_dict(), plan.to_dict(), i, run_dir)
                           for i, a in enumerate(actors)], t, "stage setup")
             n = len(actors)
+            ti = plan.tower_index
+            tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
             _get([a.connect.remote(infos[i + 1]["endpoint"] if i + 1 < n else None,
-                                   infos[0]["ring"] if i == n - 1 and n > 1 else None, t)
+                                   infos[0]["ring"] if i == n - 1 and n > 1 else None, t,
+                                   *(tower if i == 0 else (None, None)))
                   for i, a in enumerate(actors)], t, "stage wiring")
             _get([a.start.remote() for a in actors], t, "stage start")
         except BaseException:

@@ -14,8 +14,14 @@ class StageActor:
     def setup(self, placement: dict, plan: dict, index: int, run_dir: str) -> dict:
         return self.runner.setup(placement, plan, index, run_dir)
 
-    def connect(self, downstream, ring, timeout: float) -> None:
-        return self.runner.connect(downstream, ring, timeout)
+    def connect(self, downstream, ring, timeout: float, tower=None, tower_ctx=None) -> None:
+        if tower is not None:   # the intake asks the tower actor for rows; the runner never sees Ray
+            from ..rayutil import get
+            self.runner.remote_encode = lambda *a: get(tower.encode_images.remote(*a), timeout, "vision tower")
+        return self.runner.connect(downstream, ring, timeout, tower_ctx)
+
+    def encode_images(self, pixel_values: list, grids: list, spans: list):
+        return self.runner.encode_images(pixel_values, grids, spans)
 
     def start(self) -> None:
         return self.runner.start()

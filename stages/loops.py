@@ -201,6 +201,9 @@ class IntakeLoop(_Loop):
         b = StepBatch([s.slot for s in mb.seqs], mb.starts, mb.counts, mb.pos_3T, mb.sample)
         try:
             h = r.model.embed_ids(torch.tensor(mb.ids))
+            for s, off, start, c in zip(mb.seqs, b.offsets, mb.starts, mb.counts):
+                if s.req.images is not None and start < len(s.req.prompt):
+                    s.req.images.splice_into(r.engine, h[off:off + c], start)
             if self.sampler is not None:
                 self.sampler.admit(mb.admit, mb.release)
             out = self.compute(b, h)

@@ -3,6 +3,7 @@ importable and testable without Ray. The Ray actor in actor.py is a thin shell o
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -16,6 +17,9 @@ from ..model.stage_model import StageModel
 from ..model.weights import open_weights
 from ..placement.planner import Plan
 from ..placement.schema import load_placement
+from ..model.image import DEFAULT_MAX_PATCHES
+from ..multimodal import plan_images
+from ..overlay import EmbedOverlay, must_publish, publish_out, resolve_overlay_publish
 from ..scheduler import Request, Scheduler
 from ..model.sampling import SamplingParams
 from .events import Mailboxes
@@ -32,6 +36,9 @@ class StageRunner:
         self.mail = Mailboxes()
         self.inbox: queue.Queue = queue.Queue()
         self.t_setup = time.monotonic()
+        self.tower = None
+        self.tower_ctx = None
+        self.remote_encode = None       # set by the actor shell when the tower is another stage
 
     # -- boot -------------------------------------------------------------------------------------------------
     def setup(self, placement: dict, plan: dict, index: int, run_dir: str) -> dict:
@@ -51,11 +58,16 @@ class StageRunner:
         self.dtype = DTYPES[m.dtype]
         self.model = StageModel(self.mc, sp.layer_start, sp.layer_end, sp.intake, sp.primary).load(
             self.src, self.dtype, sp.device)
+        self.publish_mode = resolve_overlay_publish(self.placement.overlay_publish)
+        if sp.tower and self.mc.vision is not None:
+            from ..model.vision import VisionTower
+            self.tower = VisionTower(self.mc.vision).load(lambda n: self.src.get("visual." + n, self.dtype,
+                                                                                  sp.device))
         sc = self.placement.scheduler
         self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
         self.load_s = time.monotonic() - t0
         n = len(self.plan.stages)
-        info = {"index": index, "ctx": str(self.engine.ctx), "load_s": self.load_s, "pid": os.getpid(),
+        info = {"index": index, "ctx": str(self.engine.ctx), "ctx_id": self.engine.ctx, "load_s": self.load_s, "pid": os.getpid(),
                 "tensors": len(self.src.read_names), "endpoint": None, "ring": None,
                 "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids)}
         max_tokens = sc.prefill_chunk + sc.max_batch
@@ -70,8 +82,9 @@ class StageRunner:
             self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
         return info
 
-    def connect(self, downstream: dict | None, ring: str | None, timeout: float) -> None:
+    def connect(self, downstream: dict | None, ring: str | None, timeout: float, tower_ctx=None) -> None:
         """Connect outgoing links first (a listener's backlog accepts them), then accept the incoming ones."""
+        self.tower_ctx = tower_ctx
         from ..stages.slots import SlotSender
         from ..stages.channel import connect
         if downstream is not None:
@@ -103,7 +116,37 @@ class StageRunner:
         stop = frozenset(self.mc.eos_token_ids if stops is None else stops)
         r = Request(req["rid"], req["client"], list(prompt), int(req["max_new_tokens"]), params, stop)
         self.scheduler.validate(r)
+        if req.get("images"):
+            self._attach_images(r, req["images"])
         self.inbox.put(("req", r))
+
+    def _attach_images(self, r: Request, images) -> None:
+        """Rows for the request's images, resident in this (intake) engine: computed here when the tower is this
+        stage, else computed by the tower stage and published by host bounce. NEVER across contexts refuses."""
+        ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES)
+        self.scheduler.validate(dataclasses.replace(r, prompt=ip.prompt))
+        pixels = [ii.pixel_values for ii in ip.images]
+        grids = [ii.grid_thw for ii in ip.images]
+        if self.tower is not None:
+            rows = self._tower_rows(pixels, grids)
+            ov = EmbedOverlay.new_published(self.engine, self.engine, self.publish_mode, rows, ip.spans)
+        else:
+            if self.remote_encode is None:
+                raise InputError("this deployment has no vision tower engine (the model has no vision_config)")
+            must_publish(self.publish_mode, self.tower_ctx, self.engine.ctx)   # NEVER refuses before any work
+            ov = self.remote_encode(pixels, grids, ip.spans).land(self.engine)
+        r.prompt, r.positions_3L, r.rope_delta, r.images = ip.prompt, ip.positions_3L, ip.rope_delta, ov
+
+    def _tower_rows(self, pixels, grids) -> torch.Tensor:
+        if self.tower is None:
+            raise InputError("this stage is not the tower engine")
+        pv = torch.cat([torch.as_tensor(p) for p in pixels]).to(self.spec.device, self.dtype)
+        with torch.inference_mode():
+            return self.tower(pv, grids)
+
+    def encode_images(self, pixel_values: list, grids: list, spans: list):
+        """The tower side of a cross-actor publication: compute the rows here, dtoh them (host bounce)."""
+        return publish_out(self.engine, self._tower_rows(pixel_values, grids), spans)
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
