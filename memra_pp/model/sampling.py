@@ -58,6 +58,10 @@ def sample(logits_NV: torch.Tensor, params: list[SamplingParams], steps: list[in
     logits_NV = logits_NV.float()
     logp = torch.log_softmax(logits_NV, -1)
     greedy = logits_NV.argmax(-1)
+    if all(p.greedy for p in params):      # one device->host transfer for the whole batch
+        return greedy.tolist(), logp.gather(1, greedy[:, None])[:, 0].tolist()
+    if rng is not None and rng.device != logits_NV.device:
+        rng = None
     toks = []
     for i, p in enumerate(params):
         if p.greedy:
