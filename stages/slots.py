@@ -1,0 +1,354 @@
+"""Boundary slots: receiver-owned buffers, a credit protocol over a Channel, and the CPU shared-memory data path.
+
+Runs in both neighbouring stage processes. Data-path hooks for other transports (gpu_slots.py): a receiver subclass
+implements _allocate/_view/_release, a sender subclass _attach/_write/_detach; the credit protocol stays here.
+"""
+
+# Legend: hidden_TD [T tokens, D hidden] in the model dtype; one slot holds one microbatch's hidden_TD.
+# Frames on a boundary channel: sender -> receiver: `_hello` once, then one header per microbatch (with slot, dtype,
+# shape when a tensor rides along); receiver -> sender: `_credit` naming a freed slot.
+
+from __future__ import annotations
+
+import collections
+import math
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+from multiprocessing.shared_memory import SharedMemory
+
+import _posixshmem
+import numpy as np
+import torch
+
+from memra_pp.errors import InputError, ProtocolError, StageFailed
+from memra_pp.stages.channel import ChannelListener, connect
+
+DTYPES = {n: getattr(torch, n) for n in ("float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8")}
+RESERVED_KEYS = ("slot", "dtype", "shape")
+_HELLO, _CREDIT = "_hello", "_credit"
+
+
+class _HandoffStats:
+    """Counters plus a bounded ring of per-handoff latencies (ns) for p50/p99."""
+
+    def __init__(self, ring: int):
+        self.handoffs = self.headers = self.bytes = 0
+        self.wait_s = 0.0
+        self.lat_ns: collections.deque[int] = collections.deque(maxlen=ring)
+
+    def as_dict(self) -> dict:
+        s = sorted(self.lat_ns)
+        pct = (lambda q: s[max(0, math.ceil(q * len(s)) - 1)] / 1e3) if s else (lambda q: None)  # nearest rank
+        return {"handoffs": self.handoffs, "headers": self.headers, "bytes": self.bytes, "wait_s": self.wait_s,
+                "handoff_p50_us": pct(0.50), "handoff_p99_us": pct(0.99), "samples": len(s)}
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+class _SlotViews:
+    """Typed views over slots' uint8 bases, cached by (slot, dtype, shape): building one costs three torch ops."""
+
+    def __init__(self, bases: list[torch.Tensor]):
+        self.bases, self._cache = bases, {}
+
+    def get(self, slot: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        key = (slot, dtype, tuple(shape))
+        v = self._cache.get(key)
+        if v is None:
+            if len(self._cache) >= 64:  # shapes vary with T: keep the cache bounded
+                self._cache.clear()
+            v = self._cache[key] = self.bases[slot][:_nbytes(dtype, shape)].view(dtype).view(shape)
+        return v
+
+    def clear(self) -> None:
+        self.bases, self._cache = [], {}
+
+
+def _u8_over(buf, nbytes: int) -> torch.Tensor:
+    # through numpy: the array holds a buffer export, so closing the mapping under a live view raises BufferError
+    # instead of leaving a dangling tensor (torch.frombuffer drops its export)
+    return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, count=nbytes))
+
+
+class SlotReceiverBase:
+    """Receiver end: owns `n_slots` slots and the listening socket; the transport lives in the hooks."""
+
+    TRANSPORT = "abstract"
+
+    def __init__(self, name: str, max_bytes: int, listen_address: str | None = None, n_slots: int = 2,
+                 latency_ring: int = 4096):
+        if max_bytes <= 0 or n_slots <= 0:
+            raise ValueError(f"boundary {name}: max_bytes ({max_bytes}) and n_slots ({n_slots}) must be positive")
+        self.name, self.max_bytes, self.n_slots = name, max_bytes, n_slots
+        self._listener = ChannelListener(listen_address, label=f"boundary {name}")
+        try:
+            self._extras = self._allocate(n_slots, max_bytes)
+        except BaseException:
+            self._listener.close()
+            raise
+        self._ch = None
+        self._held: dict[int, int] = {}  # slot -> mb: handed to the caller, not yet freed
+        self._lock = threading.Lock()  # recv and free may run on different threads
+        self._stats = _HandoffStats(latency_ring)
+
+    def endpoint(self) -> dict:
+        """Plain-data description of this receiver (msgpack- and pickle-able) for the sender's constructor."""
+        return {"name": self.name, "transport": self.TRANSPORT, "max_bytes": self.max_bytes,
+                "n_slots": self.n_slots, "address": self._listener.address, **self._extras}
+
+    def accept(self, timeout: float) -> None:
+        """Wait for the sender to connect and check it attached to this receiver's slots."""
+        deadline = time.monotonic() + timeout
+        ch = self._listener.accept(timeout)
+        hello = ch.recv(max(deadline - time.monotonic(), 0.0))
+        if hello["kind"] != _HELLO or hello.get("endpoint") != self.endpoint():
+            ch.close()
+            raise ProtocolError(f"boundary {self.name}: the connecting sender sent {hello['kind']!r} for endpoint "
+                                f"{hello.get('endpoint')}, this receiver is {self.endpoint()}")
+        self._ch = ch
+        self._listener.close()  # one sender per boundary: free the socket path now
+
+    def recv(self, timeout: float | None = None) -> tuple[dict, torch.Tensor | None]:
+        """Next (header, hidden_TD view). The view aliases the slot: valid until `free(header['slot'])`."""
+        assert self._ch is not None, "accept() before recv()"
+        t_wait = time.perf_counter_ns()
+        header = self._ch.recv(timeout)
+        t0 = time.perf_counter_ns()
+        self._stats.wait_s += (t0 - t_wait) / 1e9
+        if header["kind"] in (_HELLO, _CREDIT):
+            raise ProtocolError(f"boundary {self.name}: unexpected {header['kind']!r} frame from the sender")
+        if header.get("slot") is None:
+            self._stats.headers += 1
+            return header, None
+        slot, dtype, shape = self._check(header)
+        with self._lock:
+            if slot in self._held:
+                raise ProtocolError(f"boundary {self.name}: sender wrote slot {slot} while mb {self._held[slot]} "
+                                    f"still holds it; the credit protocol is broken")
+            self._held[slot] = header["mb"]
+        view_TD = self._view(slot, dtype, shape)
+        st = self._stats
+        st.handoffs += 1
+        st.bytes += _nbytes(dtype, shape)
+        st.lat_ns.append(time.perf_counter_ns() - t0)
+        return header, view_TD
+
+    def _check(self, h: dict) -> tuple[int, torch.dtype, list[int]]:
+        slot, dname, shape = h.get("slot"), h.get("dtype"), h.get("shape")
+        bad = None
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.n_slots:
+            bad = f"slot {slot!r} is not in [0, {self.n_slots})"
+        elif dname not in DTYPES:
+            bad = f"dtype {dname!r} is not one of {sorted(DTYPES)}"
+        elif not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            bad = f"shape {shape!r} is not a list of non-negative ints"
+        elif _nbytes(DTYPES[dname], shape) > self.max_bytes:
+            bad = f"shape {shape} {dname} needs {_nbytes(DTYPES[dname], shape)} bytes, slots hold {self.max_bytes}"
+        if bad:
+            raise ProtocolError(f"boundary {self.name}: header of mb {h['mb']}: {bad}")
+        return slot, DTYPES[dname], shape
+
+    def free(self, slot: int) -> None:
+        """Give `slot` back to the sender (a credit frame); views over it must not be used afterwards."""
+        with self._lock:
+            if slot not in self._held:
+                raise InputError(f"boundary {self.name}: free({slot!r}) of a slot not held (held: {sorted(self._held)})")
+            mb = self._held.pop(slot)
+        self._ch.send({"kind": _CREDIT, "mb": mb, "slot": slot})
+
+    def held(self) -> list[int]:
+        with self._lock:
+            return sorted(self._held)
+
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    def close(self) -> None:
+        """Close the channel and release (unlink) the slots; drop every view from `recv` first."""
+        if self._ch is not None:
+            self._ch.close()
+        self._listener.close()
+        self._release()
+
+    # Data-path hooks. _allocate: create the slots, return the plain-data endpoint entries a sender attaches with.
+    # _view: a tensor of dtype/shape aliasing the first bytes of a slot. _release: free the slots (idempotent).
+    def _allocate(self, n_slots: int, max_bytes: int) -> dict:
+        raise NotImplementedError
+
+    def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        raise NotImplementedError
+
+
+class SlotSenderBase:
+    """Sender end: fills a slot only after the receiver's credit for it; the transport lives in the hooks."""
+
+    def __init__(self, endpoint: dict, latency_ring: int = 4096):
+        self.endpoint = dict(endpoint)
+        self.name, self.max_bytes = endpoint["name"], endpoint["max_bytes"]
+        self._free = collections.deque(range(endpoint["n_slots"]))
+        self._in_flight: set[int] = set()  # written and announced, no credit back yet
+        self._ch = None
+        self._stats = _HandoffStats(latency_ring)
+        self._attach(self.endpoint)
+
+    def connect(self, timeout: float) -> None:
+        self._ch = connect(self.endpoint["address"], timeout, label=f"boundary {self.name}")
+        self._ch.send({"kind": _HELLO, "mb": -1, "endpoint": self.endpoint})
+
+    def send(self, header: dict, hidden_TD: torch.Tensor | None = None, timeout: float | None = 60.0) -> int | None:
+        """Send a copy of `header` and, if given, hidden_TD through a free slot (the transport owns the copy's
+        slot, dtype, shape keys). Blocks up to `timeout` s for a freed slot (TimeoutError); returns the slot or None.
+        """
+        t0 = time.perf_counter_ns()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if header.get("kind") in (_HELLO, _CREDIT):
+            raise InputError(f"boundary {self.name}: header kind {header['kind']!r} is reserved for the transport")
+        if hidden_TD is None:  # keys of the upstream boundary's slot would name a slot here that holds nothing
+            self._ch.send({k: v for k, v in header.items() if k not in RESERVED_KEYS})
+            self._stats.headers += 1
+            return None
+        nbytes = hidden_TD.numel() * hidden_TD.element_size()
+        dname = str(hidden_TD.dtype).removeprefix("torch.")
+        if dname not in DTYPES:
+            raise InputError(f"boundary {self.name}: hidden_TD dtype {hidden_TD.dtype} is not one of {sorted(DTYPES)}")
+        if nbytes > self.max_bytes:
+            raise InputError(f"boundary {self.name}: hidden_TD {list(hidden_TD.shape)} {dname} is {nbytes} bytes, "
+                             f"a slot holds {self.max_bytes} bytes; raise the slot size or cut the microbatch")
+        slot = self._acquire(deadline, timeout)
+        assert slot not in self._in_flight, f"slot {slot} is still in flight: never write a slot not freed"
+        try:
+            self._write(slot, hidden_TD)
+            self._ch.send(dict(header, slot=slot, dtype=dname, shape=list(hidden_TD.shape)))
+        except BaseException:
+            self._free.appendleft(slot)  # never announced: the receiver does not know of it
+            raise
+        self._in_flight.add(slot)
+        st = self._stats
+        st.handoffs += 1
+        st.bytes += nbytes
+        st.lat_ns.append(time.perf_counter_ns() - t0)
+        return slot
+
+    def _acquire(self, deadline: float | None, timeout: float | None) -> int:
+        t_wait = time.perf_counter_ns()
+        while not self._free:
+            self._await_credit(deadline, timeout)
+        self._stats.wait_s += (time.perf_counter_ns() - t_wait) / 1e9
+        return self._free.popleft()
+
+    def _await_credit(self, deadline: float | None, timeout: float | None) -> None:
+        remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            msg = self._ch.recv(remaining)
+        except TimeoutError:
+            raise TimeoutError(f"boundary {self.name}: no slot freed within {timeout}s; the receiver still "
+                               f"holds slots {sorted(self._in_flight)}") from None
+        self._on_credit(msg)
+
+    def _on_credit(self, msg: dict) -> None:
+        slot = msg.get("slot")
+        if msg["kind"] != _CREDIT or slot not in self._in_flight:
+            raise ProtocolError(f"boundary {self.name}: expected a credit for one of {sorted(self._in_flight)}, "
+                                f"got kind {msg['kind']!r} slot {slot!r}")
+        self._in_flight.remove(slot)
+        self._free.append(slot)
+
+    def drain(self, timeout: float) -> None:
+        """Wait until the receiver has freed every slot (flush before shutdown; round-trip benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while self._in_flight:
+            self._await_credit(deadline, timeout)
+
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    def close(self) -> None:
+        if self._ch is not None:
+            self._ch.close()
+        self._detach()
+
+    # Data-path hooks. _attach: map the slots an endpoint names. _write: copy hidden_TD into the first bytes of a
+    # slot, complete (visible to the receiver) on return. _detach: unmap the slots (idempotent).
+    def _attach(self, endpoint: dict) -> None:
+        raise NotImplementedError
+
+    def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _detach(self) -> None:
+        raise NotImplementedError
+
+
+class SlotReceiver(SlotReceiverBase):
+    """CPU receiver: each slot is a POSIX shared-memory segment this process creates and unlinks."""
+
+    TRANSPORT = "shm"
+
+    def _allocate(self, n_slots: int, max_bytes: int) -> dict:
+        prefix = f"mpp_{re.sub(r'[^A-Za-z0-9_]', '_', self.name)[:40]}_{os.getpid()}_{secrets.token_hex(3)}"
+        self._shms = [SharedMemory(name=f"{prefix}_{k}", create=True, size=max_bytes) for k in range(n_slots)]
+        self._views = _SlotViews([_u8_over(shm.buf, max_bytes) for shm in self._shms])
+        return {"shm": [s.name for s in self._shms]}
+
+    def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        return self._views.get(slot, dtype, shape).detach()  # a fresh alias: callers may not edit the cached one
+
+    def _release(self) -> None:
+        if hasattr(self, "_views"):
+            self._views.clear()
+        alive = []
+        for shm in getattr(self, "_shms", []):
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass  # a second close
+            try:
+                shm.close()
+            except BufferError:
+                alive.append(shm.name)
+        if alive:
+            raise BufferError(f"boundary {self.name}: views from recv() over {alive} are still alive; drop them "
+                              f"before close() (the segments are unlinked already)")
+
+
+class SlotSender(SlotSenderBase):
+    """CPU sender: maps the receiver's shared-memory segments and copies hidden_TD into them."""
+
+    def _attach(self, endpoint: dict) -> None:
+        self._maps = [_attach_shm(name, self.max_bytes, self.name) for name in endpoint["shm"]]
+        self._views = _SlotViews([_u8_over(m, self.max_bytes) for m in self._maps])
+
+    def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
+        self._views.get(slot, hidden_TD.dtype, hidden_TD.shape).copy_(hidden_TD)
+
+    def _detach(self) -> None:
+        self._views.clear()
+        for m in self._maps:
+            m.close()
+        self._maps = []
+
+
+def _attach_shm(name: str, size: int, boundary: str) -> mmap.mmap:
+    # Not SharedMemory(name): before Python 3.13 it registers the segment with this process's resource_tracker,
+    # which unlinks it (with a leak warning) when we exit. Unregistering afterwards is wrong when the creator shares
+    # our tracker (multiprocessing children do): it drops the creator's own registration. So never register.
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        raise StageFailed(f"boundary {boundary}: slot segment {name} does not exist: the receiver closed or died")
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ProtocolError(f"boundary {boundary}: slot segment {name} is {os.fstat(fd).st_size} bytes, "
+                                f"the endpoint says {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)

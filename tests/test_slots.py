@@ -1,0 +1,260 @@
+"""Boundary slots across real processes: ordering, no reuse before free, no loss under random schedules, failures."""
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import random
+import threading
+import time
+import zlib
+from multiprocessing import resource_tracker
+
+import pytest
+import torch
+
+from memra_pp.errors import InputError, ProtocolError
+from memra_pp.stages.channel import ChannelClosed, connect
+from memra_pp.stages.slots import SlotReceiver, SlotSender
+
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture(scope="module")
+def peer():
+    """One spawned process reused by the scenarios: each spawn pays a torch import (~2 s on this machine)."""
+    with cf.ProcessPoolExecutor(1, mp_context=SPAWN) as ex:
+        yield ex
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _connected_sender(endpoint) -> SlotSender:
+    s = SlotSender(endpoint)
+    s.connect(10.0)
+    return s
+
+
+def _send_ordered(endpoint, n):
+    with_tensor = 0
+    s = _connected_sender(endpoint)
+    for mb in range(n):
+        if mb % 5 == 4:
+            s.send({"kind": "tokens", "mb": mb}, None)
+        else:
+            s.send({"kind": "step", "mb": mb, "pos": torch.arange(mb % 9, dtype=torch.int32)},
+                   torch.full((mb % 9, 16), float(mb)), timeout=10.0)
+            with_tensor += 1
+    s.drain(10.0)
+    s.close()
+    return with_tensor, s.stats()
+
+
+def _send_three(endpoint):
+    s = _connected_sender(endpoint)
+    slots = [s.send({"kind": "step", "mb": mb}, torch.full((8, 32), float(mb + 1)), timeout=10.0) for mb in range(3)]
+    s.drain(10.0)
+    s.close()
+    return slots, s.stats()
+
+
+def _send_random(endpoint, n, seed):
+    rng = random.Random(seed)
+    s = _connected_sender(endpoint)
+    for mb in range(n):
+        if rng.random() < 0.25:
+            s.send({"kind": "tokens", "mb": mb, "toks": [rng.randrange(1000) for _ in range(rng.randrange(4))]})
+        else:
+            dt = rng.choice([torch.float32, torch.bfloat16])
+            x = torch.randn(rng.randrange(0, 40), rng.choice([8, 64]), generator=torch.Generator().manual_seed(mb))
+            x = x.to(dt)
+            s.send({"kind": "step", "mb": mb, "crc": _crc(x)}, x, timeout=10.0)
+        if rng.random() < 0.3:
+            time.sleep(rng.random() * 0.002)
+    s.drain(10.0)
+    s.close()
+    return s.stats()
+
+
+def _send_then_sleep(endpoint):
+    s = _connected_sender(endpoint)
+    s.send({"kind": "step", "mb": 0}, torch.ones(2, 2))
+    time.sleep(60)
+
+
+def test_order_and_header_only_messages(peer):
+    """Microbatches must arrive in send order with their bytes; header-only messages must pass without a slot."""
+    with SlotReceiverCtx("order", 64 * 1024) as r:
+        fut = peer.submit(_send_ordered, r.endpoint(), 60)
+        r.accept(30.0)
+        for mb in range(60):
+            h, v = r.recv(10.0)
+            assert h["mb"] == mb
+            if mb % 5 == 4:
+                assert v is None and "slot" not in h
+                continue
+            assert v.shape == (mb % 9, 16) and bool((v == mb).all()) and h["pos"].tolist() == list(range(mb % 9))
+            r.free(h["slot"])
+        n_tensor, sstats = fut.result(30)
+        rstats = r.stats()
+    assert sstats["handoffs"] == rstats["handoffs"] == n_tensor == 48
+    assert sstats["headers"] == rstats["headers"] == 12
+    assert sstats["bytes"] == rstats["bytes"] > 0 and rstats["handoff_p99_us"] >= rstats["handoff_p50_us"] > 0
+
+
+def test_no_reuse_before_free(peer):
+    """With both slots held the sender must block, and the held slots' bytes must not change until freed."""
+    with SlotReceiverCtx("reuse", 8 * 32 * 4) as r:
+        fut = peer.submit(_send_three, r.endpoint())
+        r.accept(30.0)
+        h0, v0 = r.recv(10.0)
+        h1, v1 = r.recv(10.0)
+        before = (v0.clone(), v1.clone())
+        with pytest.raises(TimeoutError):
+            r.recv(0.4)  # mb 2 cannot be announced: it has no slot to go to
+        assert torch.equal(v0, before[0]) and torch.equal(v1, before[1]) and bool((v0 == 1).all())
+        assert r.held() == sorted([h0["slot"], h1["slot"]])
+        r.free(h0["slot"])
+        del v0
+        h2, v2 = r.recv(10.0)
+        assert h2["mb"] == 2 and h2["slot"] == h0["slot"] and bool((v2 == 3).all())
+        assert torch.equal(v1, before[1])
+        r.free(h1["slot"]), r.free(h2["slot"])
+        del v1, v2
+        slots, sstats = fut.result(30)
+    assert slots == [h0["slot"], h1["slot"], h0["slot"]] and sstats["wait_s"] >= 0.35 and sstats["handoffs"] == 3
+
+
+def test_randomized_schedule_loses_and_duplicates_nothing(peer):
+    """Under random delays, sizes, dtypes and free order, every microbatch must arrive exactly once, intact."""
+    n, rng = 320, random.Random(7)
+    with SlotReceiverCtx("random", 40 * 64 * 4) as r:
+        fut = peer.submit(_send_random, r.endpoint(), n, 11)
+        r.accept(30.0)
+        held, seen, checked = [], [], 0
+        while len(seen) < n:
+            if len(held) == r.n_slots or (held and rng.random() < 0.5):
+                r.free(held.pop(rng.randrange(len(held))))  # frees out of order, sometimes late
+            h, v = r.recv(10.0)
+            seen.append(h["mb"])
+            if v is not None:
+                assert _crc(v) == h["crc"], f"mb {h['mb']} arrived corrupted"
+                checked += 1
+                held.append(h["slot"])
+                del v
+            if rng.random() < 0.2:
+                time.sleep(rng.random() * 0.002)
+        for slot in held:
+            r.free(slot)
+        sstats = fut.result(30)
+    assert seen == list(range(n))
+    assert sstats["handoffs"] == r.stats()["handoffs"] == checked > 150 and sstats["headers"] == n - checked
+
+
+def test_killed_sender_gives_channel_closed_within_a_second():
+    """A killed sender process must wake the receiver with ChannelClosed within a second, never a hang."""
+    with SlotReceiverCtx("kill", 1024) as r:
+        p = SPAWN.Process(target=_send_then_sleep, args=(r.endpoint(),))
+        p.start()
+        try:
+            r.accept(30.0)
+            h, v = r.recv(10.0)
+            del v
+            r.free(h["slot"])
+            p.kill()
+            t0 = time.monotonic()
+            with pytest.raises(ChannelClosed):
+                r.recv(10.0)
+            assert time.monotonic() - t0 < 1.0
+        finally:
+            p.join(5)
+
+
+def _local_pair(name, max_bytes):
+    r = SlotReceiver(name, max_bytes)
+    s = SlotSender(r.endpoint())
+    t = threading.Thread(target=s.connect, args=(5.0,))
+    t.start()
+    r.accept(5.0)
+    t.join()
+    return r, s
+
+
+def test_refusals_timeouts_and_closed_receiver():
+    """Oversized tensors, reserved kinds and bad frees must be refused by name; a full sender must time out; a
+    closed receiver must give the waiting sender ChannelClosed."""
+    r, s = _local_pair("refuse", 64)
+    try:
+        with pytest.raises(InputError, match=r"\[4, 5\] float32 is 80 bytes, a slot holds 64 bytes"):
+            s.send({"kind": "step", "mb": 0}, torch.zeros(4, 5))
+        with pytest.raises(InputError, match="reserved"):
+            s.send({"kind": "_credit", "mb": 0})
+        s.send({"kind": "step", "mb": 1}, torch.zeros(4, 4))
+        s.send({"kind": "step", "mb": 2}, torch.zeros(4, 4))
+        with pytest.raises(TimeoutError, match=r"no slot freed within 0.2s; the receiver still holds slots \[0, 1\]"):
+            s.send({"kind": "step", "mb": 3}, torch.zeros(4, 4), timeout=0.2)
+        r.recv(1.0), r.recv(1.0)
+        with pytest.raises(InputError, match="not held"):
+            r.free(5)
+        r.close()
+        with pytest.raises(ChannelClosed):
+            s.send({"kind": "step", "mb": 3}, torch.zeros(4, 4), timeout=2.0)
+    finally:
+        s.close(), r.close()
+
+
+def test_malformed_slot_headers_give_protocol_error():
+    """A header naming a bad slot, dtype, shape or a held slot, or a wrong hello, must raise ProtocolError."""
+    r = SlotReceiver("proto", 64)
+    ch = connect(r.endpoint()["address"], 5.0)
+    ch.send({"kind": "_hello", "mb": -1, "endpoint": dict(r.endpoint(), shm=["other"])})
+    with pytest.raises(ProtocolError, match="this receiver is"):
+        r.accept(5.0)
+    r.close()
+    r = SlotReceiver("proto", 64)
+    ch = connect(r.endpoint()["address"], 5.0)
+    ch.send({"kind": "_hello", "mb": -1, "endpoint": r.endpoint()})
+    r.accept(5.0)
+    try:
+        for extra, msg in [({"slot": 2, "dtype": "float32", "shape": [1]}, r"slot 2 is not in \[0, 2\)"),
+                           ({"slot": 0, "dtype": "complex64", "shape": [1]}, "dtype 'complex64'"),
+                           ({"slot": 0, "dtype": "float32", "shape": [-1]}, "non-negative"),
+                           ({"slot": 0, "dtype": "float32", "shape": [17]}, "needs 68 bytes, slots hold 64")]:
+            ch.send({"kind": "step", "mb": 9, **extra})
+            with pytest.raises(ProtocolError, match=msg):
+                r.recv(1.0)
+        ch.send({"kind": "step", "mb": 1, "slot": 0, "dtype": "float32", "shape": [2]})
+        ch.send({"kind": "step", "mb": 2, "slot": 0, "dtype": "float32", "shape": [2]})
+        assert r.recv(1.0)[0]["mb"] == 1
+        with pytest.raises(ProtocolError, match="while mb 1 still holds it"):
+            r.recv(1.0)
+    finally:
+        ch.close(), r.close()
+
+
+def test_attach_does_not_register_and_close_unlinks(monkeypatch):
+    """The sender must not register the receiver's segments with its resource tracker; receiver close must unlink
+    them, and refuse loudly while a recv view is alive."""
+    calls = []
+    monkeypatch.setattr(resource_tracker, "register", lambda *a: calls.append(a))
+    monkeypatch.setattr(resource_tracker, "unregister", lambda *a: None)
+    r, s = _local_pair("track", 256)
+    assert len(calls) == 2  # the receiver's own two segments, registered by SharedMemory(create=True)
+    s.send({"kind": "step", "mb": 0}, torch.ones(8))
+    h, v = r.recv(1.0)
+    s.close()
+    with pytest.raises(BufferError, match="still alive"):
+        r.close()
+    del v
+    r.close()
+    assert not any(os.path.exists("/dev/shm/" + name) for name in r.endpoint()["shm"])
+
+class SlotReceiverCtx(SlotReceiver):
+    """SlotReceiver closed on leaving a with-block, so a failing test does not leak segments."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
