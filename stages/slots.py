@@ -28,7 +28,7 @@ from memra_pp.errors import InputError, ProtocolError, StageFailed
 from memra_pp.stages.channel import ChannelListener, connect
 
 DTYPES = {n: getattr(torch, n) for n in ("float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8")}
-RESERVED_KEYS = ("slot", "dtype", "shape")
+RESERVED_KEYS = ("slot", "dtype", "shape", "t_ns")
 _HELLO, _CREDIT = "_hello", "_credit"
 
 
@@ -136,7 +136,10 @@ class SlotReceiverBase:
         st = self._stats
         st.handoffs += 1
         st.bytes += _nbytes(dtype, shape)
-        st.lat_ns.append(time.perf_counter_ns() - t0)
+        # One-way latency from the sender taking the slot to this view being ready: perf_counter_ns is
+        # CLOCK_MONOTONIC, one clock for every process of the host (neighbouring stages share a node).
+        t_sent = header.get("t_ns")
+        st.lat_ns.append(time.perf_counter_ns() - (t_sent if isinstance(t_sent, int) else t0))
         return header, view_TD
 
     def _check(self, h: dict) -> tuple[int, torch.dtype, list[int]]:
@@ -225,9 +228,10 @@ class SlotSenderBase:
                              f"a slot holds {self.max_bytes} bytes; raise the slot size or cut the microbatch")
         slot = self._acquire(deadline, timeout)
         assert slot not in self._in_flight, f"slot {slot} is still in flight: never write a slot not freed"
+        t0 = time.perf_counter_ns()   # the handoff proper starts once a slot is ours: waiting is back-pressure
         try:
             self._write(slot, hidden_TD)
-            self._ch.send(dict(header, slot=slot, dtype=dname, shape=list(hidden_TD.shape)))
+            self._ch.send(dict(header, slot=slot, dtype=dname, shape=list(hidden_TD.shape), t_ns=t0))
         except BaseException:
             self._free.appendleft(slot)  # never announced: the receiver does not know of it
             raise
