@@ -136,10 +136,12 @@ class SlotReceiverBase:
         st = self._stats
         st.handoffs += 1
         st.bytes += _nbytes(dtype, shape)
-        # One-way latency from the sender taking the slot to this view being ready: perf_counter_ns is
-        # CLOCK_MONOTONIC, one clock for every process of the host (neighbouring stages share a node).
+        # Handoff latency: from the later of (sender took the slot, this receiver started waiting) to the view
+        # being ready, so a microbatch queued while the receiver computed counts its parse, not the queueing.
+        # perf_counter_ns is CLOCK_MONOTONIC: one clock for every process of the host (neighbours share a node).
         t_sent = header.get("t_ns")
-        st.lat_ns.append(time.perf_counter_ns() - (t_sent if isinstance(t_sent, int) else t0))
+        start = max(t_sent, t_wait) if isinstance(t_sent, int) else t0
+        st.lat_ns.append(time.perf_counter_ns() - start)
         return header, view_TD
 
     def _check(self, h: dict) -> tuple[int, torch.dtype, list[int]]:
