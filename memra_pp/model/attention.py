@@ -51,20 +51,20 @@ class GatedAttention(Param):
                           "k_norm.weight"])
         self.cfg = cfg
 
-    def project(self, x_TH, cos, sin):
+    def project(self, x_TH, cos, sin, lora=None):
         """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached)."""
         c = self.cfg
         T = x_TH.shape[0]
-        qg = F.linear(x_TH, self.q_proj_weight).view(T, c.num_attention_heads, 2 * c.head_dim)
+        qg = self.lin(x_TH, "q_proj", lora).view(T, c.num_attention_heads, 2 * c.head_dim)
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, -1)
-        k = F.linear(x_TH, self.k_proj_weight).view(T, c.num_key_value_heads, c.head_dim)
-        v = F.linear(x_TH, self.v_proj_weight).view(T, c.num_key_value_heads, c.head_dim)
+        k = self.lin(x_TH, "k_proj", lora).view(T, c.num_key_value_heads, c.head_dim)
+        v = self.lin(x_TH, "v_proj", lora).view(T, c.num_key_value_heads, c.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm_weight, c.rms_norm_eps), cos, sin)
         k = apply_rope(rms_norm(k, self.k_norm_weight, c.rms_norm_eps), cos, sin)
         return q, gate, k, v
 
-    def output(self, attn_TX, gate_TX):
-        return F.linear(attn_TX * torch.sigmoid(gate_TX), self.o_proj_weight)
+    def output(self, attn_TX, gate_TX, lora=None):
+        return self.lin(attn_TX * torch.sigmoid(gate_TX), "o_proj", lora)
 
 
 def attend(q_THD: torch.Tensor, k_HSD: torch.Tensor, v_HSD: torch.Tensor, start: int) -> torch.Tensor:

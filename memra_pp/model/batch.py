@@ -13,11 +13,13 @@ class StepBatch:
     counts: list[int]                # new tokens of each sequence, >= 1
     pos_3T: torch.Tensor             # [3, T] rope positions (T, H, W rows) of every new token
     sample: list[bool]               # primary: produce logits for this sequence's last new token
+    adapter_slots: list[int] | None = None   # adapter slot of each sequence (-1: none); None: no adapters
 
     def __post_init__(self):
         n = len(self.slots)
         assert len(self.starts) == n and len(self.counts) == n and len(self.sample) == n, "ragged batch"
         assert all(c >= 1 for c in self.counts), "empty segment"
+        assert self.adapter_slots is None or len(self.adapter_slots) == n, "ragged adapter_slots"
 
     @property
     def total(self) -> int:
@@ -34,6 +36,20 @@ class StepBatch:
     def decode_only(self) -> bool:
         """Every segment is one token continuing a cached sequence: the batched decode path applies."""
         return all(c == 1 and s > 0 for c, s in zip(self.counts, self.starts))
+
+    def uses_adapters(self) -> bool:
+        """Some sequence names an adapter slot (>= 0)."""
+        return self.adapter_slots is not None and any(s >= 0 for s in self.adapter_slots)
+
+    def adapter_slot_per_token(self, device=None) -> torch.Tensor:
+        """[T] int64: the adapter slot of every new token (-1 none); requires adapter_slots."""
+        return torch.tensor(self.adapter_slots, device=device).repeat_interleave(
+            torch.tensor(self.counts, device=device))
+
+    def adapter_slot_per_sample(self, device=None) -> torch.Tensor:
+        """[n_sample] int64: the adapter slot of every logits row (-1 none); requires adapter_slots."""
+        return torch.tensor([a for a, s in zip(self.adapter_slots, self.sample) if s], dtype=torch.long,
+                            device=device)
 
     def sample_rows(self) -> list[int]:
         return [o + c - 1 for o, c, s in zip(self.offsets, self.counts, self.sample) if s]

@@ -32,14 +32,18 @@ class Param(nn.Module):
         for n in self.names:
             self.register_buffer(n.replace(".", "_"), src.get(prefix + n, dtype, device), persistent=False)
 
+    def lin(self, x, name: str, lora=None):
+        """x @ W(name)^T, plus the batch's LoRA delta when a hook is given (lora.LoraStep.layer)."""
+        y = F.linear(x, getattr(self, name.replace(".", "_") + "_weight"))
+        return y if lora is None else lora(name, x, y)
+
 
 class DenseMLP(Param):
     def __init__(self):
         super().__init__(["gate_proj.weight", "up_proj.weight", "down_proj.weight"])
 
-    def forward(self, x):
-        return F.linear(F.silu(F.linear(x, self.gate_proj_weight)) * F.linear(x, self.up_proj_weight),
-                        self.down_proj_weight)
+    def forward(self, x, lora=None):
+        return self.lin(F.silu(self.lin(x, "gate_proj", lora)) * self.lin(x, "up_proj", lora), "down_proj", lora)
 
 
 class MoE(Param):
@@ -51,7 +55,7 @@ class MoE(Param):
                           "experts.gate_up_proj", "experts.down_proj"])
         self.top_k = top_k
 
-    def forward(self, x_TH):
+    def forward(self, x_TH, lora=None):
         logits = F.linear(x_TH, self.gate_weight)
         p = logits.float().softmax(-1)
         w, idx = p.topk(self.top_k, dim=-1)
@@ -74,6 +78,6 @@ class MoE(Param):
             h = F.silu(gu[:, :inter]) * gu[:, inter:]
             y = F.linear(h, down[e]) * w.reshape(-1)[sel, None]
             out.index_add_(0, rows, y)
-        shared = F.linear(F.silu(F.linear(x_TH, self.shared_expert_gate_proj_weight)) *
-                          F.linear(x_TH, self.shared_expert_up_proj_weight), self.shared_expert_down_proj_weight)
+        shared = self.lin(F.silu(self.lin(x_TH, "shared_expert.gate_proj", lora)) *
+                          self.lin(x_TH, "shared_expert.up_proj", lora), "shared_expert.down_proj", lora)
         return out + torch.sigmoid(F.linear(x_TH, self.shared_expert_gate_weight)) * shared

@@ -18,15 +18,15 @@ class GatedDeltaNet(Param):
         self.cfg, self.layer = cfg, layer
         self.rule = None   # optional fast kernels (GPU): object with chunk(...) and recurrent(...), same contract
 
-    def forward(self, x_TH: torch.Tensor, b: StepBatch, cache: StageCache) -> torch.Tensor:
+    def forward(self, x_TH: torch.Tensor, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
         T = x_TH.shape[0]
-        u = F.linear(x_TH, self.in_proj_qkv_weight)                              # [T, C]
-        z = F.linear(x_TH, self.in_proj_z_weight).view(T, nv, dv)
-        beta = torch.sigmoid(F.linear(x_TH, self.in_proj_b_weight))                # model dtype, as HF
-        a = F.linear(x_TH, self.in_proj_a_weight)
+        u = self.lin(x_TH, "in_proj_qkv", lora)                                  # [T, C]
+        z = self.lin(x_TH, "in_proj_z", lora).view(T, nv, dv)
+        beta = torch.sigmoid(self.lin(x_TH, "in_proj_b", lora))                    # model dtype, as HF
+        a = self.lin(x_TH, "in_proj_a", lora)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
@@ -57,7 +57,7 @@ class GatedDeltaNet(Param):
                                            beta[None, off:off + n], s0)
                 out[off:off + n] = o[0].to(out.dtype)
         o = gated_rms_norm(out, z, self.norm_weight, c.rms_norm_eps).reshape(T, nv * dv)
-        return F.linear(o, self.out_proj_weight)
+        return self.lin(o, "out_proj", lora)
 
     def _recurrent(self, q, k, v, g, beta, s):
         if self.rule is not None:

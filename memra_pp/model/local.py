@@ -16,16 +16,19 @@ class LocalPipeline:
         self.stages = [StageModel(src.config, a, b, intake=i == 0, primary=i == n - 1).load(src, dtype, device)
                        for i, (a, b) in enumerate(splits)]
         self.caches = [s.new_cache(max_seqs, max_context) for s in self.stages]
+        self.loras = [None] * n           # per stage: a LoraPool, or None
+        self.token_overlays = [None] * n  # per stage: a TokenOverlaySet (read on the intake and the primary)
 
     def step(self, b: StepBatch, ids_T: torch.Tensor, embeds_TH: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.stages[0].embed_ids(ids_T) if embeds_TH is None else embeds_TH
-        for s, c in zip(self.stages, self.caches):
-            h = s(b, h, c)
+        h = self.stages[0].embed_ids(ids_T, b, self.token_overlays[0]) if embeds_TH is None else embeds_TH
+        for s, c, lora, tos in zip(self.stages, self.caches, self.loras, self.token_overlays):
+            h = s(b, h, c, lora=lora, token_overlay=tos if s.primary else None)
         return h
 
-    def greedy(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None):
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, chunk: int | None = None,
+               adapter_slots: list[int] | None = None):
         """Batched greedy generation: prompts prefilled in chunks of `chunk` (all at once when None), then
-        decoded together. Returns (tokens, logprobs) per prompt."""
+        decoded together; `adapter_slots` gives each prompt's adapter slot (-1 none). Returns (tokens, logprobs)."""
         slots = list(range(len(prompts)))
         lens = [0] * len(prompts)
         toks = [[] for _ in prompts]
@@ -37,7 +40,8 @@ class LocalPipeline:
             ids = [t for i, c in zip(idx, counts) for t in todo[i][:c]]
             sample = [len(todo[i]) == c for i, c in zip(idx, counts)]
             b = StepBatch([i for i in idx], [lens[i] for i in idx], counts,
-                          StepBatch.text_positions([lens[i] for i in idx], counts), sample)
+                          StepBatch.text_positions([lens[i] for i in idx], counts), sample,
+                          None if adapter_slots is None else [adapter_slots[i] for i in idx])
             logits = self.step(b, torch.tensor(ids))
             r = 0
             for i, c, s in zip(idx, counts, sample):
@@ -48,7 +52,7 @@ class LocalPipeline:
                     r += 1
         for _ in range(max_new_tokens - 1):
             b = StepBatch(slots, list(lens), [1] * len(slots), StepBatch.text_positions(lens, [1] * len(slots)),
-                          [True] * len(slots))
+                          [True] * len(slots), adapter_slots)
             logits = self.step(b, torch.tensor([t[-1] for t in toks]))
             for i in slots:
                 lens[i] += 1

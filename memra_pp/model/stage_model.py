@@ -31,15 +31,15 @@ class Layer(nn.Module):
         self.mixer.load(p + ("self_attn." if self.full else "linear_attn."), src, dtype, device)
         self.ffn.load(p + "mlp.", src, dtype, device)
 
-    def forward(self, h_TH, b: StepBatch, cache: StageCache, cos, sin):
+    def forward(self, h_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         x = rms_norm(h_TH, self.ln1, self.eps)
-        m = self._attention(x, b, cache, cos, sin) if self.full else self.mixer(x, b, cache)
+        m = self._attention(x, b, cache, cos, sin, lora) if self.full else self.mixer(x, b, cache, lora)
         h_TH = h_TH + m
-        return h_TH + self.ffn(rms_norm(h_TH, self.ln2, self.eps))
+        return h_TH + self.ffn(rms_norm(h_TH, self.ln2, self.eps), lora)
 
-    def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin):
+    def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
-        q, gate, k, v = at.project(x_TH, cos, sin)
+        q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
         if b.decode_only():
             slots = torch.tensor(b.slots, device=x_TH.device)
@@ -54,7 +54,7 @@ class Layer(nn.Module):
                 kp[slot, :, start:start + n] = k[off:off + n].transpose(0, 1)
                 vp[slot, :, start:start + n] = v[off:off + n].transpose(0, 1)
                 o[off:off + n] = attend(q[off:off + n], kp[slot, :, :start + n], vp[slot, :, :start + n], start)
-        return at.output(o, gate)
+        return at.output(o, gate, lora)
 
 
 class StageModel(nn.Module):
@@ -92,12 +92,21 @@ class StageModel(nn.Module):
     def new_cache(self, max_seqs: int, max_context: int) -> StageCache:
         return StageCache(self.mc.text, range(self.start, self.end), max_seqs, max_context, self.dtype, self.device)
 
-    def embed_ids(self, ids_T: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids_T.to(self.device), self.embed)
+    def embed_ids(self, ids_T: torch.Tensor, b: StepBatch | None = None, token_overlay=None) -> torch.Tensor:
+        """ids [T] -> embeddings [T, H]; with a TokenOverlaySet and b.adapter_slots, each token's adapter slot
+        overrides the rows of its trainable ids (before any image splice)."""
+        e = F.embedding(ids_T.to(self.device), self.embed)
+        if token_overlay is None or b is None or not b.uses_adapters() or not token_overlay.any_active():
+            return e
+        from memra_pp.kernels.adapter_ops import apply_token_embedding
+        return apply_token_embedding(token_overlay, ids_T.to(self.device), b.adapter_slot_per_token(self.device), e)
 
     @torch.inference_mode()
-    def forward(self, b: StepBatch, h_TH: torch.Tensor, cache: StageCache) -> torch.Tensor:
-        """hidden [T, H] in -> hidden [T, H] out, or float32 logits [n_sample, V] on the primary slice."""
+    def forward(self, b: StepBatch, h_TH: torch.Tensor, cache: StageCache, lora=None,
+                token_overlay=None) -> torch.Tensor:
+        """hidden [T, H] in -> hidden [T, H] out, or float32 logits [n_sample, V] on the primary slice.
+        `lora`: this stage's LoraPool (used when b.adapter_slots names a slot); `token_overlay`: the primary's
+        TokenOverlaySet, which recomputes the logits of each sampled row's adapter-overridden ids."""
         for slot, start in zip(b.slots, b.starts):
             if start == 0:
                 cache.reset(slot)      # a new sequence in this slot
@@ -107,12 +116,17 @@ class StageModel(nn.Module):
         cache.reserve(max(s + c for s, c in zip(b.starts, b.counts)))
         cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
         h = h_TH.to(self.dtype)
+        step = None if lora is None else lora.step(b)
         for layer in self.layers:
-            h = layer(h, b, cache, cos, sin)
+            h = layer(h, b, cache, cos, sin, None if step is None else step.layer(layer.i))
         for slot, start, n in zip(b.slots, b.starts, b.counts):
             cache.lens[slot] = start + n
         if not self.primary:
             return h
         rows = b.sample_rows()
         hs = rms_norm(h[rows], self.norm, self.mc.text.rms_norm_eps)
-        return F.linear(hs, self.lm_head).float()
+        logits = F.linear(hs, self.lm_head).float()
+        if token_overlay is None or not b.uses_adapters() or not token_overlay.any_active():
+            return logits
+        from memra_pp.kernels.adapter_ops import apply_token_lm_head
+        return apply_token_lm_head(token_overlay, hs, b.adapter_slot_per_sample(self.device), logits)

@@ -1,0 +1,191 @@
+"""PEFT LoRA adapters read from disk into canonical per-layer A/B and trainable-token rows (`AdapterWeights`).
+Runs wherever an adapter is loaded (driver or stage process); every refusal is a ConfigError naming the problem.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import ConfigError
+from .model.config import ModelConfig
+from .model.lora import layer_modules
+from .model.weights import expected_shape
+from .overlay import TokenOverlay, TokenOverlaySet
+
+_PREFIX = r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?"
+_LORA_KEY = re.compile(_PREFIX + r"layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+_TOKEN_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?(embed_tokens|lm_head)"
+                        r"\.token_adapter\.trainable_tokens_delta$")
+_FULL_KEY = re.compile(_PREFIX + r"(embed_tokens|lm_head)\.(?:base_layer\.)?weight$")
+# Config switches whose effect this runtime does not reproduce: refused rather than silently ignored.
+_UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora) is not supported; merge it or train plain LoRA",
+    "lora_bias": "LoRA bias (lora_bias) is not supported",
+    "target_parameters": "LoRA on parameters (target_parameters, e.g. MoE routed experts mlp.experts.*) is not "
+                         "supported; target the attention, linear-attention, dense MLP or shared-expert projections",
+    "modules_to_save": "modules_to_save (fully retrained modules) is not supported; use trainable_token_indices "
+                       "for embedding rows",
+    "alpha_pattern": "alpha_pattern (per-module lora_alpha) is not supported",
+    "layer_replication": "layer_replication is not supported",
+}
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    a_RI: torch.Tensor   # lora_A [r, in]
+    b_OR: torch.Tensor   # lora_B [out, r]
+    scale: float         # lora_alpha / r (or / sqrt(r) with use_rslora)
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter: LoRA per canonical module ('layers.{i}.self_attn.q_proj') and trainable-token rows (full
+    replacement rows, as PEFT's `trainable_tokens_delta` holds). Token rows are kept by `for_layers`: the intake
+    needs the embedding rows, the primary the lm_head rows (the embedding rows when tied)."""
+    name: str
+    vocab_size: int
+    tied: bool
+    rank: int
+    lora: dict[str, LoraModule] = field(default_factory=dict)
+    embed_ids: torch.Tensor | None = None     # (K,) long
+    embed_rows: torch.Tensor | None = None    # (K, H)
+    lm_head_ids: torch.Tensor | None = None   # (L,) long, untied models only
+    lm_head_rows: torch.Tensor | None = None  # (L, H)
+
+    def for_layers(self, start: int, end: int) -> AdapterWeights:
+        """The LoRA of layers [start, end) only (what one stage holds), token rows unchanged."""
+        keep = {m: w for m, w in self.lora.items() if start <= int(m.split(".")[1]) < end}
+        return AdapterWeights(self.name, self.vocab_size, self.tied, self.rank, keep, self.embed_ids,
+                              self.embed_rows, self.lm_head_ids, self.lm_head_rows)
+
+    def token_overlay(self) -> TokenOverlay | None:
+        """This adapter's rows for `TokenOverlaySet.from_slots`, or None when it trains no token rows."""
+        if self.embed_ids is None and self.lm_head_ids is None:
+            return None
+        H = (self.embed_rows if self.embed_rows is not None else self.lm_head_rows).shape[1]
+        ids = self.embed_ids if self.embed_ids is not None else torch.zeros(0, dtype=torch.long)
+        rows = self.embed_rows if self.embed_rows is not None else torch.zeros(0, H, dtype=self.lm_head_rows.dtype)
+        return TokenOverlay(self.vocab_size, ids, rows, self.lm_head_ids, self.lm_head_rows)
+
+
+def token_overlay_set(engine, slots: dict, max_loras: int, tied: bool) -> TokenOverlaySet:
+    """The TokenOverlaySet of an engine from {slot: AdapterWeights}; rebuild it after every load/unload."""
+    return TokenOverlaySet.from_slots(engine, {s: a.token_overlay() for s, a in slots.items()}, max_loras, tied)
+
+
+def _read_config(d: Path) -> dict:
+    p = d / "adapter_config.json"
+    if not p.is_file():
+        raise ConfigError(f"adapter {str(d)!r}: adapter_config.json is missing (not a PEFT adapter directory)")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"{p}: peft_type {cfg.get('peft_type')!r} is not supported; only LORA adapters load")
+    for key, why in _UNSUPPORTED.items():
+        if cfg.get(key):
+            raise ConfigError(f"{p}: {key}={cfg[key]!r}: {why}")
+    if cfg.get("bias", "none") != "none":
+        raise ConfigError(f"{p}: bias={cfg['bias']!r}: trained biases are not supported (bias must be 'none')")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
+            raise ConfigError(f"{p}: {key} must be a positive number, got {cfg.get(key)!r}")
+    return cfg
+
+
+def _read_tensors(d: Path) -> dict[str, torch.Tensor]:
+    p = d / "adapter_model.safetensors"
+    if not p.is_file():
+        extra = " (adapter_model.bin is not read: re-save with safe_serialization=True)" \
+            if (d / "adapter_model.bin").exists() else ""
+        raise ConfigError(f"adapter {str(d)!r}: adapter_model.safetensors is missing{extra}")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(p))
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{p}: cannot read safetensors ({e})") from None
+
+
+def _token_ids(cfg: dict, target: str, n_rows: int, vocab: int, where: str) -> torch.Tensor:
+    tti = cfg.get("trainable_token_indices")
+    ids = tti if isinstance(tti, list) and target == "embed_tokens" else None
+    if isinstance(tti, dict):
+        ids = next((v for k, v in tti.items() if k == target or k.endswith("." + target)), None)
+    if ids is None:
+        raise ConfigError(f"{where}: the file holds {target} token rows but trainable_token_indices names no "
+                          f"{target} ids ({tti!r})")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids) or len(ids) != n_rows:
+        raise ConfigError(f"{where}: trainable_token_indices[{target!r}] must be {n_rows} ints (one per saved row), "
+                          f"got {ids!r}")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ConfigError(f"{where}: trainable token ids {bad[:5]} of {target} are outside the model's vocabulary "
+                          f"[0, {vocab})")
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"{where}: trainable_token_indices[{target!r}] repeats an id")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> AdapterWeights:
+    """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for `model_config`."""
+    d = Path(str(path)).expanduser()
+    if not d.is_dir():
+        raise ConfigError(f"adapter path {str(path)!r} is not a directory")
+    cfg, tensors = _read_config(d), _read_tensors(d)
+    tc, where = model_config.text, str(d)
+    V, H = tc.vocab_size, tc.hidden_size
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    rows: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        m = _LORA_KEY.match(key)
+        if m:
+            i, module = int(m.group(1)), m.group(2)
+            if i >= tc.num_hidden_layers or module not in layer_modules(tc, i):
+                raise ConfigError(f"{where}: unknown LoRA target {key!r}: layer {i} of this model targets only "
+                                  f"{list(layer_modules(tc, i)) if i < tc.num_hidden_layers else 'nothing'}")
+            halves.setdefault(f"layers.{i}.{module}", {})[m.group(3)] = t
+            continue
+        m = _TOKEN_KEY.match(key)
+        if m:
+            rows[m.group(1)] = t
+            continue
+        m = _FULL_KEY.match(key)
+        if m and t.dim() == 2 and t.shape[0] != V:
+            raise ConfigError(f"{where}: {key!r} has {t.shape[0]} rows but the model's vocabulary is {V}: the "
+                              f"adapter was trained on a resized vocabulary (vocab size mismatch)")
+        raise ConfigError(f"{where}: unknown adapter tensor {key!r}: only LoRA on attention / linear-attention / "
+                          f"MLP projections and trainable_token_indices rows are supported")
+    alpha, rs = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora"))
+    lora, top = {}, 0
+    for module, ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"}:
+            raise ConfigError(f"{where}: {module} has lora_{'A' if 'A' in ab else 'B'} but no "
+                              f"lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"], ab["B"]
+        out, inp = expected_shape(module + ".weight", tc)
+        r = a.shape[0]
+        if a.shape != (r, inp) or b.shape != (out, r):
+            raise ConfigError(f"{where}: {module} has lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}; the model "
+                              f"needs (r, {inp}) and ({out}, r)")
+        if r > max_rank:
+            raise ConfigError(f"{where}: {module} has rank {r} above adapters.max_rank={max_rank}; raise "
+                              f"adapters.max_rank in the placement or use a lower-rank adapter")
+        lora[module] = LoraModule(a, b, alpha / (math.sqrt(r) if rs else r))
+        top = max(top, r)
+    if model_config.tied and "lm_head" in rows:
+        raise ConfigError(f"{where}: lm_head token rows on a tied model: the lm_head is the embedding there; train "
+                          f"embed_tokens rows only")
+    tok = {}
+    for target, t in rows.items():
+        if t.dim() != 2 or t.shape[1] != H:
+            raise ConfigError(f"{where}: {target} token rows have shape {tuple(t.shape)}, the model needs (K, {H})")
+        tok[target] = (_token_ids(cfg, target, t.shape[0], V, where), t)
+    e, lm = tok.get("embed_tokens", (None, None)), tok.get("lm_head", (None, None))
+    return AdapterWeights(d.name, V, model_config.tied, top, lora, e[0], e[1], lm[0], lm[1])

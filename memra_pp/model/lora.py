@@ -1,0 +1,142 @@
+"""LoRA slots of one stage: preallocated A/B buffers per targeted projection of the stage's own layers, and the
+batched per-token LoRA delta applied inside the layers. Runs in the stage process; knows nothing of actors.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, InputError
+from .batch import StepBatch
+from .config import ModelConfig, TextConfig
+from .weights import expected_shape
+
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+LINEAR_ATTENTION = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                    "linear_attn.in_proj_a", "linear_attn.out_proj")
+DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SHARED_EXPERT = ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+
+
+def layer_modules(tc: TextConfig, i: int) -> tuple[str, ...]:
+    """The LoRA-targetable projections of layer i, as canonical module names without the `layers.{i}.` prefix."""
+    return (ATTENTION if tc.is_full(i) else LINEAR_ATTENTION) + (SHARED_EXPERT if tc.moe else DENSE_MLP)
+
+
+def local_name(module: str) -> str:
+    """'self_attn.q_proj' -> 'q_proj', 'mlp.shared_expert.up_proj' -> 'shared_expert.up_proj': the name a layer's
+    Param uses for the weight (unique within a layer)."""
+    return module.split(".", 1)[1]
+
+
+class LoraPool:
+    """`max_loras` adapter slots for layers `layers` of one stage. Slot s of projection (i, name) lives in rows
+    [s*R, (s+1)*R) of `a[(i, name)]` (A_CI, C = S*R) and the same columns of `b[(i, name)]` (B_OC, pre-scaled);
+    ranks below R are zero-padded, so every slot computes at rank R exactly."""
+
+    def __init__(self, mc: ModelConfig, layers, max_loras: int, max_rank: int, dtype=torch.float32, device="cpu"):
+        if not isinstance(max_loras, int) or max_loras < 1:
+            raise ConfigError(f"adapters.max_loras must be a positive integer, got {max_loras!r}")
+        if not isinstance(max_rank, int) or max_rank < 1:
+            raise ConfigError(f"adapters.max_rank must be a positive integer, got {max_rank!r}")
+        tc = mc.text
+        self.mc, self.layers = mc, list(layers)
+        self.S, self.R, self.dtype, self.device = max_loras, max_rank, dtype, torch.device(device)
+        C = max_loras * max_rank
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for i in self.layers:
+            for m in layer_modules(tc, i):
+                out, inp = expected_shape(f"layers.{i}.{m}.weight", tc)
+                self.a[(i, local_name(m))] = torch.zeros(C, inp, dtype=dtype, device=self.device)
+                self.b[(i, local_name(m))] = torch.zeros(out, C, dtype=dtype, device=self.device)
+        self.targets: dict[tuple[int, str], set[int]] = {k: set() for k in self.a}
+        self.names: list[str | None] = [None] * max_loras
+        self.col_slot_C = torch.arange(C, device=self.device) // max_rank
+
+    def __repr__(self) -> str:
+        return f"LoraPool(layers={self.layers[0]}..{self.layers[-1]}, slots={self.names}, max_rank={self.R})"
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or not 0 <= slot < self.S:
+            raise InputError(f"adapter slot {slot!r} is outside [0, max_loras={self.S})")
+
+    def load(self, slot: int, weights) -> None:
+        """Copy an AdapterWeights' LoRA of this stage's layers into `slot` (replacing what it held). Refuses
+        modules of other layers: pass `weights.for_layers(start, end)`."""
+        self._check_slot(slot)
+        todo = {}
+        for module, lw in weights.lora.items():
+            parts = module.split(".", 2)
+            key = (int(parts[1]), local_name(parts[2]))
+            if key[0] not in self.layers:
+                raise ConfigError(f"adapter {weights.name!r}: module {module!r} is not in this stage's layers "
+                                  f"[{self.layers[0]}, {self.layers[-1] + 1}); load weights.for_layers(start, end)")
+            if key not in self.a:
+                raise ConfigError(f"adapter {weights.name!r}: module {module!r} is not a LoRA target of layer "
+                                  f"{key[0]} (targets: {list(layer_modules(self.mc.text, key[0]))})")
+            r = lw.a_RI.shape[0]
+            if r > self.R:
+                raise ConfigError(f"adapter {weights.name!r}: module {module!r} has rank {r} above "
+                                  f"adapters.max_rank={self.R}")
+            if lw.a_RI.shape[1] != self.a[key].shape[1] or lw.b_OR.shape != (self.b[key].shape[0], r):
+                raise ConfigError(f"adapter {weights.name!r}: module {module!r} has A {tuple(lw.a_RI.shape)}, "
+                                  f"B {tuple(lw.b_OR.shape)}; the model needs A (r, {self.a[key].shape[1]}), "
+                                  f"B ({self.b[key].shape[0]}, r)")
+            todo[key] = lw
+        self.unload(slot)
+        lo = slot * self.R
+        for key, lw in todo.items():
+            r = lw.a_RI.shape[0]
+            self.a[key][lo:lo + r] = lw.a_RI.to(self.a[key])
+            # Scale folded into B in float32 before the cast (as vLLM does): one fewer multiply per token.
+            self.b[key][:, lo:lo + r] = (lw.b_OR.float() * lw.scale).to(self.b[key])
+            self.targets[key].add(slot)
+        self.names[slot] = weights.name
+
+    def unload(self, slot: int) -> None:
+        self._check_slot(slot)
+        lo, hi = slot * self.R, (slot + 1) * self.R
+        for key in self.a:
+            if slot in self.targets[key]:
+                self.a[key][lo:hi].zero_()
+                self.b[key][:, lo:hi].zero_()
+                self.targets[key].discard(slot)
+        self.names[slot] = None
+
+    def step(self, b: StepBatch) -> LoraStep | None:
+        """The batch's LoRA view, or None when no sequence of `b` uses a slot holding LoRA weights (no extra work)."""
+        if not b.uses_adapters():
+            return None
+        used = {s for s in b.adapter_slots if s >= 0}
+        for s in used:
+            self._check_slot(s)
+            if self.names[s] is None:
+                raise InputError(f"adapter slot {s} is empty on stage layers [{self.layers[0]}, "
+                                 f"{self.layers[-1] + 1}); load the adapter on every stage before using it")
+        if not any(t & used for t in self.targets.values()):
+            return None
+        slot_T = b.adapter_slot_per_token(self.device)
+        mask_TC = (slot_T[:, None] == self.col_slot_C[None, :]).to(self.dtype)
+        return LoraStep(self, mask_TC)
+
+
+class LoraStep:
+    """One StepBatch's LoRA: y += ((x A^T) * mask) B^T per projection, two GEMMs over all slots at once. mask_TC
+    keeps, for token t, only the R columns of its own slot (none for slot -1), so other slots add exact zeros."""
+
+    def __init__(self, pool: LoraPool, mask_TC: torch.Tensor):
+        self.pool, self.mask_TC = pool, mask_TC
+
+    def layer(self, i: int):
+        """The hook the layer's projections call: hook(name, x_TI, y_TO) -> y_TO plus the delta."""
+        return functools.partial(self.apply, i)
+
+    def apply(self, i: int, name: str, x_TI: torch.Tensor, y_TO: torch.Tensor) -> torch.Tensor:
+        key = (i, name)
+        if not self.pool.targets.get(key):
+            return y_TO
+        xa_TC = F.linear(x_TI, self.pool.a[key]) * self.mask_TC
+        return y_TO + F.linear(xa_TC, self.pool.b[key])

@@ -1,0 +1,229 @@
+"""PEFT LoRA + trainable-token adapters: loading, refusals, and mixed-adapter batches through 1-3 stage slices
+matching PEFT run alone (float32, CPU)."""
+import copy
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest_models import hf_reference, tiny_checkpoint
+from memra_pp.adapters import load_peft_adapter, token_overlay_set
+from memra_pp.engine import Engine
+from memra_pp.errors import ConfigError, InputError
+from memra_pp.model.batch import StepBatch
+from memra_pp.model.local import LocalPipeline
+from memra_pp.model.lora import LoraPool
+from memra_pp.model.weights import SafetensorsSource
+from tiny_hf import hf_greedy
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+       "gate_proj", "up_proj", "down_proj"]
+SPLITS = {1: [(0, 8)], 2: [(0, 3), (3, 8)], 3: [(0, 2), (2, 5), (5, 8)]}
+PROMPTS = [(5, 17, 42, 7, 23), tuple(range(1, 40)), (99, 60), (60, 61, 62, 11, 7)]
+SLOTS = [0, 2, -1, 2]          # adapter A in slot 0, adapter B in slot 2, one request without adapter
+NEW, MAX_LORAS, MAX_RANK = 6, 3, 8
+_PEFT_KEY = "base_model.model.model.language_model."
+
+
+def _adapter(kind, tied, which):
+    """(peft model, saved dir) for adapter 'A' (r=8, all projections, embed + untied lm_head rows) or 'B' (r=4,
+    rslora, a subset, embed rows only); LoRA B and token rows randomised (PEFT inits B to zero)."""
+    from peft import LoraConfig, get_peft_model
+    base, path = tiny_checkpoint(kind, tied)
+    tti = {"embed_tokens": [5, 17, 42, 99]} if which == "A" else {"embed_tokens": [7, 23, 60]}
+    if which == "A" and not tied:
+        tti["lm_head"] = [11, 42, 250]
+    cfg = LoraConfig(r=8 if which == "A" else 4, lora_alpha=16 if which == "A" else 8, use_rslora=which == "B",
+                     target_modules=ALL if which == "A" else ["q_proj", "v_proj", "in_proj_qkv", "out_proj",
+                                                               "down_proj"], trainable_token_indices=tti)
+    pm = get_peft_model(copy.deepcopy(base), cfg)
+    g = torch.Generator().manual_seed(ord(which) + 10 * tied)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "trainable_tokens_delta" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * (3.0 if "lm_head" in n else 1.0))
+    out = path.parent / f"adapter-{kind}-{tied}-{which}"
+    pm.save_pretrained(out)
+    return pm.eval(), out
+
+
+adapter = functools.lru_cache(maxsize=None)(_adapter)
+
+
+@functools.lru_cache(maxsize=None)
+def peft_reference(kind, tied, which, prompt):
+    return hf_greedy(adapter(kind, tied, which)[0], list(prompt), NEW)
+
+
+def pipeline(kind, tied, splits, slots=((0, "A"), (2, "B"))):
+    """A LocalPipeline with a LoraPool per stage (each holding its own layers) and token overlays loaded."""
+    _, path = tiny_checkpoint(kind, tied)
+    src = SafetensorsSource(path)
+    lp = LocalPipeline(src, splits)
+    weights = {s: load_peft_adapter(adapter(kind, tied, w)[1], src.config, MAX_RANK) for s, w in slots}
+    for j, st in enumerate(lp.stages):
+        pool = LoraPool(src.config, range(st.start, st.end), MAX_LORAS, MAX_RANK)
+        for s, aw in weights.items():
+            pool.load(s, aw.for_layers(st.start, st.end))
+        lp.loras[j] = pool
+        lp.token_overlays[j] = token_overlay_set(Engine("cpu"), weights, MAX_LORAS, src.config.tied)
+    return lp
+
+
+def check_mixed(kind, tied, n_stages, chunk=None):
+    lp = pipeline(kind, tied, SPLITS[n_stages])
+    toks, lps = lp.greedy([list(p) for p in PROMPTS], NEW, chunk=chunk, adapter_slots=SLOTS)
+    changed = 0
+    for p, s, t, l in zip(PROMPTS, SLOTS, toks, lps):
+        ht, hl = peft_reference(kind, tied, "A" if s == 0 else "B", p) if s >= 0 else hf_reference(kind, tied, p, NEW)
+        assert t == ht, f"slot {s}, prompt of {len(p)} tokens: {t} != reference {ht}"
+        assert max(abs(a - b) for a, b in zip(l, hl)) < 5e-4
+        changed += s >= 0 and t != hf_reference(kind, tied, p, NEW)[0]
+    assert changed >= 2, "the adapters must change some greedy tokens, or the test is vacuous"
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3])
+@pytest.mark.parametrize("tied", [False, True])
+def test_mixed_adapter_batch_matches_peft(tied, n_stages):
+    """A batch mixing adapter A, adapter B and no adapter must give each request PEFT's (or the base model's)
+    greedy tokens and logprobs, through 1, 2 and 3 stage slices."""
+    check_mixed("dense", tied, n_stages)
+
+
+def test_mixed_adapter_batch_chunked_prefill():
+    """Chunked prefill with adapters (state carried across chunks) must match PEFT too."""
+    check_mixed("dense", False, 2, chunk=7)
+
+
+def test_moe_shared_expert_lora_matches_peft():
+    """On the MoE model, LoRA on the shared expert's gate/up/down (what PEFT's *_proj targets hit) must match."""
+    check_mixed("moe", False, 2)
+
+
+def _batch(prompts, slots, lens=None):
+    counts = [1] * len(prompts) if lens else [len(p) for p in prompts]
+    starts = lens or [0] * len(prompts)
+    ids = [p[-1] for p in prompts] if lens else [t for p in prompts for t in p]
+    return StepBatch(list(range(len(prompts))), starts, counts, StepBatch.text_positions(starts, counts),
+                     [True] * len(prompts), slots), torch.tensor(ids)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_no_adapter_batch_is_byte_identical(tied):
+    """With pools and overlays loaded but no active slot (None or all -1), prefill and decode logits must be
+    bit-identical to a pipeline without any pool."""
+    _, path = tiny_checkpoint("dense", tied)
+    plain = LocalPipeline(SafetensorsSource(path), SPLITS[2])
+    for slots in (None, [-1] * len(PROMPTS)):
+        lp = pipeline("dense", tied, SPLITS[2])
+        plain.caches = [s.new_cache(8, 1024) for s in plain.stages]
+        for step in (0, 1):
+            lens = [len(p) for p in PROMPTS] if step else None
+            b, ids = _batch(PROMPTS, slots, lens)
+            assert torch.equal(lp.step(b, ids), plain.step(b, ids))
+
+
+def test_lm_head_rows_are_not_vacuous():
+    """Untied adapter A's lm_head rows must change the logits of their ids, and only those, on the primary."""
+    lp = pipeline("dense", False, SPLITS[2])
+    b, ids = _batch(PROMPTS[:1], [0])
+    with_rows = lp.step(b, ids)
+    tos, lp.token_overlays[-1] = lp.token_overlays[-1], None
+    lp.caches = [s.new_cache(8, 1024) for s in lp.stages]
+    without = lp.step(b, ids)
+    diff = (with_rows != without)[0].nonzero().squeeze(1).tolist()
+    assert diff == sorted(tos.lm_ids_R.tolist())
+
+
+def test_for_layers_keeps_own_layers():
+    """for_layers must keep exactly the LoRA modules of [start, end) and every token row."""
+    aw = load_peft_adapter(adapter("dense", False, "A")[1], SafetensorsSource(tiny_checkpoint()[1]).config, 8)
+    part = aw.for_layers(2, 5)
+    assert {int(m.split(".")[1]) for m in part.lora} == {2, 3, 4}
+    assert len(part.lora) == 8 + 7 + 8 and part.embed_ids is aw.embed_ids and part.lm_head_ids is aw.lm_head_ids
+    assert aw.rank == 8 and abs(aw.lora["layers.3.self_attn.q_proj"].scale - 2.0) < 1e-9
+    bw = load_peft_adapter(adapter("dense", False, "B")[1], SafetensorsSource(tiny_checkpoint()[1]).config, 8)
+    assert abs(bw.lora["layers.3.self_attn.q_proj"].scale - 8 / 2) < 1e-9   # rslora: alpha / sqrt(r)
+
+
+def _edit(tmp_path, cfg=None, add=None, drop=None, rm=None):
+    d = tmp_path / "edited"
+    shutil.copytree(adapter("dense", False, "A")[1], d)
+    if cfg:
+        c = json.loads((d / "adapter_config.json").read_text())
+        c.update(cfg)
+        (d / "adapter_config.json").write_text(json.dumps(c))
+    if add or drop:
+        t = load_file(str(d / "adapter_model.safetensors"))
+        t = {k: v for k, v in t.items() if not (drop and drop in k)}
+        save_file({**t, **(add or {})}, str(d / "adapter_model.safetensors"))
+    if rm:
+        (d / rm).unlink()
+    return d
+
+
+REFUSALS = {
+    "rank above max_rank": (dict(), 4, r"rank 8 above adapters.max_rank=4"),
+    "token id beyond vocab": (dict(cfg={"trainable_token_indices": {"embed_tokens": [5, 17, 42, 400],
+                                                                    "lm_head": [11, 42, 250]}}),
+                              8, r"trainable token ids \[400\] of embed_tokens are outside .*\[0, 320\)"),
+    "vocab size mismatch": (dict(add={_PEFT_KEY + "embed_tokens.weight": torch.zeros(330, 64)}), 8,
+                            r"330 rows but the model's vocabulary is 320.*vocab size mismatch"),
+    "lora on lm_head": (dict(add={"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}), 8,
+                        r"unknown adapter tensor 'base_model.model.lm_head.lora_A.weight'"),
+    "router target": (dict(add={_PEFT_KEY + "layers.0.mlp.gate.lora_A.weight": torch.zeros(8, 64)}), 8,
+                      r"unknown LoRA target .*layers.0.mlp.gate.lora_A.weight"),
+    "mixer of the wrong kind": (dict(add={_PEFT_KEY + "layers.3.linear_attn.in_proj_z.lora_A.weight":
+                                          torch.zeros(8, 64)}), 8, r"unknown LoRA target .*layer 3 .*q_proj"),
+    "missing lora_B": (dict(drop="layers.0.mlp.up_proj.lora_B"), 8, r"layers.0.mlp.up_proj has lora_A but no lora_B"),
+    "missing config": (dict(rm="adapter_config.json"), 8, r"adapter_config.json is missing"),
+    "missing weights": (dict(rm="adapter_model.safetensors"), 8, r"adapter_model.safetensors is missing"),
+    "dora": (dict(cfg={"use_dora": True}), 8, r"use_dora=True: DoRA"),
+    "moe experts": (dict(cfg={"target_parameters": ["mlp.experts.gate_up_proj"]}), 8, r"MoE routed experts"),
+    "not lora": (dict(cfg={"peft_type": "IA3"}), 8, r"peft_type 'IA3' is not supported"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_loader_refusals(tmp_path, name):
+    """Every malformed or unsupported adapter must be refused with a ConfigError naming the problem."""
+    edits, max_rank, msg = REFUSALS[name]
+    cfg = SafetensorsSource(tiny_checkpoint()[1]).config
+    with pytest.raises(ConfigError, match=msg):
+        load_peft_adapter(_edit(tmp_path, **edits), cfg, max_rank)
+
+
+def test_loader_refusals_paths_and_tying(tmp_path):
+    """A missing directory and untied lm_head rows on a tied model must be refused with their messages."""
+    cfg = SafetensorsSource(tiny_checkpoint()[1]).config
+    with pytest.raises(ConfigError, match=r"is not a directory"):
+        load_peft_adapter(tmp_path / "nope", cfg, 8)
+    tied = SafetensorsSource(tiny_checkpoint("dense", True)[1]).config
+    with pytest.raises(ConfigError, match=r"lm_head token rows on a tied model"):
+        load_peft_adapter(adapter("dense", False, "A")[1], tied, 8)
+
+
+def test_pool_refusals():
+    """The pool must refuse foreign layers, bad slots, and a batch naming an empty slot, each with its message."""
+    cfg = SafetensorsSource(tiny_checkpoint()[1]).config
+    aw = load_peft_adapter(adapter("dense", False, "A")[1], cfg, 8)
+    pool = LoraPool(cfg, range(0, 3), MAX_LORAS, MAX_RANK)
+    with pytest.raises(ConfigError, match=r"not in this stage's layers \[0, 3\); load weights.for_layers"):
+        pool.load(0, aw)
+    with pytest.raises(InputError, match=r"adapter slot 3 is outside \[0, max_loras=3\)"):
+        pool.load(3, aw.for_layers(0, 3))
+    with pytest.raises(ConfigError, match=r"rank 8 above adapters.max_rank=4"):
+        LoraPool(cfg, range(0, 3), MAX_LORAS, 4).load(0, aw.for_layers(0, 3))
+    with pytest.raises(ConfigError, match=r"adapters.max_loras must be a positive integer"):
+        LoraPool(cfg, range(0, 3), 0, MAX_RANK)
+    pool.load(1, aw.for_layers(0, 3))
+    with pytest.raises(InputError, match=r"adapter slot 0 is empty on stage layers \[0, 3\)"):
+        pool.step(_batch(PROMPTS[:2], [1, 0])[0])
+    assert pool.step(_batch(PROMPTS[:2], [1, -1])[0]) is not None
+    pool.unload(1)
+    assert all(not t for t in pool.targets.values()) and all(float(a.abs().sum()) == 0 for a in pool.a.values())
