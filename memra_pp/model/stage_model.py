@@ -87,6 +87,15 @@ class StageModel(nn.Module):
             else:
                 self.lm_head = src.get("lm_head.weight", dtype, device)
         self.rope = Rope(self.mc.text, device)
+        self.gdn_backend = "torch"
+        if self.device.type == "cuda":
+            from . import fla_rule
+            if fla_rule.available():
+                rule = fla_rule.FlaRule()
+                for layer in self.layers:
+                    if not layer.full:
+                        layer.mixer.rule = rule
+                self.gdn_backend = "fla"
         return self
 
     def new_cache(self, max_seqs: int, max_context: int) -> StageCache:
