@@ -30,6 +30,7 @@ class Deployment:
         self.placement, self.plan, self.actors, self.infos = placement, plan, actors, infos
         self.run_dir, self.owns_ray, self.detached = run_dir, owns_ray, detached
         self._clients = []
+        self._adapters: dict[str, int] = {}
         self._tokenizer = None
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
@@ -128,6 +129,36 @@ class Deployment:
             if self._tokenizer is None:
                 self._tokenizer = False
         return self._tokenizer or None
+
+    # -- adapters (operator side: paths come from here, never from a client request) ----------------------------
+    def load_adapter(self, name: str, path: str) -> int:
+        """Load a PEFT adapter on every stage into a free slot; clients then select it by `name`."""
+        from .errors import InputError
+        if name in self._adapters:
+            raise InputError(f"adapter {name!r} is already loaded (slot {self._adapters[name]}); unload it first")
+        free = [s for s in range(self.placement.adapters.max_loras) if s not in self._adapters.values()]
+        if not free:
+            raise InputError(f"the adapter pool is full ({self.placement.adapters.max_loras} slots: "
+                             f"{sorted(self._adapters)}); unload one or raise adapters.max_loras")
+        slot = free[0]
+        t = self.placement.timeouts.ready_s
+        try:
+            _get([a.load_adapter.remote(name, str(path), slot) for a in self.actors], t, f"load adapter {name!r}")
+        except BaseException:
+            _get([a.unload_adapter.remote(slot) for a in self.actors], t, "unload after a failed load")
+            raise
+        _get(self.actors[0].name_adapter.remote(name, slot), t, "name adapter")
+        self._adapters[name] = slot
+        return slot
+
+    def unload_adapter(self, name: str) -> None:
+        from .errors import InputError
+        if name not in self._adapters:
+            raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self._adapters)}")
+        slot = self._adapters.pop(name)
+        t = self.placement.timeouts.ready_s
+        _get(self.actors[0].name_adapter.remote(name, None), t, "withdraw adapter name")
+        _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
 
     def stage_actor(self, i: int):
         return self.actors[i]

@@ -35,6 +35,15 @@ class StageActor:
     def poll(self, client: str, timeout: float) -> list:
         return self.runner.poll(client, timeout)
 
+    def load_adapter(self, name: str, path: str, slot: int) -> None:
+        return self.runner.load_adapter(name, path, slot)
+
+    def unload_adapter(self, slot: int) -> None:
+        return self.runner.unload_adapter(slot)
+
+    def name_adapter(self, name: str, slot) -> None:
+        return self.runner.name_adapter(name, slot)
+
     def describe(self) -> dict:
         return self.runner.describe()
 

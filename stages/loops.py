@@ -46,7 +46,7 @@ def mb_error(mb: int, stage: int, e: BaseException) -> dict:
 
 
 def batch_of(h: dict) -> StepBatch:
-    return StepBatch(h["slots"], h["starts"], h["counts"], h["pos"].long(), h["sample"])
+    return StepBatch(h["slots"], h["starts"], h["counts"], h["pos"].long(), h["sample"], h.get("adapters"))
 
 
 class _Loop:
@@ -83,10 +83,10 @@ class _Loop:
 
     def compute(self, b: StepBatch, h):
         t = time.monotonic()
-        out = self.r.model(b, h, self.r.cache)
-        logits = None
+        r = self.r
+        out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
         if self.sampler is not None:
-            logits, out = out, self.sampler(out, b)
+            out = self.sampler(out, b)
         self.busy_s += time.monotonic() - t
         self.microbatches += 1
         return out
@@ -198,9 +198,11 @@ class IntakeLoop(_Loop):
 
     def _run_mb(self, mb):
         r = self.r
-        b = StepBatch([s.slot for s in mb.seqs], mb.starts, mb.counts, mb.pos_3T, mb.sample)
+        ad = [s.req.adapter for s in mb.seqs]
+        b = StepBatch([s.slot for s in mb.seqs], mb.starts, mb.counts, mb.pos_3T, mb.sample,
+                      ad if any(a >= 0 for a in ad) else None)
         try:
-            h = r.model.embed_ids(torch.tensor(mb.ids))
+            h = r.model.embed_ids(torch.tensor(mb.ids), b, token_overlay=r.token_overlay)
             for s, off, start, c in zip(mb.seqs, b.offsets, mb.starts, mb.counts):
                 if s.req.images is not None and start < len(s.req.prompt):
                     s.req.images.splice_into(r.engine, h[off:off + c], start)
@@ -215,7 +217,8 @@ class IntakeLoop(_Loop):
             r.mail.post(self.sched.on_tokens(mb.mb, *out))
             return
         hdr = {"kind": "step", "mb": mb.mb, "slots": b.slots, "starts": mb.starts, "counts": mb.counts,
-               "sample": mb.sample, "pos": mb.pos_3T.to(torch.int32), "admit": mb.admit, "release": mb.release}
+               "sample": mb.sample, "pos": mb.pos_3T.to(torch.int32), "admit": mb.admit, "release": mb.release,
+               "adapters": b.adapter_slots}
         try:
             r.sender.send(hdr, out, timeout=r.placement.timeouts.step_s)
         except (ChannelClosed, TimeoutError, MemraError) as e:

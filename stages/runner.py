@@ -39,6 +39,10 @@ class StageRunner:
         self.tower = None
         self.tower_ctx = None
         self.remote_encode = None       # set by the actor shell when the tower is another stage
+        self.lora = None                # this stage's LoraPool, made at the first adapter load
+        self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
+        self.adapter_weights: dict[int, object] = {}
+        self.adapter_names: dict[str, int] = {}     # intake: the names clients may use -> slot
 
     # -- boot -------------------------------------------------------------------------------------------------
     def setup(self, placement: dict, plan: dict, index: int, run_dir: str) -> dict:
@@ -114,7 +118,8 @@ class StageRunner:
                                 req.get("min_p", 0.0), req.get("seed")).validate()
         stops = req.get("stop_token_ids")
         stop = frozenset(self.mc.eos_token_ids if stops is None else stops)
-        r = Request(req["rid"], req["client"], list(prompt), int(req["max_new_tokens"]), params, stop)
+        r = Request(req["rid"], req["client"], list(prompt), int(req["max_new_tokens"]), params, stop,
+                    adapter=self.adapter_slot(req.get("adapter")))
         self.scheduler.validate(r)
         if req.get("images"):
             self._attach_images(r, req["images"])
@@ -147,6 +152,44 @@ class StageRunner:
     def encode_images(self, pixel_values: list, grids: list, spans: list):
         """The tower side of a cross-actor publication: compute the rows here, dtoh them (host bounce)."""
         return publish_out(self.engine, self._tower_rows(pixel_values, grids), spans)
+
+    # -- adapters ---------------------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str, slot: int) -> None:
+        """Load a PEFT adapter into `slot` on this stage (its own layers' LoRA; token rows on intake/primary)."""
+        from ..adapters import load_peft_adapter, token_overlay_set
+        from ..model.lora import LoraPool
+        ad = self.placement.adapters
+        aw = load_peft_adapter(path, self.mc, ad.max_rank)
+        sp = self.spec
+        if self.lora is None:
+            self.lora = LoraPool(self.mc, range(sp.layer_start, sp.layer_end), ad.max_loras, ad.max_rank,
+                                 self.dtype, sp.device)
+        self.lora.load(slot, aw.for_layers(sp.layer_start, sp.layer_end))
+        if sp.intake or sp.primary:
+            self.adapter_weights[slot] = aw
+            self.token_overlay = token_overlay_set(self.engine, self.adapter_weights, ad.max_loras, self.mc.tied)
+
+    def unload_adapter(self, slot: int) -> None:
+        from ..adapters import token_overlay_set
+        if self.lora is not None:
+            self.lora.unload(slot)
+        if self.adapter_weights.pop(slot, None) is not None:
+            self.token_overlay = token_overlay_set(self.engine, self.adapter_weights,
+                                                   self.placement.adapters.max_loras, self.mc.tied)
+
+    def name_adapter(self, name: str, slot: int | None) -> None:
+        """Intake: publish (slot) or withdraw (None) the name clients select an adapter by."""
+        if slot is None:
+            self.adapter_names.pop(name, None)
+        else:
+            self.adapter_names[name] = slot
+
+    def adapter_slot(self, name: str | None) -> int:
+        if name is None:
+            return -1
+        if name not in self.adapter_names:
+            raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self.adapter_names)}")
+        return self.adapter_names[name]
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))

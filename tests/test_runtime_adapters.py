@@ -1,0 +1,61 @@
+"""Adapters through memra_pp.launch: a batch mixing two adapters and none must give each request PEFT's (or the
+base model's) greedy tokens on 1, 2 and 3 CPU stages; every refusal keeps the deployment serving."""
+import asyncio
+
+import pytest
+
+import memra_pp
+from conftest_models import hf_reference, tiny_checkpoint
+from memra_pp.errors import ConfigError, InputError
+from test_adapters import NEW, PROMPTS, adapter, peft_reference
+
+
+def cfg(path, n, max_loras=2, max_rank=8):
+    return {"name": "ad", "model": {"path": str(path)}, "stages": [{"device": "cpu", "num_cpus": 0.1}] * n,
+            "adapters": {"max_loras": max_loras, "max_rank": max_rank},
+            "scheduler": {"max_batch": 8, "max_context": 256, "prefill_chunk": 16}}
+
+
+@pytest.mark.parametrize("n,tied", [(1, False), (2, True), (3, False)])
+def test_mixed_adapters_match_peft(ray_cluster, n, tied):
+    """Requests naming adapter A, adapter B or none, in flight together, must each match their reference."""
+    _, path = tiny_checkpoint("dense", tied)
+    with memra_pp.launch(cfg(path, n)) as dep:
+        dep.load_adapter("a", adapter("dense", tied, "A")[1])
+        dep.load_adapter("b", adapter("dense", tied, "B")[1])
+        c = dep.client()
+        which = ["a", "b", None, "b"]
+
+        async def go():
+            return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, adapter=w)
+                                          for p, w in zip(PROMPTS, which)])
+        for p, w, r in zip(PROMPTS, which, asyncio.run(go())):
+            ref = peft_reference("dense", tied, w.upper(), p) if w else hf_reference("dense", tied, p, NEW)
+            assert r.token_ids == ref[0]
+            assert max(abs(x - y) for x, y in zip(r.logprobs, ref[1])) < 5e-4
+
+
+def test_adapter_refusals_keep_serving(ray_cluster):
+    """Unknown adapter, pool full, rank above max_rank, duplicate name and unknown unload must be refused with
+    typed errors; the deployment must then still serve a valid request."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(cfg(path, 2, max_loras=1, max_rank=4)) as dep:
+        c = dep.client()
+        with pytest.raises(InputError, match="unknown adapter 'nope'"):
+            c.generate([5, 17], max_new_tokens=2, adapter="nope")
+        with pytest.raises(ConfigError, match="rank"):
+            dep.load_adapter("a", adapter("dense", False, "A")[1])        # r=8 > max_rank 4
+        dep.load_adapter("b", adapter("dense", False, "B")[1])            # r=4 fits
+        with pytest.raises(InputError, match="already loaded"):
+            dep.load_adapter("b", adapter("dense", False, "B")[1])
+        with pytest.raises(InputError, match="pool is full"):
+            dep.load_adapter("c", adapter("dense", False, "B")[1])
+        with pytest.raises(InputError, match="unknown adapter 'zz'"):
+            dep.unload_adapter("zz")
+        p = PROMPTS[0]
+        assert c.generate(list(p), max_new_tokens=NEW, adapter="b").token_ids == \
+            peft_reference("dense", False, "B", p)[0]
+        dep.unload_adapter("b")
+        with pytest.raises(InputError, match="unknown adapter 'b'"):
+            c.generate(list(p), max_new_tokens=NEW, adapter="b")
+        assert c.generate(list(p), max_new_tokens=NEW).token_ids == hf_reference("dense", False, p, NEW)[0]
