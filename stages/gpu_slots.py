@@ -1,0 +1,300 @@
+"""GPU boundary slots on the credit protocol of slots.py: `peer` (receiver-owned cuMemAlloc slots shared by CUDA IPC,
+ordered by IPC events) and `host` (pinned shared memory, d2h then h2d). Runs in two neighbouring stage processes.
+"""
+# Legend: hidden_TD [T tokens, D hidden]. Ordering (peer): sender copies on its stream, records ready[k]; receiver
+# waits ready[k] on its stream; on free(k) the receiver records done[k] on its stream and the sender's next write
+# of slot k waits done[k] on the sender's stream: no host synchronisation on either hot path.
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import time
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+
+from memra_pp import cuda
+from memra_pp.engine import ContextId, Engine, residency_of
+from memra_pp.errors import ProtocolError, ResidencyError
+from memra_pp.stages.slots import SlotReceiverBase, SlotSenderBase, _attach_shm, _nbytes
+
+_EVENTS = "_gpu_events"  # sender -> receiver, right after the hello: the sender's ready-event handles
+
+
+def _engine_for(engine: Engine | None) -> Engine:
+    # A stage process makes its device current when it builds its Engine; a second Engine shares that context.
+    return engine if engine is not None else Engine(f"cuda:{torch.cuda.current_device()}")
+
+
+def _ctx_dict(c: ContextId) -> dict:
+    return {"node": c.node, "pid": c.pid, "device": c.device, "uid": c.uid}
+
+
+def _require_current(ctx: ContextId, what: str, engine: Engine) -> None:
+    """Refuse to dereference `what` unless `ctx` (the context it was opened in) is current on this thread."""
+    cur = cuda.current_context()
+    if int(cur) == 0 and engine.ctx == ctx:  # a fresh thread has no context yet: give it the engine's
+        engine.make_current()
+        cur = cuda.current_context()
+    uid = cuda.context_uid(cur) if int(cur) else None
+    if not ctx.is_local() or uid != ctx.uid:
+        raise ResidencyError(f"{what} was opened in {ctx} but this thread runs in ctx#{uid} of pid {os.getpid()}: "
+                             f"an IPC pointer means nothing there; use the sender on its engine (engine.make_current())")
+
+
+class _GpuReceiver(SlotReceiverBase):
+    def __init__(self, name: str, max_bytes: int, listen_address: str | None = None, n_slots: int = 2,
+                 engine: Engine | None = None, latency_ring: int = 4096):
+        self.engine = _engine_for(engine)
+        super().__init__(name, max_bytes, listen_address, n_slots, latency_ring)
+
+    def _stream(self):
+        return cuda.stream_handle(torch.cuda.current_stream(self.engine.device))
+
+    def free(self, slot: int) -> None:
+        if slot in self.held():
+            self._before_credit(slot)
+        super().free(slot)
+
+
+class PeerSlotReceiver(_GpuReceiver):
+    """Two dedicated 2 MiB-aligned device slots in this engine's context, exported once by CUDA IPC."""
+
+    TRANSPORT = "peer"
+
+    def _allocate(self, n_slots: int, max_bytes: int) -> dict:
+        self._allocs, self._done, self._ready = [], [], []
+        idx = self.engine.device.index
+        for _ in range(n_slots):
+            self._allocs.append(cuda.mem_alloc_2mib(max_bytes))
+            self._done.append(cuda.event_create(interprocess=True))
+        self._bytes = [cuda.device_bytes(a.ptr, max_bytes, idx, owner=a) for a in self._allocs]
+        handles = [list(cuda.ipc_export_mem(a.ptr)) for a in self._allocs]
+        return {"owner": _ctx_dict(self.engine.ctx), "slots": handles,
+                "done_events": [cuda.ipc_export_event(e) for e in self._done]}
+
+    def accept(self, timeout: float) -> None:
+        t0 = time.monotonic()
+        super().accept(timeout)
+        msg = self._ch.recv(max(timeout - (time.monotonic() - t0), 0.0))
+        if msg["kind"] != _EVENTS or len(msg.get("ready", ())) != self.n_slots:
+            raise ProtocolError(f"boundary {self.name}: expected the sender's {_EVENTS} frame, got {msg['kind']!r}")
+        if ContextId(**msg["ctx"]).is_local():
+            raise ResidencyError(f"boundary {self.name}: the peer sender is in this process; CUDA IPC needs two")
+        self._ready = [cuda.ipc_open_event(h) for h in msg["ready"]]
+
+    def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        _require_current(self.engine.ctx, f"boundary {self.name} slot {slot}", self.engine)
+        cuda.stream_wait_event(self._stream(), self._ready[slot])  # the copy into the slot precedes what we enqueue
+        return self._bytes[slot][:_nbytes(dtype, shape)].view(dtype).view(shape)
+
+    def _before_credit(self, slot: int) -> None:
+        # everything the caller enqueued on the slot (on the current stream) precedes the sender's next write
+        cuda.event_record(self._done[slot], self._stream())
+
+    def _release(self) -> None:
+        # The sender must have closed its mapping first (importer closes before exporter frees).
+        if getattr(self, "_allocs", None):
+            cuda.stream_synchronize(self._stream())
+        self._bytes = []
+        for a in getattr(self, "_allocs", []):
+            a.free()
+        for e in getattr(self, "_done", []):
+            cuda.event_destroy(e)
+        self._allocs, self._done, self._ready = [], [], []
+
+
+class HostSlotReceiver(_GpuReceiver):
+    """Two shared-memory host slots registered (PORTABLE) here and in the sender; h2d into device staging."""
+
+    TRANSPORT = "host"
+
+    def _allocate(self, n_slots: int, max_bytes: int) -> dict:
+        tag = f"mppg_{os.getpid()}_{os.urandom(3).hex()}"
+        self._shms = [SharedMemory(name=f"{tag}_{k}", create=True, size=max_bytes) for k in range(n_slots)]
+        self._cbufs = [(ctypes.c_char * max_bytes).from_buffer(s.buf) for s in self._shms]
+        self._addrs = [cuda.host_register(ctypes.addressof(c), max_bytes) for c in self._cbufs]
+        self._staging = [torch.empty(max_bytes, dtype=torch.uint8, device=self.engine.device) for _ in self._shms]
+        self._h2d = [cuda.event_create(interprocess=False) for _ in self._shms]
+        return {"owner": _ctx_dict(self.engine.ctx), "shm": [s.name for s in self._shms]}
+
+    def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        n, s = _nbytes(dtype, shape), self._stream()
+        cuda.memcpy_htod_async(self._staging[slot].data_ptr(), self._addrs[slot], n, s)
+        cuda.event_record(self._h2d[slot], s)
+        return self._staging[slot][:n].view(dtype).view(shape)
+
+    def _before_credit(self, slot: int) -> None:
+        # the sender may overwrite the host slot once our h2d from it has run (usually long done by now)
+        cuda.event_synchronize(self._h2d[slot])
+
+    def _release(self) -> None:
+        for a in getattr(self, "_addrs", []):
+            cuda.host_unregister(a)
+        for e in getattr(self, "_h2d", []):
+            cuda.event_destroy(e)
+        self._addrs, self._h2d, self._cbufs, self._staging = [], [], [], []
+        for s in getattr(self, "_shms", []):
+            s.close()
+            s.unlink()
+        self._shms = []
+
+
+class _GpuSender(SlotSenderBase):
+    def __init__(self, endpoint: dict, engine: Engine | None = None, latency_ring: int = 4096):
+        self.engine = _engine_for(engine)
+        super().__init__(endpoint, latency_ring)
+
+    def _stream(self):
+        return cuda.stream_handle(torch.cuda.current_stream(self.engine.device))
+
+    def _check_source(self, hidden_TD: torch.Tensor) -> int:
+        ctx = residency_of(hidden_TD, self.engine)
+        if ctx != self.engine.ctx:
+            raise ResidencyError(f"boundary {self.name}: hidden_TD lives in {ctx}, the sender's engine is "
+                                 f"{self.engine.ctx}; compute it on the sender's engine")
+        return hidden_TD.numel() * hidden_TD.element_size()
+
+
+class PeerSlotSender(_GpuSender):
+    """Opens the receiver's slots (LAZY_ENABLE_PEER_ACCESS) in this engine's context; copies with cuMemcpyDtoDAsync."""
+
+    def _attach(self, endpoint: dict) -> None:
+        owner = ContextId(**endpoint["owner"])
+        if owner.is_local():
+            raise ResidencyError(f"boundary {self.name}: the receiver's slots live in this process ({owner}); "
+                                 f"CUDA IPC cannot open them here: use one stage per process")
+        self._opened_in = self.engine.ctx  # every pointer below means something only in this context
+        self._maps = [cuda.ipc_open_mem(bytes(h), off) for h, off in endpoint["slots"]]
+        self._done = [cuda.ipc_open_event(h) for h in endpoint["done_events"]]
+        self._ready = [cuda.event_create(interprocess=True) for _ in self._maps]
+        self._written: set[int] = set()
+
+    def connect(self, timeout: float) -> None:
+        super().connect(timeout)
+        self._ch.send({"kind": _EVENTS, "mb": -1, "ctx": _ctx_dict(self.engine.ctx),
+                       "ready": [cuda.ipc_export_event(e) for e in self._ready]})
+
+    def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
+        _require_current(self._opened_in, f"boundary {self.name} IPC slot {slot}", self.engine)
+        n = self._check_source(hidden_TD)
+        src = hidden_TD.contiguous()
+        s = self._stream()
+        if slot in self._written:
+            cuda.stream_wait_event(s, self._done[slot])  # the receiver is done with the slot's previous contents
+        cuda.memcpy_dtod_async(self._maps[slot][1], src.data_ptr(), n, s)
+        cuda.event_record(self._ready[slot], s)
+        self._written.add(slot)
+
+    def _detach(self) -> None:
+        if getattr(self, "_maps", None):
+            cuda.stream_synchronize(self._stream())  # our copies into the slots have run before we unmap
+        for base, _ptr in getattr(self, "_maps", []):
+            cuda.ipc_close_mem(base)
+        for e in getattr(self, "_ready", []):
+            cuda.event_destroy(e)
+        self._maps, self._ready, self._done = [], [], []
+
+
+class HostSlotSender(_GpuSender):
+    """Maps the receiver's shared-memory slots, registers them here too; d2h then waits for the copy."""
+
+    def _attach(self, endpoint: dict) -> None:
+        self._mms = [_attach_shm(n, self.max_bytes, self.name) for n in endpoint["shm"]]
+        self._cbufs = [(ctypes.c_char * self.max_bytes).from_buffer(m) for m in self._mms]
+        self._addrs = [cuda.host_register(ctypes.addressof(c), self.max_bytes) for c in self._cbufs]
+        self._copied = cuda.event_create(interprocess=False)
+
+    def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
+        n = self._check_source(hidden_TD)
+        s = self._stream()
+        cuda.memcpy_dtoh_async(self._addrs[slot], hidden_TD.contiguous().data_ptr(), n, s)
+        cuda.event_record(self._copied, s)
+        cuda.event_synchronize(self._copied)  # the header must not announce bytes still in flight
+
+    def _detach(self) -> None:
+        for a in getattr(self, "_addrs", []):
+            cuda.host_unregister(a)
+        if getattr(self, "_copied", None) is not None:
+            cuda.event_destroy(self._copied)
+        self._addrs, self._cbufs, self._copied = [], [], None
+        for m in getattr(self, "_mms", []):
+            m.close()
+        self._mms = []
+
+
+RECEIVERS = {"peer": PeerSlotReceiver, "host": HostSlotReceiver}
+SENDERS = {"peer": PeerSlotSender, "host": HostSlotSender}
+
+
+def probe_pattern(nbytes: int, device, seed: int = 0) -> torch.Tensor:
+    """A byte pattern that differs per position and per seed (catches stale, shifted and truncated copies)."""
+    i = torch.arange(nbytes, dtype=torch.int64, device=device)
+    return ((i * 7 + seed * 13 + (i >> 8)) % 251).to(torch.uint8)
+
+
+def _probe_receiver(dst: int, nbytes: int, conn, timeout: float) -> None:
+    try:
+        with PeerSlotReceiver("p2p-probe", nbytes, engine=Engine(f"cuda:{dst}")) as r:
+            conn.send(r.endpoint())
+            r.accept(timeout)
+            hdr, view = r.recv(timeout)
+            ok = bool(torch.equal(view, probe_pattern(nbytes, view.device, 1)))
+            del view
+            r.free(hdr["slot"])
+            conn.send(("ok" if ok else "mismatch", ""))
+            conn.poll(timeout)  # the sender closes its mapping before we free the slots
+    except Exception as e:  # reported to the parent, which decides
+        conn.send(("error", f"receiver: {type(e).__name__}: {e}"))
+
+
+def _probe_sender(src: int, endpoint: dict, conn, timeout: float) -> None:
+    try:
+        eng = Engine(f"cuda:{src}")
+        with PeerSlotSender(endpoint, engine=eng) as s:
+            s.connect(timeout)
+            s.send({"kind": "probe", "mb": 0}, probe_pattern(endpoint["max_bytes"], eng.device, 1), timeout)
+            s.drain(timeout)
+        conn.send(("ok", ""))
+    except Exception as e:
+        conn.send(("error", f"sender: {type(e).__name__}: {e}"))
+
+
+def probe_p2p(src_dev: int, dst_dev: int, nbytes: int = 4 << 20, timeout: float = 60.0) -> dict:
+    """Copy a pattern from a process on `src_dev` into a peer slot of a process on `dst_dev` and compare there:
+    what `transport: auto` trusts (cuDeviceCanAccessPeer alone does not prove the IPC mapping works)."""
+    t0, ctx = time.monotonic(), mp.get_context("spawn")
+    (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
+    recv_p = ctx.Process(target=_probe_receiver, args=(dst_dev, nbytes, rc, timeout), daemon=True)
+    recv_p.start()
+    procs, detail, ok = [recv_p], "", False
+    try:
+        if not rp.poll(timeout):
+            raise TimeoutError("the receiver did not publish its endpoint")
+        ep = rp.recv()
+        if isinstance(ep, tuple):
+            raise RuntimeError(ep[1])
+        send_p = ctx.Process(target=_probe_sender, args=(src_dev, ep, sc, timeout), daemon=True)
+        send_p.start()
+        procs.append(send_p)
+        if not rp.poll(timeout) or not sp.poll(timeout):
+            raise TimeoutError(f"no verdict within {timeout}s")
+        (r_state, r_msg), (s_state, s_msg) = rp.recv(), sp.recv()
+        rp.send("close")
+        ok = r_state == "ok" and s_state == "ok"
+        detail = r_msg or s_msg or r_state
+    except Exception as e:
+        detail = f"{type(e).__name__}: {e}"
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    try:
+        peer = cuda.can_access_peer(src_dev, dst_dev) if src_dev != dst_dev else True
+    except cuda.CudaError:
+        peer = None
+    return {"ok": ok, "src": src_dev, "dst": dst_dev, "can_access_peer": peer, "detail": detail,
+            "seconds": round(time.monotonic() - t0, 3)}

@@ -1,0 +1,282 @@
+"""Every GPU-side check of engine, overlay and gpu_slots in one run (`python -u tests/gpu_probe.py --out DIR`);
+the scenario functions are also what tests/test_gpu_*.py assert on. Spawns its own child processes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import types
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from memra_pp import cuda
+from memra_pp.engine import ContextId, Engine, EngineCounters, residency_of
+from memra_pp.errors import ResidencyError
+from memra_pp.overlay import EmbedOverlay, overlay_publications, publish_out
+from memra_pp.stages.gpu_slots import RECEIVERS, SENDERS, probe_p2p, probe_pattern
+
+HOLD_S = 1.5  # the receiver holds both slots this long: a third send must block, not overwrite
+
+
+def devices() -> tuple[int, int]:
+    """(src, dst): two GPUs when there are two, else both on GPU 0 (two processes = two contexts still)."""
+    return 0, (1 if torch.cuda.device_count() > 1 else 0)
+
+
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except ResidencyError as e:
+        return str(e)
+    return "NOT REFUSED"
+
+
+# -- in-process scenarios -------------------------------------------------------------------------------------------
+def primary_context(dev: int = 0) -> dict:
+    a, b = Engine(f"cuda:{dev}"), Engine(f"cuda:{dev}")
+    t = torch.ones(1000, device=f"cuda:{dev}")
+    return {"ctx": str(a.ctx), "two_engines_one_ctx": a.ctx == b.ctx,
+            "current_is_primary": cuda.context_uid(cuda.current_context()) == a.ctx.uid,
+            "torch_tensor_resident": residency_of(t, a) == a.ctx,
+            "cpu_tensor_not_resident": residency_of(t.cpu(), a) != a.ctx}
+
+
+def _wrap_secondary(ptr: int, nbytes: int, dev: int):
+    try:
+        return cuda.dlpack_bytes(ptr, nbytes, 2, dev), "dlpack"
+    except Exception as e:  # noqa: BLE001 - fall back, and say which way worked
+        first = f"{type(e).__name__}: {e}"
+    try:
+        return cuda.device_bytes(ptr, nbytes, dev), f"cuda_array_interface (dlpack failed: {first})"
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"cannot wrap secondary-context memory: dlpack: {first}; CAI: {e}") from e
+
+
+def secondary_context(dev: int = 0) -> dict:
+    eng = Engine(f"cuda:{dev}")
+    sec = cuda.create_secondary_context(dev)
+    N, H = 8, 16
+    with cuda.pushed(sec):
+        alloc = cuda.mem_alloc_2mib(N * H * 4)
+    try:
+        raw, how = _wrap_secondary(alloc.ptr, N * H * 4, dev)
+        rows = raw.view(torch.float32).view(N, H)
+        real = residency_of(rows, eng)
+        spans = [(0, 0, N)]
+        stub = types.SimpleNamespace(ctx=real, is_cuda=True, device=eng.device, counters=EngineCounters())
+        emb = torch.zeros(N, H, device=eng.device)
+        ov = EmbedOverlay(stub, rows, spans)  # honest: the rows do live in the secondary context
+        out = {"wrapped_by": how, "secondary_ctx": str(real), "differs": real != eng.ctx,
+               "uid_is_secondary": real.uid == cuda.context_uid(sec), "current_restored":
+               cuda.context_uid(cuda.current_context()) == eng.ctx.uid,
+               "construct": _refusal(lambda: EmbedOverlay(eng, rows, spans)),
+               "splice": _refusal(lambda: ov.splice_into(eng, emb, 0)),
+               "publish_source": _refusal(lambda: publish_out(eng, rows, spans)),
+               "splice_wrote_nothing": bool(emb.abs().sum().item() == 0), "splices": eng.counters.splices}
+        del ov, rows, raw
+    finally:
+        with cuda.pushed(sec):
+            alloc.free()
+        cuda.destroy_context(sec)
+    out["torch_still_works"] = float(torch.ones(4, device=eng.device).sum().item()) == 4.0
+    return out
+
+
+def publication(src: int, dst: int) -> dict:
+    tower = Engine(f"cuda:{src}") if src != dst else Engine("cpu")  # one GPU: a CPU tower is another context
+    intake = Engine(f"cuda:{dst}")
+    bits = torch.randint(-2**15, 2**15, (9, 64), dtype=torch.int16)
+    bits[0, 0] = 0x7FC1  # NaN payload survives a host bounce
+    rows = bits.view(torch.bfloat16).to(tower.device)
+    c0 = overlay_publications()
+    same = EmbedOverlay.new_published(intake, intake, "auto", bits.view(torch.bfloat16).to(intake.device), [(0, 0, 9)])
+    c1 = overlay_publications()
+    across = EmbedOverlay.new_published(tower, intake, "auto", rows, [(3, 0, 9)])
+    c2 = overlay_publications()
+    forced = EmbedOverlay.new_published(intake, intake, "force", same.rows, [(0, 0, 9)])
+    c3 = overlay_publications()
+    return {"tower": str(tower.ctx), "intake": str(intake.ctx), "auto_same_ctx_published": c1 - c0,
+            "auto_across_published": c2 - c1, "force_published": c3 - c2,
+            "across_bit_exact": torch.equal(across.rows.view(torch.int16).cpu(), bits),
+            "forced_bit_exact": torch.equal(forced.rows.view(torch.int16).cpu(), bits),
+            "across_resident_in_intake": across.resident_in(intake) and residency_of(across.rows, intake) == intake.ctx,
+            "wrong_engine_refused": _refusal(lambda: EmbedOverlay(tower, across.rows, [(0, 0, 1)]))}
+
+
+# -- two-process scenarios ------------------------------------------------------------------------------------------
+def _child_overlay(dev: int) -> tuple:
+    e = Engine(f"cuda:{dev}")
+    ov = EmbedOverlay(e, torch.ones(4, 8, device=e.device), [(0, 0, 4)])
+    return e.ctx, int(cuda.current_context()), pickle.dumps(ov)
+
+
+def two_processes(dev: int = 0) -> dict:
+    eng = Engine(f"cuda:{dev}")
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+        theirs, their_handle, blob = ex.submit(_child_overlay, dev).result(timeout=180)
+    ov = pickle.loads(blob)  # the rows are rebuilt here, the carried context still names the child
+    forged = ContextId(eng.ctx.node, theirs.pid, eng.ctx.device, eng.ctx.uid)
+    return {"mine": str(eng.ctx), "theirs": str(theirs), "differ": theirs != eng.ctx,
+            "same_uid_value": theirs.uid == eng.ctx.uid,
+            "same_handle_value": their_handle == int(cuda.current_context()),
+            "forged_equal_uid_not_local": not forged.is_local() and forged != eng.ctx,
+            "pickled_overlay": _refusal(lambda: ov.require_resident(eng)),
+            "pickled_splice": _refusal(lambda: ov.splice_into(eng, torch.zeros(4, 8, device=eng.device), 0))}
+
+
+def _payload(i: int, shape, device) -> torch.Tensor:
+    return probe_pattern(math.prod(shape) * 2, device, i).view(torch.bfloat16).view(shape)
+
+
+def _slot_receiver(transport, dev, max_bytes, n, conn, timeout):
+    try:
+        r = RECEIVERS[transport]("probe", max_bytes, engine=Engine(f"cuda:{dev}"))
+        conn.send(r.endpoint())
+        r.accept(timeout)
+        bad, seqs, slots, held = 0, [], [], []
+        for i in range(n):
+            hdr, view = r.recv(timeout)
+            seqs.append(hdr["seq"])
+            slots.append(hdr["slot"])
+            raw = view.reshape(-1).view(torch.uint8)
+            bad += not torch.equal(raw, probe_pattern(raw.numel(), raw.device, hdr["seq"]))
+            del view, raw
+            if i < 2:  # hold the first two slots: the sender's third send must wait for a free
+                held.append(hdr["slot"])
+                if i == 1:
+                    time.sleep(HOLD_S)
+                    for k in held:
+                        r.free(k)
+            else:
+                r.free(hdr["slot"])
+        conn.send({"ok": True, "bad": bad, "in_order": seqs == list(range(n)), "slots": slots[:6],
+                   "stats": r.stats()})
+        conn.poll(timeout)  # the sender unmaps before the slots are freed
+        r.close()
+    except Exception:  # noqa: BLE001 - reported to the parent
+        conn.send({"ok": False, "error": traceback.format_exc(limit=6)})
+
+
+def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout):
+    try:
+        eng = Engine(f"cuda:{dev}")
+        s = SENDERS[transport](endpoint, engine=eng)
+        s.connect(timeout)
+        hdr = {"kind": "probe", "mb": 0}
+        s.send(dict(hdr, seq=0), _payload(0, shape, eng.device), timeout)
+        s.send(dict(hdr, seq=1), _payload(1, shape, eng.device), timeout)
+        p2, t = _payload(2, shape, eng.device), time.monotonic()
+        try:
+            s.send(dict(hdr, seq=2), p2, 0.3)
+            blocked = False
+        except TimeoutError:
+            blocked = True
+        s.send(dict(hdr, seq=2), p2, timeout)
+        waited = time.monotonic() - t
+        payloads = [_payload(i, shape, eng.device) for i in range(3, n)]
+        t0 = time.monotonic()
+        for i, p in enumerate(payloads, start=3):
+            s.send(dict(hdr, seq=i), p, timeout)
+        s.drain(timeout)
+        cycle_us = (time.monotonic() - t0) / max(n - 3, 1) * 1e6
+        wrong = "n/a (host)"
+        if transport == "peer":
+            sec = cuda.create_secondary_context(dev)
+            with cuda.pushed(sec):
+                wrong = _refusal(lambda: s.send(dict(hdr, seq=n), payloads[0], timeout))
+            cuda.destroy_context(sec)
+        stats = s.stats()
+        s.close()
+        conn.send({"ok": True, "blocked_while_held": blocked, "waited_s": round(waited, 3),
+                   "cycle_us": round(cycle_us, 1), "wrong_ctx": wrong, "stats": stats})
+    except Exception:  # noqa: BLE001
+        conn.send({"ok": False, "error": traceback.format_exc(limit=6)})
+
+
+def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), timeout: float = 120.0) -> dict:
+    ctx = mp.get_context("spawn")
+    (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
+    max_bytes = math.prod(shape) * 2
+    procs = [ctx.Process(target=_slot_receiver, args=(transport, dst, max_bytes, n, rc, timeout), daemon=True)]
+    procs[0].start()
+    try:
+        if not rp.poll(timeout):
+            return {"ok": False, "error": "receiver gave no endpoint"}
+        ep = rp.recv()
+        if "error" in ep:
+            return {"receiver": ep}
+        procs.append(ctx.Process(target=_slot_sender, args=(transport, src, ep, n, shape, sc, timeout), daemon=True))
+        procs[1].start()
+        out = {}
+        for name, c in (("sender", sp), ("receiver", rp)):
+            out[name] = c.recv() if c.poll(timeout * 2) else {"ok": False, "error": "no result (timeout)"}
+        rp.send("close")
+        return out
+    finally:
+        for p in procs:
+            p.join(timeout=15)
+            if p.is_alive():
+                p.kill()
+
+
+# -- the standalone run ---------------------------------------------------------------------------------------------
+def _short(obj):
+    """The table shows a traceback's last line; the JSON keeps it whole."""
+    if isinstance(obj, dict):
+        return {k: _short(v) for k, v in obj.items()}
+    if isinstance(obj, str) and obj.startswith("Traceback"):
+        return obj.strip().splitlines()[-1]
+    return obj
+
+
+def _alarm(signum, frame):
+    raise TimeoutError("scenario exceeded its time limit")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--handoffs", type=int, default=2000)
+    ap.add_argument("--limit-s", type=int, default=240, help="per scenario")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("gpu_probe needs a CUDA GPU: torch.cuda.is_available() is False", flush=True)
+        return 2
+    src, dst = devices()
+    print(f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s); src cuda:{src}, dst cuda:{dst}", flush=True)
+    scenarios = [("primary_context", lambda: primary_context(src)), ("secondary_context", lambda: secondary_context(src)),
+                 ("publication", lambda: publication(src, dst)), ("two_processes", lambda: two_processes(src)),
+                 ("probe_p2p", lambda: probe_p2p(src, dst)),
+                 ("slots_peer", lambda: slots("peer", src, dst, args.handoffs)),
+                 ("slots_host", lambda: slots("host", src, dst, args.handoffs)),
+                 ("slots_peer_same_gpu", lambda: slots("peer", src, src, args.handoffs))]
+    signal.signal(signal.SIGALRM, _alarm)
+    results = {}
+    for name, fn in scenarios:
+        t0 = time.monotonic()
+        signal.alarm(args.limit_s)
+        try:
+            results[name] = fn()
+        except Exception:  # noqa: BLE001 - one failing scenario must not hide the others
+            results[name] = {"ok": False, "error": traceback.format_exc(limit=8)}
+        finally:
+            signal.alarm(0)
+        line = json.dumps(_short(results[name]), default=str)
+        print(f"{name:<22} {time.monotonic() - t0:6.1f}s  {line[:1500]}", flush=True)
+    with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

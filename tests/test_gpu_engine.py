@@ -1,0 +1,53 @@
+"""GPU residency: the primary context is torch's; a non-primary context's rows and another process's overlay are
+refused at every door, each with its own message. Needs a CUDA GPU: fails (never skips) without one."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_probe  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_gpu():
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
+
+
+def test_primary_context_is_torchs():
+    """The engine's context must be the device's primary context, the one torch allocates in, shared by engines."""
+    r = gpu_probe.primary_context(0)
+    assert r["two_engines_one_ctx"] and r["current_is_primary"] and r["torch_tensor_resident"]
+    assert r["cpu_tensor_not_resident"]
+
+
+def test_secondary_context_rows_are_refused_everywhere():
+    """Rows from a cuCtxCreate context must be refused at construction, at splice and at publish source."""
+    r = gpu_probe.secondary_context(0)
+    assert r["differs"] and r["uid_is_secondary"] and r["current_restored"], r
+    assert "they cannot be wrapped there: publish them" in r["construct"], r
+    assert r["construct"].startswith(f"overlay rows live in {r['secondary_ctx']} but engine cuda:0 is ")
+    assert "they must not be read there: publish them" in r["splice"], r
+    assert r["publish_source"].startswith(f"rows to publish live in {r['secondary_ctx']}"), r
+    assert r["splice_wrote_nothing"] and r["splices"] == 0 and r["torch_still_works"]
+
+
+def test_publication_counts_and_is_bit_exact():
+    """AUTO must publish across contexts only; FORCE always; both bit-exact and landed in the intake."""
+    src, dst = gpu_probe.devices()
+    r = gpu_probe.publication(src, dst)
+    assert (r["auto_same_ctx_published"], r["auto_across_published"], r["force_published"]) == (0, 1, 1), r
+    assert r["across_bit_exact"] and r["forced_bit_exact"] and r["across_resident_in_intake"]
+    assert "they cannot be wrapped there" in r["wrong_engine_refused"]
+
+
+def test_two_processes_are_two_contexts():
+    """Two processes on one device must have different ContextIds; equal handle or uid values must not make a
+    foreign overlay local."""
+    r = gpu_probe.two_processes(0)
+    assert r["differ"] and r["forged_equal_uid_not_local"], r
+    assert r["pickled_overlay"].startswith(f"overlay rows live in {r['theirs']} but engine cuda:0 is {r['mine']}")
+    assert "must not be read there" in r["pickled_splice"]
