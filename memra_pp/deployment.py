@@ -60,8 +60,10 @@ class Deployment:
                     opts.update(name=f"{placement.name}.stage{s.index}", lifetime="detached")
                 actors.append(StageActor.options(**opts).remote())
             t = placement.timeouts.ready_s
-            infos = _get([a.setup.remote(placement.to_dict(), plan.to_dict(), i, run_dir)
+            transports, probes = cls._transports(placement, plan, actors, t)
+            infos = _get([a.setup.remote(placement.to_dict(), plan.to_dict(), i, run_dir, transports[i])
                           for i, a in enumerate(actors)], t, "stage setup")
+            infos[0]["transport_probes"] = probes
             n = len(actors)
             ti = plan.tower_index
             tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
@@ -82,6 +84,31 @@ class Deployment:
         dep = cls(placement, plan, actors, infos, run_dir, owns_ray, detached)
         dep._pg = pg
         return dep
+
+    @staticmethod
+    def _transports(p: Placement, plan: Plan, actors, timeout: float) -> tuple[list[str], list[dict]]:
+        """The transport of each stage's upstream boundary: shm when either side is a CPU, else the YAML's
+        `transport`; `auto` is resolved per boundary by a real peer-copy probe (a pair that claims P2P but copies
+        wrong falls back to the host path)."""
+        out, probes, todo = ["shm"] * len(plan.stages), [], []
+        for i in range(1, len(plan.stages)):
+            a, b = plan.stages[i - 1].device, plan.stages[i].device
+            if a == "cpu" or b == "cpu":
+                continue
+            if p.transport != "auto":
+                out[i] = p.transport
+            else:
+                todo.append(i)
+        if todo:
+            res = _get([actors[i].probe_transport.remote(int(plan.stages[i - 1].device.split(":")[1]),
+                                                         int(plan.stages[i].device.split(":")[1]))
+                        for i in todo], timeout, "transport probe")
+            for i, r in zip(todo, res):
+                out[i] = "peer" if r["ok"] else "host"
+                probes.append({"boundary": i, **r})
+                if not r["ok"]:
+                    log.warning(f"boundary {i}: peer copy check failed ({r['detail']}); using the host path")
+        return out, probes
 
     @staticmethod
     def _ray_up(p: Placement) -> bool:

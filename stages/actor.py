@@ -11,8 +11,11 @@ class StageActor:
     def __init__(self):
         self.runner = StageRunner()
 
-    def setup(self, placement: dict, plan: dict, index: int, run_dir: str) -> dict:
-        return self.runner.setup(placement, plan, index, run_dir)
+    def probe_transport(self, src: int, dst: int) -> dict:
+        return self.runner.probe_transport(src, dst)
+
+    def setup(self, placement: dict, plan: dict, index: int, run_dir: str, transport: str = "shm") -> dict:
+        return self.runner.setup(placement, plan, index, run_dir, transport)
 
     def connect(self, downstream, ring, timeout: float, tower=None, tower_ctx=None) -> None:
         if tower is not None:   # the intake asks the tower actor for rows; the runner never sees Ray

@@ -77,6 +77,7 @@ class _Loop:
 
     def _guarded(self):
         try:
+            self.r.engine.make_current()      # a fresh thread has no CUDA context current
             self.run()
         except Exception:  # the loop must never die silently: record it for stats() and the driver's monitor
             self.error = traceback.format_exc()

@@ -45,8 +45,14 @@ class StageRunner:
         self.adapter_names: dict[str, int] = {}     # intake: the names clients may use -> slot
 
     # -- boot -------------------------------------------------------------------------------------------------
-    def setup(self, placement: dict, plan: dict, index: int, run_dir: str) -> dict:
-        """Load this stage's slice and open its receiving side; returns what the neighbours need to connect."""
+    def probe_transport(self, src: int, dst: int) -> dict:
+        """`transport: auto` for a boundary between two GPUs: a real peer copy, compared at the receiver."""
+        from .gpu_slots import probe_p2p
+        return probe_p2p(src, dst)
+
+    def setup(self, placement: dict, plan: dict, index: int, run_dir: str, transport: str = "shm") -> dict:
+        """Load this stage's slice and open its receiving side (`transport` of its upstream boundary: shm, peer
+        or host); returns what the neighbours need to connect."""
         from ..engine import Engine
         from ..stages.slots import SlotReceiver
         from ..stages.channel import ChannelListener
@@ -77,7 +83,12 @@ class StageRunner:
         max_tokens = sc.prefill_chunk + sc.max_batch
         if index > 0:
             nbytes = max_tokens * self.mc.text.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
-            self.receiver = SlotReceiver(f"s{index}", nbytes, f"unix:{run_dir}/s{index}.sock")
+            addr = f"unix:{run_dir}/s{index}.sock"
+            if transport == "shm":
+                self.receiver = SlotReceiver(f"s{index}", nbytes, addr)
+            else:
+                from .gpu_slots import RECEIVERS
+                self.receiver = RECEIVERS[transport](f"s{index}", nbytes, addr, engine=self.engine)
             info["endpoint"] = self.receiver.endpoint()
         if index == 0 and n > 1:
             self.ring_listener = ChannelListener(f"unix:{run_dir}/ring.sock", label="ring")
@@ -92,7 +103,11 @@ class StageRunner:
         from ..stages.slots import SlotSender
         from ..stages.channel import connect
         if downstream is not None:
-            self.sender = SlotSender(downstream)
+            if downstream["transport"] == "shm":
+                self.sender = SlotSender(downstream)
+            else:
+                from .gpu_slots import SENDERS
+                self.sender = SENDERS[downstream["transport"]](downstream, engine=self.engine)
             self.sender.connect(timeout)
         if ring is not None:
             self.ring = connect(ring, timeout)
@@ -209,6 +224,8 @@ class StageRunner:
         st.update(self.loop.stats(reset) if self.loop else {"busy": 0.0, "microbatches": 0})
         link = self.receiver or self.sender
         ls = link.stats() if link is not None else {}
+        st["transport"] = getattr(link, "TRANSPORT", None)
+        st["gdn_backend"] = self.model.gdn_backend
         st["handoffs"] = ls.get("handoffs", 0)
         st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)

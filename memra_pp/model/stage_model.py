@@ -124,7 +124,7 @@ class StageModel(nn.Module):
                                    f"{cache.lens[slot]} tokens but the step says {start}")
         cache.reserve(max(s + c for s, c in zip(b.starts, b.counts)))
         cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
-        h = h_TH.to(self.dtype)
+        h = h_TH.to(self.device, self.dtype)
         step = None if lora is None else lora.step(b)
         for layer in self.layers:
             h = layer(h, b, cache, cos, sin, None if step is None else step.layer(layer.i))
