@@ -148,6 +148,13 @@ class Deployment:
         return c
 
     @property
+    def model_config(self):
+        if getattr(self, "_mc", None) is None:
+            m = self.placement.model
+            self._mc = open_weights(m.path, m.format).config
+        return self._mc
+
+    @property
     def tokenizer(self):
         if self._tokenizer is None:
             from .model.tokenizer import Tokenizer

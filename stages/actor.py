@@ -47,6 +47,10 @@ class StageActor:
     def name_adapter(self, name: str, slot) -> None:
         return self.runner.name_adapter(name, slot)
 
+    def run_check(self, name: str, *args):
+        from ..battery_stage import CHECKS
+        return CHECKS[name](self.runner, *args)
+
     def describe(self) -> dict:
         return self.runner.describe()
 

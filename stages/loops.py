@@ -12,9 +12,10 @@ import traceback
 
 import torch
 
-from ..errors import MemraError, StageFailed
+from ..errors import MemraError, ProtocolError, StageFailed
 from ..model.batch import StepBatch
 from ..model.sampling import SamplingParams, sample
+from ..battery_stage import hash_rx
 from .channel import ChannelClosed
 
 
@@ -29,9 +30,9 @@ class Sampler:
     def admit(self, rows, release) -> None:
         for s in release:
             self.params.pop(s, None)
-        for slot, t, k, p, mp, seed, _adapter in rows:
+        for slot, t, k, p, mp, seed, _adapter, step0 in rows:
             self.params[slot] = SamplingParams(t, k, p, mp, seed)
-            self.steps[slot] = 0
+            self.steps[slot] = step0     # a replayed request continues its seeded (seed, step) draws
 
     def __call__(self, logits, b: StepBatch):
         slots = [s for s, smp in zip(b.slots, b.sample) if smp]
@@ -57,6 +58,7 @@ class _Loop:
         self.stopping = threading.Event()
         self.busy_s, self.microbatches, self.t0 = 0.0, 0, time.monotonic()
         self.error: str | None = None
+        self.lost_link = False              # the loop ended because a neighbour's link closed under it
         self.sampler = Sampler() if runner.spec.primary else None
         self.thread = threading.Thread(target=self._guarded, name=f"memra-{self.name}-{runner.index}",
                                        daemon=True)
@@ -79,8 +81,18 @@ class _Loop:
         try:
             self.r.engine.make_current()      # a fresh thread has no CUDA context current
             self.run()
-        except Exception:  # the loop must never die silently: record it for stats() and the driver's monitor
+        except Exception as e:  # the loop must never die silently: record it for stats() and the driver's monitor
             self.error = traceback.format_exc()
+            self.lost_link = isinstance(e, ChannelClosed)
+            if isinstance(e, ProtocolError) and self.r.receiver is not None:
+                self.r.receiver.close()   # fail the link loudly: the sender sees it closed, never waits on it
+
+    def health(self) -> dict:
+        """For the driver's supervisor: is the loop (and the ring reader) still running, and why not."""
+        threads = [self.thread] + [t for t in [getattr(self, "ring_thread", None)] if t is not None]
+        alive = all(t.is_alive() for t in threads)
+        return {"alive": alive, "error": self.error, "lost_link": not alive and (self.error is None or
+                                                                                self.lost_link)}
 
     def compute(self, b: StepBatch, h):
         t = time.monotonic()
@@ -111,6 +123,8 @@ class StageLoop(_Loop):
                 try:
                     if self.sampler is not None:
                         self.sampler.admit(hdr.get("admit", ()), hdr.get("release", ()))
+                    if r.rx_hashes is not None:
+                        hash_rx(r, view)
                     out = self.compute(batch_of(hdr), view)
                 except Exception as e:  # this microbatch fails; the stage keeps serving the others
                     hdr = mb_error(hdr["mb"], r.index, e)
@@ -155,7 +169,8 @@ class IntakeLoop(_Loop):
                 continue
             except (ChannelClosed, MemraError) as e:
                 if not self.stopping.is_set():
-                    self.r.inbox.put(("dead", f"the ring from the last stage broke: {e}"))
+                    last = len(self.r.plan.stages) - 1
+                    self.r.inbox.put(("dead", (last, f"stage {last} is lost: the ring from it broke: {e}")))
                 return
             self.r.inbox.put(("ring", msg))
 
@@ -195,7 +210,7 @@ class IntakeLoop(_Loop):
                 msg = f"stage {item['stage']} failed a microbatch: {item['etype']}: {item['message']}"
                 r.mail.post(sched.fail_mb(item["mb"], "StageFailed", msg))
             elif kind == "dead":
-                r.mail.post(sched.fail_all("StageFailed", item))
+                r.mail.post(sched.fail_all("StageFailed", item[1], item[0]))
 
     def _run_mb(self, mb):
         r = self.r
@@ -223,4 +238,4 @@ class IntakeLoop(_Loop):
         try:
             r.sender.send(hdr, out, timeout=r.placement.timeouts.step_s)
         except (ChannelClosed, TimeoutError, MemraError) as e:
-            r.mail.post(self.sched.fail_all("StageFailed", f"stage 1 did not take a microbatch: {e}"))
+            r.mail.post(self.sched.fail_all("StageFailed", f"stage 1 is lost: it did not take a microbatch: {e}", 1))

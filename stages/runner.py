@@ -39,6 +39,7 @@ class StageRunner:
         self.tower = None
         self.tower_ctx = None
         self.remote_encode = None       # set by the actor shell when the tower is another stage
+        self.rx_hashes = None           # battery: sha256 of each received activation while recording
         self.lora = None                # this stage's LoraPool, made at the first adapter load
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import gpu_probe  # noqa: E402
+from memra_pp import gpu_checks as gpu_probe  # noqa: E402
 from memra_pp.stages.gpu_slots import probe_p2p  # noqa: E402
 
 pytestmark = pytest.mark.gpu

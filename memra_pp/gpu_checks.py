@@ -1,5 +1,5 @@
-"""Every GPU-side check of engine, overlay and gpu_slots in one run (`python -u tests/gpu_probe.py --out DIR`);
-the scenario functions are also what tests/test_gpu_*.py assert on. Spawns its own child processes.
+"""Every GPU-side check of engine, overlay and gpu_slots: the scenario functions the battery runs inside live stage
+processes and tests/test_gpu_*.py assert on; `python -u -m memra_pp.gpu_checks --out DIR` runs them all standalone.
 """
 from __future__ import annotations
 

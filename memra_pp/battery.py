@@ -1,0 +1,181 @@
+"""`memra-pp battery CONFIG`: the residency battery over a live placement (driver side). Each row says what it
+exercised, its outcome, and its non-vacuity evidence (counters that moved, hashes compared). Variants of the
+placement (overlay_publish never/force, transport peer/host, one stage) are launched as the checks need them.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import sys
+import time
+
+import torch
+
+from .errors import MemraError, ResidencyError
+from .placement.schema import load_placement
+from .rayutil import get
+
+PROMPTS = [[5, 17, 42, 7, 23, 99], list(range(30, 100)), [11]]
+NEW = 12
+
+
+class Battery:
+    def __init__(self, config, progress=print):
+        self.base = load_placement(config).to_dict()
+        self.rows: list[dict] = []
+        self.say = progress
+
+    def row(self, check: str, exercised: str, ok: bool, evidence: dict) -> None:
+        self.rows.append({"check": check, "exercised": exercised, "outcome": "PASS" if ok else "FAIL",
+                          "evidence": evidence})
+        self.say(f"  {'PASS' if ok else 'FAIL'}  {check}: {exercised}")
+
+    def variant(self, **over) -> dict:
+        d = copy.deepcopy(self.base)
+        for k, v in over.items():
+            d[k] = v
+        d["name"] = f"{d.get('name', 'battery')}-{int(time.time() * 1000) % 10**8}"
+        return d
+
+    # -- the checks -------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        import memra_pp
+        t0 = time.time()
+        with memra_pp.launch(self.base) as dep:
+            self.say(f"battery on {self.base['name']}: {len(dep.plan.stages)} stage(s), "
+                     + ", ".join(f"{s.device}" for s in dep.plan.stages))
+            self.contexts(dep)
+            a0 = dep.stage_actor(0)
+            sec = get(a0.run_check.remote("secondary"), 300, "secondary context check")
+            if sec.get("applicable"):
+                msgs = {sec["construct"], sec["splice"], sec["publish_source"]}
+                ok = sec["differs"] and sec["uid_is_secondary"] and len(msgs) == 3 and "NOT REFUSED" not in msgs \
+                    and sec["splice_wrote_nothing"] and sec["torch_still_works"]
+                self.row("secondary_context", "rows allocated by cuCtxCreate on stage 0's device refused at "
+                         "construction, splice and publication source (three messages)", ok, sec)
+            pub = get(a0.run_check.remote("same_context_publication"), 60, "publication check")
+            self.row("same_context_publication", "FORCE within one context publishes byte-identically; AUTO "
+                     "aliases the rows", pub["auto_aliases"] and pub["auto_published"] == 0 and
+                     pub["force_published"] == 1 and pub["force_bytes_identical"] and pub["force_copy"], pub)
+            ref = self.tokens(dep)
+            self.images(dep)
+        self.never_and_force()
+        self.transports(ref)
+        report = {"config": self.base, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                  "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
+                  "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+                  "passed": all(r["outcome"] == "PASS" for r in self.rows), "rows": self.rows}
+        return report
+
+    def contexts(self, dep) -> None:
+        ctxs = get([a.run_check.remote("context") for a in dep.actors], 60, "contexts")
+        distinct = len({c["ctx"] for c in ctxs}) == len(ctxs)
+        ev = {"stages": [str(c["ctx"]) for c in ctxs]}
+        shared_dev = len({c["device"] for c in ctxs}) < len(ctxs)
+        self.row("contexts", "every stage process has its own context" + (" although stages share a device"
+                 if shared_dev else ""), distinct, ev)
+        if len(ctxs) > 1:
+            f = get(dep.stage_actor(0).run_check.remote("foreign_context", ctxs[1]["ctx"]), 60, "foreign ctx")
+            ok = f["differ"] and "NOT REFUSED" not in (f["require_resident"], f["splice"]) and f["untouched"]
+            self.row("foreign_handle", "an overlay carrying stage 1's context (uid value "
+                     f"{'equal' if f['same_uid_value'] else 'different'}) is refused in stage 0", ok, f)
+
+    def tokens(self, dep) -> list[list[int]]:
+        c = dep.client()
+        return [c.generate(p, max_new_tokens=NEW, stop_token_ids=[]).token_ids for p in PROMPTS]
+
+    def _image_request(self, dep):
+        import memra_pp
+        mc = dep.model_config
+        if mc.vision is None:
+            return None
+        v = mc.vision
+        t, h, w = 1, 2 * v.spatial_merge_size, 3 * v.spatial_merge_size
+        g = torch.Generator().manual_seed(7)
+        pv = torch.randn(t * h * w, v.in_channels * v.temporal_patch_size * v.patch_size ** 2, generator=g)
+        ii = memra_pp.ImageInput(pv, (t, h, w))
+        prompt = [5, 17, mc.vision_start_token_id, mc.image_token_id, mc.vision_end_token_id, 42]
+        return prompt, [ii]
+
+    def images(self, dep) -> None:
+        req = self._image_request(dep)
+        if req is None:
+            self.row("image_publication", "skipped: the model has no vision tower", True, {"applicable": False})
+            return
+        before = dep.stats()["stages"][0]["overlay_publications"]
+        r = dep.client().generate(req[0], images=req[1], max_new_tokens=NEW, stop_token_ids=[])
+        st = dep.stats()["stages"]
+        moved = st[0]["overlay_publications"] - before
+        cross = dep.plan.tower_index != dep.plan.intake_index
+        self.row("image_publication", f"AUTO with the tower on stage {dep.plan.tower_index} and the intake on "
+                 f"stage 0: {'publishes (host bounce)' if cross else 'aliases (one context)'}",
+                 moved == (1 if cross else 0) and st[0]["splices"] > 0 and len(r.token_ids) == NEW,
+                 {"publications_moved": moved, "splices": st[0]["splices"], "tokens": r.token_ids})
+        self.image_tokens = r.token_ids
+
+    def never_and_force(self) -> None:
+        import memra_pp
+        if len(self.base["stages"]) < 2 or not hasattr(self, "image_tokens"):
+            return
+        with memra_pp.launch(self.variant(overlay_publish="never")) as dep:
+            prompt, imgs = self._image_request(dep)
+            try:
+                dep.client().generate(prompt, images=imgs, max_new_tokens=NEW)
+                refused = "NOT REFUSED"
+            except ResidencyError as e:
+                refused = str(e)
+            still = self.tokens(dep)
+            self.row("never_refuses", "overlay_publish: never across contexts refuses the request with "
+                     "ResidencyError; the deployment keeps serving", refused != "NOT REFUSED" and all(still),
+                     {"message": refused, "served_after": [len(t) for t in still]})
+        with memra_pp.launch(self.variant(overlay_publish="force")) as dep:
+            prompt, imgs = self._image_request(dep)
+            r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, stop_token_ids=[])
+            moved = dep.stats()["stages"][0]["overlay_publications"]
+            self.row("force_publishes", "overlay_publish: force gives the same tokens as auto and publishes",
+                     r.token_ids == self.image_tokens and moved == 1, {"publications": moved})
+
+    def transports(self, ref) -> None:
+        import memra_pp
+        stages = self.base["stages"]
+        gpu = [s for s in stages if str(s.get("device", "cpu")).startswith("cuda")]
+        runs = {}
+        with memra_pp.launch(self.variant(stages=[dict(stages[-1], layers="auto")])) as dep:
+            runs["one_stage"] = self.tokens(dep)
+        self.row("pipeline_equals_one_stage", f"{len(stages)} stages give the tokens of one stage",
+                 ref == runs["one_stage"], {"tokens_equal": ref == runs["one_stage"]})
+        if len(stages) < 2 or len(gpu) < 2:
+            return
+        hashes = {}
+        for kind in ("peer", "host"):
+            with memra_pp.launch(self.variant(transport=kind)) as dep:
+                a1 = dep.stage_actor(1)
+                get(a1.run_check.remote("record_rx", True), 30, "record")
+                runs[kind] = self.tokens(dep)
+                hashes[kind] = get(a1.run_check.remote("record_rx", False), 30, "hashes")
+                tr = dep.stats()["stages"][1]["transport"]
+            self.row(f"transport_{kind}", f"transport: {kind} (stage 1 receives over {tr}) gives the one-stage "
+                     "tokens", tr == kind and runs[kind] == runs["one_stage"],
+                     {"transport": tr, "microbatches_hashed": len(hashes[kind])})
+        self.row("transports_bit_identical", "peer and host deliver bit-identical activations",
+                 hashes["peer"] == hashes["host"] and len(hashes["peer"]) > 0,
+                 {"hashes": len(hashes["peer"]), "equal": hashes["peer"] == hashes["host"]})
+
+
+def main(args) -> int:
+    b = Battery(args.config)
+    try:
+        report = b.run()
+    except MemraError as e:
+        print(f"battery could not run: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+    else:
+        print(f"{sum(r['outcome'] == 'PASS' for r in report['rows'])}/{len(report['rows'])} checks passed "
+              f"in {report['seconds']} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0 if report["passed"] else 1
