@@ -1,0 +1,36 @@
+"""On GPUs, a deployment of two stages (one card or two, peer or host slots) must generate exactly what one GPU
+stage generates, in bf16, with the fla kernels, through the real actors and slots."""
+import pytest
+import torch
+
+import memra_pp
+from conftest_models import tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+PROMPTS = [[5, 17, 42], list(range(1, 131)), [7], list(range(200, 265))]
+
+
+@pytest.fixture(scope="module")
+def gpus():
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (it is selected with -m gpu, never skipped)"
+    return torch.cuda.device_count()
+
+
+def run(path, devices, transport="auto"):
+    cfg = {"name": "g", "model": {"path": str(path), "dtype": "bfloat16"}, "transport": transport,
+           "stages": [{"device": d} for d in devices], "scheduler": {"max_batch": 8, "prefill_chunk": 48}}
+    with memra_pp.launch(cfg) as dep:
+        c = dep.client()
+        toks = [c.generate(p, max_new_tokens=12, stop_token_ids=[]).token_ids for p in PROMPTS]
+        return toks, dep.stats()["stages"]
+
+
+@pytest.mark.parametrize("transport", ["peer", "host"])
+def test_two_gpu_stages_equal_one(ray_cluster, gpus, transport):
+    _, path = tiny_checkpoint("dense", False)
+    ref, st1 = run(path, ["cuda:0"])
+    assert st1[0]["gdn_backend"] == "fla"
+    for devs in (["cuda:0", "cuda:0"], ["cuda:0", f"cuda:{min(1, gpus - 1)}"]):
+        toks, st = run(path, devs, transport)
+        assert st[1]["transport"] == transport and st[1]["handoffs"] > 0
+        assert toks == ref, f"{devs} {transport}: {toks} != {ref}"
