@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
+# probe, GPU tests, batteries. Every phase has a timeout; logs and JSON land in $OUT.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; echo "=== $name rc=$rc"; tail -n 25 "$OUT/$name.log"; }
+nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -5
+python3 -c "import torch, ray, fla, transformers; print(torch.__version__, ray.__version__, transformers.__version__, torch.cuda.device_count())"
+python3 -m memra_pp.cli make-tiny ~/.cache/memra_pp/tiny-qwen3_5-vision --vision >/dev/null
+python3 - <<'PY'
+import json, pathlib
+p = pathlib.Path("~/.cache/memra_pp/tiny-qwen3_5-vision/config.json").expanduser()
+print("tiny vision checkpoint:", p.exists())
+PY
+for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
+  case $phase_name in
+    probe) phase probe 200 python3 -u -m memra_pp.gpu_checks --out "$OUT" --handoffs 2000 ;;
+    tests) phase tests 330 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/ ;;
+    battery1) phase battery-one-card 300 python3 -m memra_pp.cli battery cluster_configs/2xh200-one-card.yaml --out "$OUT/battery-one-card.json" ;;
+    battery2) phase battery-2xh200 300 python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
+    battery4) phase battery-4gpu 300 python3 -m memra_pp.cli battery cluster_configs/battery-4gpu.yaml --out "$OUT/battery-4gpu.json" ;;
+    host) phase battery-host 300 python3 -m memra_pp.cli battery cluster_configs/host-bounce.yaml --out "$OUT/battery-host.json" ;;
+  esac
+done
