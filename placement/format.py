@@ -1,0 +1,18 @@
+"""Plain-text rendering of a Plan for ``memra-pp plan CONFIG`` (driver); ``Plan.to_dict()`` serves ``--json``."""
+from __future__ import annotations
+
+from .planner import Plan
+
+
+def format_plan(plan: Plan) -> str:
+    """A fixed-width table: stage, device, layers, layer count, roles, estimated cost share; then the warnings."""
+    total = sum(s.cost for s in plan.stages) or 1.0
+    head = ("stage", "device", "layers", "n", "roles", "cost %")
+    rows = [head] + [(str(s.index), s.device, f"[{s.layer_start}, {s.layer_end})", str(s.num_layers),
+                      ",".join(s.roles) or "-", f"{100.0 * s.cost / total:.1f}") for s in plan.stages]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    lines = [f"plan {plan.name}: {len(plan.stages)} stage(s), {plan.num_layers} layers, "
+             f"{plan.microbatches} microbatch(es)"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)

@@ -1,0 +1,243 @@
+"""Pure planner (driver, no I/O): a Placement and a ModelConfig in, per-stage layer ranges, roles and warnings out."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+from memra_pp.errors import ConfigError
+from memra_pp.model.config import ModelConfig, TextConfig
+
+from .schema import Placement
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    index: int
+    device: str
+    layer_start: int          # the stage applies decoder layers [layer_start, layer_end)
+    layer_end: int
+    intake: bool              # embeds tokens and splices overlays in (stage 0)
+    primary: bool             # owns norm + lm_head + sampler (the last stage)
+    tower: bool               # runs the vision tower (vision.engine)
+    num_cpus: float
+    threads: int
+    cost: float = 0.0         # estimated cost (default model: bytes read per decode token), for the share column
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(r for r, on in (("intake", self.intake), ("primary", self.primary), ("tower", self.tower)) if on)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    stages: tuple[StagePlan, ...]
+    intake_index: int
+    primary_index: int
+    tower_index: int
+    microbatches: int         # resolved: scheduler.microbatches, or auto = n_stages + 1 (1 for a single stage)
+    num_layers: int
+    warnings: tuple[str, ...] = ()   # settings that are silently ineffective here; the caller logs them
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        try:
+            return cls(**{**d, "stages": tuple(StagePlan(**s) for s in d["stages"]),
+                          "warnings": tuple(d.get("warnings", ()))})
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"plan dict: {e}; build it with Plan.to_dict()") from None
+
+
+def _mixer_params(t: TextConfig, full: bool) -> int:
+    H = t.hidden_size
+    if full:   # q_proj carries the output gate (2D per head), then k, v, o and the two per-head norms
+        D = t.head_dim
+        return H * D * (2 * t.num_attention_heads + 2 * t.num_key_value_heads + t.num_attention_heads) + 2 * D
+    nv, Dv = t.linear_num_value_heads, t.linear_num_value_heads * t.linear_value_head_dim
+    C, K = t.conv_dim, t.linear_conv_kernel_dim
+    # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj, conv1d, gated norm, A_log, dt_bias
+    return H * (C + Dv + 2 * nv) + H * Dv + C * K + t.linear_value_head_dim + 2 * nv
+
+
+def _ffn_params_read(t: TextConfig) -> int:
+    H = t.hidden_size
+    if not t.moe:
+        return 3 * H * t.intermediate_size
+    shared = 3 * H * t.shared_expert_intermediate_size + (H if t.shared_expert_intermediate_size else 0)
+    return t.num_experts * H + t.num_experts_per_tok * 3 * H * t.moe_intermediate_size + shared
+
+
+def state_bytes(t: TextConfig) -> float:
+    """The per-layer state term: a DeltaNet layer reads and writes its fp32 state (nv x dk x dv) per token."""
+    return 2.0 * 4 * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim
+
+
+def default_layer_costs(model: ModelConfig, dtype_bytes: int = 2) -> tuple[float, ...]:
+    """Bytes one decode token reads in each decoder layer: the memory-bound decode step costs what it reads.
+
+    Per layer: its mixer's weights (gated full attention and Gated DeltaNet differ), the FFN weights a token
+    touches (dense: gate, up, down; MoE: the router, the top-k experts and the shared expert with its gate, not
+    all E experts), the two RMSNorms, all at ``dtype_bytes``; plus ``state_bytes`` charged to every layer alike
+    (full-attention layers read a KV cache instead, comparable at a few thousand tokens of context).
+    """
+    t = model.text
+    ffn, norms, st = _ffn_params_read(t), 2 * t.hidden_size, state_bytes(t)
+    return tuple(float((_mixer_params(t, t.is_full(i)) + ffn + norms) * dtype_bytes) + st
+                 for i in range(t.num_hidden_layers))
+
+
+def default_head_cost(model: ModelConfig, dtype_bytes: int = 2) -> float:
+    """lm_head (V x H, read whole for every token, tied or not) plus the final norm: charged to the last stage."""
+    t = model.text
+    return float((t.vocab_size + 1) * t.hidden_size * dtype_bytes)
+
+
+def split_layers(costs: Sequence[float], n: int, first_extra: float = 0.0, last_extra: float = 0.0
+                 ) -> tuple[int, ...]:
+    """Boundaries 0 = b0 < b1 < ... < bn = len(costs) minimising the largest stage cost, exactly (DP, O(n L^2)).
+
+    Stage s costs sum(costs[b_s:b_s+1]), plus ``first_extra`` on stage 0 and ``last_extra`` on stage n-1.
+    Ties: each stage in turn takes as many layers as the optimum allows (the largest boundaries), so spare
+    capacity lands on the later stages, whose primary also samples. Needs 1 <= n <= len(costs).
+    """
+    L = len(costs)
+    assert 1 <= n <= L, (n, L)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+
+    def cost(s: int, a: int, b: int) -> float:
+        return pre[b] - pre[a] + (first_extra if s == 0 else 0.0) + (last_extra if s == n - 1 else 0.0)
+
+    # best[s][a]: the smallest max cost of stages s..n-1 over layers [a, L), each stage non-empty.
+    best = [[math.inf] * (L + 1) for _ in range(n + 1)]
+    best[n][L] = 0.0
+    for s in range(n - 1, -1, -1):
+        for a in range(s, L - (n - s) + 1):
+            best[s][a] = min(max(cost(s, a, b), best[s + 1][b]) for b in range(a + 1, L - (n - s - 1) + 1))
+    top = best[0][0]
+    bounds, a = [0], 0
+    for s in range(n - 1):
+        a = max(b for b in range(a + 1, L - (n - s - 1) + 1) if max(cost(s, a, b), best[s + 1][b]) <= top)
+        bounds.append(a)
+    bounds.append(L)
+    return tuple(bounds)
+
+
+def _ranges(placement: Placement, L: int, costs: Sequence[float], embed: float, head: float
+            ) -> list[tuple[int, int]]:
+    """Per-stage ranges: explicit stages are fixed; each run of auto stages splits the gap between its neighbours."""
+    specs, n = placement.stages, len(placement.stages)
+    if n > L:
+        raise ConfigError(f"stages: {n} stages for a model of {L} layers; every stage needs at least one layer, "
+                          f"so use at most {L} stages")
+    out: list[tuple[int, int] | None] = [None] * n
+    prev_end, prev_i = 0, -1
+    for i in [j for j, s in enumerate(specs) if s.layers is not None] + [n]:
+        lo, hi = prev_end, (specs[i].layers[0] if i < n else L)
+        run = list(range(prev_i + 1, i))
+        if i < n:
+            a, b = specs[i].layers
+            if b > L:
+                raise ConfigError(f"stages[{i}].layers: [{a}, {b}) is out of range: the model has {L} layers, "
+                                  f"so end must be <= {L}")
+            if a < prev_end:
+                raise ConfigError(f"stages[{i}].layers: [{a}, {b}) overlaps stages[{prev_i}].layers "
+                                  f"(ends at {prev_end}); stages hold disjoint, increasing ranges in stage order")
+        if not run and hi > lo:
+            who = f"stages[{i}].layers starts at {hi}" if i < n else f"stages[{prev_i}].layers ends at {lo}"
+            fix = "the first stage must start at 0" if lo == 0 else (
+                f"the last stage must end at num_hidden_layers = {L}" if i == n else "make the ranges contiguous")
+            raise ConfigError(f"{who}: layers [{lo}, {hi}) belong to no stage; {fix}")
+        if run and hi - lo < len(run):
+            raise ConfigError(f"stages[{run[0]}..{run[-1]}].layers: {len(run)} auto stage(s) but only "
+                              f"{hi - lo} layer(s) left in [{lo}, {hi}); every stage needs at least one layer")
+        if run:
+            bounds = split_layers(costs[lo:hi], len(run), embed if run[0] == 0 else 0.0,
+                                  head if run[-1] == n - 1 else 0.0)
+            for k, s in enumerate(run):
+                out[s] = (lo + bounds[k], lo + bounds[k + 1])
+        if i < n:
+            out[i] = specs[i].layers
+            prev_end, prev_i = specs[i].layers[1], i
+    return out  # type: ignore[return-value]
+
+
+def _tower(placement: Placement, n: int) -> int:
+    eng = placement.vision.engine
+    if eng == "primary":
+        return n - 1
+    if eng == "intake":
+        return 0
+    k = placement.vision.stage
+    if k is None or k >= n:
+        raise ConfigError(f"vision.engine: {eng!r} names no stage; use primary, intake or stage:N with "
+                          f"N in 0..{n - 1}")
+    return k
+
+
+def _warnings(placement: Placement, n: int, tower: int) -> tuple[str, ...]:
+    out = []
+    mb = placement.scheduler.microbatches
+    if mb is not None and mb < n:
+        out.append(f"scheduler.microbatches: {mb} is fewer microbatches than stages ({n}): stages will idle; "
+                   f"use auto ({n + 1}) or at least {n}")
+    mode = placement.overlay_publish
+    if mode != "auto" and tower == 0:
+        why = "a single-stage placement" if n == 1 else "vision.engine puts the tower on the intake stage"
+        what = ("force only adds a host round trip for rows already resident" if mode == "force"
+                else "there is nothing to publish or refuse, so never changes nothing")
+        out.append(f"overlay_publish: {mode} is ineffective here ({why}): image rows are made in the engine "
+                   f"that splices them, so publication never crosses a context; {what}")
+    if placement.transport != "auto":
+        if n == 1:
+            out.append(f"transport: {placement.transport} has no effect: a single-stage placement has no "
+                       "stage boundary")
+        elif not any(s.is_cuda for s in placement.stages):
+            out.append(f"transport: {placement.transport} has no effect: every stage is on cpu, so boundaries "
+                       "use CPU shared-memory slots")
+    return tuple(out)
+
+
+def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[float] | None = None,
+              head_cost: float | None = None) -> Plan:
+    """Resolve a placement against a model: layer ranges, roles, microbatches and warnings. Pure; refuses with
+    ConfigError naming the key. Measured ``layer_costs`` (one per layer) replace the byte model; then the
+    embedding is free and ``head_cost`` (default 0, same units as the measurement) is added to the last stage.
+    """
+    L, n = model.text.num_hidden_layers, len(placement.stages)
+    if layer_costs is None:
+        b = DTYPE_BYTES[placement.model.dtype]
+        costs = default_layer_costs(model, b)
+        embed, head = float(model.text.hidden_size * b), default_head_cost(model, b)
+    else:
+        costs = tuple(float(c) for c in layer_costs)
+        if len(costs) != L or not all(math.isfinite(c) and c >= 0 for c in costs):
+            raise ConfigError(f"layer_costs: need {L} finite costs >= 0 (one per layer), got {list(layer_costs)}")
+        embed, head = 0.0, 0.0
+    if head_cost is not None:
+        if not (math.isfinite(head_cost) and head_cost >= 0):
+            raise ConfigError(f"head_cost: must be a finite cost >= 0, got {head_cost!r}")
+        head = float(head_cost)
+    tower = _tower(placement, n)
+    ranges = _ranges(placement, L, costs, embed, head)
+    stages = tuple(StagePlan(
+        index=i, device=s.device, layer_start=a, layer_end=b, intake=i == 0, primary=i == n - 1, tower=i == tower,
+        num_cpus=s.num_cpus, threads=s.threads,
+        cost=sum(costs[a:b]) + (embed if i == 0 else 0.0) + (head if i == n - 1 else 0.0))
+        for i, (s, (a, b)) in enumerate(zip(placement.stages, ranges)))
+    mb = placement.scheduler.microbatches
+    # auto: one microbatch more than stages, so the intake builds the next while the ring returns tokens
+    mb = mb if mb is not None else (n + 1 if n > 1 else 1)
+    return Plan(name=placement.name, stages=stages, intake_index=0, primary_index=n - 1, tower_index=tower,
+                microbatches=mb, num_layers=L, warnings=_warnings(placement, n, tower))

@@ -1,0 +1,280 @@
+"""Placement YAML schema: frozen dataclasses, read once (driver process) from a file or dict and validated with key
+paths. Nothing past ``load_placement`` sees a dict; the constructors themselves do not validate.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from memra_pp.errors import ConfigError
+
+FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("float32", "bfloat16", "float16")
+OVERLAY_PUBLISH = ("auto", "force", "never")
+TRANSPORTS = ("auto", "peer", "host")
+RECOVER = ("error", "replay")
+DEFAULT_MODEL_PATH = "~/.cache/memra_pp/tiny-qwen3_5"
+_DEVICE = re.compile(r"cpu|cuda:(0|[1-9][0-9]*)")
+_STAGE_REF = re.compile(r"stage:(0|[1-9][0-9]*)")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    path: Path = Path(DEFAULT_MODEL_PATH)   # '~' expanded by the loader; existence is the weight loader's check
+    format: str = "auto"     # auto picks by the files present; dummy builds random weights from config.json alone
+    dtype: str = "float32"   # compute and weight dtype of every stage; one dtype so boundary payloads never convert
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    device: str                              # "cpu" or "cuda:N": the stage actor owns this device and one context
+    # [start, end), or None = auto: auto stages split, by cost, the layers between their explicit neighbours
+    layers: tuple[int, int] | None = None
+    num_cpus: float = 0.5    # Ray CPU reservation; 0.5 lets two cpu stages share a core on a small box
+    threads: int = 1         # torch intra-op threads; 1 keeps co-located stages from oversubscribing cores
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionSpec:
+    engine: str = "primary"   # "primary" | "intake" | "stage:N": where the tower runs; primary saves intake memory
+
+    @property
+    def stage(self) -> int | None:
+        """N of "stage:N", else None."""
+        m = _STAGE_REF.fullmatch(self.engine)
+        return int(m.group(1)) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSpec:
+    max_batch: int = 32            # sequences decoded together; bounds the cache slot pools on every stage
+    microbatches: int | None = None   # None = auto (the planner resolves it); in flight at once around the ring
+    max_context: int = 4096        # prompt + generated tokens per sequence; sizes the KV caches
+    prefill_chunk: int = 512       # prompt tokens per prefill step; bounds activation memory, any positive size
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterSpec:
+    max_loras: int = 4     # adapter slots resident at once; sizes the TokenOverlaySet and LoRA buffers
+    max_rank: int = 64     # largest LoRA rank a slot accepts; buffers are preallocated at this rank
+
+
+@dataclasses.dataclass(frozen=True)
+class RaySpec:
+    address: str = "local"        # "local" starts a private Ray; anything else is passed to ray.init(address=)
+    namespace: str = "memra"      # Ray namespace, so connect(name) finds detached deployments
+    listen: str = "127.0.0.1"     # address the deployment's sockets bind: loopback unless said otherwise
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeoutSpec:
+    ready_s: float = 300.0     # every stage must report ready within this (weights load, kernels compile)
+    step_s: float = 60.0       # one cross-actor wait; a stage silent longer is declared failed (StageFailed)
+    heartbeat_s: float = 2.0   # heartbeat period; a stage missing several is declared failed
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A validated placement: build it with ``load_placement``; ship it to actors as ``to_dict()``."""
+    stages: tuple[StageSpec, ...]
+    name: str = "memra"
+    model: ModelSpec = ModelSpec()
+    vision: VisionSpec = VisionSpec()
+    overlay_publish: str = "auto"   # auto | force | never; resolved to OverlayPublish by memra_pp.overlay
+    transport: str = "auto"         # auto | peer (CUDA IPC) | host (pinned host bounce) for GPU boundary slots
+    scheduler: SchedulerSpec = SchedulerSpec()
+    adapters: AdapterSpec = AdapterSpec()
+    recover: str = "error"          # error: a failed stage fails its requests; replay: re-prefill them after restart
+    ray: RaySpec = RaySpec()
+    timeouts: TimeoutSpec = TimeoutSpec()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-able dict; ``load_placement(p.to_dict()) == p``."""
+        d = dataclasses.asdict(self)
+        d["model"]["path"] = str(self.model.path)
+        d["stages"] = [dict(s, layers=list(s["layers"]) if s["layers"] else "auto") for s in d["stages"]]
+        d["scheduler"]["microbatches"] = self.scheduler.microbatches or "auto"
+        return d
+
+
+# --- readers: each refuses with the key path and what would be accepted ----------------------------------------
+
+def _bad(path: str, msg: str) -> ConfigError:
+    return ConfigError(f"{path}: {msg}")
+
+
+def _mapping(raw: Any, path: str, cls) -> dict:
+    """The section as a dict; refuses a non-mapping and unknown keys (with a close match when there is one)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise _bad(path or "placement", f"must be a mapping, got {raw!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in raw:
+        if k not in names:
+            near = difflib.get_close_matches(str(k), names, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            where = f"{path}.{k}" if path else str(k)
+            raise _bad(where, f"unknown key {k!r}; {hint}accepted keys: {', '.join(names)}")
+    return dict(raw)
+
+
+def _choice(v: Any, path: str, allowed: tuple[str, ...]) -> str:
+    if v not in allowed:
+        raise _bad(path, f"{v!r} is not one of {' | '.join(allowed)}")
+    return v
+
+
+def _int(v: Any, path: str, lo: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _bad(path, f"must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _pos(v: Any, path: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+        raise _bad(path, f"must be a positive finite number, got {v!r}")
+    return float(v)
+
+
+def _str(v: Any, path: str) -> str:
+    if not isinstance(v, str) or not v.strip():
+        raise _bad(path, f"must be a non-empty string, got {v!r}")
+    return v
+
+
+def _model(raw: Any) -> ModelSpec:
+    d = _mapping(raw, "model", ModelSpec)
+    path = Path(_str(d.get("path", DEFAULT_MODEL_PATH), "model.path")).expanduser()
+    return ModelSpec(path=path, format=_choice(d.get("format", "auto"), "model.format", FORMATS),
+                     dtype=_choice(d.get("dtype", "float32"), "model.dtype", DTYPES))
+
+
+def _stage(raw: Any, i: int) -> StageSpec:
+    p = f"stages[{i}]"
+    d = _mapping(raw, p, StageSpec)
+    if "device" not in d:
+        raise _bad(f"{p}.device", "is required: cpu or cuda:N (N >= 0)")
+    dev = d["device"]
+    if not isinstance(dev, str) or not _DEVICE.fullmatch(dev):
+        raise _bad(f"{p}.device", f"{dev!r} is not a device; use cpu or cuda:N with N >= 0 (e.g. cuda:0)")
+    layers = d.get("layers", "auto")
+    if layers == "auto":
+        rng = None
+    elif (isinstance(layers, (list, tuple)) and len(layers) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
+          and layers[0] < layers[1]):
+        rng = (layers[0], layers[1])
+    else:
+        raise _bad(f"{p}.layers", f"{layers!r} must be auto or [start, end) with 0 <= start < end")
+    spec = StageSpec(device=dev, layers=rng)
+    cpus = _pos(d["num_cpus"], f"{p}.num_cpus") if "num_cpus" in d else (1.0 if spec.is_cuda else 0.5)
+    return dataclasses.replace(spec, num_cpus=cpus, threads=_int(d.get("threads", 1), f"{p}.threads"))
+
+
+def _stages(raw: Any) -> tuple[StageSpec, ...]:
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise _bad("stages", f"must be a list of at least one stage ({{device: cpu, layers: auto}}), got {raw!r}")
+    return tuple(_stage(s, i) for i, s in enumerate(raw))
+
+
+def _vision(raw: Any, n_stages: int) -> VisionSpec:
+    d = _mapping(raw, "vision", VisionSpec)
+    eng = d.get("engine", "primary")
+    v = VisionSpec(engine=eng)
+    if eng not in ("primary", "intake") and (not isinstance(eng, str) or v.stage is None):
+        raise _bad("vision.engine", f"{eng!r} is not one of primary | intake | stage:N")
+    if v.stage is not None and v.stage >= n_stages:
+        raise _bad("vision.engine", f"{eng!r} names no stage; this placement has stages 0..{n_stages - 1}")
+    return v
+
+
+def _scheduler(raw: Any) -> SchedulerSpec:
+    d = _mapping(raw, "scheduler", SchedulerSpec)
+    mb = d.get("microbatches", "auto")
+    kw = {k: _int(d[k], f"scheduler.{k}") for k in ("max_batch", "max_context", "prefill_chunk") if k in d}
+    if mb != "auto":
+        if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+            raise _bad("scheduler.microbatches", f"must be auto or an integer >= 1, got {mb!r}")
+        kw["microbatches"] = mb
+    return SchedulerSpec(**kw)
+
+
+def _ray(raw: Any) -> RaySpec:
+    d = _mapping(raw, "ray", RaySpec)
+    kw = {k: _str(d[k], f"ray.{k}") for k in ("address", "namespace", "listen") if k in d}
+    if "listen" in kw:
+        try:
+            ipaddress.ip_address(kw["listen"])
+        except ValueError:
+            raise _bad("ray.listen", f"{kw['listen']!r} is not an IP address; use 127.0.0.1 (this host only) "
+                       "or 0.0.0.0 (every interface)") from None
+    return RaySpec(**kw)
+
+
+def parse_placement(raw: Any) -> Placement:
+    """Validate a placement given as a dict (the YAML's top level). Errors name the key path, not the file."""
+    d = _mapping(raw, "", Placement)
+    if "stages" not in d:
+        raise _bad("stages", "is required: a list of at least one stage, e.g. [{device: cpu, layers: auto}]")
+    stages = _stages(d["stages"])
+    name = _str(d.get("name", "memra"), "name")
+    if not _NAME.fullmatch(name):
+        raise _bad("name", f"{name!r} must be letters, digits, '.', '_' or '-' (it names Ray actors)")
+    ad = _mapping(d.get("adapters"), "adapters", AdapterSpec)
+    to = _mapping(d.get("timeouts"), "timeouts", TimeoutSpec)
+    return Placement(
+        stages=stages, name=name, model=_model(d.get("model")), vision=_vision(d.get("vision"), len(stages)),
+        overlay_publish=_choice(d.get("overlay_publish", "auto"), "overlay_publish", OVERLAY_PUBLISH),
+        transport=_choice(d.get("transport", "auto"), "transport", TRANSPORTS),
+        scheduler=_scheduler(d.get("scheduler")),
+        adapters=AdapterSpec(**{k: _int(v, f"adapters.{k}") for k, v in ad.items()}),
+        recover=_choice(d.get("recover", "error"), "recover", RECOVER), ray=_ray(d.get("ray")),
+        timeouts=TimeoutSpec(**{k: _pos(v, f"timeouts.{k}") for k, v in to.items()}))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_placement(src: str | Path | Mapping) -> Placement:
+    """Read a placement YAML file (or an already-parsed dict) once and validate it; ConfigError names the file."""
+    if isinstance(src, Mapping):
+        where, raw = "placement", src
+    else:
+        where = str(src)
+        try:
+            text = Path(src).expanduser().read_text()
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot read the placement file ({e.strerror or e})") from None
+        try:
+            raw = yaml.load(text, Loader=_UniqueKeyLoader)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: not valid YAML: {e}") from None
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where}: the top level must be a mapping of placement keys (name, model, stages, "
+                              f"...), got {type(raw).__name__}")
+    try:
+        return parse_placement(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None

@@ -1,0 +1,331 @@
+"""Placement schema and planner: exact splits, every refusal with its message, round-trips, warnings, a property."""
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings, strategies as st
+
+from memra_pp.errors import ConfigError
+from memra_pp.model.config import parse_config
+from memra_pp.placement import (Plan, default_head_cost, default_layer_costs, format_plan, load_placement,
+                                make_plan, split_layers)
+
+CONFIGS = Path(__file__).parent.parent / "cluster_configs"
+TINY = dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"],
+            rope_parameters={"mrope_section": [2, 1, 1]})
+MOE = dict(TINY, model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=32)
+B27 = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, num_hidden_layers=64,
+           intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+           linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+           linear_conv_kernel_dim=4)
+
+
+def model(base=TINY, **over):
+    return parse_config(dict(base, **over))
+
+
+def cfg(*stages, **over):
+    return {"name": "t", "model": {"path": "/m", "format": "dummy"},
+            "stages": [s if isinstance(s, dict) else {"device": "cpu", "layers": s} for s in stages], **over}
+
+
+def plan(raw, costs=None, head=None, m=None):
+    return make_plan(load_placement(raw), m or model(), costs, head)
+
+
+def ranges(p):
+    return [(s.layer_start, s.layer_end) for s in p.stages]
+
+
+def refused(fn, *needles):
+    with pytest.raises(ConfigError) as e:
+        fn()
+    for n in needles:
+        assert n in str(e.value), f"{n!r} not in {str(e.value)!r}"
+    return str(e.value)
+
+
+# --- the splitter ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("costs,n,first,last,want", [
+    ([1, 1, 1, 1], 2, 0, 0, (0, 2, 4)),
+    ([4, 1, 1, 1, 1], 2, 0, 0, (0, 1, 5)),      # one heavy layer is a stage by itself
+    ([1, 1, 1], 2, 0, 0, (0, 2, 3)),            # tie 2|1 vs 1|2: the earlier stage takes more
+    ([1] * 5, 3, 0, 0, (0, 2, 4, 5)),
+    ([1] * 4, 2, 0, 2, (0, 3, 4)),              # head cost pushes a layer off the last stage
+    ([1] * 4, 2, 2, 0, (0, 1, 4)),              # embedding cost on stage 0 does the same there
+    ([3, 1, 2], 3, 0, 0, (0, 1, 2, 3)),         # as many stages as layers: one each
+    ([5, 7], 1, 0, 0, (0, 2)),
+])
+def test_split_layers_exact(costs, n, first, last, want):
+    """split_layers must return the hand-computed min-max boundaries, ties to the largest boundaries."""
+    assert split_layers(costs, n, first, last) == want
+
+
+def test_measured_costs_and_head_cost():
+    """Measured layer costs must drive the split, and a head cost must move layers off the primary stage."""
+    assert ranges(plan(cfg("auto", "auto"), [1, 2, 3, 4, 5, 6])) == [(0, 4), (4, 6)]
+    p = plan(cfg("auto", "auto"), [1, 2, 3, 4, 5, 6], head=5)
+    assert ranges(p) == [(0, 5), (5, 6)] and [s.cost for s in p.stages] == [15, 11]
+
+
+def test_default_costs_hand_computed():
+    """The byte model must equal the per-tensor sums for the tiny dense model (float32)."""
+    c = default_layer_costs(model(), 4)
+    state = 2 * 4 * 4 * 16 * 16                   # DeltaNet fp32 state read + written
+    linear = 64 * (128 + 64 + 8) + 64 * 64 + 128 * 4 + 16 + 8    # in_proj qkv/z/b/a, out_proj, conv, norm, A, dt
+    full = 64 * 32 * (8 + 4 + 4) + 2 * 32                        # q(+gate), k, v, o, q_norm, k_norm
+    ffn, norms = 3 * 64 * 128, 2 * 64
+    assert c == tuple(float(4 * (m + ffn + norms) + state) for m in [linear] * 3 + [full, linear, full])
+    assert default_head_cost(model(), 4) == (512 + 1) * 64 * 4
+
+
+def test_moe_costs_count_only_what_a_token_reads():
+    """A MoE layer must cost router + top-k experts + shared expert: E moves only the router, k adds experts."""
+    base, more_e, more_k = (default_layer_costs(model(MOE, **o), 2) for o in
+                            ({}, {"num_experts": 64}, {"num_experts_per_tok": 3}))
+    assert all(b - a == (64 - 8) * 64 * 2 for a, b in zip(base, more_e))
+    assert all(b - a == 3 * 64 * 32 * 2 for a, b in zip(base, more_k))
+    dense = default_layer_costs(model(), 2)
+    assert all(m < d for m, d in zip(base, dense))     # 2 of 8 small experts read less than one dense FFN
+    assert base[0] - base[3] == dense[0] - dense[3]    # linear vs full attention differ by the mixer alone
+
+
+def test_27b_default_plan_is_balanced():
+    """The 27B byte model must split 64 layers so the lm_head's stage holds fewer layers."""
+    p = plan(cfg(*[{"device": f"cuda:{i}"} for i in range(4)], model={"path": "/m", "dtype": "bfloat16"}),
+             m=model(B27))
+    assert ranges(p) == [(0, 17), (17, 34), (34, 51), (51, 64)]
+
+
+# --- explicit and mixed layers -----------------------------------------------------------------------------------
+
+def test_explicit_and_mixed_layers():
+    """Explicit ranges must be kept; auto stages must split exactly the gaps between them."""
+    assert ranges(plan(cfg([0, 1], [1, 6]))) == [(0, 1), (1, 6)]
+    costs = [1] * 6
+    assert ranges(plan(cfg("auto", [2, 4], "auto"), costs)) == [(0, 2), (2, 4), (4, 6)]
+    assert ranges(plan(cfg([0, 3], "auto", "auto"), costs)) == [(0, 3), (3, 5), (5, 6)]
+    assert ranges(plan(cfg("auto", "auto", [5, 6]), costs)) == [(0, 3), (3, 5), (5, 6)]
+
+
+@pytest.mark.parametrize("stages,needles", [
+    ([[0, 2], [3, 6]], ["stages[1].layers starts at 3: layers [2, 3) belong to no stage"]),
+    ([[0, 4], [3, 6]], ["stages[1].layers: [3, 6) overlaps stages[0].layers (ends at 4)"]),
+    ([[3, 6], [0, 3]], ["stages[0].layers starts at 3: layers [0, 3) belong to no stage"]),   # out of order
+    ([[0, 3], [3, 7]], ["stages[1].layers: [3, 7) is out of range: the model has 6 layers"]),
+    ([[1, 3], [3, 6]], ["stages[0].layers starts at 1: layers [0, 1) belong to no stage; the first stage must"]),
+    ([[0, 3], [3, 5]], ["stages[1].layers ends at 5: layers [5, 6) belong to no stage; the last stage must end "
+                        "at num_hidden_layers = 6"]),
+    (["auto", "auto", [1, 6]], ["stages[0..1].layers: 2 auto stage(s) but only 1 layer(s) left in [0, 1)"]),
+    (["auto"] * 7, ["stages: 7 stages for a model of 6 layers", "use at most 6 stages"]),
+])
+def test_layer_refusals(stages, needles):
+    """Every bad layer layout must be refused naming stages[i].layers and the uncovered or clashing layers."""
+    refused(lambda: plan(cfg(*stages)), *needles)
+
+
+# --- schema refusals ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("over,needles", [
+    ({"stagse": 1}, ["stagse: unknown key 'stagse'; did you mean 'stages'?"]),
+    ({"scheduler": {"max_bacth": 4}}, ["scheduler.max_bacth: unknown key", "max_batch"]),
+    ({"stages": [{"device": "cpu"}, {"devcie": "cpu"}]}, ["stages[1].devcie: unknown key"]),
+    ({"stages": [{"device": "cpu"}, {"device": "gpu0"}]}, ["stages[1].device: 'gpu0' is not a device; use cpu"]),
+    ({"stages": [{"device": "cuda:-1"}]}, ["stages[0].device: 'cuda:-1' is not a device"]),
+    ({"stages": [{"device": "cuda"}]}, ["stages[0].device: 'cuda' is not a device", "cuda:0"]),
+    ({"stages": [{"layers": "auto"}]}, ["stages[0].device: is required"]),
+    ({"stages": [{"device": "cpu", "layers": [3, 3]}]}, ["stages[0].layers: [3, 3] must be auto or [start, end)"]),
+    ({"stages": [{"device": "cpu", "layers": [-1, 2]}]}, ["stages[0].layers: [-1, 2]"]),
+    ({"stages": [{"device": "cpu", "layers": "half"}]}, ["stages[0].layers: 'half' must be auto"]),
+    ({"stages": []}, ["stages: must be a list of at least one stage"]),
+    ({"stages": None}, ["stages: must be a list"]),
+    ({"overlay_publish": "forse"}, ["overlay_publish: 'forse' is not one of auto | force | never"]),
+    ({"transport": "p2p"}, ["transport: 'p2p' is not one of auto | peer | host"]),
+    ({"recover": "retry"}, ["recover: 'retry' is not one of error | replay"]),
+    ({"model": {"format": "onnx"}}, ["model.format: 'onnx' is not one of auto | safetensors | gguf | dummy"]),
+    ({"model": {"dtype": "fp16"}}, ["model.dtype: 'fp16' is not one of float32 | bfloat16 | float16"]),
+    ({"model": {"path": ""}}, ["model.path: must be a non-empty string"]),
+    ({"vision": {"engine": "tower"}}, ["vision.engine: 'tower' is not one of primary | intake | stage:N"]),
+    ({"vision": {"engine": "stage:x"}}, ["vision.engine: 'stage:x' is not one of"]),
+    ({"vision": {"engine": "stage:9"}}, ["vision.engine: 'stage:9' names no stage; this placement has stages 0..0"]),
+    ({"scheduler": {"prefill_chunk": 0}}, ["scheduler.prefill_chunk: must be an integer >= 1, got 0"]),
+    ({"scheduler": {"max_batch": -1}}, ["scheduler.max_batch: must be an integer >= 1, got -1"]),
+    ({"scheduler": {"max_context": 1.5}}, ["scheduler.max_context: must be an integer >= 1, got 1.5"]),
+    ({"scheduler": {"max_batch": True}}, ["scheduler.max_batch: must be an integer >= 1, got True"]),
+    ({"scheduler": {"microbatches": 0}}, ["scheduler.microbatches: must be auto or an integer >= 1, got 0"]),
+    ({"scheduler": 5}, ["scheduler: must be a mapping, got 5"]),
+    ({"adapters": {"max_loras": 0}}, ["adapters.max_loras: must be an integer >= 1"]),
+    ({"timeouts": {"step_s": 0}}, ["timeouts.step_s: must be a positive finite number, got 0"]),
+    ({"timeouts": {"ready_s": float("nan")}}, ["timeouts.ready_s: must be a positive finite number"]),
+    ({"stages": [{"device": "cpu", "num_cpus": 0}]}, ["stages[0].num_cpus: must be a positive finite number"]),
+    ({"stages": [{"device": "cpu", "threads": 0}]}, ["stages[0].threads: must be an integer >= 1, got 0"]),
+    ({"ray": {"listen": "localhost"}}, ["ray.listen: 'localhost' is not an IP address; use 127.0.0.1"]),
+    ({"ray": {"namespace": ""}}, ["ray.namespace: must be a non-empty string"]),
+    ({"name": "my name"}, ["name: 'my name' must be letters, digits"]),
+])
+def test_schema_refusals(over, needles):
+    """Every bad key or value must be refused once, with its key path, the typo echoed and what is accepted."""
+    raw = dict(cfg({"device": "cpu"}), **over)
+    msg = refused(lambda: load_placement(raw), *needles)
+    assert msg.startswith("placement: ")
+
+
+def test_missing_stages_and_non_mapping():
+    """A placement without stages, or one that is not a mapping, must be refused naming what to write."""
+    refused(lambda: load_placement({"name": "x"}), "stages: is required")
+    from memra_pp.placement import parse_placement
+    refused(lambda: parse_placement([1]), "placement: must be a mapping")
+
+
+@pytest.mark.parametrize("text,needles", [
+    ("stages: [\n", ["not valid YAML"]),
+    ("- device: cpu\n", ["the top level must be a mapping", "got list"]),
+    ("", ["the top level must be a mapping", "got NoneType"]),
+    ("stages: [{device: cpu}]\nstages: [{device: cpu}]\n", ["not valid YAML", "duplicate key 'stages'"]),
+    ("stages: [{device: cpu}]\nscheduler: {prefill_chunk: -4}\n", ["scheduler.prefill_chunk: must be"]),
+])
+def test_yaml_refusals_name_the_file(tmp_path, text, needles):
+    """Malformed YAML and bad values in a file must be refused with the file's path first."""
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    assert refused(lambda: load_placement(f), *needles).startswith(str(f))
+    refused(lambda: load_placement(tmp_path / "none.yaml"), "none.yaml: cannot read the placement file")
+
+
+def test_planner_argument_refusals():
+    """Bad measured costs, head cost or plan dicts must be refused naming the argument."""
+    refused(lambda: plan(cfg("auto"), [1, 2]), "layer_costs: need 6 finite costs >= 0")
+    refused(lambda: plan(cfg("auto"), [1, 1, 1, 1, 1, -1]), "layer_costs")
+    refused(lambda: plan(cfg("auto"), head=-1.0), "head_cost: must be a finite cost >= 0")
+    refused(lambda: Plan.from_dict({"name": "x"}), "plan dict:")
+
+
+# --- defaults, round-trips, configs ------------------------------------------------------------------------------
+
+def test_partial_sections_take_defaults():
+    """A section given in part must take the defaults for the rest; cuda stages reserve a whole CPU."""
+    p = load_placement({"stages": [{"device": "cpu"}, {"device": "cuda:1"}], "scheduler": {"max_batch": 4},
+                        "model": {"path": "~/m"}})
+    assert (p.scheduler.max_batch, p.scheduler.prefill_chunk, p.scheduler.microbatches) == (4, 512, None)
+    assert [(s.num_cpus, s.threads, s.layers) for s in p.stages] == [(0.5, 1, None), (1.0, 1, None)]
+    assert p.model.path == Path("~/m").expanduser() and "~" not in str(p.model.path)
+    assert (p.name, p.transport, p.recover, p.ray.listen, p.timeouts.heartbeat_s) == (
+        "memra", "auto", "error", "127.0.0.1", 2.0)
+
+
+def test_round_trips(tmp_path):
+    """to_dict must load back to an equal Placement (dict, YAML file) and Plan.to_dict must survive JSON."""
+    raw = cfg({"device": "cpu", "layers": [0, 2], "num_cpus": 0.25, "threads": 2}, "auto", "auto",
+              vision={"engine": "stage:1"}, overlay_publish="never", transport="host", recover="replay",
+              scheduler={"microbatches": 2, "max_batch": 3, "max_context": 64, "prefill_chunk": 7},
+              adapters={"max_loras": 1, "max_rank": 8}, ray={"address": "auto", "namespace": "n", "listen": "0.0.0.0"},
+              timeouts={"ready_s": 1, "step_s": 2.5, "heartbeat_s": 0.5})
+    p = load_placement(raw)
+    assert load_placement(p.to_dict()) == p
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(p.to_dict()))
+    assert load_placement(tmp_path / "p.yaml") == p
+    pl = make_plan(p, model())
+    assert Plan.from_dict(json.loads(json.dumps(pl.to_dict()))) == pl
+
+
+def test_cluster_configs_load_and_plan():
+    """Every cluster config must load, round-trip and plan against a model of its size."""
+    files = sorted(CONFIGS.glob("*.yaml"))
+    names = {f.stem for f in files}
+    assert {"tiny-cpu", "tiny-cpu-3", "1xh200", "2xh200", "2xh200-one-card", "host-bounce", "4gpu"} <= names
+    for f in files:
+        p = load_placement(f)
+        assert load_placement(p.to_dict()) == p
+        pl = make_plan(p, model(B27) if p.model.format == "dummy" else model())
+        assert pl.stages[-1].layer_end == pl.num_layers and len(pl.stages) == len(p.stages)
+    assert load_placement(CONFIGS / "host-bounce.yaml").transport == "host"
+
+
+def test_tiny_cpu_equals_embedded_default():
+    """cluster_configs/tiny-cpu.yaml must be the embedded default memra_pp.defaults.TINY_CPU."""
+    from memra_pp.defaults import TINY_CPU
+    assert load_placement(CONFIGS / "tiny-cpu.yaml") == load_placement(TINY_CPU)
+
+
+# --- roles, microbatches, warnings, format -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine,tower", [("primary", 2), ("intake", 0), ("stage:1", 1)])
+def test_roles(engine, tower):
+    """Intake must be stage 0, primary the last stage, and the tower where vision.engine says."""
+    p = plan(cfg("auto", "auto", "auto", vision={"engine": engine}))
+    assert (p.intake_index, p.primary_index, p.tower_index) == (0, 2, tower)
+    assert [s.roles for s in p.stages][tower][-1] == "tower"
+    assert [(s.intake, s.primary) for s in p.stages] == [(True, False), (False, False), (False, True)]
+
+
+def test_microbatches_resolved():
+    """auto must resolve to n_stages + 1 on a pipeline and 1 on one stage; an int must be kept."""
+    assert plan(cfg("auto")).microbatches == 1
+    assert plan(cfg("auto", "auto", "auto")).microbatches == 4
+    assert plan(cfg("auto", "auto", scheduler={"microbatches": 7})).microbatches == 7
+
+
+GPU2 = ({"device": "cuda:0"}, {"device": "cuda:1"})
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (cfg("auto", "auto", "auto", scheduler={"microbatches": 2}),
+     "scheduler.microbatches: 2 is fewer microbatches than stages (3): stages will idle; use auto (4)"),
+    (cfg("auto", overlay_publish="force"), "overlay_publish: force is ineffective here (a single-stage placement)"),
+    (cfg(*GPU2, overlay_publish="never", vision={"engine": "intake"}),
+     "overlay_publish: never is ineffective here (vision.engine puts the tower on the intake stage)"),
+    (cfg("auto", "auto", transport="peer"), "transport: peer has no effect: every stage is on cpu"),
+    (cfg({"device": "cuda:0"}, transport="host"), "transport: host has no effect: a single-stage placement"),
+])
+def test_warnings(raw, needle):
+    """A silently ineffective setting must yield exactly one warning saying why."""
+    w = plan(raw).warnings
+    assert len(w) == 1 and needle in w[0], w
+
+
+@pytest.mark.parametrize("raw", [
+    cfg("auto", "auto", "auto", scheduler={"microbatches": 3}), cfg(*GPU2, overlay_publish="force"),
+    cfg(*GPU2, transport="host"), cfg("auto", "auto"),
+])
+def test_no_warnings_when_effective(raw):
+    """Effective settings must not warn."""
+    assert plan(raw).warnings == ()
+
+
+def test_format_plan_exact():
+    """format_plan must print the header, one aligned row per stage with its cost share, then warnings."""
+    p = plan(cfg("auto", "auto", scheduler={"microbatches": 1}), [1, 2, 3, 4, 5, 6], head=5)
+    assert format_plan(p) == "\n".join([
+        "plan t: 2 stage(s), 6 layers, 1 microbatch(es)",
+        "stage  device  layers  n  roles          cost %",
+        "0      cpu     [0, 5)  5  intake         57.7",
+        "1      cpu     [5, 6)  1  primary,tower  42.3",
+        "warning: scheduler.microbatches: 1 is fewer microbatches than stages (2): stages will idle; "
+        "use auto (3) or at least 2"])
+
+
+# --- property ----------------------------------------------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=8), st.data())
+def test_split_is_optimal_property(costs, data):
+    """Any split must be contiguous, cover every layer, leave no stage empty, and equal the brute-force optimum
+    (its largest boundaries among the optima)."""
+    n = data.draw(st.integers(1, len(costs)))
+    first, last = data.draw(st.integers(0, 20)), data.draw(st.integers(0, 20))
+    got = split_layers(costs, n, first, last)
+
+    def worst(b):
+        return max(sum(costs[b[s]:b[s + 1]]) + (first if s == 0 else 0) + (last if s == n - 1 else 0)
+                   for s in range(n))
+    assert got[0] == 0 and got[-1] == len(costs) and all(a < b for a, b in zip(got, got[1:]))
+    every = [(0, *mid, len(costs)) for mid in itertools.combinations(range(1, len(costs)), n - 1)]
+    best = min(worst(b) for b in every)
+    assert worst(got) == best and got == max(b for b in every if worst(b) == best)
