@@ -174,6 +174,12 @@ class SlotReceiverBase:
     def stats(self) -> dict:
         return self._stats.as_dict()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Close the channel and release (unlink) the slots; drop every view from `recv` first."""
         if self._ch is not None:
@@ -276,6 +282,12 @@ class SlotSenderBase:
 
     def stats(self) -> dict:
         return self._stats.as_dict()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._ch is not None:
