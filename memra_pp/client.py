@@ -35,23 +35,47 @@ class StreamEvent:
     finish_reason: str | None = None
 
 
-def _error(etype: str, message: str) -> MemraError:
+def _error(etype: str, message: str, stage: int | None = None) -> MemraError:
     cls = getattr(_errors, etype, None)
+    if isinstance(cls, type) and issubclass(cls, StageFailed):
+        return cls(message, stage=stage)
     if isinstance(cls, type) and issubclass(cls, MemraError):
         return cls(message)
-    return StageFailed(f"{etype}: {message}")
+    return StageFailed(f"{etype}: {message}", stage=stage)
+
+
+@dataclasses.dataclass(eq=False)
+class _Track:
+    """One request as the client knows it: what was asked and every token delivered so far (its replay history,
+    kept here so that it survives the loss of the intake stage)."""
+    rid: str
+    req: dict
+    put: object
+    tokens: list = dataclasses.field(default_factory=list)
+    gen: int = 0                  # the supervisor generation the request was (re)submitted in
 
 
 class Client:
     def __init__(self, dep):
         self.dep = dep
         self.id = uuid.uuid4().hex
-        self._intake = dep.actors[0]
-        self._queues: dict[str, queue.Queue] = {}
+        self._tracks: dict[str, _Track] = {}
+        self._held: list[_Track] = []          # replay deployments: requests of a lost stage, awaiting recovery
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._pump = threading.Thread(target=self._run_pump, name="memra-client-pump", daemon=True)
         self._pump.start()
+
+    @property
+    def _intake(self):
+        return self.dep.actors[0]              # a restarted intake is a new actor
+
+    @property
+    def _sup(self):
+        return getattr(self.dep, "supervisor", None)
+
+    def _replays(self) -> bool:
+        return self.dep.placement.recover == "replay" and self._sup is not None
 
     def close(self) -> None:
         self._closed.set()
@@ -61,48 +85,123 @@ class Client:
         step = self.dep.placement.timeouts.step_s
         while not self._closed.is_set():
             with self._lock:
-                idle = not self._queues
+                idle = not self._tracks and not self._held
             if idle:
                 self._closed.wait(0.02)
                 continue
             try:
                 evs = ray.get(self._intake.poll.remote(self.id, 0.2), timeout=step)
-            except Exception as e:  # the intake stage is gone or silent: every waiting request fails, typed
-                self._fail_all(StageFailed(f"stage 0 did not answer: {type(e).__name__}: {e}", stage=0))
+            except Exception as e:  # the intake stage is gone or silent: every waiting request fails (or waits)
+                self.on_stage_failed(StageFailed(f"stage 0 failed: it did not answer a poll: {type(e).__name__}: "
+                                                 f"{e}", stage=0))
                 self._closed.wait(0.2)
                 continue
             for rid, toks, lps, finish, err in evs:
                 with self._lock:
-                    q = self._queues.get(rid)
-                if q is not None:
-                    q((toks, lps, finish, err))
+                    t = self._tracks.get(rid)
+                    if t is not None and err is not None and len(err) > 2 and self._replays():
+                        self._hold(t)
+                        t = None
+                    elif t is not None:
+                        t.tokens += toks
+                        if finish or err:
+                            del self._tracks[rid]
+                if t is not None:
+                    t.put((toks, lps, finish, err))
+            self._replay_if_recovered()
 
-    def _fail_all(self, e: MemraError):
+    # -- stage failure (called by the pump, and by the deployment's supervisor thread) -----------------------------
+    def on_stage_failed(self, e: StageFailed) -> None:
+        """A stage was lost: every request in flight fails with `e`, or, with recover: replay, waits for the
+        recovery and is replayed from its token history."""
         with self._lock:
-            for q in self._queues.values():
-                q(([], [], "error", (type(e).__name__, str(e))))
+            tracks = list(self._tracks.values())
+            if self._replays():
+                for t in tracks:
+                    self._hold(t)
+                return
+            self._tracks.clear()
+        for t in tracks:
+            t.put(([], [], "error", (type(e).__name__, str(e), e.stage)))
+
+    def on_recovery_failed(self, e: StageFailed) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        for t in held:
+            t.put(([], [], "error", (type(e).__name__, str(e), e.stage)))
+
+    def on_recovered(self) -> None:
+        self._replay_if_recovered(force=True)
+
+    def _hold(self, t: _Track) -> None:   # under self._lock
+        self._tracks.pop(t.rid, None)
+        self._held.append(t)
+
+    def _replay_if_recovered(self, force: bool = False) -> None:
+        """Resubmit held requests whose failure a completed recovery has dealt with: prompt + delivered tokens,
+        the remaining budget, and the sampling step to continue from (seeded draws stay (seed, step))."""
+        sup = self._sup
+        if sup is None or not self._held or not sup.ready.is_set():
+            return
+        with self._lock:
+            go = [t for t in self._held if force or t.gen < sup.recovered]
+            self._held = [t for t in self._held if t not in go]
+            gen = sup.generation
+            for t in go:
+                t.rid, t.gen = uuid.uuid4().hex, gen
+                self._tracks[t.rid] = t
+        refs = []
+        for t in go:
+            done = len(t.tokens)
+            req = dict(t.req, rid=t.rid, prompt=t.req["prompt"] + t.tokens,
+                       max_new_tokens=t.req["max_new_tokens"] - done, step0=done)
+            refs.append(self._intake.submit.remote(req))
+        if refs:
+            try:
+                ray.get(refs, timeout=self.dep.placement.timeouts.step_s)
+            except Exception as e:  # noqa: BLE001 - the replay could not be queued: those requests fail, typed
+                self.on_stage_failed(StageFailed(f"stage 0 failed: replay was not accepted: {e}", stage=0))
 
     def _submit(self, prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed, stop_token_ids,
-                adapter, images, sink=None) -> tuple[str, queue.Queue, list[int]]:
+                adapter, images, sink=None) -> tuple[_Track, queue.Queue, list[int]]:
         ids = self._encode(prompt)
-        rid = uuid.uuid4().hex
         q: queue.Queue = queue.Queue()
-        put = sink or q.put
-        req = dict(rid=rid, client=self.id, prompt=ids, max_new_tokens=max_new_tokens, temperature=temperature,
+        req = dict(client=self.id, prompt=ids, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_token_ids=stop_token_ids,
                    adapter=adapter)
         if images:
             req["images"] = list(images)
+        t = self.dep.placement.timeouts
+        sup = self._sup
+        if sup is not None and not sup.ready.wait(t.ready_s):   # a recovery is in progress: wait for it
+            raise sup.failure or StageFailed(f"the deployment did not recover within {t.ready_s:.0f} s")
+        tr = _Track(uuid.uuid4().hex, req, sink or q.put, gen=sup.generation if sup else 0)
+        req["rid"] = tr.rid
         with self._lock:
-            self._queues[rid] = put
+            self._tracks[tr.rid] = tr
         try:
             from .rayutil import get
-            get(self._intake.submit.remote(req), self.dep.placement.timeouts.step_s, "submit")
-        except BaseException:
+            get(self._intake.submit.remote(req), t.step_s, "submit")
+        except StageFailed as e:   # the intake is gone: with replay the request waits for the recovery
+            if type(e) is not StageFailed or e.stage is not None:
+                self._drop(tr)
+                raise
             with self._lock:
-                self._queues.pop(rid, None)
+                if self._replays() and tr.rid in self._tracks:
+                    self._hold(tr)
+                    return tr, q, ids
+                self._tracks.pop(tr.rid, None)
+            raise StageFailed(f"stage 0 failed: {e}", stage=0) from None
+        except BaseException:
+            self._drop(tr)
             raise
-        return rid, q, ids
+        return tr, q, ids
+
+    def _drop(self, tr: _Track) -> None:
+        with self._lock:
+            self._tracks.pop(tr.rid, None)
+            if tr in self._held:
+                self._held.remove(tr)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -115,32 +214,31 @@ class Client:
         except (TypeError, ValueError):
             raise InputError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}") from None
 
-    def _events(self, rid, q, timeout):
+    def _events(self, tr: _Track, q, timeout):
         try:
             while True:
                 try:
                     toks, lps, finish, err = q.get(timeout=timeout)
                 except queue.Empty:
-                    self._intake.abort.remote(rid)
-                    raise TimeoutError(f"request {rid} produced nothing for {timeout} s") from None
+                    self._intake.abort.remote(tr.rid)
+                    raise TimeoutError(f"request {tr.rid} produced nothing for {timeout} s") from None
                 if err is not None:
                     raise _error(*err)
                 yield toks, lps, finish
                 if finish:
                     return
         finally:
-            with self._lock:
-                self._queues.pop(rid, None)
+            self._drop(tr)
 
     # -- public -----------------------------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, logprobs: bool = True,
                  stop_token_ids: list[int] | None = None, adapter: str | None = None, images=None,
                  timeout: float | None = None) -> Result:
-        rid, q, ids = self._submit(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed,
-                                   stop_token_ids, adapter, images)
+        tr, q, ids = self._submit(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed,
+                                  stop_token_ids, adapter, images)
         toks, lps, finish = [], [], "length"
-        for t, l, f in self._events(rid, q, timeout or self.dep.placement.timeouts.step_s * 10):
+        for t, l, f in self._events(tr, q, timeout or self.dep.placement.timeouts.step_s * 10):
             toks += t
             lps += l
             finish = f or finish
@@ -149,14 +247,14 @@ class Client:
 
     def stream(self, prompt, max_new_tokens: int = 16, logprobs: bool = True, timeout: float | None = None,
                **kw) -> Iterator[StreamEvent]:
-        rid, q, _ = self._submit(prompt, max_new_tokens, kw.pop("temperature", 0.0), kw.pop("top_k", 0),
+        tr, q, _ = self._submit(prompt, max_new_tokens, kw.pop("temperature", 0.0), kw.pop("top_k", 0),
                                  kw.pop("top_p", 1.0), kw.pop("min_p", 0.0), kw.pop("seed", None),
                                  kw.pop("stop_token_ids", None), kw.pop("adapter", None), kw.pop("images", None))
         if kw:
             raise InputError(f"unknown keyword arguments {sorted(kw)}")
         tok = self.dep.tokenizer
         dec = tok.incremental_decoder() if tok else None
-        for t, l, f in self._events(rid, q, timeout or self.dep.placement.timeouts.step_s * 10):
+        for t, l, f in self._events(tr, q, timeout or self.dep.placement.timeouts.step_s * 10):
             text = None
             if dec is not None:
                 text = "".join(dec.push(x) for x in t) + (dec.flush() if f else "")
@@ -168,7 +266,7 @@ class Client:
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(aq.put_nowait, item)   # noqa: E731
-        rid, _, ids = await loop.run_in_executor(None, lambda: self._submit(
+        tr, _, ids = await loop.run_in_executor(None, lambda: self._submit(
             prompt, max_new_tokens, kw.pop("temperature", 0.0), kw.pop("top_k", 0), kw.pop("top_p", 1.0),
             kw.pop("min_p", 0.0), kw.pop("seed", None), kw.pop("stop_token_ids", None), kw.pop("adapter", None),
             kw.pop("images", None), sink))
@@ -178,8 +276,8 @@ class Client:
                 try:
                     t, l, f, err = await asyncio.wait_for(aq.get(), timeout or self.dep.placement.timeouts.step_s * 10)
                 except asyncio.TimeoutError:
-                    self._intake.abort.remote(rid)
-                    raise TimeoutError(f"request {rid} produced nothing for {timeout} s") from None
+                    self._intake.abort.remote(tr.rid)
+                    raise TimeoutError(f"request {tr.rid} produced nothing for {timeout} s") from None
                 if err is not None:
                     raise _error(*err)
                 toks += t
@@ -188,7 +286,6 @@ class Client:
                     finish = f
                     break
         finally:
-            with self._lock:
-                self._queues.pop(rid, None)
+            self._drop(tr)
         tok = self.dep.tokenizer
         return Result(toks, lps if logprobs else None, finish, tok.decode(toks) if tok else None, len(ids))

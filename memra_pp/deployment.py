@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,9 @@ class Deployment:
         self.run_dir, self.owns_ray, self.detached = run_dir, owns_ray, detached
         self._clients = []
         self._adapters: dict[str, int] = {}
+        self._adapter_paths: dict[str, tuple[int, str]] = {}   # name -> (slot, path): a restarted stage reloads
+        self._actors_lock = threading.Lock()
+        self._pg, self.transports, self.supervisor = None, ["shm"] * len(actors), None
         self._tokenizer = None
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
@@ -48,29 +52,16 @@ class Deployment:
         actors, pg = [], None
         try:
             from ray.util.placement_group import placement_group, remove_placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-            from .stages.actor import StageActor
             pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK")
             _get(pg.ready(), placement.timeouts.ready_s, "placement group")
             for s in plan.stages:
-                env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-                opts = dict(num_cpus=s.num_cpus, runtime_env={"env_vars": env},
-                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.index))
-                if detached:
-                    opts.update(name=f"{placement.name}.stage{s.index}", lifetime="detached")
-                actors.append(StageActor.options(**opts).remote())
+                actors.append(cls._make_actor(placement, s, pg, detached))
             t = placement.timeouts.ready_s
             transports, probes = cls._transports(placement, plan, actors, t)
             infos = _get([a.setup.remote(placement.to_dict(), plan.to_dict(), i, run_dir, transports[i])
                           for i, a in enumerate(actors)], t, "stage setup")
             infos[0]["transport_probes"] = probes
-            n = len(actors)
-            ti = plan.tower_index
-            tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
-            _get([a.connect.remote(infos[i + 1]["endpoint"] if i + 1 < n else None,
-                                   infos[0]["ring"] if i == n - 1 and n > 1 else None, t,
-                                   *(tower if i == 0 else (None, None)))
-                  for i, a in enumerate(actors)], t, "stage wiring")
+            cls._wire(plan, actors, infos, t)
             _get([a.start.remote() for a in actors], t, "stage start")
         except BaseException:
             for a in actors:
@@ -82,8 +73,40 @@ class Deployment:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         dep = cls(placement, plan, actors, infos, run_dir, owns_ray, detached)
-        dep._pg = pg
+        dep._pg, dep.transports = pg, transports
+        from .supervisor import Supervisor
+        dep.supervisor = Supervisor(dep)
+        dep.supervisor.start()
         return dep
+
+    @staticmethod
+    def _make_actor(placement: Placement, s, pg, detached: bool):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from .stages.actor import StageActor
+        env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        opts = dict(num_cpus=s.num_cpus, runtime_env={"env_vars": env},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.index))
+        if detached:
+            opts.update(name=f"{placement.name}.stage{s.index}", lifetime="detached")
+        return StageActor.options(**opts).remote()
+
+    def new_actor(self, i: int):
+        """A fresh actor for stage i in its placement-group bundle (the supervisor's restart)."""
+        return self._make_actor(self.placement, self.plan.stages[i], self._pg, self.detached)
+
+    def wire(self, actors, infos, timeout: float) -> None:
+        self._wire(self.plan, actors, infos, timeout)
+
+    @staticmethod
+    def _wire(plan: Plan, actors, infos, t: float) -> None:
+        """Connect every boundary and the ring (one fan-out); infos are the stages' setup / relink answers."""
+        n = len(actors)
+        ti = plan.tower_index
+        tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
+        _get([a.connect.remote(infos[i + 1]["endpoint"] if i + 1 < n else None,
+                               infos[0]["ring"] if i == n - 1 and n > 1 else None, t,
+                               *(tower if i == 0 else (None, None)))
+              for i, a in enumerate(actors)], t, "stage wiring")
 
     @staticmethod
     def _transports(p: Placement, plan: Plan, actors, timeout: float) -> tuple[list[str], list[dict]]:
@@ -183,6 +206,7 @@ class Deployment:
             raise
         _get(self.actors[0].name_adapter.remote(name, slot), t, "name adapter")
         self._adapters[name] = slot
+        self._adapter_paths[name] = (slot, str(path))
         return slot
 
     def unload_adapter(self, name: str) -> None:
@@ -190,6 +214,7 @@ class Deployment:
         if name not in self._adapters:
             raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self._adapters)}")
         slot = self._adapters.pop(name)
+        self._adapter_paths.pop(name, None)
         t = self.placement.timeouts.ready_s
         _get(self.actors[0].name_adapter.remote(name, None), t, "withdraw adapter name")
         _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
@@ -202,9 +227,14 @@ class Deployment:
         return {"stages": st}
 
     def wait_ready(self, timeout: float = 60.0) -> None:
+        """Return once every stage serves (after a recovery: once it completed); StageFailed if not in time."""
+        if self.supervisor is not None:
+            return self.supervisor.wait_ready(timeout)
         _get([a.ping.remote() for a in self.actors], timeout, "wait_ready")
 
     def shutdown(self) -> None:
+        if self.supervisor is not None:   # first: no restart may race the teardown
+            self.supervisor.stop()
         for c in self._clients:
             c.close()
         try:

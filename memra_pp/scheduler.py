@@ -27,6 +27,7 @@ class Request:
     rope_delta: int = 0
     images: object = None                        # overlay payload for the intake (spliced by the runner)
     adapter: int = -1                            # adapter slot, -1 = base model
+    step0: int = 0                               # sampling steps already drawn (a replay continues at step0)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -55,7 +56,7 @@ class Microbatch:
     counts: list[int]
     sample: list[bool]
     pos_3T: torch.Tensor
-    admit: list[list]                             # [slot, temperature, top_k, top_p, min_p, seed, adapter]
+    admit: list[list]                             # [slot, temperature, top_k, top_p, min_p, seed, adapter, step0]
     release: list[int]
 
 
@@ -66,7 +67,7 @@ class Event:
     tokens: list[int]
     logprobs: list[float]
     finish: str | None = None                     # "length" | "stop" | "error"
-    error: tuple[str, str] | None = None          # (error type name, message)
+    error: tuple | None = None                    # (error type name, message[, failed stage index])
 
 
 class Scheduler:
@@ -155,7 +156,7 @@ class Scheduler:
             pos.append(self._positions(s, c))
             if not s.admitted:
                 p = s.req.params
-                admit.append([s.slot, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, s.req.adapter])
+                admit.append([s.slot, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, s.req.adapter, s.req.step0])
                 s.admitted = True
             s.in_flight, s.last_run = True, tick
         mb = Microbatch(next(self._mb), take, ids, starts, counts, sample, torch.cat(pos, 1), admit,
@@ -216,10 +217,12 @@ class Scheduler:
             self._finish(s)
         return evs
 
-    def fail_all(self, etype: str, message: str) -> list[Event]:
-        """End every request (waiting, active, in flight) with an error event; the scheduler is empty after."""
-        evs = [Event(r.client, r.rid, [], [], "error", (etype, message)) for r in self.waiting]
-        evs += [Event(s.req.client, s.req.rid, [], [], "error", (etype, message)) for s in self.active.values()]
+    def fail_all(self, etype: str, message: str, stage: int | None = None) -> list[Event]:
+        """End every request (waiting, active, in flight) with an error event; the scheduler is empty after.
+        `stage` names a lost stage: clients of a `recover: replay` deployment replay such requests."""
+        err = (etype, message) if stage is None else (etype, message, stage)
+        evs = [Event(r.client, r.rid, [], [], "error", err) for r in self.waiting]
+        evs += [Event(s.req.client, s.req.rid, [], [], "error", err) for s in self.active.values()]
         self.waiting.clear()
         for s in list(self.active.values()):
             self._finish(s)

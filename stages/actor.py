@@ -62,3 +62,12 @@ class StageActor:
 
     def stop(self) -> None:
         return self.runner.stop()
+
+    def health(self) -> dict:
+        return self.runner.health()
+
+    def halt(self, stage: int, message: str) -> None:
+        return self.runner.halt(stage, message)
+
+    def relink(self, run_dir: str, transport: str = "shm") -> dict:
+        return self.runner.relink(run_dir, transport)

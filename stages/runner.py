@@ -24,11 +24,12 @@ from ..scheduler import Request, Scheduler
 from ..model.sampling import SamplingParams
 from .events import Mailboxes
 from .loops import IntakeLoop, StageLoop
+from .recovery import RecoveryMixin, rss_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class StageRunner:
+class StageRunner(RecoveryMixin):
     def __init__(self):
         self.index = -1
         self.loop = None
@@ -135,7 +136,7 @@ class StageRunner:
         stops = req.get("stop_token_ids")
         stop = frozenset(self.mc.eos_token_ids if stops is None else stops)
         r = Request(req["rid"], req["client"], list(prompt), int(req["max_new_tokens"]), params, stop,
-                    adapter=self.adapter_slot(req.get("adapter")))
+                    adapter=self.adapter_slot(req.get("adapter")), step0=int(req.get("step0", 0)))
         self.scheduler.validate(r)
         if req.get("images"):
             self._attach_images(r, req["images"])
@@ -232,6 +233,7 @@ class StageRunner:
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
         st["overlay_publications"] = self.engine.counters.publications
         st["splices"] = self.engine.counters.splices
+        st["rss_bytes"] = rss_bytes()
         return st
 
     def ping(self) -> int:

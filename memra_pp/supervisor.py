@@ -1,0 +1,183 @@
+"""The driver's supervisor: heartbeats every stage, declares a dead, silent or loop-dead stage failed, tells the
+clients (they fail or replay their requests), restarts the stage in its placement-group bundle and rewires.
+Runs as one thread in the process that launched the deployment.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import ray
+
+from .errors import StageFailed
+from .rayutil import get as _get
+
+log = logging.getLogger("memra_pp")
+MISSED_BEATS = 3          # a stage silent for this many heartbeats is declared failed
+ATTEMPTS = 3              # restarts tried per failure before the deployment gives up (wait_ready raises)
+
+
+class Supervisor:
+    def __init__(self, dep):
+        self.dep = dep
+        self.lock = threading.Lock()          # held through a recovery; shutdown takes it to stop cleanly
+        self.stopping = threading.Event()
+        self.ready = threading.Event()        # set while the deployment serves; cleared during a recovery
+        self.ready.set()
+        self.generation = 0                   # bumped at every detected failure
+        self.recovered = 0                    # the generation of the last completed recovery
+        self.failure: StageFailed | None = None   # set when a recovery gave up: wait_ready raises it
+        self.log: list[dict] = []             # one record per failure: stage, reason, detect / recovery times
+        self.thread = threading.Thread(target=self._run, name="memra-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop supervising; waits for a recovery in progress to reach a safe point."""
+        self.stopping.set()
+        with self.lock:
+            pass
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=30)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Return once every stage answers and no recovery is pending; a failure not detected yet is waited out
+        (the next heartbeat finds it and the recovery runs). StageFailed if that does not happen in time."""
+        deadline = time.monotonic() + timeout
+        beat = self.dep.placement.timeouts.heartbeat_s
+        while True:
+            left = deadline - time.monotonic()
+            if not self.ready.wait(max(left, 0)):
+                raise self.failure or StageFailed(f"the deployment did not recover within {timeout:.0f} s")
+            if self.failure is not None:
+                raise self.failure
+            try:
+                h = _get([a.health.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
+                         "wait_ready")
+                if all(x["alive"] for x in h) and self.ready.is_set():
+                    return
+            except StageFailed:
+                if time.monotonic() >= deadline:
+                    raise
+            self.stopping.wait(min(beat, 0.2))
+
+    # -- detection ----------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        hb = self.dep.placement.timeouts.heartbeat_s
+        while not self.stopping.wait(hb):
+            if self.failure is not None:
+                continue
+            bad = self.check(hb * MISSED_BEATS)
+            if bad is not None and not self.stopping.is_set():
+                self.recover(*bad)
+
+    def check(self, timeout: float) -> tuple[int, str] | None:
+        """(stage, reason) of the failed stage to blame, or None. A dead or silent actor outranks a loop that
+        died of its own error, which outranks a loop that ended because a neighbour's link closed."""
+        actors = list(self.dep.actors)
+        refs = [a.health.remote() for a in actors]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        dead, broken, lost = [], [], []
+        for i, ref in enumerate(refs):
+            if ref not in done:
+                dead.append((i, f"did not answer a heartbeat within {timeout:.1f} s"))
+                continue
+            try:
+                h = ray.get(ref, timeout=0)
+            except Exception as e:  # RayActorError and friends: the process is gone
+                dead.append((i, f"its actor died ({type(e).__name__})"))
+                continue
+            if not h["alive"]:
+                (lost if h["lost_link"] else broken).append(
+                    (i, f"its loop ended: {(h['error'] or 'a link to a neighbour closed').strip().splitlines()[-1]}"))
+        if dead:
+            return dead[0]
+        if broken:
+            return broken[0]
+        if lost:   # a neighbour may be dying right now: give Ray a moment to report it, then blame the first
+            time.sleep(min(timeout, 1.0))
+            again = self.check(timeout) if not self.stopping.is_set() else None
+            return again or lost[0]
+        return None
+
+    # -- recovery -----------------------------------------------------------------------------------------------
+    def recover(self, stage: int, reason: str) -> None:
+        dep = self.dep
+        with self.lock:
+            if self.stopping.is_set():
+                return
+            t0 = time.monotonic()
+            self.ready.clear()
+            self.generation += 1
+            err = StageFailed(f"stage {stage} failed: {reason}", stage=stage)
+            log.warning(f"{err}; restarting it")
+            for c in list(dep._clients):
+                c.on_stage_failed(err)
+            last = None
+            for attempt in range(ATTEMPTS):
+                if self.stopping.is_set():
+                    return
+                try:
+                    self._restart(stage, err)
+                    break
+                except Exception as e:  # noqa: BLE001 - any failure to restart is retried, then reported
+                    last = e
+                    log.warning(f"restart of stage {stage} failed (attempt {attempt + 1}): {e}")
+            else:
+                self.failure = StageFailed(f"stage {stage} failed ({reason}) and could not be restarted: "
+                                           f"{type(last).__name__}: {last}", stage=stage)
+                self.log.append({"stage": stage, "reason": reason, "recovered": False})
+                for c in list(dep._clients):
+                    c.on_recovery_failed(self.failure)
+                self.ready.set()
+                return
+            self.recovered = self.generation
+            self.log.append({"stage": stage, "reason": reason, "recovered": True,
+                             "recovery_s": time.monotonic() - t0})
+            self.ready.set()
+            for c in list(dep._clients):
+                c.on_recovered()
+
+    def _restart(self, stage: int, err: StageFailed) -> None:
+        """Kill the failed actor, halt the survivors, start a new actor in the same bundle, reload its weights,
+        open every receiving side afresh in a new run sub-dir, rewire, reload adapters, start."""
+        dep, p = self.dep, self.dep.placement
+        t = p.timeouts.ready_s
+        ray.kill(dep.actors[stage])
+        survivors = [i for i in range(len(dep.actors)) if i != stage]
+        refs = [dep.actors[i].halt.remote(stage, str(err)) for i in survivors]
+        ray.wait(refs, num_returns=len(refs), timeout=p.timeouts.step_s)
+        failed = {stage}
+        for i, ref in zip(survivors, refs):   # a survivor that cannot halt is restarted too
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001
+                ray.kill(dep.actors[i])
+                failed.add(i)
+        run_dir = os.path.join(dep.run_dir, f"r{self.generation}-{len(self.log)}")
+        os.makedirs(run_dir, mode=0o700, exist_ok=True)
+        for i in sorted(failed):
+            a = dep.new_actor(i)
+            with dep._actors_lock:
+                dep.actors[i] = a
+            if self.stopping.is_set():
+                ray.kill(a)
+                raise StageFailed("the deployment is shutting down")
+        tr = dep.transports
+        infos = _get([a.setup.remote(p.to_dict(), dep.plan.to_dict(), i, run_dir, tr[i]) if i in failed
+                      else a.relink.remote(run_dir, tr[i]) for i, a in enumerate(dep.actors)], t, "stage restart")
+        dep.wire(dep.actors, infos, t)
+        for name, (slot, path) in dep._adapter_paths.items():
+            _get([dep.actors[i].load_adapter.remote(name, path, slot) for i in sorted(failed)], t,
+                 f"reload adapter {name!r}")
+            if 0 in failed:
+                _get(dep.actors[0].name_adapter.remote(name, slot), t, "name adapter")
+        _get([a.start.remote() for a in dep.actors], t, "stage start")
+
+
+def is_stage_lost(err: tuple | None) -> bool:
+    """An error event that names a lost stage (a replay deployment's clients replay such requests)."""
+    return err is not None and len(err) > 2 and err[2] is not None

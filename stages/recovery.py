@@ -1,0 +1,93 @@
+"""What a stage runner does when the driver's supervisor recovers the deployment from a failed stage: report its
+health, halt (loops stopped, links closed, requests failed, caches reset; weights stay) and open fresh links.
+Runs in the stage process, mixed into StageRunner; no Ray.
+"""
+from __future__ import annotations
+
+import os
+import queue
+
+from ..errors import MemraError
+from ..scheduler import Event, Scheduler
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 where it is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class RecoveryMixin:
+    def health(self) -> dict:
+        """Is this stage's loop (and, on the intake, the ring reader) running; if not, why (the loop's error)."""
+        if self.loop is None:
+            return {"index": self.index, "started": False, "alive": True, "error": None, "lost_link": False}
+        return {"index": self.index, "started": True, **self.loop.health()}
+
+    def halt(self, stage: int, message: str) -> None:
+        """Stop serving for a rewire: every request this stage holds ends with a stage-lost error naming `stage`
+        (clients replay or fail it), links close, caches reset. Loaded weights and adapters stay."""
+        loop = self.loop
+        if loop is not None:
+            loop.stopping.set()
+        for link in (self.sender, self.receiver):   # wake a thread blocked on a credit or a header
+            ch = getattr(link, "_ch", None)
+            if ch is not None:
+                ch.close()
+        if self.ring is not None:
+            self.ring.close()
+        if loop is not None:
+            for t in (loop.thread, getattr(loop, "ring_thread", None)):
+                if t is not None and t.is_alive():
+                    t.join(timeout=10)
+        self.loop = None
+        self._close_links()
+        sc = self.placement.scheduler
+        if self.spec.intake:
+            evs = self.scheduler.fail_all("StageFailed", message, stage)
+            while True:
+                try:
+                    kind, item = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "req":
+                    evs.append(Event(item.client, item.rid, [], [], "error", ("StageFailed", message, stage)))
+            self.mail.post(evs)
+            self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
+        self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
+
+    def _close_links(self) -> None:
+        for x in (self.sender, self.ring, self.receiver, self.ring_listener):
+            if x is not None:
+                try:
+                    x.close()
+                except (OSError, MemraError, BufferError):
+                    pass
+        self.sender = self.ring = self.receiver = self.ring_listener = None
+
+    def relink(self, run_dir: str, transport: str = "shm") -> dict:
+        """Open this stage's receiving side afresh in `run_dir` (as setup does, without loading anything);
+        returns what the neighbours need to connect."""
+        import torch
+        from .channel import ChannelListener
+        from .slots import SlotReceiver
+        i, sc = self.index, self.placement.scheduler
+        info = {"index": i, "pid": os.getpid(), "endpoint": None, "ring": None, "ctx_id": self.engine.ctx,
+                "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids), "load_s": 0.0}
+        if i > 0:
+            nbytes = (sc.prefill_chunk + sc.max_batch) * self.mc.text.hidden_size * \
+                torch.empty(0, dtype=self.dtype).element_size()
+            addr = f"unix:{run_dir}/s{i}.sock"
+            if transport == "shm":
+                self.receiver = SlotReceiver(f"s{i}", nbytes, addr)
+            else:
+                from .gpu_slots import RECEIVERS
+                self.receiver = RECEIVERS[transport](f"s{i}", nbytes, addr, engine=self.engine)
+            info["endpoint"] = self.receiver.endpoint()
+        if i == 0 and len(self.plan.stages) > 1:
+            self.ring_listener = ChannelListener(f"unix:{run_dir}/ring.sock", label="ring")
+            info["ring"] = self.ring_listener.address
+        return info

@@ -1,0 +1,144 @@
+"""Stage failure through memra_pp.launch: every stage of 2- and 3-stage CPU deployments is killed (ray.kill,
+os._exit inside it, SIGKILL, SIGSTOP) mid-generation and mid-prefill. Callers must get StageFailed naming the
+stage within 15 s, the deployment must recover by itself, and with recover: replay the interrupted requests
+must complete with the tokens of an uninterrupted run."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+import memra_pp
+from conftest_models import hf_reference, tiny_checkpoint
+from memra_pp.errors import StageFailed
+
+SHORT, LONG = (5, 17, 42), tuple((i * 7) % 250 + 1 for i in range(440))
+DECODE_NEW, PREFILL_NEW = 200, 6
+
+
+def config(path, n, recover="error"):
+    return {"name": f"rel{n}", "model": {"path": str(path)}, "recover": recover,
+            "stages": [{"device": "cpu", "num_cpus": 0.1}] * n, "timeouts": {"heartbeat_s": 0.5},
+            "scheduler": {"max_batch": 8, "max_context": 512, "prefill_chunk": 4}}
+
+
+def pid_of(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+
+def kill(dep, i, how):
+    a = dep.actors[i]
+    if how == "ray.kill":
+        ray.kill(a)
+    elif how == "os._exit":     # a crash inside the stage process itself
+        a.__ray_call__.remote(lambda self: os._exit(3))
+    else:
+        pid = pid_of(a)
+        os.kill(pid, signal.SIGKILL if how == "SIGKILL" else signal.SIGSTOP)
+
+
+class Stream(threading.Thread):
+    """One streamed request on its own thread: the tokens it got and how it ended (and when)."""
+
+    def __init__(self, c, prompt, new, **kw):
+        super().__init__(daemon=True)
+        self.c, self.prompt, self.new, self.kw = c, list(prompt), new, kw
+        self.tokens, self.error, self.t_end, self.finish = [], None, None, None
+        self.start()
+
+    def run(self):
+        try:
+            for ev in self.c.stream(self.prompt, max_new_tokens=self.new, timeout=60, **self.kw):
+                self.tokens += ev.token_ids
+                self.finish = ev.finish_reason or self.finish
+        except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
+            self.error = e
+        self.t_end = time.monotonic()
+
+    def wait_tokens(self, n, timeout=30):
+        deadline = time.monotonic() + timeout
+        while len(self.tokens) < n and self.t_end is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(self.tokens) >= n, (self.tokens, self.error)
+
+
+def interrupt(dep, c, i, how, **kw):
+    """Kill stage i while one request decodes and one is mid-prefill; returns (decode, prefill, kill time)."""
+    dec = Stream(c, SHORT, DECODE_NEW, **kw)
+    dec.wait_tokens(3)
+    pre = Stream(c, LONG, PREFILL_NEW)
+    time.sleep(0.15)
+    assert not pre.tokens, "the long prompt must still be in prefill when the stage is killed"
+    t_kill = time.monotonic()
+    kill(dep, i, how)
+    dec.join(60)
+    pre.join(60)
+    return dec, pre, t_kill
+
+
+def check_serves(dep, c):
+    dep.wait_ready(90)
+    for p, new in ((SHORT, 8), (LONG, PREFILL_NEW)):
+        assert c.generate(list(p), max_new_tokens=new, timeout=60).token_ids == \
+            hf_reference("dense", False, p, new)[0], "after the recovery requests must match their reference"
+
+
+@pytest.mark.parametrize("n,kills", [(2, ["ray.kill", "os._exit"]), (3, ["SIGKILL", "SIGSTOP", "ray.kill"])])
+def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
+    """Killing each stage mid-decode and mid-prefill must end both requests with StageFailed naming that stage
+    within 15 s (no caller hangs); the deployment must then recover and serve reference tokens."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(config(path, n)) as dep:
+        c = dep.client()
+        for i, how in enumerate(kills):
+            dec, pre, t_kill = interrupt(dep, c, i, how)
+            for s in (dec, pre):
+                assert isinstance(s.error, StageFailed), (how, i, s.error, len(s.tokens))
+                assert s.error.stage == i and f"stage {i}" in str(s.error), (how, i, s.error)
+                assert s.t_end - t_kill < 15, f"{how} of stage {i}: StageFailed took {s.t_end - t_kill:.1f} s"
+            assert len(dec.tokens) < DECODE_NEW
+            check_serves(dep, c)
+        log = dep.supervisor.log
+        assert [e["stage"] for e in log] == list(range(n)) and all(e["recovered"] for e in log), log
+
+
+def test_replay_completes_interrupted_requests(ray_cluster):
+    """With recover: replay, requests cut by the loss of the intake (their history lives in the client) or of
+    the last stage must complete: greedy ones with the reference tokens, a seeded sampled one with the tokens of
+    its uninterrupted run; the prefill one too; nothing is duplicated."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(config(path, 3, recover="replay")) as dep:
+        c = dep.client()
+        seeded = dict(temperature=0.9, top_k=40, seed=1234)
+        want_seeded = c.generate(list(SHORT), max_new_tokens=DECODE_NEW, **seeded).token_ids
+        want = hf_reference("dense", False, SHORT, DECODE_NEW)[0]
+        want_long = hf_reference("dense", False, LONG, PREFILL_NEW)[0]
+        for i, how in ((0, "ray.kill"), (2, "SIGKILL")):
+            sampled = Stream(c, SHORT, DECODE_NEW, **seeded)
+            dec, pre, _ = interrupt(dep, c, i, how)
+            sampled.join(60)
+            assert dec.error is None and pre.error is None and sampled.error is None, \
+                (dec.error, pre.error, sampled.error)
+            assert dec.tokens == want and dec.finish == "length"
+            assert pre.tokens == want_long
+            assert sampled.tokens == want_seeded, "seeded sampling must continue at (seed, step) after a replay"
+        assert [e["stage"] for e in dep.supervisor.log] == [0, 2]
+        check_serves(dep, c)
+
+
+def test_supervisor_does_not_race_shutdown(ray_cluster):
+    """A shutdown right after a kill must return promptly and leave no actor of the deployment alive, even with
+    the recovery in progress."""
+    _, path = tiny_checkpoint("dense", False)
+    dep = memra_pp.launch(dict(config(path, 2), name="relshut"), detached=True)
+    ray.kill(dep.actors[1])
+    time.sleep(0.8)     # the heartbeat finds it and the restart begins
+    t0 = time.monotonic()
+    dep.shutdown()
+    assert time.monotonic() - t0 < 40
+    time.sleep(0.5)
+    for i in range(2):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"relshut.stage{i}")
