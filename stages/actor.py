@@ -8,6 +8,9 @@ from .runner import StageRunner
 
 @ray.remote(max_concurrency=16)
 class StageActor:
+    """Ray runs each call on a pool thread; CUDA work there needs the stage's context made current first
+    (StageRunner methods that touch the device call `here()`)."""
+
     def __init__(self):
         self.runner = StageRunner()
 
@@ -49,6 +52,7 @@ class StageActor:
 
     def run_check(self, name: str, *args):
         from ..battery_stage import CHECKS
+        self.runner.here()
         return CHECKS[name](self.runner, *args)
 
     def describe(self) -> dict:

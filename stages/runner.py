@@ -46,6 +46,11 @@ class StageRunner(RecoveryMixin):
         self.adapter_weights: dict[int, object] = {}
         self.adapter_names: dict[str, int] = {}     # intake: the names clients may use -> slot
 
+    def here(self) -> None:
+        """Make this stage's context current on the calling thread (Ray calls arrive on pool threads)."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.make_current()
+
     # -- boot -------------------------------------------------------------------------------------------------
     def probe_transport(self, src: int, dst: int) -> dict:
         """`transport: auto` for a boundary between two GPUs: a real peer copy, compared at the receiver."""
@@ -102,6 +107,7 @@ class StageRunner(RecoveryMixin):
     def connect(self, downstream: dict | None, ring: str | None, timeout: float, tower_ctx=None) -> None:
         """Connect outgoing links first (a listener's backlog accepts them), then accept the incoming ones."""
         self.tower_ctx = tower_ctx
+        self.here()
         from ..stages.slots import SlotSender
         from ..stages.channel import connect
         if downstream is not None:
@@ -131,11 +137,19 @@ class StageRunner(RecoveryMixin):
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < V]
         if bad:
             raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
-        params = SamplingParams(req.get("temperature", 0.0), req.get("top_k", 0), req.get("top_p", 1.0),
-                                req.get("min_p", 0.0), req.get("seed")).validate()
-        stops = req.get("stop_token_ids")
-        stop = frozenset(self.mc.eos_token_ids if stops is None else stops)
-        r = Request(req["rid"], req["client"], list(prompt), int(req["max_new_tokens"]), params, stop,
+        try:   # a value of the wrong type is bad input too, never a crash of the submit call
+            params = SamplingParams(req.get("temperature", 0.0), req.get("top_k", 0), req.get("top_p", 1.0),
+                                    req.get("min_p", 0.0), req.get("seed")).validate()
+            stops = req.get("stop_token_ids")
+            stop = frozenset(self.mc.eos_token_ids if stops is None else (int(t) for t in stops))
+            new = req["max_new_tokens"]
+            if isinstance(new, bool) or not isinstance(new, int):
+                raise InputError(f"max_new_tokens must be an integer >= 0, got {new!r}")
+        except InputError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise InputError(f"bad sampling parameters in the request: {type(e).__name__}: {e}") from None
+        r = Request(req["rid"], req["client"], list(prompt), new, params, stop,
                     adapter=self.adapter_slot(req.get("adapter")), step0=int(req.get("step0", 0)))
         self.scheduler.validate(r)
         if req.get("images"):
@@ -145,6 +159,7 @@ class StageRunner(RecoveryMixin):
     def _attach_images(self, r: Request, images) -> None:
         """Rows for the request's images, resident in this (intake) engine: computed here when the tower is this
         stage, else computed by the tower stage and published by host bounce. NEVER across contexts refuses."""
+        self.here()
         ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES)
         self.scheduler.validate(dataclasses.replace(r, prompt=ip.prompt))
         pixels = [ii.pixel_values for ii in ip.images]
@@ -168,6 +183,7 @@ class StageRunner(RecoveryMixin):
 
     def encode_images(self, pixel_values: list, grids: list, spans: list):
         """The tower side of a cross-actor publication: compute the rows here, dtoh them (host bounce)."""
+        self.here()
         return publish_out(self.engine, self._tower_rows(pixel_values, grids), spans)
 
     # -- adapters ---------------------------------------------------------------------------------------------
@@ -175,6 +191,7 @@ class StageRunner(RecoveryMixin):
         """Load a PEFT adapter into `slot` on this stage (its own layers' LoRA; token rows on intake/primary)."""
         from ..adapters import load_peft_adapter, token_overlay_set
         from ..model.lora import LoraPool
+        self.here()
         ad = self.placement.adapters
         aw = load_peft_adapter(path, self.mc, ad.max_rank)
         sp = self.spec
@@ -188,6 +205,7 @@ class StageRunner(RecoveryMixin):
 
     def unload_adapter(self, slot: int) -> None:
         from ..adapters import token_overlay_set
+        self.here()
         if self.lora is not None:
             self.lora.unload(slot)
         if self.adapter_weights.pop(slot, None) is not None:
@@ -240,6 +258,7 @@ class StageRunner(RecoveryMixin):
         return self.index
 
     def stop(self) -> None:
+        self.here()
         if self.loop:
             self.loop.stop()
         for x in (self.sender, self.ring, self.receiver, self.ring_listener):

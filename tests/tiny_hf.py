@@ -34,12 +34,13 @@ def build(kind: str = "dense", tied: bool = False, seed: int = 0, vision: bool =
                               Qwen3_5MoeForConditionalGeneration)
     torch.manual_seed(seed)
     text = {**TEXT, **text_overrides, "tie_word_embeddings": tied}
+    vis = {**VISION, "out_hidden_size": text["hidden_size"]}   # the tower's rows must be text-sized
     if kind == "moe":
         text = {**{k: v for k, v in text.items() if k != "intermediate_size"}, **MOE}
-        cfg = Qwen3_5MoeConfig(text_config=text, vision_config=VISION, tie_word_embeddings=tied, **MM)
+        cfg = Qwen3_5MoeConfig(text_config=text, vision_config=vis, tie_word_embeddings=tied, **MM)
         m = Qwen3_5MoeForConditionalGeneration(cfg)
     else:
-        cfg = Qwen3_5Config(text_config=text, vision_config=VISION, tie_word_embeddings=tied, **MM)
+        cfg = Qwen3_5Config(text_config=text, vision_config=vis, tie_word_embeddings=tied, **MM)
         m = Qwen3_5ForConditionalGeneration(cfg)
     return perturb(m.float())
 
