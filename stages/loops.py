@@ -84,8 +84,9 @@ class _Loop:
         except Exception as e:  # the loop must never die silently: record it for stats() and the driver's monitor
             self.error = traceback.format_exc()
             self.lost_link = isinstance(e, ChannelClosed)
-            if isinstance(e, ProtocolError) and self.r.receiver is not None:
-                self.r.receiver.close()   # fail the link loudly: the sender sees it closed, never waits on it
+            ch = getattr(self.r.receiver, "_ch", None)
+            if isinstance(e, ProtocolError) and ch is not None:
+                ch.close()   # fail the link loudly: the sender sees it closed, never waits on it
 
     def health(self) -> dict:
         """For the driver's supervisor: is the loop (and the ring reader) still running, and why not."""
