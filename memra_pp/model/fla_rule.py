@@ -21,11 +21,12 @@ class FlaRule:
         self._chunk, self._rec = chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     def chunk(self, q, k, v, g, beta, state):
-        o, s = self._chunk(q, k, v, g.float(), beta, scale=q.shape[-1] ** -0.5, initial_state=state.float(),
+        o, s = self._chunk(q, k, v, g=g.float(), beta=beta, initial_state=state.float().contiguous(),
                            output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o, s.float()
 
     def recurrent(self, q, k, v, g, beta, state):
-        o, s = self._rec(q, k, v, g.float(), beta, scale=q.shape[-1] ** -0.5, initial_state=state.float(),
+        # keywords, as transformers calls it: the recurrent kernel's positional order differs from chunk's
+        o, s = self._rec(q, k, v, g=g.float(), beta=beta, initial_state=state.float().contiguous(),
                          output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o, s.float()
