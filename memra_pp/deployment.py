@@ -241,7 +241,9 @@ class Deployment:
             ray.get([a.stop.remote() for a in self.actors], timeout=10)
         except Exception:  # a dead or hung stage must not stop the others from being torn down
             pass
-        for a in self.actors:
+        with self._actors_lock:
+            actors = list(self.actors)
+        for a in actors:
             ray.kill(a)
         if getattr(self, "_pg", None) is not None:
             from ray.util.placement_group import remove_placement_group

@@ -22,7 +22,7 @@ ATTEMPTS = 3              # restarts tried per failure before the deployment giv
 class Supervisor:
     def __init__(self, dep):
         self.dep = dep
-        self.lock = threading.Lock()          # held through a recovery; shutdown takes it to stop cleanly
+        self.lock = threading.Lock()          # one recovery at a time
         self.stopping = threading.Event()
         self.ready = threading.Event()        # set while the deployment serves; cleared during a recovery
         self.ready.set()
@@ -36,12 +36,14 @@ class Supervisor:
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop supervising; waits for a recovery in progress to reach a safe point."""
+        """Stop supervising. A recovery in progress stops at its next step (an actor it creates after this is
+        killed by it); the caller then tears down every actor, so this waits only briefly."""
         self.stopping.set()
-        with self.lock:
-            pass
+        if not self.ready.is_set():   # callers waiting for a recovery that will not come get a typed error
+            self.failure = self.failure or StageFailed("the deployment was shut down during a recovery")
+            self.ready.set()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout=30)
+            self.thread.join(timeout=10)
 
     def wait_ready(self, timeout: float) -> None:
         """Return once every stage answers and no recovery is pending; a failure not detected yet is waited out
@@ -74,7 +76,7 @@ class Supervisor:
             if bad is not None and not self.stopping.is_set():
                 self.recover(*bad)
 
-    def check(self, timeout: float) -> tuple[int, str] | None:
+    def check(self, timeout: float, confirm: bool = True) -> tuple[int, str] | None:
         """(stage, reason) of the failed stage to blame, or None. A dead or silent actor outranks a loop that
         died of its own error, which outranks a loop that ended because a neighbour's link closed."""
         actors = list(self.dep.actors)
@@ -99,7 +101,7 @@ class Supervisor:
             return broken[0]
         if lost:   # a neighbour may be dying right now: give Ray a moment to report it, then blame the first
             time.sleep(min(timeout, 1.0))
-            again = self.check(timeout) if not self.stopping.is_set() else None
+            again = self.check(timeout, confirm=False) if confirm and not self.stopping.is_set() else None
             return again or lost[0]
         return None
 
