@@ -30,6 +30,7 @@ class RecoveryMixin:
     def halt(self, stage: int, message: str) -> None:
         """Stop serving for a rewire: every request this stage holds ends with a stage-lost error naming `stage`
         (clients replay or fail it), links close, caches reset. Loaded weights and adapters stay."""
+        self.here()
         loop = self.loop
         if loop is not None:
             loop.stopping.set()
@@ -73,6 +74,7 @@ class RecoveryMixin:
         returns what the neighbours need to connect."""
         import torch
         from .channel import ChannelListener
+        self.here()
         from .slots import SlotReceiver
         i, sc = self.index, self.placement.scheduler
         info = {"index": i, "pid": os.getpid(), "endpoint": None, "ring": None, "ctx_id": self.engine.ctx,
