@@ -51,6 +51,8 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
         ht, hl = hf_greedy_bf16(hf, p, 16)
         same += t == ht
         n = next((i for i, (a, b) in enumerate(zip(t, ht)) if a != b), 16)
+        print(f"prompt {len(p):4d}: first difference at {n}; ours {t[:n + 2]} hf {ht[:n + 2]}; "
+              f"dlogprob {[round(a - b, 4) for a, b in zip(l[:n + 1], hl[:n + 1])][-3:]}")
         worst = max([worst] + [abs(a - b) for a, b in zip(l[:n], hl[:n])])
     print(f"{size}: {same}/10 prompts identical, worst logprob diff {worst:.3e}")
     assert same >= 9

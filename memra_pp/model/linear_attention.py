@@ -52,7 +52,9 @@ class GatedDeltaNet(Param):
                 y, conv[slot] = causal_conv(u[off:off + n], w, conv[slot] if start else None)
                 q, k, v = split(y)
                 s0 = rec[slot:slot + 1] if start else torch.zeros_like(rec[slot:slot + 1])
-                fn = self._recurrent if n == 1 else self._chunk
+                # transformers runs the chunked form for every prefill, even of one token, and the recurrent
+                # one only to continue a cached state: the same kernels keep bf16 rounding identical
+                fn = self._recurrent if n == 1 and start else self._chunk
                 o, rec[slot:slot + 1] = fn(q[None], k[None], v[None], g[None, off:off + n],
                                            beta[None, off:off + n], s0)
                 out[off:off + n] = o[0].to(out.dtype)
