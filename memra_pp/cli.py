@@ -37,24 +37,32 @@ def cmd_demo(args) -> int:
 def cmd_launch(args) -> int:
     import memra_pp
     dep = memra_pp.launch(args.config, detached=True)
-    print(f"deployment {dep.placement.name!r} ready: {len(dep.actors)} stages; stop with `memra-pp stop "
-          f"{dep.placement.name}`", flush=True)
+    import ray
+    print(f"deployment {dep.placement.name!r} ready: {len(dep.actors)} stages; ray address "
+          f"{ray.get_runtime_context().gcs_address}; stop with `memra-pp stop {dep.placement.name}`", flush=True)
+    from ray.experimental import internal_kv
+    key = _stop_key(dep.placement.name)
     try:
-        while True:
-            time.sleep(1.0)
-            try:
-                dep.wait_ready(timeout=30)
-            except MemraError:
-                print("a stage is gone; exiting", file=sys.stderr)
-                return 1
+        while not internal_kv._internal_kv_get(key):
+            time.sleep(0.5)
+        internal_kv._internal_kv_del(key)
+        print(f"stop requested: shutting {dep.placement.name!r} down", flush=True)
     except KeyboardInterrupt:
-        dep.shutdown()
-        return 0
+        pass
+    dep.shutdown(stop_ray=False)
+    internal_kv._internal_kv_put(key + b":done", b"1")
+    time.sleep(2.0)            # let a waiting `memra-pp stop` read that before the cluster goes away
+    dep.shutdown()
+    return 0
+
+
+def _stop_key(name: str) -> bytes:
+    return f"memra_pp:{name}:stop".encode()
 
 
 def cmd_generate(args) -> int:
     import memra_pp
-    dep = memra_pp.connect(args.name, args.namespace)
+    dep = memra_pp.connect(args.name, args.namespace, args.address)
     c = dep.client()
     prompt = [int(t) for t in args.prompt.split(",")] if args.ids else args.prompt
     r = c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
@@ -65,7 +73,7 @@ def cmd_generate(args) -> int:
 
 def cmd_status(args) -> int:
     import memra_pp
-    dep = memra_pp.connect(args.name, args.namespace)
+    dep = memra_pp.connect(args.name, args.namespace, args.address)
     st = dep.stats()
     lines = [f"{'stage':>5} {'device':>8} {'layers':>9} {'busy':>6} {'mbs':>7} {'handoffs':>9} {'p50 us':>8}"]
     for s in st["stages"]:
@@ -76,10 +84,23 @@ def cmd_status(args) -> int:
 
 
 def cmd_stop(args) -> int:
+    """Ask the `memra-pp launch` process to shut its deployment down (its supervisor would otherwise restart
+    killed stages); if no launcher answers within 20 s, kill the stages directly."""
+    import ray
     import memra_pp
-    dep = memra_pp.connect(args.name, args.namespace)
+    from ray.experimental import internal_kv
+    dep = memra_pp.connect(args.name, args.namespace, args.address)
+    internal_kv._internal_kv_put(_stop_key(args.name), b"1")
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        if internal_kv._internal_kv_get(_stop_key(args.name) + b":done"):
+            ray.shutdown()     # disconnect before the launcher takes its cluster down
+            print(f"stopped {args.name}")
+            return 0
+        time.sleep(0.2)
+    internal_kv._internal_kv_del(_stop_key(args.name))
     dep.shutdown()
-    print(f"stopped {args.name}")
+    print(f"stopped {args.name} (no launcher answered; stages killed)")
     return 0
 
 
@@ -110,6 +131,7 @@ def main(argv=None) -> int:
         s = sub.add_parser(name)
         s.add_argument("name", help="deployment name (the YAML's `name`)")
         s.add_argument("--namespace", default="memra")
+        s.add_argument("--address", default="auto", help="the Ray cluster (`memra-pp launch` prints it)")
         s.set_defaults(fn=fn)
         if name == "generate":
             s.add_argument("prompt", help="text, or comma-separated token ids with --ids")

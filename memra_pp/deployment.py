@@ -232,7 +232,9 @@ class Deployment:
             return self.supervisor.wait_ready(timeout)
         _get([a.ping.remote() for a in self.actors], timeout, "wait_ready")
 
-    def shutdown(self) -> None:
+    def shutdown(self, stop_ray: bool = True) -> None:
+        """Stop every stage and free the placement group; stop Ray too if this deployment started it
+        (unless `stop_ray` is False: the caller still needs the cluster, e.g. to tell a waiting `stop`)."""
         if self.supervisor is not None:   # first: no restart may race the teardown
             self.supervisor.stop()
         for c in self._clients:
@@ -250,7 +252,7 @@ class Deployment:
             remove_placement_group(self._pg)
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self.owns_ray:
+        if self.owns_ray and stop_ray:
             ray.shutdown()
 
     def __enter__(self):

@@ -1,0 +1,56 @@
+"""The command line: plan prints the table; launch / generate / status / stop drive a detached deployment from
+separate processes, and stop ends the launcher (its supervisor must not restart the stopped stages)."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+from memra_pp.cli import main
+
+CLI = [sys.executable, "-m", "memra_pp.cli"]
+
+
+def test_plan_table_and_json(capsys):
+    """`memra-pp plan` must print every stage with its layers and roles, and --json the same plan."""
+    assert main(["plan", "cluster_configs/4gpu.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "cuda:3" in out and "primary" in out and "intake" in out
+    assert main(["plan", "cluster_configs/4gpu.yaml", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [s["layer_start"] for s in plan["stages"]][0] == 0 and plan["stages"][-1]["layer_end"] == 64
+
+
+def test_detached_launch_generate_status_stop(tmp_path):
+    """A launched deployment must serve `generate` and `status` from other processes and stop on `stop`."""
+    from memra_pp.defaults import ensure_tiny
+    ensure_tiny()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = open(tmp_path / "launch.log", "w+")
+    launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
+                                stderr=subprocess.STDOUT, env=env)
+    try:
+        addr = None
+        for _ in range(240):
+            log.seek(0)
+            m = re.search(r"ray address (\S+);", log.read())
+            if m:
+                addr = m.group(1)
+                break
+            assert launcher.poll() is None, "the launcher exited early"
+            time.sleep(0.25)
+        assert addr, "the launcher never reported ready"
+        run = lambda *a: subprocess.run(CLI + list(a), capture_output=True, text=True,  # address auto: newest
+                                        timeout=120, env=env)
+        g = run("generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json")
+        assert g.returncode == 0, g.stderr
+        assert len(json.loads(g.stdout)["token_ids"]) == 6
+        st = run("status", "tiny-cpu", "--json")
+        assert st.returncode == 0 and [s["index"] for s in json.loads(st.stdout)["stages"]] == [0, 1]
+        sp = run("stop", "tiny-cpu")
+        assert sp.returncode == 0 and "stopped tiny-cpu" in sp.stdout, sp.stderr
+        assert launcher.wait(timeout=30) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
