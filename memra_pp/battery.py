@@ -21,15 +21,19 @@ NEW = 12
 
 
 class Battery:
-    def __init__(self, config, progress=print):
+    def __init__(self, config, progress=print, out: str | None = None):
         self.base = load_placement(config).to_dict()
         self.rows: list[dict] = []
         self.say = progress
+        self.out = out          # rewritten after every row: a run cut short still leaves its evidence
 
     def row(self, check: str, exercised: str, ok: bool, evidence: dict) -> None:
         self.rows.append({"check": check, "exercised": exercised, "outcome": "PASS" if ok else "FAIL",
                           "evidence": evidence})
         self.say(f"  {'PASS' if ok else 'FAIL'}  {check}: {exercised}")
+        if self.out:
+            with open(self.out, "w") as f:
+                json.dump({"config": self.base, "partial": True, "rows": self.rows}, f, indent=1, default=str)
 
     def variant(self, **over) -> dict:
         d = copy.deepcopy(self.base)
@@ -164,7 +168,7 @@ class Battery:
 
 
 def main(args) -> int:
-    b = Battery(args.config)
+    b = Battery(args.config, out=args.out)
     try:
         report = b.run()
     except MemraError as e:
