@@ -131,13 +131,13 @@ class SafetensorsSource:
     def get(self, name: str, dtype: torch.dtype, device="cpu") -> torch.Tensor:
         key = self._key(name)
         if key in self._file_of:
-            t = self._raw(key)
+            t, where = self._raw(key), str(self._file_of[key])   # name the shard that holds the tensor
         elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            t = self._stack_experts(name)
+            t, where = self._stack_experts(name), str(self.dir)
         else:
             raise ConfigError(f"{self.dir}: tensor {key!r} (canonical {name!r}) is missing from the checkpoint")
         self.read_names.append(name)
-        check_shape(name, t, self.config.text, str(self.dir))
+        check_shape(name, t, self.config.text, where)
         return t.to(device=device, dtype=dtype)
 
     def _stack_experts(self, name: str) -> torch.Tensor:
