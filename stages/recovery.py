@@ -70,8 +70,8 @@ class RecoveryMixin:
         self.sender = self.ring = self.receiver = self.ring_listener = None
 
     def relink(self, run_dir: str, transport: str = "shm") -> dict:
-        """Open this stage's receiving side afresh in `run_dir` (as setup does, without loading anything);
-        returns what the neighbours need to connect."""
+        """Open this stage's receiving side in `run_dir` (at setup, and afresh after a failure, without loading
+        anything); returns what the neighbours need to connect."""
         import torch
         from .channel import ChannelListener
         self.here()

@@ -61,8 +61,6 @@ class StageRunner(RecoveryMixin):
         """Load this stage's slice and open its receiving side (`transport` of its upstream boundary: shm, peer
         or host); returns what the neighbours need to connect."""
         from ..engine import Engine
-        from ..stages.slots import SlotReceiver
-        from ..stages.channel import ChannelListener
         self.placement, self.plan, self.index = load_placement(placement), Plan.from_dict(plan), index
         sp = self.plan.stages[index]
         self.spec = sp
@@ -83,23 +81,8 @@ class StageRunner(RecoveryMixin):
         sc = self.placement.scheduler
         self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
         self.load_s = time.monotonic() - t0
-        n = len(self.plan.stages)
-        info = {"index": index, "ctx": str(self.engine.ctx), "ctx_id": self.engine.ctx, "load_s": self.load_s, "pid": os.getpid(),
-                "tensors": len(self.src.read_names), "endpoint": None, "ring": None,
-                "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids)}
-        max_tokens = sc.prefill_chunk + sc.max_batch
-        if index > 0:
-            nbytes = max_tokens * self.mc.text.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
-            addr = f"unix:{run_dir}/s{index}.sock"
-            if transport == "shm":
-                self.receiver = SlotReceiver(f"s{index}", nbytes, addr)
-            else:
-                from .gpu_slots import RECEIVERS
-                self.receiver = RECEIVERS[transport](f"s{index}", nbytes, addr, engine=self.engine)
-            info["endpoint"] = self.receiver.endpoint()
-        if index == 0 and n > 1:
-            self.ring_listener = ChannelListener(f"unix:{run_dir}/ring.sock", label="ring")
-            info["ring"] = self.ring_listener.address
+        info = self.relink(run_dir, transport)
+        info.update(ctx=str(self.engine.ctx), load_s=self.load_s, tensors=len(self.src.read_names))
         if sp.intake:
             self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
         return info
