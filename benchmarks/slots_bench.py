@@ -12,7 +12,7 @@ import time
 import torch
 
 from memra_pp.stages.channel import ChannelListener, connect
-from memra_pp.stages.slots import SlotReceiver, SlotSender
+from memra_pp.stages.shm_slots import SlotReceiver, SlotSender
 
 PAYLOADS = [("[64, 64] float32", (64, 64), torch.float32), ("[64, 5120] bfloat16", (64, 5120), torch.bfloat16)]
 WARMUP = 100

@@ -18,7 +18,8 @@ import torch
 from memra_pp import cuda
 from memra_pp.engine import ContextId, Engine, residency_of
 from memra_pp.errors import ProtocolError, ResidencyError
-from memra_pp.stages.slots import SlotReceiverBase, SlotSenderBase, _attach_shm, _nbytes
+from memra_pp.stages.shm_slots import _attach_shm
+from memra_pp.stages.slots import SlotReceiverBase, SlotSenderBase, _nbytes
 
 _EVENTS = "_gpu_events"  # sender -> receiver, right after the hello: the sender's ready-event handles
 

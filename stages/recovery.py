@@ -75,7 +75,7 @@ class RecoveryMixin:
         import torch
         from .channel import ChannelListener
         self.here()
-        from .slots import SlotReceiver
+        from .shm_slots import SlotReceiver
         i, sc = self.index, self.placement.scheduler
         info = {"index": i, "pid": os.getpid(), "endpoint": None, "ring": None, "ctx_id": self.engine.ctx,
                 "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids), "load_s": 0.0}

@@ -91,7 +91,7 @@ class StageRunner(RecoveryMixin):
         """Connect outgoing links first (a listener's backlog accepts them), then accept the incoming ones."""
         self.tower_ctx = tower_ctx
         self.here()
-        from ..stages.slots import SlotSender
+        from .shm_slots import SlotSender
         from ..stages.channel import connect
         if downstream is not None:
             if downstream["transport"] == "shm":

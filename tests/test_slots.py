@@ -14,7 +14,7 @@ import torch
 
 from memra_pp.errors import InputError, ProtocolError
 from memra_pp.stages.channel import ChannelClosed, connect
-from memra_pp.stages.slots import SlotReceiver, SlotSender
+from memra_pp.stages.shm_slots import SlotReceiver, SlotSender
 
 SPAWN = mp.get_context("spawn")
 

@@ -1,0 +1,82 @@
+"""The CPU data path of the boundary slots: POSIX shared-memory segments the receiver creates and unlinks, mapped
+by the sender. Runs in both neighbouring stage processes; the credit and header protocol is slots.py's.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from multiprocessing.shared_memory import SharedMemory
+
+import _posixshmem
+import torch
+
+from memra_pp.errors import ProtocolError, StageFailed
+from memra_pp.stages.slots import SlotReceiverBase, SlotSenderBase, _SlotViews, _u8_over
+
+
+class SlotReceiver(SlotReceiverBase):
+    """CPU receiver: each slot is a POSIX shared-memory segment this process creates and unlinks."""
+
+    TRANSPORT = "shm"
+
+    def _allocate(self, n_slots: int, max_bytes: int) -> dict:
+        prefix = f"mpp_{re.sub(r'[^A-Za-z0-9_]', '_', self.name)[:40]}_{os.getpid()}_{secrets.token_hex(3)}"
+        self._shms = [SharedMemory(name=f"{prefix}_{k}", create=True, size=max_bytes) for k in range(n_slots)]
+        self._views = _SlotViews([_u8_over(shm.buf, max_bytes) for shm in self._shms])
+        return {"shm": [s.name for s in self._shms]}
+
+    def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        return self._views.get(slot, dtype, shape).detach()  # a fresh alias: callers may not edit the cached one
+
+    def _release(self) -> None:
+        if hasattr(self, "_views"):
+            self._views.clear()
+        alive = []
+        for shm in getattr(self, "_shms", []):
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass  # a second close
+            try:
+                shm.close()
+            except BufferError:
+                alive.append(shm.name)
+        if alive:
+            raise BufferError(f"boundary {self.name}: views from recv() over {alive} are still alive; drop them "
+                              f"before close() (the segments are unlinked already)")
+
+
+class SlotSender(SlotSenderBase):
+    """CPU sender: maps the receiver's shared-memory segments and copies hidden_TD into them."""
+
+    def _attach(self, endpoint: dict) -> None:
+        self._maps = [_attach_shm(name, self.max_bytes, self.name) for name in endpoint["shm"]]
+        self._views = _SlotViews([_u8_over(m, self.max_bytes) for m in self._maps])
+
+    def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
+        self._views.get(slot, hidden_TD.dtype, hidden_TD.shape).copy_(hidden_TD)
+
+    def _detach(self) -> None:
+        self._views.clear()
+        for m in self._maps:
+            m.close()
+        self._maps = []
+
+
+def _attach_shm(name: str, size: int, boundary: str) -> mmap.mmap:
+    # Not SharedMemory(name): before Python 3.13 it registers the segment with this process's resource_tracker,
+    # which unlinks it (with a leak warning) when we exit. Unregistering afterwards is wrong when the creator shares
+    # our tracker (multiprocessing children do): it drops the creator's own registration. So never register.
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        raise StageFailed(f"boundary {boundary}: slot segment {name} does not exist: the receiver closed or died")
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ProtocolError(f"boundary {boundary}: slot segment {name} is {os.fstat(fd).st_size} bytes, "
+                                f"the endpoint says {size}")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
