@@ -78,7 +78,28 @@ class Client:
         return self.dep.placement.recover == "replay" and self._sup is not None
 
     def close(self) -> None:
+        """Stop the pump; every request still waiting ends with StageFailed (and is aborted on the intake)."""
         self._closed.set()
+        with self._lock:
+            tracks, self._held = list(self._tracks.values()) + self._held, []
+            self._tracks.clear()
+        for t in tracks:
+            self._abort(t.rid)
+            self._deliver(t, ([], [], "error", ("StageFailed", "the client was closed (deployment shut down)")))
+
+    def _abort(self, rid: str) -> None:
+        """Tell the intake to drop a request nobody reads any more (fire and forget: it may be gone)."""
+        try:
+            self._intake.abort.remote(rid)
+        except Exception:  # noqa: BLE001 - a dead intake has nothing left to abort
+            pass
+
+    @staticmethod
+    def _deliver(t, item) -> None:
+        try:
+            t.put(item)
+        except RuntimeError:   # an agenerate whose event loop has closed: nobody is waiting any more
+            pass
 
     # -- plumbing ---------------------------------------------------------------------------------------------
     def _run_pump(self):
@@ -107,7 +128,7 @@ class Client:
                         if finish or err:
                             del self._tracks[rid]
                 if t is not None:
-                    t.put((toks, lps, finish, err))
+                    self._deliver(t, (toks, lps, finish, err))
             self._replay_if_recovered()
 
     # -- stage failure (called by the pump, and by the deployment's supervisor thread) -----------------------------
@@ -122,7 +143,7 @@ class Client:
                 return
             self._tracks.clear()
         for t in tracks:
-            t.put(([], [], "error", (type(e).__name__, str(e), e.stage)))
+            self._deliver(t, ([], [], "error", (type(e).__name__, str(e), e.stage)))
 
     def on_recovery_failed(self, e: StageFailed) -> None:
         with self._lock:
@@ -175,6 +196,8 @@ class Client:
         sup = self._sup
         if sup is not None and not sup.ready.wait(t.ready_s):   # a recovery is in progress: wait for it
             raise sup.failure or StageFailed(f"the deployment did not recover within {t.ready_s:.0f} s")
+        if sup is not None and sup.failure is not None:         # a recovery gave up: nothing will serve this
+            raise sup.failure
         tr = _Track(uuid.uuid4().hex, req, sink or q.put, gen=sup.generation if sup else 0)
         req["rid"] = tr.rid
         with self._lock:
@@ -215,19 +238,23 @@ class Client:
             raise InputError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}") from None
 
     def _events(self, tr: _Track, q, timeout):
+        done = False
         try:
             while True:
                 try:
                     toks, lps, finish, err = q.get(timeout=timeout)
                 except queue.Empty:
-                    self._intake.abort.remote(tr.rid)
                     raise TimeoutError(f"request {tr.rid} produced nothing for {timeout} s") from None
                 if err is not None:
+                    done = True
                     raise _error(*err)
+                done = bool(finish)
                 yield toks, lps, finish
                 if finish:
                     return
         finally:
+            if not done:            # the caller stopped reading (or timed out): free the sequence's slot
+                self._abort(tr.rid)
             self._drop(tr)
 
     # -- public -----------------------------------------------------------------------------------------------
@@ -270,22 +297,24 @@ class Client:
             prompt, max_new_tokens, kw.pop("temperature", 0.0), kw.pop("top_k", 0), kw.pop("top_p", 1.0),
             kw.pop("min_p", 0.0), kw.pop("seed", None), kw.pop("stop_token_ids", None), kw.pop("adapter", None),
             kw.pop("images", None), sink))
-        toks, lps, finish = [], [], "length"
+        toks, lps, finish, done = [], [], "length", False
         try:
             while True:
                 try:
                     t, l, f, err = await asyncio.wait_for(aq.get(), timeout or self.dep.placement.timeouts.step_s * 10)
                 except asyncio.TimeoutError:
-                    self._intake.abort.remote(tr.rid)
                     raise TimeoutError(f"request {tr.rid} produced nothing for {timeout} s") from None
                 if err is not None:
+                    done = True
                     raise _error(*err)
                 toks += t
                 lps += l
                 if f:
-                    finish = f
+                    finish, done = f, True
                     break
         finally:
+            if not done:                # cancelled or timed out: nobody reads the rest, free its slot
+                self._abort(tr.rid)
             self._drop(tr)
         tok = self.dep.tokenizer
         return Result(toks, lps if logprobs else None, finish, tok.decode(toks) if tok else None, len(ids))

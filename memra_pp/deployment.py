@@ -11,7 +11,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import ray
@@ -52,7 +51,8 @@ class Deployment:
         actors, pg = [], None
         try:
             from ray.util.placement_group import placement_group, remove_placement_group
-            pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK")
+            pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK",
+                                 lifetime="detached" if detached else None)   # detached actors outlive us
             _get(pg.ready(), placement.timeouts.ready_s, "placement group")
             for s in plan.stages:
                 actors.append(cls._make_actor(placement, s, pg, detached))
@@ -213,10 +213,15 @@ class Deployment:
         from .errors import InputError
         if name not in self._adapters:
             raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self._adapters)}")
-        slot = self._adapters.pop(name)
-        self._adapter_paths.pop(name, None)
+        slot = self._adapters[name]
         t = self.placement.timeouts.ready_s
-        _get(self.actors[0].name_adapter.remote(name, None), t, "withdraw adapter name")
+        _get(self.actors[0].name_adapter.remote(name, None), t, "withdraw adapter name")   # no new requests
+        users = _get(self.actors[0].adapter_users.remote(slot), t, "adapter users")
+        if users:   # unloading now would change the weights under requests still generating with them
+            _get(self.actors[0].name_adapter.remote(name, slot), t, "restore adapter name")
+            raise InputError(f"adapter {name!r} is still used by {users} request(s); unload it when they finish")
+        del self._adapters[name]
+        self._adapter_paths.pop(name, None)
         _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
 
     def stage_actor(self, i: int):

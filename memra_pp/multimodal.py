@@ -27,8 +27,11 @@ def as_image_input(x) -> ImageInput:
         return x
     if isinstance(x, dict) and "pixel_values" in x and "grid_thw" in x:
         pv = x["pixel_values"]
-        return ImageInput(torch.as_tensor(np.asarray(pv)) if not isinstance(pv, torch.Tensor) else pv,
-                          tuple(int(v) for v in x["grid_thw"]))
+        try:
+            return ImageInput(torch.as_tensor(np.asarray(pv)) if not isinstance(pv, torch.Tensor) else pv,
+                              tuple(int(v) for v in x["grid_thw"]))
+        except (TypeError, ValueError) as e:
+            raise InputError(f"an image's pixel_values / grid_thw do not form an ImageInput: {e}") from None
     raise InputError(f"an image must be a memra_pp.ImageInput (pixel_values, grid_thw), got {type(x).__name__}")
 
 

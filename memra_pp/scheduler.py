@@ -175,7 +175,9 @@ class Scheduler:
 
     def on_tokens(self, mb_id: int, tokens: list[int], logprobs: list[float]) -> list[Event]:
         """The primary's sampled tokens for microbatch `mb_id` (one per sampled sequence, in order)."""
-        mb = self.inflight.pop(mb_id)
+        mb = self.inflight.pop(mb_id, None)
+        if mb is None:      # its requests were already failed (fail_all / fail_mb): late tokens are dropped
+            return []
         it = iter(zip(tokens, logprobs))
         events = []
         for s, c, smp in zip(mb.seqs, mb.counts, mb.sample):

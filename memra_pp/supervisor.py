@@ -72,9 +72,14 @@ class Supervisor:
         while not self.stopping.wait(hb):
             if self.failure is not None:
                 continue
-            bad = self.check(hb * MISSED_BEATS)
-            if bad is not None and not self.stopping.is_set():
-                self.recover(*bad)
+            try:
+                bad = self.check(hb * MISSED_BEATS)
+                if bad is not None and not self.stopping.is_set():
+                    self.recover(*bad)
+            except Exception as e:  # the supervisor must never die silently with `ready` cleared
+                log.exception("supervisor: recovery failed")
+                self.failure = StageFailed(f"the supervisor failed while recovering: {type(e).__name__}: {e}")
+                self.ready.set()
 
     def check(self, timeout: float, confirm: bool = True) -> tuple[int, str] | None:
         """(stage, reason) of the failed stage to blame, or None. A dead or silent actor outranks a loop that

@@ -47,6 +47,9 @@ class StageActor:
     def unload_adapter(self, slot: int) -> None:
         return self.runner.unload_adapter(slot)
 
+    def adapter_users(self, slot: int) -> int:
+        return self.runner.adapter_users(slot)
+
     def name_adapter(self, name: str, slot) -> None:
         return self.runner.name_adapter(name, slot)
 

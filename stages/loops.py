@@ -12,7 +12,7 @@ import traceback
 
 import torch
 
-from ..errors import MemraError, ProtocolError, StageFailed
+from ..errors import MemraError, ProtocolError
 from ..model.batch import StepBatch
 from ..model.sampling import SamplingParams, sample
 from ..battery_stage import hash_rx
@@ -74,7 +74,7 @@ class _Loop:
         wall = max(time.monotonic() - self.t0, 1e-9)
         out = {"busy": self.busy_s / wall, "microbatches": self.microbatches, "loop_error": self.error}
         if reset:
-            self.busy_s, self.t0 = 0.0, time.monotonic()
+            self.busy_s, self.t0, self.microbatches = 0.0, time.monotonic(), 0
         return out
 
     def _guarded(self):
@@ -83,7 +83,8 @@ class _Loop:
             self.run()
         except Exception as e:  # the loop must never die silently: record it for stats() and the driver's monitor
             self.error = traceback.format_exc()
-            self.lost_link = isinstance(e, ChannelClosed)
+            # a neighbour that closed its link, or would not take a microbatch in time, is the lost one, not us
+            self.lost_link = isinstance(e, (ChannelClosed, TimeoutError))
             ch = getattr(self.r.receiver, "_ch", None)
             if isinstance(e, ProtocolError) and ch is not None:
                 ch.close()   # fail the link loudly: the sender sees it closed, never waits on it
@@ -240,3 +241,4 @@ class IntakeLoop(_Loop):
             r.sender.send(hdr, out, timeout=r.placement.timeouts.step_s)
         except (ChannelClosed, TimeoutError, MemraError) as e:
             r.mail.post(self.sched.fail_all("StageFailed", f"stage 1 is lost: it did not take a microbatch: {e}", 1))
+            raise   # the loop ends loudly: the supervisor sees a lost link and recovers the pipeline

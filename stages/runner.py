@@ -4,14 +4,12 @@ importable and testable without Ray. The Ray actor in actor.py is a thin shell o
 from __future__ import annotations
 
 import dataclasses
-import os
 import queue
-import threading
 import time
 
 import torch
 
-from ..errors import InputError, MemraError
+from ..errors import InputError, MemraError, StageFailed
 from ..model.config import ModelConfig
 from ..model.stage_model import StageModel
 from ..model.weights import open_weights
@@ -143,12 +141,23 @@ class StageRunner(RecoveryMixin):
         """Rows for the request's images, resident in this (intake) engine: computed here when the tower is this
         stage, else computed by the tower stage and published by host bounce. NEVER across contexts refuses."""
         self.here()
-        ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES)
+        try:
+            ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES)
+        except (TypeError, ValueError, AttributeError, IndexError) as e:
+            if isinstance(e, MemraError):
+                raise
+            raise InputError(f"malformed images: {type(e).__name__}: {e}") from None
         self.scheduler.validate(dataclasses.replace(r, prompt=ip.prompt))
         pixels = [ii.pixel_values for ii in ip.images]
         grids = [ii.grid_thw for ii in ip.images]
         if self.tower is not None:
-            rows = self._tower_rows(pixels, grids)
+            try:
+                rows = self._tower_rows(pixels, grids)
+            except MemraError:
+                raise
+            except Exception as e:  # the tower itself broke: this request fails typed, naming the stage
+                raise StageFailed(f"stage {self.index} (vision tower) failed: {type(e).__name__}: {e}",
+                                  stage=self.index) from None
             ov = EmbedOverlay.new_published(self.engine, self.engine, self.publish_mode, rows, ip.spans)
         else:
             if self.remote_encode is None:
@@ -202,6 +211,12 @@ class StageRunner(RecoveryMixin):
         else:
             self.adapter_names[name] = slot
 
+    def adapter_users(self, slot: int) -> int:
+        """Intake: requests waiting or running with this adapter slot (read from an actor thread: a snapshot)."""
+        sch = self.scheduler
+        return sum(r.adapter == slot for r in list(sch.waiting)) + \
+            sum(q.req.adapter == slot for q in list(sch.active.values()))
+
     def adapter_slot(self, name: str | None) -> int:
         if name is None:
             return -1
@@ -244,9 +259,4 @@ class StageRunner(RecoveryMixin):
         self.here()
         if self.loop:
             self.loop.stop()
-        for x in (self.sender, self.ring, self.receiver, self.ring_listener):
-            if x is not None:
-                try:
-                    x.close()
-                except (OSError, MemraError):
-                    pass
+        self._close_links()

@@ -8,7 +8,7 @@ from memra_pp.model import image as image_mod
 from memra_pp.model.config import VisionConfig
 from memra_pp.model.image import ImageInput, PixelSpec, preprocess_image, preprocess_video, validate_image_input
 
-import transformers  # noqa: E402  (a test dependency: a missing one must fail, not skip)
+import transformers  # noqa: E402,F401  (a test dependency: a missing one must fail, not skip)
 import PIL.Image as PIL  # noqa: E402
 
 VCFG = VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, temporal_patch_size=2,

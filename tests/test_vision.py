@@ -7,7 +7,7 @@ from memra_pp.model.config import VisionConfig
 from memra_pp.model.mrope import decode_position, placeholder_spans, rope_positions
 from memra_pp.model.vision import VisionTower
 
-import transformers  # noqa: E402  (a test dependency: a missing one must fail, not skip)
+import transformers  # noqa: E402,F401  (a test dependency: a missing one must fail, not skip)
 
 VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4, temporal_patch_size=2,
               spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)

@@ -28,8 +28,7 @@ class WeightSource(Protocol):
 def expected_shape(name: str, cfg: TextConfig) -> tuple[int, ...] | None:
     """The shape a canonical text tensor must have under `cfg` (None for names this table does not know)."""
     H, V, D = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
-    nk, nv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                      cfg.linear_value_head_dim)
+    nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     if name in ("embed_tokens.weight", "lm_head.weight"):
         return (V, H)
     if name == "norm.weight":

@@ -23,7 +23,11 @@ def test_plan_table_and_json(capsys):
 
 
 def test_detached_launch_generate_status_stop(tmp_path):
-    """A launched deployment must serve `generate` and `status` from other processes and stop on `stop`."""
+    """A launched deployment must serve `generate` and `status` from other processes and stop on `stop`.
+    The clients find the launcher's cluster with `--address auto` (as an operator would), which is only
+    unambiguous while no other Ray cluster runs: this file is named to run before the session's ray_cluster."""
+    import ray
+    assert not ray.is_initialized(), "another Ray cluster is up in this process: --address auto would be ambiguous"
     from memra_pp.defaults import ensure_tiny
     ensure_tiny()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -41,7 +45,7 @@ def test_detached_launch_generate_status_stop(tmp_path):
             assert launcher.poll() is None, "the launcher exited early"
             time.sleep(0.25)
         assert addr, "the launcher never reported ready"
-        run = lambda *a: subprocess.run(CLI + list(a), capture_output=True, text=True,  # address auto: newest
+        run = lambda *a: subprocess.run(CLI + list(a), capture_output=True, text=True,
                                         timeout=120, env=env)
         g = run("generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json")
         assert g.returncode == 0, g.stderr
