@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from memra_pp import cuda
+from memra_pp import cuda, cuda_views
 from memra_pp.engine import ContextId, Engine, EngineCounters, residency_of
 from memra_pp.errors import ResidencyError
 from memra_pp.overlay import EmbedOverlay, overlay_publications, publish_out
@@ -52,11 +52,11 @@ def primary_context(dev: int = 0) -> dict:
 
 def _wrap_secondary(ptr: int, nbytes: int, dev: int):
     try:
-        return cuda.dlpack_bytes(ptr, nbytes, 2, dev), "dlpack"
+        return cuda_views.dlpack_bytes(ptr, nbytes, 2, dev), "dlpack"
     except Exception as e:  # noqa: BLE001 - fall back, and say which way worked
         first = f"{type(e).__name__}: {e}"
     try:
-        return cuda.device_bytes(ptr, nbytes, dev), f"cuda_array_interface (dlpack failed: {first})"
+        return cuda_views.device_bytes(ptr, nbytes, dev), f"cuda_array_interface (dlpack failed: {first})"
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(f"cannot wrap secondary-context memory: dlpack: {first}; CAI: {e}") from e
 

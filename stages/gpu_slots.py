@@ -15,7 +15,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import torch
 
-from memra_pp import cuda
+from memra_pp import cuda, cuda_views
 from memra_pp.engine import ContextId, Engine, residency_of
 from memra_pp.errors import ProtocolError, ResidencyError
 from memra_pp.stages.shm_slots import _attach_shm
@@ -71,7 +71,7 @@ class PeerSlotReceiver(_GpuReceiver):
         for _ in range(n_slots):
             self._allocs.append(cuda.mem_alloc_2mib(max_bytes))
             self._done.append(cuda.event_create(interprocess=True))
-        self._bytes = [cuda.device_bytes(a.ptr, max_bytes, idx, owner=a) for a in self._allocs]
+        self._bytes = [cuda_views.device_bytes(a.ptr, max_bytes, idx, owner=a) for a in self._allocs]
         handles = [list(cuda.ipc_export_mem(a.ptr)) for a in self._allocs]
         return {"owner": _ctx_dict(self.engine.ctx), "slots": handles,
                 "done_events": [cuda.ipc_export_event(e) for e in self._done]}
