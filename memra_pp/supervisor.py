@@ -100,6 +100,9 @@ class Supervisor:
             if not h["alive"]:
                 (lost if h["lost_link"] else broken).append(
                     (i, f"its loop ended: {(h['error'] or 'a link to a neighbour closed').strip().splitlines()[-1]}"))
+            elif h.get("computing_s", 0.0) > self.dep.placement.timeouts.step_s:   # answers, but is stuck
+                dead.append((i, f"one microbatch has been computing for {h['computing_s']:.1f} s, more than "
+                                f"timeouts.step_s ({self.dep.placement.timeouts.step_s:g} s)"))
         if dead:
             return dead[0]
         if broken:

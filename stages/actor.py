@@ -64,6 +64,9 @@ class StageActor:
     def stats(self, reset: bool = False) -> dict:
         return self.runner.stats(reset)
 
+    def inject_stall(self, seconds: float) -> None:
+        return self.runner.inject_stall(seconds)
+
     def ping(self) -> int:
         return self.runner.ping()
 

@@ -58,6 +58,7 @@ class _Loop:
         self.stopping = threading.Event()
         self.busy_s, self.microbatches, self.t0 = 0.0, 0, time.monotonic()
         self.error: str | None = None
+        self.computing_since: float | None = None
         self.lost_link = False              # the loop ended because a neighbour's link closed under it
         self.sampler = Sampler() if runner.spec.primary else None
         self.thread = threading.Thread(target=self._guarded, name=f"memra-{self.name}-{runner.index}",
@@ -93,15 +94,21 @@ class _Loop:
         """For the driver's supervisor: is the loop (and the ring reader) still running, and why not."""
         threads = [self.thread] + [t for t in [getattr(self, "ring_thread", None)] if t is not None]
         alive = all(t.is_alive() for t in threads)
+        since = self.computing_since
         return {"alive": alive, "error": self.error, "lost_link": not alive and (self.error is None or
-                                                                                self.lost_link)}
+                                                                                self.lost_link),
+                "computing_s": 0.0 if since is None else time.monotonic() - since}
 
     def compute(self, b: StepBatch, h):
-        t = time.monotonic()
+        t = self.computing_since = time.monotonic()   # the supervisor reads how long one microbatch takes
         r = self.r
+        if r.stall_s:                                  # fault injection (StageRunner.inject_stall)
+            stall, r.stall_s = r.stall_s, 0.0
+            time.sleep(stall)
         out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
         if self.sampler is not None:
             out = self.sampler(out, b)
+        self.computing_since = None
         self.busy_s += time.monotonic() - t
         self.microbatches += 1
         return out

@@ -39,6 +39,7 @@ class StageRunner(RecoveryMixin):
         self.tower_ctx = None
         self.remote_encode = None       # set by the actor shell when the tower is another stage
         self.rx_hashes = None           # battery: sha256 of each received activation while recording
+        self.stall_s = 0.0              # fault injection: the next microbatch's compute sleeps this long
         self.lora = None                # this stage's LoraPool, made at the first adapter load
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}
@@ -251,6 +252,11 @@ class StageRunner(RecoveryMixin):
         st["splices"] = self.engine.counters.splices
         st["rss_bytes"] = rss_bytes()
         return st
+
+    def inject_stall(self, seconds: float) -> None:
+        """Fault injection for operators and tests: the next microbatch computed here hangs `seconds` (the actor
+        keeps answering heartbeats), which the supervisor must detect as a stuck stage."""
+        self.stall_s = float(seconds)
 
     def ping(self) -> int:
         return self.index

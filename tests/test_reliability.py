@@ -142,3 +142,21 @@ def test_supervisor_does_not_race_shutdown(ray_cluster):
     for i in range(2):
         with pytest.raises(ValueError):
             ray.get_actor(f"relshut.stage{i}")
+
+
+def test_stuck_stage_is_detected_and_replaced(ray_cluster):
+    """A stage whose actor still answers heartbeats but whose loop hangs inside one microbatch for longer than
+    timeouts.step_s must be declared failed (StageFailed naming it), replaced, and the deployment must serve."""
+    _, path = tiny_checkpoint("dense", False)
+    cfg = dict(config(path, 2), timeouts={"heartbeat_s": 0.5, "step_s": 3})
+    with memra_pp.launch(cfg) as dep:
+        c = dep.client()
+        ray.get(dep.actors[1].inject_stall.remote(60), timeout=30)
+        t0 = time.monotonic()
+        with pytest.raises(StageFailed) as e:
+            c.generate(list(SHORT), max_new_tokens=4, timeout=30)
+        assert e.value.stage == 1 and "computing for" in str(e.value), e.value
+        assert time.monotonic() - t0 < 15
+        dep.wait_ready(timeout=60)
+        ref = hf_reference("dense", False, SHORT, 4)[0]
+        assert c.generate(list(SHORT), max_new_tokens=4).token_ids == ref
