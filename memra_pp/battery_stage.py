@@ -6,16 +6,10 @@ import hashlib
 import torch
 
 from .engine import residency_of
-from .errors import ResidencyError
+from .gpu_checks import refusal as _refused
 from .overlay import EmbedOverlay, OverlayPublish, overlay_publications
 
 
-def _refused(fn) -> str:
-    try:
-        fn()
-    except ResidencyError as e:
-        return str(e)
-    return "NOT REFUSED"
 
 
 def context(r) -> dict:

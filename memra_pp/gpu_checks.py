@@ -32,7 +32,8 @@ def devices() -> tuple[int, int]:
     return 0, (1 if torch.cuda.device_count() > 1 else 0)
 
 
-def _refusal(fn) -> str:
+def refusal(fn) -> str:
+    """The ResidencyError message `fn` raised, or 'NOT REFUSED'."""
     try:
         fn()
     except ResidencyError as e:
@@ -78,9 +79,9 @@ def secondary_context(dev: int = 0) -> dict:
         out = {"wrapped_by": how, "secondary_ctx": str(real), "differs": real != eng.ctx,
                "uid_is_secondary": real.uid == cuda.context_uid(sec), "current_restored":
                cuda.context_uid(cuda.current_context()) == eng.ctx.uid,
-               "construct": _refusal(lambda: EmbedOverlay(eng, rows, spans)),
-               "splice": _refusal(lambda: ov.splice_into(eng, emb, 0)),
-               "publish_source": _refusal(lambda: publish_out(eng, rows, spans)),
+               "construct": refusal(lambda: EmbedOverlay(eng, rows, spans)),
+               "splice": refusal(lambda: ov.splice_into(eng, emb, 0)),
+               "publish_source": refusal(lambda: publish_out(eng, rows, spans)),
                "splice_wrote_nothing": bool(emb.abs().sum().item() == 0), "splices": eng.counters.splices}
         del ov, rows, raw
     finally:
@@ -109,7 +110,7 @@ def publication(src: int, dst: int) -> dict:
             "across_bit_exact": torch.equal(across.rows.view(torch.int16).cpu(), bits),
             "forced_bit_exact": torch.equal(forced.rows.view(torch.int16).cpu(), bits),
             "across_resident_in_intake": across.resident_in(intake) and residency_of(across.rows, intake) == intake.ctx,
-            "wrong_engine_refused": _refusal(lambda: EmbedOverlay(tower, across.rows, [(0, 0, 1)]))}
+            "wrong_engine_refused": refusal(lambda: EmbedOverlay(tower, across.rows, [(0, 0, 1)]))}
 
 
 # -- two-process scenarios ------------------------------------------------------------------------------------------
@@ -129,8 +130,8 @@ def two_processes(dev: int = 0) -> dict:
             "same_uid_value": theirs.uid == eng.ctx.uid,
             "same_handle_value": their_handle == int(cuda.current_context()),
             "forged_equal_uid_not_local": not forged.is_local() and forged != eng.ctx,
-            "pickled_overlay": _refusal(lambda: ov.require_resident(eng)),
-            "pickled_splice": _refusal(lambda: ov.splice_into(eng, torch.zeros(4, 8, device=eng.device), 0))}
+            "pickled_overlay": refusal(lambda: ov.require_resident(eng)),
+            "pickled_splice": refusal(lambda: ov.splice_into(eng, torch.zeros(4, 8, device=eng.device), 0))}
 
 
 def _payload(i: int, shape, device) -> torch.Tensor:
@@ -192,7 +193,7 @@ def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout):
         if transport == "peer":
             sec = cuda.create_secondary_context(dev)
             with cuda.pushed(sec):
-                wrong = _refusal(lambda: s.send(dict(hdr, seq=n), payloads[0], timeout))
+                wrong = refusal(lambda: s.send(dict(hdr, seq=n), payloads[0], timeout))
             cuda.destroy_context(sec)
         stats = s.stats()
         s.close()

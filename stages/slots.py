@@ -70,7 +70,20 @@ def _u8_over(buf, nbytes: int) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, count=nbytes))
 
 
-class SlotReceiverBase:
+class _Link:
+    """What both ends of a boundary share: handoff counters, and closing as a context manager."""
+
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SlotReceiverBase(_Link):
     """Receiver end: owns `n_slots` slots and the listening socket; the transport lives in the hooks."""
 
     TRANSPORT = "abstract"
@@ -165,15 +178,6 @@ class SlotReceiverBase:
         with self._lock:
             return sorted(self._held)
 
-    def stats(self) -> dict:
-        return self._stats.as_dict()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def close(self) -> None:
         """Close the channel and release (unlink) the slots; drop every view from `recv` first."""
         if self._ch is not None:
@@ -193,7 +197,7 @@ class SlotReceiverBase:
         raise NotImplementedError
 
 
-class SlotSenderBase:
+class SlotSenderBase(_Link):
     """Sender end: fills a slot only after the receiver's credit for it; the transport lives in the hooks."""
 
     def __init__(self, endpoint: dict, latency_ring: int = 4096):
@@ -273,15 +277,6 @@ class SlotSenderBase:
         deadline = time.monotonic() + timeout
         while self._in_flight:
             self._await_credit(deadline, timeout)
-
-    def stats(self) -> dict:
-        return self._stats.as_dict()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         if self._ch is not None:
