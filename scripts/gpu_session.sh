@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
-# probe, GPU tests, batteries. Every phase has a timeout; logs and JSON land in $OUT.
+# probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
+# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench bench4" (one run call is 10 minutes:
+# split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -17,9 +19,11 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
   case $phase_name in
     probe) phase probe 200 python3 -u -m memra_pp.gpu_checks --out "$OUT" --handoffs 2000 ;;
     tests) phase tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
-    battery1) phase battery-one-card 300 python3 -m memra_pp.cli battery cluster_configs/2xh200-one-card.yaml --out "$OUT/battery-one-card.json" ;;
-    battery2) phase battery-2xh200 300 python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
-    battery4) phase battery-4gpu 300 python3 -m memra_pp.cli battery cluster_configs/battery-4gpu.yaml --out "$OUT/battery-4gpu.json" ;;
+    battery1) phase battery-one-card 420 python3 -m memra_pp.cli battery cluster_configs/2xh200-one-card.yaml --out "$OUT/battery-one-card.json" ;;
+    battery2) phase battery-2xh200 420 python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
+    battery4) phase battery-4gpu 420 python3 -m memra_pp.cli battery cluster_configs/battery-4gpu.yaml --out "$OUT/battery-4gpu.json" ;;
+    bench) phase gpu-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --stages 1,2 --concurrency 1,64 --hf ;;
+    bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --stages 1,2,4 --concurrency 64,256 ;;
     host) phase battery-host 300 python3 -m memra_pp.cli battery cluster_configs/host-bounce.yaml --out "$OUT/battery-host.json" ;;
   esac
 done
