@@ -33,6 +33,15 @@ class StepBatch:
             o += c
         return out
 
+    def index_tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, starts) as int64 tensors on `device`, made once per step (not once per layer: each is a
+        host-to-device copy)."""
+        key = str(device)
+        cache = self.__dict__.setdefault("_index", {})
+        if key not in cache:
+            cache[key] = (torch.tensor(self.slots, device=device), torch.tensor(self.starts, device=device))
+        return cache[key]
+
     def decode_only(self) -> bool:
         """Every segment is one token continuing a cached sequence: the batched decode path applies."""
         return all(c == 1 and s > 0 for c, s in zip(self.counts, self.starts))

@@ -41,7 +41,7 @@ class GatedDeltaNet(Param):
             return q, k, v.reshape(n, nv, dv)
 
         if b.decode_only():
-            slots = torch.tensor(b.slots, device=x_TH.device)
+            slots, _ = b.index_tensors(x_TH.device)
             y, conv[slots] = causal_conv_step(u, w, conv[slots])
             q, k, v = split(y)
             o, rec[slots] = self._recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],

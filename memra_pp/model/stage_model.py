@@ -42,8 +42,7 @@ class Layer(nn.Module):
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
         if b.decode_only():
-            slots = torch.tensor(b.slots, device=x_TH.device)
-            pos = torch.tensor(b.starts, device=x_TH.device)
+            slots, pos = b.index_tensors(x_TH.device)
             kp[slots, :, pos] = k
             vp[slots, :, pos] = v
             S = max(b.starts) + 1
