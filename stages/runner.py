@@ -27,6 +27,21 @@ from .recovery import RecoveryMixin, rss_bytes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class _LoadProgress:
+    """Weight loading shows progress: a line every 5 s while a stage loads (Ray forwards it to the driver), and one
+    when it is done if that took more than a second."""
+
+    def __init__(self, index: int, sp, t0: float):
+        self.index, self.sp, self.t0, self.last = index, sp, t0, t0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= 5.0 or (done == total and now - self.t0 > 1.0):
+            self.last = now
+            print(f"stage {self.index} ({self.sp.device}): loaded {done}/{total} layers of "
+                  f"[{self.sp.layer_start}, {self.sp.layer_end}) in {now - self.t0:.1f} s", flush=True)
+
+
 class StageRunner(RecoveryMixin):
     def __init__(self):
         self.index = -1
@@ -71,7 +86,7 @@ class StageRunner(RecoveryMixin):
         self.mc: ModelConfig = self.src.config
         self.dtype = DTYPES[m.dtype]
         self.model = StageModel(self.mc, sp.layer_start, sp.layer_end, sp.intake, sp.primary).load(
-            self.src, self.dtype, sp.device)
+            self.src, self.dtype, sp.device, progress=_LoadProgress(index, sp, t0))
         self.publish_mode = resolve_overlay_publish(self.placement.overlay_publish)
         if sp.tower and self.mc.vision is not None:
             from ..model.vision import VisionTower
