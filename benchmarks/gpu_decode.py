@@ -132,7 +132,32 @@ def main() -> int:
     if a.hf:
         rep["runs"] += run_hf(conc, a.prompt_len, a.new)
     json.dump(rep, open(os.path.join(a.out, "gpu_decode.json"), "w"), indent=1)
+    plot(rep, os.path.join(a.out, "gpu_decode.png"))
     return 0
+
+
+def plot(rep: dict, path: str) -> None:
+    """Throughput against concurrency, one line per system measured, the batch-1 floor as a marker."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    systems = {}
+    for r in rep["runs"]:
+        name = r.get("system") or f"memra_pp, {r['n_stages']} stage(s)"
+        systems.setdefault(name, []).append((r["concurrency"], r["tokens_per_s"]))
+    for name, pts in systems.items():
+        ax.plot(*zip(*sorted(pts)), marker="o", label=name)
+    ax.axhline(rep["floor_batch1_tokens_per_s"], ls=":", c="grey", label="batch-1 memory floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"Qwen3.5-27B dims, bf16, {rep['gpu']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
