@@ -7,7 +7,7 @@ import pytest
 import memra_pp
 from conftest_models import hf_reference, tiny_checkpoint
 from memra_pp.errors import ConfigError, InputError
-from test_adapters import NEW, PROMPTS, adapter, peft_reference
+from test_adapters import NEW, PROMPTS, REFUSALS, _edit, adapter, peft_reference
 
 
 def cfg(path, n, max_loras=2, max_rank=8):
@@ -59,3 +59,18 @@ def test_adapter_refusals_keep_serving(ray_cluster):
         with pytest.raises(InputError, match="unknown adapter 'b'"):
             c.generate(list(p), max_new_tokens=NEW, adapter="b")
         assert c.generate(list(p), max_new_tokens=NEW).token_ids == hf_reference("dense", False, p, NEW)[0]
+
+
+def test_bad_adapter_files_refused_then_serving(ray_cluster, tmp_path):
+    """Adapters with token ids beyond the vocabulary or a vocabulary of another size must be refused with a
+    ConfigError on load (no stage keeps them), and the deployment must then serve with a good adapter."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(cfg(path, 2, max_loras=1, max_rank=8)) as dep:
+        for i, case in enumerate(("token id beyond vocab", "vocab size mismatch")):
+            edits, _, msg = REFUSALS[case]
+            with pytest.raises(ConfigError, match=msg):
+                dep.load_adapter(f"bad{i}", _edit(tmp_path / str(i), **edits))
+        dep.load_adapter("a", adapter("dense", False, "A")[1])          # the slot was left free
+        p = PROMPTS[0]
+        assert dep.client().generate(list(p), max_new_tokens=NEW, adapter="a").token_ids == \
+            peft_reference("dense", False, "A", p)[0]
