@@ -74,3 +74,32 @@ def test_bad_adapter_files_refused_then_serving(ray_cluster, tmp_path):
         p = PROMPTS[0]
         assert dep.client().generate(list(p), max_new_tokens=NEW, adapter="a").token_ids == \
             peft_reference("dense", False, "A", p)[0]
+
+
+def test_unload_in_use_is_refused(ray_cluster):
+    """Unloading an adapter while a request generates with it must be refused (its weights would change under
+    the request); once the request is done the unload must succeed."""
+    import threading
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(cfg(path, 2, max_rank=8)) as dep:
+        dep.load_adapter("a", adapter("dense", False, "A")[1])
+        c = dep.client()
+        got = {}
+        first = threading.Event()
+
+        def run():
+            toks = []
+            for ev in c.stream(list(PROMPTS[0]), max_new_tokens=150, adapter="a", stop_token_ids=[]):
+                toks += ev.token_ids
+                first.set()
+            got["n"] = len(toks)
+        t = threading.Thread(target=run)
+        t.start()
+        assert first.wait(60)
+        with pytest.raises(InputError, match="still used by 1 request"):
+            dep.unload_adapter("a")
+        t.join(120)
+        assert got["n"] == 150
+        dep.unload_adapter("a")
+        with pytest.raises(InputError, match="unknown adapter 'a'"):
+            c.generate(list(PROMPTS[0]), max_new_tokens=2, adapter="a")
