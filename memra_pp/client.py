@@ -55,6 +55,11 @@ class _Track:
     gen: int = 0                  # the supervisor generation the request was (re)submitted in
 
 
+# The request keywords generate / stream / agenerate share, with their defaults.
+REQUEST_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop_token_ids=None,
+                        adapter=None, images=None)
+
+
 class Client:
     def __init__(self, dep):
         self.dep = dep
@@ -183,15 +188,16 @@ class Client:
             except Exception as e:  # noqa: BLE001 - the replay could not be queued: those requests fail, typed
                 self.on_stage_failed(StageFailed(f"stage 0 failed: replay was not accepted: {e}", stage=0))
 
-    def _submit(self, prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed, stop_token_ids,
-                adapter, images, sink=None) -> tuple[_Track, queue.Queue, list[int]]:
+    def _submit(self, prompt, max_new_tokens, kw: dict, sink=None) -> tuple[_Track, queue.Queue, list[int]]:
+        """One request with generate's keywords (`kw`); an unknown keyword is refused before anything is sent."""
+        unknown = sorted(set(kw) - set(REQUEST_DEFAULTS))
+        if unknown:
+            raise InputError(f"unknown keyword arguments {unknown}; known: {sorted(REQUEST_DEFAULTS)}")
         ids = self._encode(prompt)
         q: queue.Queue = queue.Queue()
-        req = dict(client=self.id, prompt=ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                   top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_token_ids=stop_token_ids,
-                   adapter=adapter)
-        if images:
-            req["images"] = list(images)
+        req = dict(REQUEST_DEFAULTS, **kw, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)
+        if req.pop("images"):
+            req["images"] = list(kw["images"])
         t = self.dep.placement.timeouts
         sup = self._sup
         if sup is not None and not sup.ready.wait(t.ready_s):   # a recovery is in progress: wait for it
@@ -262,8 +268,9 @@ class Client:
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, logprobs: bool = True,
                  stop_token_ids: list[int] | None = None, adapter: str | None = None, images=None,
                  timeout: float | None = None) -> Result:
-        tr, q, ids = self._submit(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed,
-                                  stop_token_ids, adapter, images)
+        tr, q, ids = self._submit(prompt, max_new_tokens, dict(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+            stop_token_ids=stop_token_ids, adapter=adapter, images=images))
         toks, lps, finish = [], [], "length"
         for t, l, f in self._events(tr, q, timeout or self.dep.placement.timeouts.step_s * 10):
             toks += t
@@ -274,11 +281,7 @@ class Client:
 
     def stream(self, prompt, max_new_tokens: int = 16, logprobs: bool = True, timeout: float | None = None,
                **kw) -> Iterator[StreamEvent]:
-        tr, q, _ = self._submit(prompt, max_new_tokens, kw.pop("temperature", 0.0), kw.pop("top_k", 0),
-                                 kw.pop("top_p", 1.0), kw.pop("min_p", 0.0), kw.pop("seed", None),
-                                 kw.pop("stop_token_ids", None), kw.pop("adapter", None), kw.pop("images", None))
-        if kw:
-            raise InputError(f"unknown keyword arguments {sorted(kw)}")
+        tr, q, _ = self._submit(prompt, max_new_tokens, kw)
         tok = self.dep.tokenizer
         dec = tok.incremental_decoder() if tok else None
         for t, l, f in self._events(tr, q, timeout or self.dep.placement.timeouts.step_s * 10):
@@ -293,10 +296,7 @@ class Client:
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(aq.put_nowait, item)   # noqa: E731
-        tr, _, ids = await loop.run_in_executor(None, lambda: self._submit(
-            prompt, max_new_tokens, kw.pop("temperature", 0.0), kw.pop("top_k", 0), kw.pop("top_p", 1.0),
-            kw.pop("min_p", 0.0), kw.pop("seed", None), kw.pop("stop_token_ids", None), kw.pop("adapter", None),
-            kw.pop("images", None), sink))
+        tr, _, ids = await loop.run_in_executor(None, lambda: self._submit(prompt, max_new_tokens, kw, sink))
         toks, lps, finish, done = [], [], "length", False
         try:
             while True:

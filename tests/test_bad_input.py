@@ -185,3 +185,17 @@ def test_stage_failed_is_typed(dep):
     """StageFailed carries the stage index and is a MemraError (callers catch one base)."""
     e = StageFailed("stage 1 failed", stage=1)
     assert e.stage == 1 and isinstance(e, memra_pp.MemraError)
+
+
+def test_unknown_keyword_refused_before_submit(dep):
+    """generate, stream and agenerate must refuse an unknown keyword (a typo such as `temprature`) with InputError
+    before anything reaches the deployment, and the deployment must keep serving."""
+    import asyncio
+    c = dep.client()
+    with pytest.raises(TypeError):
+        c.generate([5, 17], max_new_tokens=2, temprature=0.5)
+    with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
+        next(iter(c.stream([5, 17], max_new_tokens=2, temprature=0.5)))
+    with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
+        asyncio.run(c.agenerate([5, 17], max_new_tokens=2, temprature=0.5))
+    serves(dep)
