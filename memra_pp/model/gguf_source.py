@@ -201,7 +201,7 @@ class GGUFSource:
 
     def _undo(self, t: torch.Tensor, how: str | None, name: str) -> torch.Tensor:
         c = self.config.text
-        nk, nv, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+        nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
         if how is None:
             return t
         if how == "norm":

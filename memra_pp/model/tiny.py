@@ -110,7 +110,7 @@ def _mlp(init: _Init, p: str, H: int, I: int, out_gain: float) -> dict[str, torc
 
 def text_weights(init: _Init, text: dict) -> dict[str, torch.Tensor]:
     """HF-named language-model tensors (prefix model.language_model.); norms are HF's 1 + w convention."""
-    H, D, L = text["hidden_size"], text["head_dim"], text["num_hidden_layers"]
+    H, D = text["hidden_size"], text["head_dim"]
     nh, nkv = text["num_attention_heads"], text["num_key_value_heads"]
     nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
     dk, dv, K = text["linear_key_head_dim"], text["linear_value_head_dim"], text["linear_conv_kernel_dim"]
