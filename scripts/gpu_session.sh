@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
-# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench bench4" (one run call is 10 minutes:
+# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench bench4 engine" (one run call is 10 minutes:
 # split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -18,12 +18,13 @@ PY
 for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
   case $phase_name in
     probe) phase probe 200 python3 -u -m memra_pp.gpu_checks --out "$OUT" --handoffs 2000 ;;
-    tests) phase tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
-    battery1) phase battery-one-card 420 python3 -m memra_pp.cli battery cluster_configs/2xh200-one-card.yaml --out "$OUT/battery-one-card.json" ;;
-    battery2) phase battery-2xh200 420 python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
+    tests) phase tests ${TESTS_S:-330} python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
+    battery1) phase battery-one-card ${B1_S:-420} python3 -m memra_pp.cli battery cluster_configs/2xh200-one-card.yaml --out "$OUT/battery-one-card.json" ;;
+    battery2) phase battery-2xh200 ${B2_S:-420} python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
     battery4) phase battery-4gpu 420 python3 -m memra_pp.cli battery cluster_configs/battery-4gpu.yaml --out "$OUT/battery-4gpu.json" ;;
     bench) phase gpu-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --stages 1,2 --concurrency 1,64 --hf ;;
     bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --stages 1,2,4 --concurrency 64,256 ;;
-    host) phase battery-host 300 python3 -m memra_pp.cli battery cluster_configs/host-bounce.yaml --out "$OUT/battery-host.json" ;;
+    engine) phase gpu-engine-step 200 python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64 --profile ;;
+    host) phase battery-host ${HOST_S:-300} python3 -m memra_pp.cli battery cluster_configs/host-bounce.yaml --out "$OUT/battery-host.json" ;;
   esac
 done

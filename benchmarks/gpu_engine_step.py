@@ -1,0 +1,116 @@
+"""One stage's decode step on one GPU, with no runtime around it: the engine's share of a decode step against the
+memory floor, eager against CUDA graphs, side by side in one run (and a profile of one step).
+
+    python -u benchmarks/gpu_engine_step.py --out DIR [--model preset:qwen3.5-27b] [--batches 1,64]
+        [--modes eager,graph] [--ctx 192] [--profile]
+
+The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
+work of a step). The floor of a step: every weight once + each sequence's fp32 recurrent state read and written +
+its KV read, over the device-to-device copy bandwidth measured in this run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def copy_bandwidth(gb: float = 4.0) -> float:
+    n = int(gb * 2**30) // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / 10
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / dt
+
+
+def step_bytes(model, cache, B: int, ctx: int) -> dict:
+    """Bytes one decode step of B sequences must move on this stage."""
+    w = sum(t.numel() * t.element_size() for layer in model.layers for t in layer.buffers())
+    w += sum(t.numel() * t.element_size() for layer in model.layers for t in (layer.ln1, layer.ln2))
+    if model.primary:
+        w += model.lm_head.numel() * model.lm_head.element_size()
+    state = sum(t[0].numel() * t.element_size() for t in cache.rec.values()) * 2 * B
+    kv = sum(t[0, :, :ctx].numel() * t.element_size() for d in (cache.k, cache.v) for t in d.values()) * B
+    return {"weights": w, "state_rw": state, "kv_read": kv, "total": w + state + kv}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="preset:qwen3.5-27b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--modes", default="eager,graph")
+    ap.add_argument("--ctx", type=int, default=192)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    from memra_pp.model.batch import StepBatch
+    from memra_pp.model.stage_model import StageModel
+    from memra_pp.model.weights import open_weights
+    batches = [int(x) for x in a.batches.split(",")]
+    bw = copy_bandwidth()
+    src = open_weights(a.model, "dummy")
+    mc = src.config
+    t0 = time.time()
+    model = StageModel(mc, 0, mc.text.num_hidden_layers, True, True).load(src, torch.bfloat16, "cuda")
+    print(f"{a.model}: {mc.text.num_hidden_layers} layers loaded in {time.time() - t0:.0f} s, copy "
+          f"{bw / 1e12:.2f} TB/s, gdn backend {model.gdn_backend}", flush=True)
+    cache = model.new_cache(max(batches), a.ctx + 64)
+    rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
+           "rows": []}
+    for mode in a.modes.split(","):
+        model.set_decode_graphs(mode == "graph", cache) if hasattr(model, "set_decode_graphs") else None
+        if mode == "graph" and not hasattr(model, "set_decode_graphs"):
+            continue
+        for B in batches:
+            b = StepBatch(list(range(B)), [a.ctx] * B, [1] * B, StepBatch.text_positions([a.ctx] * B, [1] * B),
+                          [True] * B)
+            ids = torch.randint(4, mc.text.vocab_size, (B,), device="cuda")
+
+            def step():
+                for s in range(B):
+                    cache.lens[s] = a.ctx
+                return model(b, model.embed_ids(ids), cache)
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(a.iters):
+                step()
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t) / a.iters * 1e3
+            by = step_bytes(model, cache, B, a.ctx)
+            floor_ms = by["total"] / bw * 1e3
+            row = {"mode": mode, "batch": B, "step_ms": ms, "tokens_per_s": B / ms * 1e3, "floor_ms": floor_ms,
+                   "of_floor": floor_ms / ms, "bytes": by}
+            rep["rows"].append(row)
+            print(f"  {mode:5s} batch {B:4d}: {ms:7.2f} ms/step, {B / ms * 1e3:8.1f} tokens/s, floor "
+                  f"{floor_ms:.2f} ms -> {floor_ms / ms:.0%} of floor", flush=True)
+            if a.profile and B == max(batches):
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    step()
+                    torch.cuda.synchronize()
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+                open(os.path.join(a.out, f"profile-{mode}-{B}.txt"), "w").write(table)
+                print(table[:6000], flush=True)
+            json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
