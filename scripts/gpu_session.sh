@@ -24,7 +24,7 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     battery4) phase battery-4gpu 420 python3 -m memra_pp.cli battery cluster_configs/battery-4gpu.yaml --out "$OUT/battery-4gpu.json" ;;
     bench) phase gpu-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --stages 1,2 --concurrency 1,64 --hf ;;
     bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --stages 1,2,4 --concurrency 64,256 ;;
-    engine) phase gpu-engine-step 200 python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64 --profile ;;
+    engine) phase gpu-engine-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64 --profile ;;
     host) phase battery-host ${HOST_S:-300} python3 -m memra_pp.cli battery cluster_configs/host-bounce.yaml --out "$OUT/battery-host.json" ;;
   esac
 done
