@@ -94,6 +94,9 @@ class StageRunner(RecoveryMixin):
                                                                                   sp.device))
         sc = self.placement.scheduler
         self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
+        if self.engine.is_cuda:
+            self.model.set_decode_graphs(True, self.cache, sc.max_batch)
+        self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.tensors())
         self.load_s = time.monotonic() - t0
         info = self.relink(run_dir, transport)
         info.update(ctx=str(self.engine.ctx), load_s=self.load_s, tensors=len(self.src.read_names))
@@ -260,6 +263,12 @@ class StageRunner(RecoveryMixin):
         ls = link.stats() if link is not None else {}
         st["transport"] = getattr(link, "TRANSPORT", None)
         st["gdn_backend"] = self.model.gdn_backend
+        g = self.model.graphs
+        st["decode_graphs"] = g.stats() if g is not None else {"off": self.model.graphs_failed or "eager"}
+        st["weights_bytes"] = self.weights_bytes
+        st["cache_bytes"] = self.cache.nbytes()
+        if self.engine.is_cuda:
+            st["device_allocated_bytes"] = torch.cuda.memory_allocated(self.engine.device.index)
         st["handoffs"] = ls.get("handoffs", 0)
         st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)

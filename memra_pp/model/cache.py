@@ -1,6 +1,7 @@
 """Per-sequence caches of one stage, in slot-indexed pools: KV for full layers, conv + fp32 state for linear.
 
-A sequence owns one slot for its life on every stage; `lens[slot]` is its cached length on this stage.
+A sequence owns one slot for its life on every stage; `lens[slot]` is its cached length on this stage. One more
+slot, `scratch`, is never given to a sequence: the padding rows of a decode CUDA graph write there.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ class StageCache:
     def __init__(self, cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, device,
                  kv_block: int = 256):
         self.cfg, self.max_seqs, self.max_context = cfg, max_seqs, max_context
+        self.scratch = max_seqs
+        rows = max_seqs + 1
         self.dtype, self.device, self.kv_block = dtype, torch.device(device), kv_block
         K = cfg.linear_conv_kernel_dim
         nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -22,23 +25,24 @@ class StageCache:
         self.v: dict[int, torch.Tensor] = {}
         for i in layers:
             if cfg.is_full(i):
-                shape = (max_seqs, cfg.num_key_value_heads, 0, cfg.head_dim)
+                shape = (rows, cfg.num_key_value_heads, 0, cfg.head_dim)
                 self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
             else:
-                self.conv[i] = torch.zeros(max_seqs, cfg.conv_dim, K - 1, dtype=dtype, device=device)
-                self.rec[i] = torch.zeros(max_seqs, nv, dk, dv, dtype=torch.float32, device=device)
-        self.lens = [0] * max_seqs
+                self.conv[i] = torch.zeros(rows, cfg.conv_dim, K - 1, dtype=dtype, device=device)
+                self.rec[i] = torch.zeros(rows, nv, dk, dv, dtype=torch.float32, device=device)
+        self.lens = [0] * rows
 
     @property
     def kv_capacity(self) -> int:
         return next(iter(self.k.values())).shape[2] if self.k else self.max_context
 
     def reserve(self, length: int) -> None:
-        """Grow every KV pool (by whole blocks, up to max_context) so positions < length fit."""
+        """Grow every KV pool so positions < length fit: by whole blocks, at least doubling (few reallocations, each
+        of which drops the decode graphs captured over the old pools), up to max_context."""
         if not self.k or length <= self.kv_capacity:
             return
-        cap = min(self.max_context, -(-length // self.kv_block) * self.kv_block)
+        cap = min(self.max_context, -(-max(length, 2 * self.kv_capacity) // self.kv_block) * self.kv_block)
         if length > cap:
             raise ValueError(f"sequence length {length} exceeds max_context {self.max_context}")
         for d in (self.k, self.v):

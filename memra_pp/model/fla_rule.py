@@ -30,3 +30,8 @@ class FlaRule:
         o, s = self._rec(q, k, v, g=g.float(), beta=beta, initial_state=state.float().contiguous(),
                          output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o, s.float()
+
+    def decode(self, q, k, v, g, beta, state_pool, slots):
+        """One token per sequence, in place at the state pool's slots (kernels/gdn_decode.py: fla's arithmetic)."""
+        from memra_pp.kernels.gdn_decode import gdn_decode
+        return gdn_decode(q, k, v, g, beta, state_pool, slots, q.shape[-1] ** -0.5)

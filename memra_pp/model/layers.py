@@ -42,7 +42,7 @@ class DenseMLP(Param):
     def __init__(self):
         super().__init__(["gate_proj.weight", "up_proj.weight", "down_proj.weight"])
 
-    def forward(self, x, lora=None):
+    def forward(self, x, lora=None, static: bool = False):
         return self.lin(F.silu(self.lin(x, "gate_proj", lora)) * self.lin(x, "up_proj", lora), "down_proj", lora)
 
 
@@ -55,11 +55,32 @@ class MoE(Param):
                           "experts.gate_up_proj", "experts.down_proj"])
         self.top_k = top_k
 
-    def forward(self, x_TH, lora=None):
+    def forward(self, x_TH, lora=None, static: bool = False):
+        """`static`: no host sync and no data-dependent shape (a CUDA graph captures it): every expert runs on
+        every row in two batched matmuls and the routing weights (zero for unrouted experts) mix them; at decode
+        batch sizes most experts are routed to anyway, so the weight bytes read are about the same."""
         logits = F.linear(x_TH, self.gate_weight)
         p = logits.float().softmax(-1)
         w, idx = p.topk(self.top_k, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).to(x_TH.dtype)
+        if static:
+            out = self._all_experts(x_TH, w, idx)
+        else:
+            out = self._routed(x_TH, w, idx)
+        shared = self.lin(F.silu(self.lin(x_TH, "shared_expert.gate_proj", lora)) *
+                          self.lin(x_TH, "shared_expert.up_proj", lora), "shared_expert.down_proj", lora)
+        return out + torch.sigmoid(F.linear(x_TH, self.shared_expert_gate_weight)) * shared
+
+    def _all_experts(self, x_TH, w, idx):
+        gate_up, down = self.experts_gate_up_proj, self.experts_down_proj
+        E, inter = gate_up.shape[0], down.shape[-1]
+        mix_TE = torch.zeros(x_TH.shape[0], E, dtype=x_TH.dtype, device=x_TH.device).scatter_(1, idx, w)
+        gu = torch.bmm(x_TH[None].expand(E, -1, -1), gate_up.transpose(1, 2))          # [E, T, 2I]
+        h = F.silu(gu[..., :inter]) * gu[..., inter:]
+        y = torch.bmm(h, down.transpose(1, 2)) * mix_TE.transpose(0, 1)[..., None]       # [E, T, H]
+        return y.sum(0)
+
+    def _routed(self, x_TH, w, idx):
         out = torch.zeros_like(x_TH)
         gate_up, down = self.experts_gate_up_proj, self.experts_down_proj
         inter = down.shape[-1]
@@ -78,6 +99,4 @@ class MoE(Param):
             h = F.silu(gu[:, :inter]) * gu[:, inter:]
             y = F.linear(h, down[e]) * w.reshape(-1)[sel, None]
             out.index_add_(0, rows, y)
-        shared = self.lin(F.silu(self.lin(x_TH, "shared_expert.gate_proj", lora)) *
-                          self.lin(x_TH, "shared_expert.up_proj", lora), "shared_expert.down_proj", lora)
-        return out + torch.sigmoid(F.linear(x_TH, self.shared_expert_gate_weight)) * shared
+        return out

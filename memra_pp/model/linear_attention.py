@@ -19,6 +19,8 @@ class GatedDeltaNet(Param):
         self.rule = None   # optional fast kernels (GPU): object with chunk(...) and recurrent(...), same contract
 
     def forward(self, x_TH: torch.Tensor, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
+        if b.decode_only():
+            return self.decode(x_TH, b.index_tensors(x_TH.device)[0], cache, lora)
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
@@ -40,25 +42,44 @@ class GatedDeltaNet(Param):
             k = k.reshape(n, nk, dk).repeat_interleave(r, 1)
             return q, k, v.reshape(n, nv, dv)
 
-        if b.decode_only():
-            slots, _ = b.index_tensors(x_TH.device)
-            y, conv[slots] = causal_conv_step(u, w, conv[slots])
+        for slot, start, off, n in zip(b.slots, b.starts, b.offsets, b.counts):
+            y, conv[slot] = causal_conv(u[off:off + n], w, conv[slot] if start else None)
             q, k, v = split(y)
-            o, rec[slots] = self._recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
-                                            rec[slots])
-            out[:] = o[:, 0].to(out.dtype)
-        else:
-            for slot, start, off, n in zip(b.slots, b.starts, b.offsets, b.counts):
-                y, conv[slot] = causal_conv(u[off:off + n], w, conv[slot] if start else None)
-                q, k, v = split(y)
-                s0 = rec[slot:slot + 1] if start else torch.zeros_like(rec[slot:slot + 1])
-                # transformers runs the chunked form for every prefill, even of one token, and the recurrent
-                # one only to continue a cached state: the same kernels keep bf16 rounding identical
-                fn = self._recurrent if n == 1 and start else self._chunk
-                o, rec[slot:slot + 1] = fn(q[None], k[None], v[None], g[None, off:off + n],
-                                           beta[None, off:off + n], s0)
-                out[off:off + n] = o[0].to(out.dtype)
+            s0 = rec[slot:slot + 1] if start else torch.zeros_like(rec[slot:slot + 1])
+            # transformers runs the chunked form for every prefill, even of one token, and the recurrent
+            # one only to continue a cached state: the same kernels keep bf16 rounding identical
+            fn = self._recurrent if n == 1 and start else self._chunk
+            o, rec[slot:slot + 1] = fn(q[None], k[None], v[None], g[None, off:off + n],
+                                       beta[None, off:off + n], s0)
+            out[off:off + n] = o[0].to(out.dtype)
         o = gated_rms_norm(out, z, self.norm_weight, c.rms_norm_eps).reshape(T, nv * dv)
+        return self.lin(o, "out_proj", lora)
+
+    def decode(self, x_BH: torch.Tensor, slots_B: torch.Tensor, cache: StageCache, lora=None) -> torch.Tensor:
+        """One new token per sequence, states read and written at their cache slots; free of host syncs and of
+        data-dependent shapes (a decode CUDA graph captures it). Padding rows may share one scratch slot."""
+        c = self.cfg
+        nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
+            c.linear_value_head_dim
+        B = x_BH.shape[0]
+        u = self.lin(x_BH, "in_proj_qkv", lora)
+        z = self.lin(x_BH, "in_proj_z", lora).view(B, nv, dv)
+        beta = torch.sigmoid(self.lin(x_BH, "in_proj_b", lora))
+        a = self.lin(x_BH, "in_proj_a", lora)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        conv, rec = cache.conv[self.layer], cache.rec[self.layer]
+        y, conv[slots_B] = causal_conv_step(u, self.conv1d_weight[:, 0, :], conv[slots_B])
+        q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
+        q, k, v = q.reshape(B, nk, dk), k.reshape(B, nk, dk), v.reshape(B, nv, dv)
+        if self.rule is not None and hasattr(self.rule, "decode"):
+            o = self.rule.decode(q, k, v, g, beta, rec, slots_B)
+        else:   # the torch recurrence (CPU): gather, step, scatter
+            r = nv // nk
+            o, rec[slots_B] = recurrent_gated_delta_rule(
+                q.repeat_interleave(r, 1)[:, None], k.repeat_interleave(r, 1)[:, None], v[:, None], g[:, None],
+                beta[:, None], rec[slots_B])
+            o = o[:, 0]
+        o = gated_rms_norm(o.to(x_BH.dtype), z, self.norm_weight, c.rms_norm_eps).reshape(B, nv * dv)
         return self.lin(o, "out_proj", lora)
 
     def _recurrent(self, q, k, v, g, beta, s):

@@ -32,27 +32,39 @@ class Layer(nn.Module):
         self.ffn.load(p + "mlp.", src, dtype, device)
 
     def forward(self, h_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
+        if b.decode_only():
+            slots, pos = b.index_tensors(h_TH.device)
+            return self.decode(h_TH, slots, pos, max(b.starts) + 1, cache, cos, sin, lora)
         x = rms_norm(h_TH, self.ln1, self.eps)
         m = self._attention(x, b, cache, cos, sin, lora) if self.full else self.mixer(x, b, cache, lora)
         h_TH = h_TH + m
         return h_TH + self.ffn(rms_norm(h_TH, self.ln2, self.eps), lora)
 
+    def decode(self, h_BH, slots_B, pos_B, S: int, cache: StageCache, cos, sin, lora=None, static=False):
+        """One new token per sequence at positions pos_B of slots slots_B, attending over the first S cached
+        positions (S > every pos). No host sync: a decode CUDA graph captures it (`static` for the MoE too)."""
+        x = rms_norm(h_BH, self.ln1, self.eps)
+        if self.full:
+            at: GatedAttention = self.mixer
+            q, gate, k, v = at.project(x, cos, sin, lora)
+            kp, vp = cache.k[self.i], cache.v[self.i]
+            kp[slots_B, :, pos_B] = k
+            vp[slots_B, :, pos_B] = v
+            m = at.output(attend_decode(q, kp[slots_B, :, :S], vp[slots_B, :, :S], pos_B + 1), gate, lora)
+        else:
+            m = self.mixer.decode(x, slots_B, cache, lora)
+        h_BH = h_BH + m
+        return h_BH + self.ffn(rms_norm(h_BH, self.ln2, self.eps), lora, static)
+
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
-        if b.decode_only():
-            slots, pos = b.index_tensors(x_TH.device)
-            kp[slots, :, pos] = k
-            vp[slots, :, pos] = v
-            S = max(b.starts) + 1
-            o = attend_decode(q, kp[slots, :, :S], vp[slots, :, :S], pos + 1)
-        else:
-            o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-            for slot, start, off, n in zip(b.slots, b.starts, b.offsets, b.counts):
-                kp[slot, :, start:start + n] = k[off:off + n].transpose(0, 1)
-                vp[slot, :, start:start + n] = v[off:off + n].transpose(0, 1)
-                o[off:off + n] = attend(q[off:off + n], kp[slot, :, :start + n], vp[slot, :, :start + n], start)
+        o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for slot, start, off, n in zip(b.slots, b.starts, b.offsets, b.counts):
+            kp[slot, :, start:start + n] = k[off:off + n].transpose(0, 1)
+            vp[slot, :, start:start + n] = v[off:off + n].transpose(0, 1)
+            o[off:off + n] = attend(q[off:off + n], kp[slot, :, :start + n], vp[slot, :, :start + n], start)
         return at.output(o, gate, lora)
 
 
@@ -68,6 +80,8 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleList(Layer(mc, i) for i in range(layer_start, layer_end))
         self.embed = self.norm = self.lm_head = None
         self.dtype, self.device, self.rope = None, None, None
+        self.graphs = None          # DecodeGraphs once enabled (CUDA)
+        self.graphs_failed = None   # why capture failed, if it did (the stage then decodes eagerly)
 
     def load(self, src, dtype=torch.float32, device="cpu", progress=None) -> "StageModel":
         """Read exactly the tensors this slice owns from a WeightSource."""
@@ -100,6 +114,30 @@ class StageModel(nn.Module):
     def new_cache(self, max_seqs: int, max_context: int) -> StageCache:
         return StageCache(self.mc.text, range(self.start, self.end), max_seqs, max_context, self.dtype, self.device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every weight tensor this slice holds, each once (a tied lm_head is the embedding)."""
+        ts = [self.embed, self.norm, self.lm_head]
+        ts += [t for layer in self.layers for t in (layer.ln1, layer.ln2, *layer.buffers())]
+        return list({t.data_ptr(): t for t in ts if t is not None}.values())
+
+    def set_decode_graphs(self, on: bool, cache: StageCache, max_batch: int | None = None) -> None:
+        """Decode steps through CUDA graphs (one per batch-size and KV-length bucket, captured on first use) or
+        eagerly. Steps with adapters, prefill or more sequences than the largest bucket always run eagerly."""
+        if not on:
+            self.graphs = None
+            return
+        from .decode_graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self, cache, max_batch or cache.max_seqs)
+
+    def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache) -> torch.Tensor:
+        """The decode step a CUDA graph captures: hidden in, hidden (or float32 logits on the primary) out."""
+        cos, sin = self.rope.cos_sin(pos_3B, self.dtype)
+        for layer in self.layers:
+            h_BH = layer.decode(h_BH, slots_B, pos_B, S, cache, cos, sin, None, static=True)
+        if not self.primary:
+            return h_BH
+        return F.linear(rms_norm(h_BH, self.norm, self.mc.text.rms_norm_eps), self.lm_head).float()
+
     def embed_ids(self, ids_T: torch.Tensor, b: StepBatch | None = None, token_overlay=None) -> torch.Tensor:
         """ids [T] -> embeddings [T, H]; with a TokenOverlaySet and b.adapter_slots, each token's adapter slot
         overrides the rows of its trainable ids (before any image splice)."""
@@ -122,8 +160,19 @@ class StageModel(nn.Module):
                 raise RuntimeError(f"stage layers [{self.start},{self.end}): slot {slot} holds "
                                    f"{cache.lens[slot]} tokens but the step says {start}")
         cache.reserve(max(s + c for s, c in zip(b.starts, b.counts)))
-        cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
         h = h_TH.to(self.device, self.dtype)
+        if self.graphs is not None and self.graphs.takes(b):
+            from .decode_graphs import CaptureFailed
+            try:
+                out = self.graphs.run(b, h)
+                for slot, start in zip(b.slots, b.starts):
+                    cache.lens[slot] = start + 1
+                return out
+            except CaptureFailed as e:
+                import warnings
+                warnings.warn(f"layers [{self.start}, {self.end}): {e}; decoding eagerly")
+                self.graphs_failed, self.graphs = str(e), None
+        cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
         step = None if lora is None else lora.step(b)
         for layer in self.layers:
             h = layer(h, b, cache, cos, sin, None if step is None else step.layer(layer.i))

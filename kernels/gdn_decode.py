@@ -1,0 +1,88 @@
+"""The Gated DeltaNet decode step in place: one new token per sequence, each sequence's fp32 state read from its
+cache slot and written back to it (no gather and scatter of the 3 MB-per-layer states: a third of the traffic).
+
+The Triton kernel follows flash-linear-attention's fused recurrent kernel (which transformers runs) operation for
+operation, with the same tile (BK = K, BV = 8, one warp), so bf16 results are the ones transformers gets; the
+torch reference is the slow path on CPU. Runs in stage processes.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference serves
+    triton = None
+
+
+def gdn_decode_ref(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: float) -> torch.Tensor:
+    """q, k [B, H, K] raw (l2-normalised here); v [B, HV, V]; g (log decay), beta [B, HV]; state_NVKD the slot
+    pool [N, HV, K, V] float32, updated in place at rows slots_B. Returns o [B, HV, V] in v's dtype."""
+    HV = v_BVD.shape[1]
+    r = HV // q_BHK.shape[1]
+    q = q_BHK.float().repeat_interleave(r, 1)
+    k = k_BHK.float().repeat_interleave(r, 1)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    S = state_NVKD[slots_B].float() * g_BV.float().exp()[..., None, None]
+    delta = beta_BV.float()[..., None] * (v_BVD.float() - torch.einsum("bhkv,bhk->bhv", S, k))
+    S = S + k[..., :, None] * delta[..., None, :]
+    state_NVKD[slots_B] = S
+    return torch.einsum("bhkv,bhk->bhv", S, q).to(v_BVD.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _gdn_decode_kernel(q, k, v, g, beta, o, h, slots, scale, H: tl.constexpr, HV: tl.constexpr,
+                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        NV = tl.cdiv(V, BV)
+        i_v, i_nh = pid % NV, pid // NV
+        i_n, i_hv = i_nh // HV, i_nh % HV
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots + i_n).to(tl.int64)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_k = o_k < K
+        mask_v = o_v < V
+        mask_h = mask_k[:, None] & mask_v[None, :]
+        p_h = h + (slot * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+        b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+        b_q = tl.load(q + (i_n * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_k = tl.load(k + (i_n * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_v = tl.load(v + (i_n * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q * scale
+        b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
+        b_g = tl.load(g + i_n * HV + i_hv).to(tl.float32)
+        b_h *= tl.exp(b_g)
+        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
+        b_h += b_k[:, None] * b_v
+        b_o = tl.sum(b_h * b_q[:, None], 0)
+        tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
+
+
+def gdn_decode(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: float) -> torch.Tensor:
+    """The in-place decode step: the Triton kernel on CUDA, the torch reference elsewhere (same contract)."""
+    if triton is None or not v_BVD.is_cuda:
+        return gdn_decode_ref(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale)
+    return gdn_decode_triton(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale)
+
+
+def gdn_decode_triton(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: float) -> torch.Tensor:
+    B, H, K = k_BHK.shape
+    HV, V = v_BVD.shape[1], v_BVD.shape[2]
+    assert state_NVKD.dtype == torch.float32 and state_NVKD.is_contiguous()
+    assert tuple(state_NVKD.shape[1:]) == (HV, K, V), f"state pool {tuple(state_NVKD.shape)} vs {(HV, K, V)}"
+    q, k, v = q_BHK.contiguous(), k_BHK.contiguous(), v_BVD.contiguous()
+    g, beta = g_BV.float().contiguous(), beta_BV.contiguous()
+    o = torch.empty_like(v)
+    BK, BV = triton.next_power_of_2(K), min(8, triton.next_power_of_2(V))
+    grid = (triton.cdiv(V, BV) * B * HV,)
+    _gdn_decode_kernel[grid](q, k, v, g, beta, o, state_NVKD, slots_B.contiguous(), scale, H=H, HV=HV, K=K, V=V,
+                             BK=BK, BV=BV, num_warps=1, num_stages=3)
+    return o

@@ -1,0 +1,110 @@
+"""The decode step a CUDA graph captures (static buffers, bucketed batch padded onto the scratch slot, bucketed KV
+length, the MoE's all-experts form, the in-place Gated DeltaNet step) must decode exactly what the eager step
+decodes. On CPU the same static step runs uncaptured (capture=False); tests/test_gpu_decode_graphs.py captures."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest_models import tiny_checkpoint
+from memra_pp.kernels.gdn_decode import gdn_decode_ref
+from memra_pp.model.decode_graphs import DecodeGraphs, bucket
+from memra_pp.model.gdn import recurrent_gated_delta_rule
+from memra_pp.model.local import LocalPipeline
+from memra_pp.model.weights import SafetensorsSource
+
+
+def pipelines(kind, splits, max_seqs=6, max_context=1024):
+    _, path = tiny_checkpoint(kind, False)
+    src = SafetensorsSource(path)
+    eager = LocalPipeline(src, splits, max_seqs=max_seqs, max_context=max_context)
+    static = LocalPipeline(src, splits, max_seqs=max_seqs, max_context=max_context)
+    for s, c in zip(static.stages, static.caches):
+        s.graphs = DecodeGraphs(s, c, max_seqs, capture=False)
+    return eager, static
+
+
+@pytest.mark.parametrize("kind,splits", [("dense", [(0, 8)]), ("dense", [(0, 3), (3, 8)]),
+                                         ("moe", [(0, 2), (2, 5), (5, 8)])])
+def test_static_decode_equals_eager(kind, splits):
+    eager, static = pipelines(kind, splits)
+    prompts = [[5, 6, 7], list(range(20, 45)), [9]]          # 3 sequences: bucket 4, one padding row
+    te, le = eager.greedy(prompts, 12)
+    ts, ls = static.greedy(prompts, 12)
+    assert ts == te
+    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
+    for s in static.stages:
+        st = s.graphs.stats()
+        assert st["replays"] == 11 and st["graphs"] == [(4, 256)], st   # the padded bucket ran, every step
+
+
+def test_kv_growth_drops_and_recaptures():
+    """A sequence crossing the KV pool's capacity reallocates the pools: graphs over the old ones are dropped and
+    a longer KV bucket is captured; tokens still equal the eager ones."""
+    eager, static = pipelines("dense", [(0, 4), (4, 8)], max_seqs=2)
+    prompts = [list(range(4, 254)), [7, 8]]                   # 250 + 12 crosses the first 256-token block
+    te, le = eager.greedy(prompts, 12)
+    ts, ls = static.greedy(prompts, 12)
+    assert ts == te
+    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
+    g = static.stages[0].graphs
+    assert static.caches[0].kv_capacity == 512
+    assert g.captures == 2 and g.stats()["graphs"] == [(2, 512)], g.stats()
+
+
+def test_eligibility():
+    _, static = pipelines("dense", [(0, 8)], max_seqs=6)
+    g = static.stages[0].graphs
+    assert g.buckets == (1, 2, 4, 8)
+    assert bucket(5, g.buckets) == 8 and bucket(9, g.buckets) is None
+    from memra_pp.model.batch import StepBatch
+    dec = StepBatch([0, 1], [3, 4], [1, 1], StepBatch.text_positions([3, 4], [1, 1]), [True, True])
+    assert g.takes(dec)
+    assert not g.takes(StepBatch([0], [0], [3], StepBatch.text_positions([0], [3]), [True]))      # prefill
+    assert not g.takes(StepBatch([0, 1], [3, 4], [1, 1], dec.pos_3T, [True, True], [0, -1]))     # adapter
+    assert not g.takes(StepBatch([0, 1], [3, 4], [1, 1], dec.pos_3T, [True, False]))             # primary row
+
+
+def test_gdn_decode_reference_is_the_recurrence():
+    """The in-place step (un-repeated q/k heads, state pool indexed by slot) equals the recurrence over gathered
+    states with repeated heads, and leaves every other slot untouched."""
+    torch.manual_seed(0)
+    B, H, HV, K, V, N = 3, 2, 4, 16, 8, 6
+    q, k, v = torch.randn(B, H, K), torch.randn(B, H, K), torch.randn(B, HV, V)
+    g, beta = -torch.rand(B, HV), torch.rand(B, HV)
+    pool = torch.randn(N, HV, K, V)
+    slots = torch.tensor([4, 0, 2])
+    before = pool.clone()
+    o = gdn_decode_ref(q, k, v, g, beta, pool, slots, K ** -0.5)
+    ro, rs = recurrent_gated_delta_rule(q.repeat_interleave(2, 1)[:, None], k.repeat_interleave(2, 1)[:, None],
+                                        v[:, None], g[:, None], beta[:, None], before[slots])
+    assert torch.allclose(o, ro[:, 0], atol=1e-5) and torch.allclose(pool[slots], rs, atol=1e-5)
+    assert torch.equal(pool[[1, 3, 5]], before[[1, 3, 5]])
+
+
+KERNEL_CHECK = r"""
+import torch
+from memra_pp.kernels.gdn_decode import gdn_decode_ref, gdn_decode_triton
+torch.manual_seed(1)
+B, H, HV, K, V, N = 3, 2, 4, 16, 16, 6
+q, k, v = torch.randn(B, H, K), torch.randn(B, H, K), torch.randn(B, HV, V)
+g, beta = -torch.rand(B, HV), torch.rand(B, HV)
+pool = torch.randn(N, HV, K, V)
+slots = torch.tensor([4, 0, 2])
+a, b = pool.clone(), pool.clone()
+oa = gdn_decode_ref(q, k, v, g, beta, a, slots, K ** -0.5)
+ob = gdn_decode_triton(q, k, v, g, beta, b, slots, K ** -0.5)
+assert (oa - ob).abs().max() < 1e-5 and (a - b).abs().max() < 1e-5, ((oa - ob).abs().max(), (a - b).abs().max())
+assert torch.equal(b[[1, 3, 5]], pool[[1, 3, 5]])
+print("kernel ok")
+"""
+
+
+def test_gdn_decode_triton_kernel_in_the_interpreter():
+    """The Triton kernel itself (two value tiles per head, grouped heads, slot indexing), run by Triton's CPU
+    interpreter against the torch reference; on the GPU tests/test_gpu_decode_graphs.py runs it compiled."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "kernel ok" in r.stdout, r.stderr[-3000:]
