@@ -2,13 +2,15 @@
 one run: memra_pp with 1, 2 (and 4) stages at several concurrencies, transformers' generate on one GPU, and the
 copy bandwidth that sets the memory floor. Writes JSON (and a PNG plot) to --out.
 
-    python -u benchmarks/gpu_decode.py --out DIR [--stages 1,2,4] [--concurrency 1,64] [--hf]
+    python -u benchmarks/gpu_decode.py --out DIR [--layouts "0;0,1;0,0,1,1"] [--concurrency 1,64] [--hf]
+        [--model preset:qwen3.5-27b] [--microbatches auto]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -54,26 +56,46 @@ def _layer_names(t, i):
     return [p + m for m in mix] + [p + "mlp." + n for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")]
 
 
-def run_memra(n_stages: int, concurrencies, prompt_len: int, new: int) -> list[dict]:
+def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
+    """Concurrency c: every weight once + each sequence's fp32 recurrent state read and written + its KV read."""
+    t = mc.text
+    n_lin = sum(not t.is_full(i) for i in range(t.num_hidden_layers))
+    n_full = t.num_hidden_layers - n_lin
+    state = n_lin * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * 4 * 2
+    kv = n_full * 2 * t.num_key_value_heads * t.head_dim * 2 * ctx
+    return c / ((weight_bytes_per_token(mc) + c * (state + kv)) / bw)
+
+
+def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: int, microbatches,
+              fmt: str = "dummy") -> list[dict]:
+    """One deployment over `devices` (one stage per entry; a GPU may hold several). Each concurrency runs twice
+    in a row, generating `new` tokens and 1 token: the difference is the decode rate (prefill subtracted)."""
     import memra_pp
-    stages = [{"device": f"cuda:{i}"} for i in range(n_stages)]
-    cfg = {"name": f"bench{n_stages}", "model": {"path": "preset:qwen3.5-27b", "format": "dummy",
-                                                 "dtype": "bfloat16"},
-           "stages": stages, "scheduler": {"max_batch": max(concurrencies), "max_context": prompt_len + new + 8,
-                                           "prefill_chunk": 2048}}
+    from memra_pp.bench import run_bench
+    n = len(devices)
+    cfg = {"name": f"bench{n}", "model": {"path": model, "format": fmt, "dtype": "bfloat16"},
+           "stages": [{"device": f"cuda:{d}" if isinstance(d, int) else d, "num_cpus": 0.5} for d in devices],
+           "scheduler": {"max_batch": max(concurrencies), "max_context": prompt_len + new + 8,
+                         "prefill_chunk": 4096, "microbatches": microbatches}}
     out = []
     t0 = time.time()
     with memra_pp.launch(cfg) as dep:
-        print(f"  {n_stages} stage(s) up in {time.time() - t0:.0f} s", flush=True)
-        from memra_pp.bench import run_bench
+        print(f"  {n} stage(s) on cuda {devices} up in {time.time() - t0:.0f} s", flush=True)
         run_bench(dep, 2, 16, 4)   # warm up (kernels compile)
         for c in concurrencies:
+            first = run_bench(dep, c, prompt_len, 1)
             r = run_bench(dep, c, prompt_len, new)
-            # decode-only rate: tokens after the first, over the time after the slowest first token
-            r["n_stages"] = n_stages
+            st = dep.stats()["stages"]
+            r.update(n_stages=n, devices=devices, model=model, prefill_wall_s=first["wall_s"],
+                     decode_tokens_per_s=c * (new - 1) / max(1e-9, r["wall_s"] - first["wall_s"]),
+                     memory=[{k: s.get(k) for k in ("weights_bytes", "cache_bytes", "device_allocated_bytes")}
+                             for s in st], decode_graphs=[s.get("decode_graphs") for s in st])
             out.append(r)
-            print(f"  {n_stages} stage(s), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s, busy "
-                  + ", ".join(f"{s['busy']:.0%}" for s in r["stages"]), flush=True)
+            print(f"  {n} stage(s), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s end to end, decode "
+                  f"{r['decode_tokens_per_s']:.1f} tokens/s, busy " + ", ".join(f"{s['busy']:.0%}" for s in
+                                                                                r["stages"])
+                  + ", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us",
+                  flush=True)
     return out
 
 
@@ -90,16 +112,22 @@ def run_hf(concurrencies, prompt_len: int, new: int) -> list[dict]:
     out = []
     for c in concurrencies:
         ids = torch.randint(4, cfg.vocab_size, (c, prompt_len), device="cuda")
+        walls = {}
         with torch.no_grad():
             model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t
-        out.append({"system": "transformers", "concurrency": c, "tokens_per_s": c * new / dt, "wall_s": dt})
-        print(f"  transformers, {c} concurrent: {c * new / dt:.1f} tokens/s", flush=True)
+            for m in (1, new):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, min_new_tokens=m,
+                               do_sample=False)
+                torch.cuda.synchronize()
+                walls[m] = time.perf_counter() - t
+        dt = walls[new]
+        dec = c * (new - 1) / max(1e-9, walls[new] - walls[1])
+        out.append({"system": "transformers", "concurrency": c, "tokens_per_s": c * new / dt, "wall_s": dt,
+                    "decode_tokens_per_s": dec})
+        print(f"  transformers, {c} concurrent: {c * new / dt:.1f} tokens/s end to end, decode {dec:.1f}",
+              flush=True)
     del model
     torch.cuda.empty_cache()
     return out
@@ -108,7 +136,10 @@ def run_hf(concurrencies, prompt_len: int, new: int) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--stages", default="1,2")
+    ap.add_argument("--model", default="preset:qwen3.5-27b")
+    ap.add_argument("--layouts", default="0;0,1", help="deployments to run: ';'-separated GPU lists, one stage "
+                    "per entry (0,0,1,1 = four stages, two per card)")
+    ap.add_argument("--microbatches", default="auto")
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
@@ -118,20 +149,31 @@ def main() -> int:
     conc = [int(x) for x in a.concurrency.split(",")]
     from memra_pp.model.config import parse_config
     from memra_pp.model import presets
-    mc = parse_config(presets.get("qwen3.5-27b"))
+    mc = parse_config(presets.get(a.model.removeprefix("preset:")))
     bw = copy_bandwidth()
     wb = weight_bytes_per_token(mc)
-    rep = {"copy_bandwidth_Bps": bw, "weight_bytes_per_token": wb, "floor_batch1_tokens_per_s": bw / wb,
-           "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "runs": []}
+    ctx = a.prompt_len + a.new // 2
+    rep = {"model": a.model, "copy_bandwidth_Bps": bw, "weight_bytes_per_token": wb,
+           "floor_batch1_tokens_per_s": bw / wb, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "step_floor_tokens_per_s": {c: step_floor_tokens_per_s(mc, bw, c, ctx) for c in conc},
+           "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M"), "runs": []}
     print(f"copy {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.1f} GB/token, batch-1 floor {bw / wb:.1f} tokens/s",
           flush=True)
-    for n in [int(x) for x in a.stages.split(",")]:
-        if n <= torch.cuda.device_count():
-            rep["runs"] += run_memra(n, conc, a.prompt_len, a.new)
-            json.dump(rep, open(os.path.join(a.out, "gpu_decode.json"), "w"), indent=1)
+    mb = a.microbatches if a.microbatches == "auto" else int(a.microbatches)
+    for layout in a.layouts.split(";"):
+        devices = [int(x) for x in layout.split(",")]
+        if max(devices) < torch.cuda.device_count():
+            try:
+                rep["runs"] += run_memra(a.model, devices, conc, a.prompt_len, a.new, mb)
+            except Exception as e:  # noqa: BLE001 - record it and go on to the next layout
+                print(f"  layout {devices} failed: {type(e).__name__}: {e}", flush=True)
+                rep.setdefault("failed", []).append({"devices": devices, "error": f"{type(e).__name__}: {e}"})
+            with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
+                json.dump(rep, f, indent=1)
     if a.hf:
         rep["runs"] += run_hf(conc, a.prompt_len, a.new)
-    json.dump(rep, open(os.path.join(a.out, "gpu_decode.json"), "w"), indent=1)
+    with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
+        json.dump(rep, f, indent=1)
     plot(rep, os.path.join(a.out, "gpu_decode.png"))
     return 0
 
@@ -144,16 +186,17 @@ def plot(rep: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     systems = {}
     for r in rep["runs"]:
-        name = r.get("system") or f"memra_pp, {r['n_stages']} stage(s)"
-        systems.setdefault(name, []).append((r["concurrency"], r["tokens_per_s"]))
+        name = r.get("system") or f"memra_pp, {r['n_stages']} stage(s) on {len(set(r['devices']))} GPU(s)"
+        systems.setdefault(name, []).append((r["concurrency"], r.get("decode_tokens_per_s", r["tokens_per_s"])))
     for name, pts in systems.items():
         ax.plot(*zip(*sorted(pts)), marker="o", label=name)
-    ax.axhline(rep["floor_batch1_tokens_per_s"], ls=":", c="grey", label="batch-1 memory floor")
+    fl = sorted((int(c), v) for c, v in rep["step_floor_tokens_per_s"].items())
+    ax.plot(*zip(*fl), ls=":", c="grey", label="memory floor (1 GPU)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"Qwen3.5-27B dims, bf16, {rep['gpu']}")
+    ax.set_ylabel("decode tokens / s (prefill subtracted)")
+    ax.set_title(f"{rep['model']} dims, bf16 dummy weights, {rep['gpu']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -229,6 +229,38 @@ def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), ti
                 p.kill()
 
 
+def raw_copies(src: int, dst: int, shape=(64, 5120), n: int = 500) -> dict:
+    """What the payload alone costs, to set beside the handoff figures: a peer copy src -> dst, and the host path's
+    d2h into pinned memory + h2d out of it; device time (CUDA events) and host time (issue + synchronize)."""
+    a = torch.randn(shape, device=f"cuda:{src}").to(torch.bfloat16)
+    b = torch.empty(shape, dtype=torch.bfloat16, device=f"cuda:{dst}")
+    pinned = torch.empty(shape, dtype=torch.bfloat16, pin_memory=True)
+
+    def timed(fn, dev):
+        ev, host = [], []
+        for i in range(n + 20):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            with torch.cuda.device(dev):
+                e0.record()
+                fn()
+                e1.record()
+                e1.synchronize()
+            if i >= 20:
+                host.append((time.perf_counter() - t) * 1e6)
+                ev.append(e0.elapsed_time(e1) * 1e3)
+        ev.sort()
+        host.sort()
+        return {"device_p50_us": round(ev[n // 2], 2), "device_p99_us": round(ev[int(n * 0.99)], 2),
+                "host_p50_us": round(host[n // 2], 2), "host_p99_us": round(host[int(n * 0.99)], 2)}
+
+    out = {"bytes": a.numel() * 2, "peer_copy": timed(lambda: b.copy_(a, non_blocking=True), src),
+           "d2h_pinned": timed(lambda: pinned.copy_(a, non_blocking=True), src),
+           "h2d_pinned": timed(lambda: b.copy_(pinned, non_blocking=True), dst)}
+    out["ok"] = bool(torch.equal(b.cpu(), a.cpu()))
+    return out
+
+
 # -- the standalone run ---------------------------------------------------------------------------------------------
 def _short(obj):
     """The table shows a traceback's last line; the JSON keeps it whole."""
@@ -257,7 +289,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s); src cuda:{src}, dst cuda:{dst}", flush=True)
     scenarios = [("primary_context", lambda: primary_context(src)), ("secondary_context", lambda: secondary_context(src)),
                  ("publication", lambda: publication(src, dst)), ("two_processes", lambda: two_processes(src)),
-                 ("probe_p2p", lambda: probe_p2p(src, dst)),
+                 ("probe_p2p", lambda: probe_p2p(src, dst)), ("raw_copies", lambda: raw_copies(src, dst)),
                  ("slots_peer", lambda: slots("peer", src, dst, args.handoffs)),
                  ("slots_host", lambda: slots("host", src, dst, args.handoffs)),
                  ("slots_peer_same_gpu", lambda: slots("peer", src, src, args.handoffs))]

@@ -56,20 +56,33 @@ class MoE(Param):
         self.top_k = top_k
 
     def forward(self, x_TH, lora=None, static: bool = False):
-        """`static`: no host sync and no data-dependent shape (a CUDA graph captures it): every expert runs on
-        every row in two batched matmuls and the routing weights (zero for unrouted experts) mix them; at decode
-        batch sizes most experts are routed to anyway, so the weight bytes read are about the same."""
+        """`static`: no host sync and no data-dependent shape (a CUDA graph captures it): few routed pairs copy
+        their experts out (_gathered); otherwise every expert runs on every row in two batched matmuls and the
+        routing weights (zero where unrouted) mix them, since most experts are routed to at such batch sizes."""
         logits = F.linear(x_TH, self.gate_weight)
         p = logits.float().softmax(-1)
         w, idx = p.topk(self.top_k, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).to(x_TH.dtype)
-        if static:
+        if static and 3 * idx.numel() <= self.experts_gate_up_proj.shape[0]:
+            out = self._gathered(x_TH, w, idx)
+        elif static:
             out = self._all_experts(x_TH, w, idx)
         else:
             out = self._routed(x_TH, w, idx)
         shared = self.lin(F.silu(self.lin(x_TH, "shared_expert.gate_proj", lora)) *
                           self.lin(x_TH, "shared_expert.up_proj", lora), "shared_expert.down_proj", lora)
         return out + torch.sigmoid(F.linear(x_TH, self.shared_expert_gate_weight)) * shared
+
+    def _gathered(self, x_TH, w, idx):
+        """Few routed (row, expert) pairs (small decode batches): copy just their experts' weights out and run
+        them as batched matrix-vector products; the bytes moved stay a small multiple of the routed experts'."""
+        T, k = idx.shape
+        gate_up, down = self.experts_gate_up_proj[idx.reshape(-1)], self.experts_down_proj[idx.reshape(-1)]
+        inter = down.shape[-1]
+        gu = torch.bmm(gate_up, x_TH.repeat_interleave(k, 0)[:, :, None])[..., 0]          # [T*k, 2I]
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = torch.bmm(down, h[:, :, None])[..., 0] * w.reshape(-1, 1)                      # [T*k, H]
+        return y.view(T, k, -1).sum(1)
 
     def _all_experts(self, x_TH, w, idx):
         gate_up, down = self.experts_gate_up_proj, self.experts_down_proj
