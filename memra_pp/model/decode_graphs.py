@@ -84,7 +84,8 @@ class DecodeGraphs:
 
     def _capture(self, nb: int, S: int):
         """Warm up on a side stream (kernels compile, cuBLAS picks its algorithms), then capture. Every row points
-        at the scratch slot meanwhile, so no sequence's cache is touched."""
+        at the scratch slot meanwhile, so no sequence's cache is touched. Capture errors are thread-local: the stage's
+        transport threads keep using CUDA while it captures."""
         self.slots[:nb].fill_(self.cache.scratch)
         self.pos[:nb].zero_()
         self.pos3[:, :nb].zero_()
@@ -106,7 +107,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool):
+        with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = self._step(nb, S)
         torch.cuda.synchronize()
         return g, out
