@@ -30,7 +30,9 @@ def test_two_gpu_stages_equal_one(ray_cluster, gpus, transport):
     _, path = tiny_checkpoint("dense", False)
     ref, st1 = run(path, ["cuda:0"])
     assert st1[0]["gdn_backend"] == "fla"
+    assert st1[0]["decode_graphs"]["replays"] > 0, st1[0]["decode_graphs"]     # decode ran through CUDA graphs
     for devs in (["cuda:0", "cuda:0"], ["cuda:0", f"cuda:{min(1, gpus - 1)}"]):
         toks, st = run(path, devs, transport)
         assert st[1]["transport"] == transport and st[1]["handoffs"] > 0
+        assert all(s["decode_graphs"]["replays"] > 0 for s in st), [s["decode_graphs"] for s in st]
         assert toks == ref, f"{devs} {transport}: {toks} != {ref}"
