@@ -99,7 +99,7 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
     return out
 
 
-def run_hf(concurrencies, prompt_len: int, new: int) -> list[dict]:
+def run_hf(concurrencies, prompt_len: int, new: int, save=None) -> list[dict]:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     from memra_pp.model import presets
     tc = dict(presets.get("qwen3.5-27b")["text_config"])
@@ -128,6 +128,8 @@ def run_hf(concurrencies, prompt_len: int, new: int) -> list[dict]:
                     "decode_tokens_per_s": dec})
         print(f"  transformers, {c} concurrent: {c * new / dt:.1f} tokens/s end to end, decode {dec:.1f}",
               flush=True)
+        if save:
+            save(out)
     del model
     torch.cuda.empty_cache()
     return out
@@ -144,6 +146,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     conc = [int(x) for x in a.concurrency.split(",")]
@@ -160,6 +163,14 @@ def main() -> int:
     print(f"copy {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.1f} GB/token, batch-1 floor {bw / wb:.1f} tokens/s",
           flush=True)
     mb = a.microbatches if a.microbatches == "auto" else int(a.microbatches)
+
+    def save(hf_rows=()):
+        with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
+            json.dump({**rep, "runs": rep["runs"] + list(hf_rows)}, f, indent=1)
+
+    if a.hf and a.hf_first:
+        rep["runs"] += run_hf(conc, a.prompt_len, a.new, save)
+        save()
     for layout in a.layouts.split(";"):
         devices = [int(x) for x in layout.split(",")]
         if max(devices) < torch.cuda.device_count():
@@ -168,10 +179,9 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - record it and go on to the next layout
                 print(f"  layout {devices} failed: {type(e).__name__}: {e}", flush=True)
                 rep.setdefault("failed", []).append({"devices": devices, "error": f"{type(e).__name__}: {e}"})
-            with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
-                json.dump(rep, f, indent=1)
-    if a.hf:
-        rep["runs"] += run_hf(conc, a.prompt_len, a.new)
+            save()
+    if a.hf and not a.hf_first:
+        rep["runs"] += run_hf(conc, a.prompt_len, a.new, save)
     with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
         json.dump(rep, f, indent=1)
     plot(rep, os.path.join(a.out, "gpu_decode.png"))
