@@ -16,23 +16,7 @@ import os
 import time
 
 import torch
-
-
-def copy_bandwidth(gb: float = 4.0) -> float:
-    n = int(gb * 2**30) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / 10
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n * 2 / dt
+from gpu_decode import copy_bandwidth   # the same denominator as the deployment benchmark (benchmarks/ is on the path)
 
 
 def step_bytes(model, cache, B: int, ctx: int) -> dict:
