@@ -30,6 +30,51 @@ def step_bytes(model, cache, B: int, ctx: int) -> dict:
     return {"weights": w, "state_rw": state, "kv_read": kv, "total": w + state + kv}
 
 
+def kernel_summary(prof, top: int = 30) -> str:
+    """Device time of one profiled step by kernel name: how many kernels, and where the time goes."""
+    from torch.autograd import DeviceType
+    by: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            d = by.setdefault(e.name[:90], [0, 0.0])
+            d[0] += 1
+            d[1] += e.time_range.elapsed_us()
+    total = sum(v[1] for v in by.values())
+    n = sum(v[0] for v in by.values())
+    lines = [f"{n} kernels, {total / 1e3:.2f} ms device time"]
+    for name, (k, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"{us / 1e3:8.3f} ms {us / max(total, 1e-9):6.1%} {k:6d}x {us / k:8.1f} us  {name}")
+    return "\n".join(lines)
+
+
+def matmul_only_ms(model, B: int, iters: int = 10) -> float:
+    """Every 2-D weight of the stage (lm_head included) as one F.linear on a [B, in] input, all in one CUDA graph:
+    what plain cuBLAS needs for the step's matmuls alone."""
+    import torch.nn.functional as F
+    ws = [t for layer in model.layers for t in layer.buffers() if t.dim() == 2 and min(t.shape) > 64]
+    if model.primary:
+        ws.append(model.lm_head)
+    xs = {w.shape[1]: torch.randn(B, w.shape[1], dtype=w.dtype, device=w.device) for w in ws}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for w in ws:
+            F.linear(xs[w.shape[1]], w)
+    g.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        g.replay()
+    torch.cuda.synchronize()
+    del g
+    return (time.perf_counter() - t) / iters * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -81,17 +126,22 @@ def main() -> int:
             floor_ms = by["total"] / bw * 1e3
             row = {"mode": mode, "batch": B, "step_ms": ms, "tokens_per_s": B / ms * 1e3, "floor_ms": floor_ms,
                    "of_floor": floor_ms / ms, "bytes": by}
+            if mode == "graph":
+                row["matmul_only_ms"] = matmul_only_ms(model, B)
             rep["rows"].append(row)
             print(f"  {mode:5s} batch {B:4d}: {ms:7.2f} ms/step, {B / ms * 1e3:8.1f} tokens/s, floor "
-                  f"{floor_ms:.2f} ms -> {floor_ms / ms:.0%} of floor", flush=True)
-            if a.profile and B == max(batches):
+                  f"{floor_ms:.2f} ms -> {floor_ms / ms:.0%} of floor"
+                  + (f", matmuls alone {row['matmul_only_ms']:.2f} ms" if "matmul_only_ms" in row else ""),
+                  flush=True)
+            if a.profile:
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     step()
                     torch.cuda.synchronize()
-                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-                open(os.path.join(a.out, f"profile-{mode}-{B}.txt"), "w").write(table)
-                print(table[:6000], flush=True)
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+                ks = kernel_summary(prof)
+                open(os.path.join(a.out, f"profile-{mode}-{B}.txt"), "w").write(ks + "\n\n" + table)
+                print(ks, flush=True)
             json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
     return 0
 

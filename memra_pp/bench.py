@@ -2,7 +2,6 @@
 concurrent load, next to a Ray actor call round trip measured in the same run (driver side)."""
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
@@ -25,7 +24,27 @@ def actor_call_us(actor, n: int = 200) -> tuple[float, float]:
     return _pct(ts, 0.5), _pct(ts, 0.99)
 
 
+def _decode_window(runs: list[tuple[float, list[tuple[float, int]]]]) -> tuple[float, float]:
+    """Steady-state decode rate from per-request token arrival times: the tokens that arrived while every request
+    was decoding (after the last first token, up to the first finish) over that window. Falls back to all tokens
+    after each request's first over the whole decode span when that window is empty. Returns (tokens/s, window s)."""
+    firsts = [ev[0][0] for _, ev in runs if ev]
+    lasts = [ev[-1][0] for _, ev in runs if ev]
+    if not firsts:
+        return 0.0, 0.0
+    t1, t2 = max(firsts), min(lasts)
+    n = sum(k for _, ev in runs for t, k in ev if t1 < t <= t2)
+    if t2 > t1 and n > 0:
+        return n / (t2 - t1), t2 - t1
+    n = sum(k for _, ev in runs for _, k in ev[1:])
+    span = max(lasts) - min(firsts)
+    return (n / span if span > 0 else 0.0), span
+
+
 def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed: int = 0) -> dict:
+    """`concurrency` requests at once, each streamed on its own thread (the public `stream` API), every event's
+    arrival time recorded: throughput end to end, time to first token, and the steady-state decode rate."""
+    from concurrent.futures import ThreadPoolExecutor
     c = dep.client()
     rng = random.Random(seed)
     V = dep.vocab_size
@@ -33,24 +52,27 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     c.generate(prompts[0][:8], max_new_tokens=2)                       # warm up every stage
     p50, p99 = actor_call_us(dep.stage_actor(0))
 
-    async def one(p):
+    def one(p):
         t = time.perf_counter()
-        r = await c.agenerate(p, max_new_tokens=max_new_tokens, stop_token_ids=[])
-        return r, time.perf_counter() - t
-
-    async def all_():
-        return await asyncio.gather(*[one(p) for p in prompts])
+        ev = [(time.perf_counter(), len(e.token_ids))
+              for e in c.stream(p, max_new_tokens=max_new_tokens, stop_token_ids=[]) if e.token_ids]
+        return t, ev
 
     dep.stats(reset=True)
     t0 = time.perf_counter()
-    out = asyncio.run(all_())
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        out = list(pool.map(one, prompts))
     wall = time.perf_counter() - t0
     st = dep.stats()["stages"]
-    toks = sum(len(r.token_ids) for r, _ in out)
-    lat = [d for _, d in out]
+    toks = sum(k for _, ev in out for _, k in ev)
+    lat = [ev[-1][0] - t for t, ev in out if ev]
+    ttft = [ev[0][0] - t for t, ev in out if ev]
+    dec, window = _decode_window(out)
     c.close()
     return {"concurrency": concurrency, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
             "generated_tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall,
+            "decode_tokens_per_s": dec, "decode_window_s": window,
+            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
             "request_latency_p50_s": _pct(lat, 0.5), "request_latency_p99_s": _pct(lat, 0.99),
             "ray_actor_call_p50_us": p50, "ray_actor_call_p99_us": p99,
             "stages": [{k: s[k] for k in ("index", "device", "layers", "busy", "microbatches", "handoffs",
@@ -60,7 +82,8 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
 def format_report(r: dict) -> str:
     lines = [f"{r['concurrency']} concurrent x ({r['prompt_len']} in, {r['max_new_tokens']} out): "
              f"{r['generated_tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tokens/s; "
-             f"request latency p50 {r['request_latency_p50_s']:.2f} s, p99 {r['request_latency_p99_s']:.2f} s",
+             f"steady decode {r['decode_tokens_per_s']:.1f} tokens/s; time to first token p50 "
+             f"{r['ttft_p50_s'] * 1e3:.0f} ms; request latency p50 {r['request_latency_p50_s']:.2f} s, p99 {r['request_latency_p99_s']:.2f} s",
              f"Ray actor call round trip (same run): p50 {r['ray_actor_call_p50_us']:.0f} us, "
              f"p99 {r['ray_actor_call_p99_us']:.0f} us",
              f"{'stage':>5} {'device':>8} {'layers':>9} {'busy':>6} {'microbatches':>12} {'handoffs':>9} "

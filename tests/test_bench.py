@@ -1,0 +1,41 @@
+"""`memra-pp bench`'s measurement: the steady-state decode window from token arrival times, and a real run."""
+import sys
+from pathlib import Path
+
+import pytest
+
+import memra_pp
+from memra_pp.bench import _decode_window, format_report, run_bench
+from conftest_models import tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from load import config  # noqa: E402
+
+
+def test_decode_window_counts_only_while_every_request_decodes():
+    # two requests: first tokens at 1.0 and 2.0, one token per 0.5 s, finishing at 5.0 and 6.0
+    a = (0.0, [(1.0 + 0.5 * i, 1) for i in range(9)])        # 1.0 .. 5.0
+    b = (0.0, [(2.0 + 0.5 * i, 1) for i in range(9)])        # 2.0 .. 6.0
+    rate, window = _decode_window([a, b])
+    assert window == pytest.approx(3.0)                       # (2.0, 5.0]
+    assert rate == pytest.approx(12 / 3.0)                    # 6 tokens each in the window
+
+
+def test_decode_window_falls_back_when_no_overlap():
+    a = (0.0, [(1.0, 1), (2.0, 1)])
+    b = (0.0, [(3.0, 1), (4.0, 2)])
+    rate, window = _decode_window([a, b])
+    assert window == pytest.approx(3.0) and rate == pytest.approx(3 / 3.0)
+    assert _decode_window([]) == (0.0, 0.0)
+
+
+def test_run_bench_on_two_cpu_stages(ray_cluster):
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(config(str(path))) as dep:
+        r = run_bench(dep, 4, 16, 12)
+    assert r["generated_tokens"] == 4 * 12
+    assert r["decode_tokens_per_s"] > 0 and r["decode_window_s"] > 0
+    assert 0 < r["ttft_p50_s"] <= r["request_latency_p50_s"]
+    assert len(r["stages"]) == 2 and all(s["microbatches"] > 0 for s in r["stages"])
+    assert r["stages"][1]["handoffs"] > 0
+    assert "steady decode" in format_report(r)
