@@ -184,17 +184,17 @@ class IntakeLoop(_Loop):
             self.r.inbox.put(("ring", msg))
 
     def run(self):
+        """Before every microbatch the inbox is drained, so requests that arrived meanwhile join the next step
+        (continuous batching: with one stage the tokens come back synchronously and there is always a next
+        microbatch while anything runs; admissions must not wait for the running batch to finish)."""
         r, sched = self.r, self.sched
         while not self.stopping.is_set():
             worked = self._drain(block=False)
-            while True:
-                mb, evs = sched.next_microbatch()
-                r.mail.post(evs)
-                if mb is None:
-                    break
-                worked = True
+            mb, evs = sched.next_microbatch()
+            r.mail.post(evs)
+            if mb is not None:
                 self._run_mb(mb)
-            if not worked:
+            elif not worked:
                 self._drain(block=True)
 
     def _drain(self, block: bool) -> bool:

@@ -110,3 +110,32 @@ def test_gdn_decode_triton_kernel_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "kernel ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_kernels_in_the_interpreter(dtype):
+    """The fused decode kernels (RMSNorm + residual on strided rows, gated norm, silu-mul, the conv step in place at
+    the slots, the Gated DeltaNet step from raw projections) against their torch references, by Triton's CPU
+    interpreter; tests/test_gpu_decode_graphs.py runs the same check compiled on the GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    check = os.path.join(os.path.dirname(__file__), "fused_decode_check.py")
+    r = subprocess.run([sys.executable, check, dtype, "cpu"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "fused ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_fused_projections_are_views_of_one_matrix():
+    """The decode graphs run one GEMV per merged projection; the named weights are views into it (held once)."""
+    eager, _ = pipelines("dense", [(0, 8)])
+    st = eager.stages[0]
+    for layer in st.layers:
+        mx = layer.mixer
+        W, names = (mx.qkv, ["q_proj", "k_proj", "v_proj"]) if layer.full else \
+            (mx.in_proj, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
+        parts = [getattr(mx, n + "_weight") for n in names]
+        assert all(p.untyped_storage().data_ptr() == W.untyped_storage().data_ptr() for p in parts)
+        assert torch.equal(torch.cat(parts), W)
+        ffn = layer.ffn
+        assert ffn.gate_proj_weight.untyped_storage().data_ptr() == ffn.gate_up.untyped_storage().data_ptr()
+    held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in st.tensors()}
+               .values())
+    assert sum(t.numel() * t.element_size() for t in st.tensors()) == held

@@ -59,7 +59,42 @@ def test_captured_decode_equals_eager(cuda, kind, splits):
         assert st["replays"] == 15 and st["captures"] == 1 and st["graphs"] == [(4, 256)], st
     worst = max(abs(a - b) for x, y in zip(le, lg) for a, b in zip(x, y))
     print(f"{kind}: tokens equal {tg == te}, worst logprob diff {worst:.2e}")
-    if kind == "dense":     # the same kernels, replayed: bit-identical
-        assert tg == te and worst == 0.0
+    if kind == "dense":     # the graphs run the fused kernels (merged GEMVs, one-pass norms): bf16 rounding only
+        assert tg == te and worst < 2e-2
     else:                   # the all-experts MoE sums in another order
         assert sum(a == b for a, b in zip(tg, te)) >= 3 and worst < 5e-2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_kernels_compiled(cuda, dtype):
+    """The fused decode kernels, compiled, against their torch references (the CPU suite runs the same check in
+    Triton's interpreter)."""
+    import os
+    import subprocess
+    import sys
+    check = os.path.join(os.path.dirname(__file__), "fused_decode_check.py")
+    r = subprocess.run([sys.executable, check, dtype, "cuda"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "fused ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_fused_gdn_step_equals_the_inplace_kernel_at_27b_shapes(cuda):
+    """gdn_decode_fused (gates computed in the kernel from raw b / a, q k v read from the conv output) against the
+    in-place kernel fed the torch gates, at the 27B head shapes."""
+    from memra_pp.kernels.fused_decode import gdn_decode_fused, gdn_gates_ref
+    from memra_pp.kernels.gdn_decode import gdn_decode
+    torch.manual_seed(0)
+    B, H, HV, K, V, N = 5, 16, 48, 128, 128, 9
+    bf = torch.bfloat16
+    y = torch.randn(B, 2 * H * K + HV * V, device=cuda, dtype=bf)
+    P = torch.randn(B, 2 * HV, device=cuda, dtype=bf)
+    b, a = P[:, :HV], P[:, HV:]
+    A_log, dt_bias = torch.randn(HV, device=cuda, dtype=bf), torch.randn(HV, device=cuda, dtype=bf)
+    pool = torch.randn(N, HV, K, V, device=cuda)
+    slots = torch.tensor([7, 0, 3, 8, 2], device=cuda)
+    p1, p2 = pool.clone(), pool.clone()
+    o1 = gdn_decode_fused(y, b, a, A_log, dt_bias, p1, slots, H, K ** -0.5)
+    g, beta = gdn_gates_ref(b, a, A_log, dt_bias)
+    q, k, v = torch.split(y, [H * K, H * K, HV * V], -1)
+    o2 = gdn_decode(q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, HV, V), g, beta, p2, slots, K ** -0.5)
+    assert (o1.float() - o2.float()).abs().max() <= 1e-2 * o2.float().abs().max()
+    assert (p1 - p2).abs().max() <= 1e-4 * p2.abs().max()

@@ -43,3 +43,32 @@ def test_launch_parity(ray_cluster, kind, tied, n_stages):
         assert all(s["microbatches"] > 0 for s in st), st
         if n_stages > 1:
             assert all(s["handoffs"] > 0 for s in st), "boundary slots must have carried the microbatches"
+
+
+@pytest.mark.parametrize("n_stages", [1, 2])
+def test_a_request_joins_a_running_batch(ray_cluster, n_stages):
+    """Continuous batching: a request submitted while another decodes joins the next step, never waits for the
+    running one to finish (with one stage the tokens come back synchronously, so the intake must still drain its
+    inbox between microbatches)."""
+    import threading
+    import time
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(config(path, n_stages)) as dep:
+        c = dep.client()
+        c.generate([5, 6], max_new_tokens=2)                         # warm
+        times, started = [], threading.Event()
+
+        def consume():
+            for e in c.stream([5, 17, 42], max_new_tokens=400, stop_token_ids=[]):
+                times.append((time.monotonic(), len(e.token_ids)))
+                started.set()
+
+        th = threading.Thread(target=consume)
+        th.start()
+        assert started.wait(60)
+        short = c.generate([7, 8, 9], max_new_tokens=3, stop_token_ids=[])
+        t_short = time.monotonic()
+        th.join(120)
+    assert len(short.token_ids) == 3 and sum(k for _, k in times) == 400
+    after = sum(k for t, k in times if t > t_short)
+    assert after > 100, f"the short request waited for the long one: only {after} of its 400 tokens came after"

@@ -51,6 +51,24 @@ class GatedAttention(Param):
                           "k_norm.weight"])
         self.cfg = cfg
 
+    def load(self, prefix: str, src, dtype, device):
+        super().load(prefix, src, dtype, device)
+        self.qkv = self.fuse(["q_proj", "k_proj", "v_proj"])
+
+    def project_fused(self, x_BH, cos, sin):
+        """project() for the decode graphs: one GEMV for q|gate|k|v, the q and k norms one kernel each."""
+        from memra_pp.kernels.fused_decode import add_rms_norm
+        c = self.cfg
+        B, D = x_BH.shape[0], c.head_dim
+        nq, nkv = c.num_attention_heads * 2 * D, c.num_key_value_heads * D
+        P = F.linear(x_BH, self.qkv)
+        qg = P[:, :nq].view(B, c.num_attention_heads, 2 * D)
+        k = P[:, nq:nq + nkv].view(B, c.num_key_value_heads, D)
+        v = P[:, nq + nkv:].view(B, c.num_key_value_heads, D)
+        q = apply_rope(add_rms_norm(qg[..., :D], None, self.q_norm_weight, c.rms_norm_eps)[1], cos, sin)
+        k = apply_rope(add_rms_norm(k, None, self.k_norm_weight, c.rms_norm_eps)[1], cos, sin)
+        return q, qg[..., D:].reshape(B, -1), k, v
+
     def project(self, x_TH, cos, sin, lora=None):
         """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached)."""
         c = self.cfg

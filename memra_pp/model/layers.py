@@ -32,6 +32,18 @@ class Param(nn.Module):
         for n in self.names:
             self.register_buffer(n.replace(".", "_"), src.get(prefix + n, dtype, device), persistent=False)
 
+    def fuse(self, names: list[str]) -> torch.Tensor:
+        """One matrix holding the named projections' rows in order (one GEMV for the decode graphs instead of
+        several); the named buffers become views into it, so nothing is held twice."""
+        keys = [n.replace(".", "_") + "_weight" for n in names]
+        ws = [getattr(self, k) for k in keys]
+        W = torch.cat(ws, 0)
+        off = 0
+        for k, w in zip(keys, ws):
+            self.register_buffer(k, W[off:off + w.shape[0]], persistent=False)
+            off += w.shape[0]
+        return W
+
     def lin(self, x, name: str, lora=None):
         """x @ W(name)^T, plus the batch's LoRA delta when a hook is given (lora.LoraStep.layer)."""
         y = F.linear(x, getattr(self, name.replace(".", "_") + "_weight"))
@@ -41,6 +53,15 @@ class Param(nn.Module):
 class DenseMLP(Param):
     def __init__(self):
         super().__init__(["gate_proj.weight", "up_proj.weight", "down_proj.weight"])
+
+    def load(self, prefix: str, src, dtype, device):
+        super().load(prefix, src, dtype, device)
+        self.gate_up = self.fuse(["gate_proj", "up_proj"])
+
+    def decode_fused(self, x_BH):
+        """The decode graphs' MLP: one gate|up GEMV, one silu-mul kernel, the down GEMV."""
+        from memra_pp.kernels.fused_decode import silu_mul
+        return F.linear(silu_mul(F.linear(x_BH, self.gate_up)), self.down_proj_weight)
 
     def forward(self, x, lora=None, static: bool = False):
         return self.lin(F.silu(self.lin(x, "gate_proj", lora)) * self.lin(x, "up_proj", lora), "down_proj", lora)
@@ -54,6 +75,9 @@ class MoE(Param):
                           "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
                           "experts.gate_up_proj", "experts.down_proj"])
         self.top_k = top_k
+
+    def decode_fused(self, x_BH):
+        return self(x_BH, None, True)
 
     def forward(self, x_TH, lora=None, static: bool = False):
         """`static`: no host sync and no data-dependent shape (a CUDA graph captures it): few routed pairs copy

@@ -56,6 +56,24 @@ class Layer(nn.Module):
         h_BH = h_BH + m
         return h_BH + self.ffn(rms_norm(h_BH, self.ln2, self.eps), lora, static)
 
+    def decode_fused(self, h_BH, pending, slots_B, pos_B, S: int, cache: StageCache, cos, sin):
+        """Layer.decode for the decode graphs through fused kernels: the previous layer's last residual add
+        (`pending`, None for the first layer) fused with this layer's input norm. Returns (h, this layer's pending
+        FFN output); the caller adds the last one."""
+        from memra_pp.kernels.fused_decode import add_rms_norm
+        h_BH, x = add_rms_norm(h_BH, pending, self.ln1, self.eps)
+        if self.full:
+            at: GatedAttention = self.mixer
+            q, gate, k, v = at.project_fused(x, cos, sin)
+            kp, vp = cache.k[self.i], cache.v[self.i]
+            kp[slots_B, :, pos_B] = k
+            vp[slots_B, :, pos_B] = v
+            m = at.output(attend_decode(q, kp[slots_B, :, :S], vp[slots_B, :, :S], pos_B + 1), gate)
+        else:
+            m = self.mixer.decode_fused(x, slots_B, cache)
+        h_BH, x = add_rms_norm(h_BH, m, self.ln2, self.eps)
+        return h_BH, self.ffn.decode_fused(x)
+
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
@@ -132,8 +150,10 @@ class StageModel(nn.Module):
     def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache) -> torch.Tensor:
         """The decode step a CUDA graph captures: hidden in, hidden (or float32 logits on the primary) out."""
         cos, sin = self.rope.cos_sin(pos_3B, self.dtype)
+        pending = None
         for layer in self.layers:
-            h_BH = layer.decode(h_BH, slots_B, pos_B, S, cache, cos, sin, None, static=True)
+            h_BH, pending = layer.decode_fused(h_BH, pending, slots_B, pos_B, S, cache, cos, sin)
+        h_BH = h_BH + pending
         if not self.primary:
             return h_BH
         return F.linear(rms_norm(h_BH, self.norm, self.mc.text.rms_norm_eps), self.lm_head).float()

@@ -1,0 +1,272 @@
+"""Fused kernels of the decode step a CUDA graph captures: each replaces a chain of small torch kernels (a decode
+step of 64 layers was ~4,300 kernels, two thirds of them a few microseconds of elementwise work each).
+
+- add_rms_norm: residual add + zero-centred RMSNorm, one pass (and the per-head q/k norms, strided rows).
+- gated_rms_norm: the linear-attention output norm gated by silu(z), z read in place from the projection.
+- silu_mul: silu(gate) * up from the merged gate/up projection.
+- conv_step: the causal depthwise conv of one decode token, its window state shifted in place at the slots.
+- gdn_decode_fused: the Gated DeltaNet step of kernels/gdn_decode.py reading q, k, v from the conv output and the
+  raw b / a projections (beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) computed in the kernel).
+
+Every kernel has a torch reference with the same contract and the same rounding points (the torch ops the eager
+step runs), which the CPU path uses; tests run the Triton kernels against them on CPU through Triton's interpreter
+and compiled on the GPU. Runs in stage processes.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch references serve
+    triton = None
+
+
+USE_TRITON = True    # False: the torch references everywhere (tests compare the two on one device)
+
+
+def _triton(t: torch.Tensor) -> bool:
+    """The Triton kernel for CUDA tensors (and for CPU ones under Triton's interpreter, which the tests use)."""
+    return USE_TRITON and triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _rows3(x: torch.Tensor) -> torch.Tensor:
+    """A [.., D] tensor with unit last stride as [R0, R1, D] (strided rows allowed)."""
+    if x.dim() == 2:
+        return x[:, None]
+    assert x.dim() == 3, x.shape
+    return x
+
+
+# -- RMSNorm (+ residual) -------------------------------------------------------------------------------------------
+def add_rms_norm_ref(x, res, w, eps: float, plus_one: bool = True):
+    """(s, norm(s)) with s = x + res (or x when res is None); the torch ops of layers.rms_norm."""
+    s = x if res is None else x + res
+    sf = s.float()
+    y = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    wf = (1.0 + w.float()) if plus_one else w.float()
+    return s, (y * wf).to(s.dtype)
+
+
+def add_rms_norm(x, res, w, eps: float, plus_one: bool = True):
+    """x [R, D] or [R0, R1, D] (rows may be strided, as a view into a projection); res like x or None. Returns
+    (x + res, or x itself when res is None) and the normed rows, both [R0 * R1, D]-shaped like x but contiguous."""
+    if not _triton(x):
+        return add_rms_norm_ref(x, res, w, eps, plus_one)
+    x3 = _rows3(x)
+    R0, R1, D = x3.shape
+    assert x3.stride(2) == 1 and w.is_contiguous()
+    out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    s = out if res is None else torch.empty_like(out)
+    r3 = x3 if res is None else _rows3(res)
+    _add_rms_norm_kernel[(R0 * R1,)](x3, r3, w, s, out, eps, R1, x3.stride(0), x3.stride(1), r3.stride(0),
+                                     r3.stride(1), D=D, BLOCK=triton.next_power_of_2(D), HAS_RES=res is not None,
+                                     PLUS_ONE=plus_one, num_warps=8 if D >= 2048 else 1)
+    return (x if res is None else s.view(x.shape)), out.view(x.shape)
+
+
+# -- gated RMSNorm ------------------------------------------------------------------------------------------------
+def gated_rms_norm_ref(o_RD, z_RD, w, eps: float):
+    """layers.gated_rms_norm: normalise, cast, scale by plain w, gate by silu(z)."""
+    dt = o_RD.dtype
+    of = o_RD.float()
+    y = w * (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    return (y * F.silu(z_RD.float())).to(dt)
+
+
+def gated_rms_norm(o_BVD, z_BVD, w, eps: float):
+    """o [B, HV, D] contiguous, z [B, HV, D] with unit last stride (a view into the projection) -> [B, HV * D]."""
+    B, HV, D = o_BVD.shape
+    if not _triton(o_BVD):
+        return gated_rms_norm_ref(o_BVD, z_BVD, w, eps).reshape(B, HV * D)
+    assert o_BVD.is_contiguous() and z_BVD.stride(2) == 1
+    out = torch.empty(B, HV * D, dtype=o_BVD.dtype, device=o_BVD.device)
+    _gated_rms_norm_kernel[(B * HV,)](o_BVD, z_BVD, w, out, eps, HV, z_BVD.stride(0), z_BVD.stride(1), D=D,
+                                      BLOCK=triton.next_power_of_2(D), num_warps=1)
+    return out
+
+
+# -- silu(gate) * up --------------------------------------------------------------------------------------------
+def silu_mul_ref(gu_BI2):
+    i = gu_BI2.shape[1] // 2
+    return F.silu(gu_BI2[:, :i]) * gu_BI2[:, i:]
+
+
+def silu_mul(gu_BI2):
+    """[B, 2I] (gate | up) -> silu(gate) * up [B, I], rounded as the two torch ops round."""
+    if not _triton(gu_BI2):
+        return silu_mul_ref(gu_BI2)
+    B, I2 = gu_BI2.shape
+    i = I2 // 2
+    assert gu_BI2.stride(1) == 1
+    out = torch.empty(B, i, dtype=gu_BI2.dtype, device=gu_BI2.device)
+    BLOCK = 1024
+    _silu_mul_kernel[(B, triton.cdiv(i, BLOCK))](gu_BI2, out, gu_BI2.stride(0), i, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+# -- causal conv step -----------------------------------------------------------------------------------------------
+def conv_step_ref(u_BC, state_NCK1, w_CK, slots_B):
+    """gdn.causal_conv_step over the slot pool: y = silu(conv([state, u])), the state window shifted in place."""
+    xs = torch.cat([state_NCK1[slots_B].to(u_BC.dtype), u_BC[:, :, None]], 2)         # [B, C, K]
+    y = F.conv1d(xs, w_CK[:, None, :], groups=xs.shape[1])[:, :, 0]
+    state_NCK1[slots_B] = xs[:, :, 1:]
+    return F.silu(y)
+
+
+def conv_step(u_BC, state_NCK1, w_CK, slots_B):
+    """u [B, C] with unit last stride (a view into the projection); state pool [N, C, K-1]; w [C, K]."""
+    if not _triton(u_BC):
+        return conv_step_ref(u_BC, state_NCK1, w_CK, slots_B)
+    B, C = u_BC.shape
+    K = w_CK.shape[1]
+    assert state_NCK1.is_contiguous() and w_CK.is_contiguous() and u_BC.stride(1) == 1
+    y = torch.empty(B, C, dtype=u_BC.dtype, device=u_BC.device)
+    BC = 256
+    _conv_step_kernel[(B, triton.cdiv(C, BC))](u_BC, state_NCK1, w_CK, slots_B, y, u_BC.stride(0), C, K=K, BC=BC,
+                                               num_warps=2)
+    return y
+
+
+# -- the Gated DeltaNet step from raw projections ---------------------------------------------------------------------
+def gdn_gates_ref(b_BV, a_BV, A_log, dt_bias):
+    """beta = sigmoid(b) in the model dtype (as transformers rounds it), g = -exp(A_log) softplus(a + dt_bias) fp32."""
+    beta = torch.sigmoid(b_BV)
+    g = -A_log.float().exp() * F.softplus(a_BV.float() + dt_bias.float())
+    return g, beta
+
+
+GDN_TILE = {1: (32, 2)}   # batch -> (BV, num_warps), the nearest batch at or below applies (benchmarks/gpu_kernels.py)
+
+
+def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: int, scale: float,
+                     tile: tuple[int, int] | None = None):
+    """y [B, C] = q | k | v after the conv (q, k [nk * K], v [HV * V]); b, a [B, HV] raw projections (views).
+    Returns o [B, HV, V] in y's dtype; the fp32 state pool is updated in place at slots_B."""
+    from .gdn_decode import gdn_decode_ref
+    B = y_BC.shape[0]
+    HV, K, V = state_NVKD.shape[1:]
+    if not _triton(y_BC):
+        g, beta = gdn_gates_ref(b_BV, a_BV, A_log, dt_bias)
+        q, k, v = torch.split(y_BC, [nk * K, nk * K, HV * V], -1)
+        return gdn_decode_ref(q.reshape(B, nk, K), k.reshape(B, nk, K), v.reshape(B, HV, V), g, beta, state_NVKD,
+                              slots_B, scale)
+    assert y_BC.is_contiguous() and state_NVKD.is_contiguous() and state_NVKD.dtype == torch.float32
+    assert b_BV.stride(1) == 1 and a_BV.stride(1) == 1
+    o = torch.empty(B, HV, V, dtype=y_BC.dtype, device=y_BC.device)
+    bv, warps = tile or GDN_TILE[max(k for k in GDN_TILE if k <= B) if B >= min(GDN_TILE) else min(GDN_TILE)]
+    BK, BV = triton.next_power_of_2(K), min(bv, triton.next_power_of_2(V))
+    grid = (triton.cdiv(V, BV) * B * HV,)
+    _gdn_fused_kernel[grid](y_BC, b_BV, a_BV, A_log, dt_bias, o, state_NVKD, slots_B, scale, y_BC.stride(0),
+                            b_BV.stride(0), a_BV.stride(0), H=nk, HV=HV, K=K, V=V, BK=BK, BV=BV, num_warps=warps,
+                            num_stages=3)
+    return o
+
+
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm_kernel(x, r, w, s, out, eps, R1, sx0, sx1, sr0, sr1, D: tl.constexpr, BLOCK: tl.constexpr,
+                             HAS_RES: tl.constexpr, PLUS_ONE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        i0, i1 = row // R1, row % R1
+        o = tl.arange(0, BLOCK)
+        m = o < D
+        xv = tl.load(x + i0 * sx0 + i1 * sx1 + o, mask=m, other=0)
+        if HAS_RES:
+            rv = tl.load(r + i0 * sr0 + i1 * sr1 + o, mask=m, other=0)
+            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
+            tl.store(s + row * D + o, xv, mask=m)
+        xf = xv.to(tl.float32)
+        var = tl.sum(xf * xf, 0) / D
+        y = xf * (1.0 / tl.sqrt(var + eps))
+        wf = tl.load(w + o, mask=m, other=0).to(tl.float32)
+        if PLUS_ONE:
+            wf = 1.0 + wf
+        tl.store(out + row * D + o, (y * wf).to(xv.dtype), mask=m)
+
+    @triton.jit
+    def _gated_rms_norm_kernel(o_ptr, z, w, out, eps, HV, sz0, sz1, D: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        n, hv = row // HV, row % HV
+        o = tl.arange(0, BLOCK)
+        m = o < D
+        ov = tl.load(o_ptr + row * D + o, mask=m, other=0)
+        of = ov.to(tl.float32)
+        var = tl.sum(of * of, 0) / D
+        nrm = (of * (1.0 / tl.sqrt(var + eps))).to(ov.dtype).to(tl.float32)
+        wv = tl.load(w + o, mask=m, other=0)
+        y = (wv.to(tl.float32) * nrm).to(ov.dtype).to(tl.float32)
+        zf = tl.load(z + n * sz0 + hv * sz1 + o, mask=m, other=0).to(tl.float32)
+        tl.store(out + row * D + o, (y * (zf / (1.0 + tl.exp(-zf)))).to(ov.dtype), mask=m)
+
+    @triton.jit
+    def _silu_mul_kernel(gu, out, sg, I, BLOCK: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = o < I
+        gv = tl.load(gu + n * sg + o, mask=m, other=0)
+        uv = tl.load(gu + n * sg + I + o, mask=m, other=0)
+        gf = gv.to(tl.float32)
+        sv = (gf / (1.0 + tl.exp(-gf))).to(gv.dtype)
+        tl.store(out + n * I + o, (sv.to(tl.float32) * uv.to(tl.float32)).to(gv.dtype), mask=m)
+
+    @triton.jit
+    def _conv_step_kernel(u, state, w, slots, y, su, C, K: tl.constexpr, BC: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = c < C
+        slot = tl.load(slots + n).to(tl.int64)
+        st = state + slot * C * (K - 1) + c * (K - 1)
+        x_new = tl.load(u + n * su + c, mask=m, other=0)
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(K):
+            if j < K - 1:
+                xj = tl.load(st + j, mask=m, other=0).to(x_new.dtype)
+            else:
+                xj = x_new
+            acc += xj.to(tl.float32) * tl.load(w + c * K + j, mask=m, other=0).to(tl.float32)
+            if j >= 1:
+                tl.store(st + (j - 1), xj.to(state.dtype.element_ty), mask=m)
+        yv = acc.to(x_new.dtype).to(tl.float32)
+        tl.store(y + n * C + c, (yv / (1.0 + tl.exp(-yv))).to(x_new.dtype), mask=m)
+
+    @triton.jit
+    def _gdn_fused_kernel(yq, b, a, A_log, dt_bias, o, h, slots, scale, sy, sb, sa, H: tl.constexpr,
+                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        NV = tl.cdiv(V, BV)
+        i_v, i_nh = pid % NV, pid // NV
+        i_n, i_hv = i_nh // HV, i_nh % HV
+        i_h = i_hv // (HV // H)
+        slot = tl.load(slots + i_n).to(tl.int64)
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        mask_k = o_k < K
+        mask_v = o_v < V
+        mask_h = mask_k[:, None] & mask_v[None, :]
+        p_h = h + (slot * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+        b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+        row = yq + i_n * sy
+        b_q = tl.load(row + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_k = tl.load(row + H * K + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_v = tl.load(row + 2 * H * K + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = b_q * scale
+        braw = tl.load(b + i_n * sb + i_hv)
+        bf = braw.to(tl.float32)
+        b_beta = (1.0 / (1.0 + tl.exp(-bf))).to(braw.dtype).to(tl.float32)
+        x = tl.load(a + i_n * sa + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * sp
+        b_h *= tl.exp(b_g)
+        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
+        b_h += b_k[:, None] * b_v
+        b_o = tl.sum(b_h * b_q[:, None], 0)
+        tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)

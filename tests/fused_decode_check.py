@@ -1,0 +1,73 @@
+"""The fused decode kernels (kernels/fused_decode.py) against their torch references, on one device: run as
+`python fused_decode_check.py DTYPE DEVICE` (CPU under TRITON_INTERPRET=1, or cuda compiled). Prints "fused ok"."""
+import sys
+
+import torch
+
+from memra_pp.kernels import fused_decode as fd
+
+torch.manual_seed(0)
+dt = getattr(torch, sys.argv[1])
+torch.set_default_device(sys.argv[2])
+
+
+def ref(fn, *a):
+    fd.USE_TRITON = False
+    try:
+        return fn(*a)
+    finally:
+        fd.USE_TRITON = True
+
+
+def close(a, b, tol):
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    for x, y in zip(a, b):
+        d = ((x.float() - y.float()).abs() - tol * y.float().abs()).max().item()   # within tol, relative
+        assert d <= tol, d
+    return True
+
+
+tol = 1e-5 if dt == torch.float32 else 2e-2
+# add_rms_norm: residual rows, strided 3-D rows (q heads inside a projection), no residual
+x, r, w = torch.randn(3, 40, dtype=dt), torch.randn(3, 40, dtype=dt), torch.randn(40, dtype=dt)
+close(fd.add_rms_norm(x, r, w, 1e-6), ref(fd.add_rms_norm, x, r, w, 1e-6), tol)
+P = torch.randn(2, 3 * 2 * 16 + 8, dtype=dt)
+q = P[:, :96].view(2, 3, 32)[..., :16]
+wq = torch.randn(16, dtype=dt)
+a, b = fd.add_rms_norm(q, None, wq, 1e-6)[1], ref(fd.add_rms_norm, q, None, wq, 1e-6)[1]
+assert a.shape == (2, 3, 16) and a.is_contiguous(); close(a, b, tol)
+close(fd.add_rms_norm(x, None, w, 1e-6, False)[1], ref(fd.add_rms_norm, x, None, w, 1e-6, False)[1], tol)
+# gated norm with z a strided view
+o = torch.randn(2, 4, 16, dtype=dt)
+Pz = torch.randn(2, 100, dtype=dt)
+z = Pz[:, 10:74].view(2, 4, 16)
+wn = torch.randn(16, dtype=dt)
+close(fd.gated_rms_norm(o, z, wn, 1e-6), ref(fd.gated_rms_norm, o, z, wn, 1e-6), tol)
+# silu_mul over more than one block
+gu = torch.randn(2, 2 * 1500, dtype=dt)
+close(fd.silu_mul(gu), ref(fd.silu_mul, gu), tol)
+# conv step: state shifted in place at the slots, other slots untouched; u a view
+N, C, K = 5, 300, 4
+st = torch.randn(N, C, K - 1, dtype=dt)
+Pu = torch.randn(3, C + 7, dtype=dt)
+cw = torch.randn(C, K, dtype=dt)
+slots = torch.tensor([3, 0, 4])
+assert fd._triton(slots), "the Triton kernels must run here"
+sa, sb = st.clone(), st.clone()
+ya = fd.conv_step(Pu[:, :C], sa, cw, slots)
+yb = ref(fd.conv_step, Pu[:, :C], sb, cw, slots)
+close(ya, yb, tol); assert torch.equal(sa, sb), (sa - sb).abs().max()
+assert torch.equal(sa[[1, 2]], st[[1, 2]])
+# the Gated DeltaNet step from raw projections
+B, H, HV, Kd, V = 3, 2, 4, 16, 16
+y = torch.randn(B, 2 * H * Kd + HV * V, dtype=dt)
+Pg = torch.randn(B, 2 * HV + 3, dtype=dt)
+bb, aa = Pg[:, :HV], Pg[:, HV:2 * HV]
+A_log, dtb = torch.randn(HV, dtype=dt), torch.randn(HV, dtype=dt)
+pool = torch.randn(6, HV, Kd, V)
+pa, pb = pool.clone(), pool.clone()
+oa = fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pa, slots, H, Kd ** -0.5)
+ob = ref(fd.gdn_decode_fused, y, bb, aa, A_log, dtb, pb, slots, H, Kd ** -0.5)
+close(oa, ob, tol); close(pa, pb, tol)
+assert torch.equal(pa[[1, 2, 5]], pool[[1, 2, 5]])
+print("fused ok", dt, sys.argv[2])
