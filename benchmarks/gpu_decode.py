@@ -56,18 +56,24 @@ def _layer_names(t, i):
     return [p + m for m in mix] + [p + "mlp." + n for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")]
 
 
-def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
-    """Concurrency c: every weight once + each sequence's fp32 recurrent state read and written + its KV read."""
+def step_bytes(mc, c: int, ctx: int) -> dict:
+    """Bytes one decode step of c sequences at context ctx must move: every weight once, each sequence's fp32
+    recurrent state read and written, its KV read. The one floor both GPU benchmarks use."""
     t = mc.text
     n_lin = sum(not t.is_full(i) for i in range(t.num_hidden_layers))
     n_full = t.num_hidden_layers - n_lin
     state = n_lin * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * 4 * 2
     kv = n_full * 2 * t.num_key_value_heads * t.head_dim * 2 * ctx
-    return c / ((weight_bytes_per_token(mc) + c * (state + kv)) / bw)
+    w = weight_bytes_per_token(mc)
+    return {"weights": w, "state_rw": c * state, "kv_read": c * kv, "total": w + c * (state + kv)}
+
+
+def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
+    return c / (step_bytes(mc, c, ctx)["total"] / bw)
 
 
 def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: int, microbatches,
-              fmt: str = "dummy") -> list[dict]:
+              fmt: str = "dummy", ttft: int = 0) -> list[dict]:
     """One deployment over `devices` (one stage per entry; a GPU may hold several). Each concurrency runs once to
     warm up (its decode graphs are captured), then is measured: the steady-state decode rate is the tokens that
     arrived while every request was decoding, over that window (memra_pp.bench)."""
@@ -76,7 +82,7 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
     n = len(devices)
     cfg = {"name": f"bench{n}", "model": {"path": model, "format": fmt, "dtype": "bfloat16"},
            "stages": [{"device": f"cuda:{d}" if isinstance(d, int) else d, "num_cpus": 0.5} for d in devices],
-           "scheduler": {"max_batch": max(concurrencies), "max_context": prompt_len + new + 8,
+           "scheduler": {"max_batch": max(concurrencies), "max_context": max(prompt_len + new, ttft + 2) + 8,
                          "prefill_chunk": 4096, "microbatches": microbatches}}
     out = []
     t0 = time.time()
@@ -95,6 +101,13 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   f"{r['decode_tokens_per_s']:.1f} tokens/s, ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms, busy "
                   + ", ".join(f"{s['busy']:.0%}" for s in r["stages"])
                   + ", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us",
+                  flush=True)
+        if ttft:      # one long prompt alone: time to first token (chunked prefill through every stage)
+            run_bench(dep, 1, ttft, 2)
+            r = run_bench(dep, 1, ttft, 2, seed=1)
+            r.update(n_stages=n, devices=devices, model=model, kind="ttft")
+            out.append(r)
+            print(f"  {n} stage(s), one {ttft}-token prompt: time to first token {r['ttft_p50_s'] * 1e3:.0f} ms",
                   flush=True)
     return out
 
@@ -145,6 +158,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--ttft", type=int, default=0, help="also time the first token of one prompt this long")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
     a = ap.parse_args()
@@ -175,7 +189,7 @@ def main() -> int:
         devices = [int(x) for x in layout.split(",")]
         if max(devices) < torch.cuda.device_count():
             try:
-                rep["runs"] += run_memra(a.model, devices, conc, a.prompt_len, a.new, mb)
+                rep["runs"] += run_memra(a.model, devices, conc, a.prompt_len, a.new, mb, ttft=a.ttft)
             except Exception as e:  # noqa: BLE001 - record it and go on to the next layout
                 print(f"  layout {devices} failed: {type(e).__name__}: {e}", flush=True)
                 rep.setdefault("failed", []).append({"devices": devices, "error": f"{type(e).__name__}: {e}"})
@@ -189,26 +203,34 @@ def main() -> int:
 
 
 def plot(rep: dict, path: str) -> None:
-    """Throughput against concurrency, one line per system measured, the batch-1 floor as a marker."""
+    """Two panels, one line per system measured: end-to-end tokens/s (prefill included) and the decode rate (memra_pp:
+    the steady window; transformers: by subtraction of a 1-token run, drawn only where it is below the memory floor,
+    since prefill-dominated runs make that difference meaningless), the memory floor dotted."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    systems = {}
-    for r in rep["runs"]:
-        name = r.get("system") or f"memra_pp, {r['n_stages']} stage(s) on {len(set(r['devices']))} GPU(s)"
-        systems.setdefault(name, []).append((r["concurrency"], r.get("decode_tokens_per_s", r["tokens_per_s"])))
-    for name, pts in systems.items():
-        ax.plot(*zip(*sorted(pts)), marker="o", label=name)
-    fl = sorted((int(c), v) for c, v in rep["step_floor_tokens_per_s"].items())
-    ax.plot(*zip(*fl), ls=":", c="grey", label="memory floor (1 GPU)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("decode tokens / s (steady state)")
-    ax.set_title(f"{rep['model']} dims, bf16 dummy weights, {rep['gpu']}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    floor = {int(c): v for c, v in rep["step_floor_tokens_per_s"].items()}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for panel, ax in zip(("end to end", "decode"), axes):
+        systems = {}
+        for r in rep["runs"]:
+            if r.get("kind") == "ttft":
+                continue
+            name = r.get("system") or f"memra_pp, {r['n_stages']} stage(s) on {len(set(r['devices']))} GPU(s)"
+            v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")
+            if v is None or (panel == "decode" and v > 1.05 * floor.get(r["concurrency"], float("inf"))):
+                continue
+            systems.setdefault(name, []).append((r["concurrency"], v))
+        for name, pts in sorted(systems.items()):
+            ax.plot(*zip(*sorted(pts)), marker="o", label=name)
+        ax.plot(*zip(*sorted(floor.items())), ls=":", c="grey", label="decode memory floor (1 GPU)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(f"{panel} tokens / s")
+        ax.set_title(f"{panel}: {rep['model']} dims, bf16 dummy weights, {rep['gpu']}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -16,18 +16,7 @@ import os
 import time
 
 import torch
-from gpu_decode import copy_bandwidth   # the same denominator as the deployment benchmark (benchmarks/ is on the path)
-
-
-def step_bytes(model, cache, B: int, ctx: int) -> dict:
-    """Bytes one decode step of B sequences must move on this stage."""
-    w = sum(t.numel() * t.element_size() for layer in model.layers for t in layer.buffers())
-    w += sum(t.numel() * t.element_size() for layer in model.layers for t in (layer.ln1, layer.ln2))
-    if model.primary:
-        w += model.lm_head.numel() * model.lm_head.element_size()
-    state = sum(t[0].numel() * t.element_size() for t in cache.rec.values()) * 2 * B
-    kv = sum(t[0, :, :ctx].numel() * t.element_size() for d in (cache.k, cache.v) for t in d.values()) * B
-    return {"weights": w, "state_rw": state, "kv_read": kv, "total": w + state + kv}
+from gpu_decode import copy_bandwidth, step_bytes   # the deployment benchmark's floor (benchmarks/ is on the path)
 
 
 def kernel_summary(prof, top: int = 30) -> str:
@@ -122,7 +111,7 @@ def main() -> int:
                 step()
             torch.cuda.synchronize()
             ms = (time.perf_counter() - t) / a.iters * 1e3
-            by = step_bytes(model, cache, B, a.ctx)
+            by = step_bytes(mc, B, a.ctx)
             floor_ms = by["total"] / bw * 1e3
             row = {"mode": mode, "batch": B, "step_ms": ms, "tokens_per_s": B / ms * 1e3, "floor_ms": floor_ms,
                    "of_floor": floor_ms / ms, "bytes": by}

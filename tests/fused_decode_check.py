@@ -70,4 +70,18 @@ oa = fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pa, slots, H, Kd ** -0.5)
 ob = ref(fd.gdn_decode_fused, y, bb, aa, A_log, dtb, pb, slots, H, Kd ** -0.5)
 close(oa, ob, tol); close(pa, pb, tol)
 assert torch.equal(pa[[1, 2, 5]], pool[[1, 2, 5]])
+# several value tiles per head (the tile the sweep did not pick)
+pc, pd = pool.clone(), pool.clone()
+oc = fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pc, slots, H, Kd ** -0.5, tile=(8, 1))
+od = ref(fd.gdn_decode_fused, y, bb, aa, A_log, dtb, pd, slots, H, Kd ** -0.5)
+close(oc, od, tol); close(pc, pd, tol)
+# the in-place step of kernels/gdn_decode.py (fla's tile, the eager GPU decode) against its reference
+from memra_pp.kernels.gdn_decode import gdn_decode_ref, gdn_decode_triton  # noqa: E402
+q, k, v = torch.randn(B, H, Kd, dtype=dt), torch.randn(B, H, Kd, dtype=dt), torch.randn(B, HV, V, dtype=dt)
+g, beta = -torch.rand(B, HV), torch.rand(B, HV).to(dt)
+pe, pf = pool.clone(), pool.clone()
+close(gdn_decode_triton(q, k, v, g, beta, pe, slots, Kd ** -0.5), gdn_decode_ref(q, k, v, g, beta, pf, slots,
+                                                                                  Kd ** -0.5), tol)
+close(pe, pf, tol)
+assert torch.equal(pe[[1, 2, 5]], pool[[1, 2, 5]])
 print("fused ok", dt, sys.argv[2])

@@ -98,3 +98,23 @@ def test_fused_gdn_step_equals_the_inplace_kernel_at_27b_shapes(cuda):
     o2 = gdn_decode(q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, HV, V), g, beta, p2, slots, K ** -0.5)
     assert (o1.float() - o2.float()).abs().max() <= 1e-2 * o2.float().abs().max()
     assert (p1 - p2).abs().max() <= 1e-4 * p2.abs().max()
+
+
+def test_captured_decode_survives_kv_growth(cuda):
+    """A sequence crossing the KV pools' capacity reallocates them: the graphs over the old pools are dropped and
+    new ones captured (in a fresh memory pool: reusing the dropped graphs' pool tripped an allocator assert on the
+    H200 with an 8k prompt), still equal to eager decode and never falling back to eager."""
+    _, path = tiny_checkpoint("dense", False)
+    src = SafetensorsSource(path)
+    prompts = [list(range(4, 254)), [7, 8]]                  # 250 + 12 crosses the first 256-token block
+    eager = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=1024)
+    graphed = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=1024)
+    for s, c in zip(graphed.stages, graphed.caches):
+        s.set_decode_graphs(True, c)
+    graphed.greedy([[5, 6, 7], [9]], 4)                        # a graph over the first pools
+    te, _ = eager.greedy(prompts, 12)
+    tg, _ = graphed.greedy(prompts, 12)
+    assert tg == te
+    for s in graphed.stages:
+        assert s.graphs is not None and s.graphs_failed is None, s.graphs_failed
+        assert s.graphs.captures >= 2 and s.graphs.stats()["graphs"] == [(2, 512)], s.graphs.stats()

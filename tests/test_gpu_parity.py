@@ -1,10 +1,13 @@
 """On a GPU, the bf16 engine (fla + SDPA, fp32 recurrent state, decode through the CUDA graphs and fused kernels
 a deployment runs) must track transformers run in bf16 on the same GPU. bf16 greedy decoding is chaotic: a one-ulp
-difference in a logit (about 0.03 at |logit| 4-8) can flip a near tie and every later token follows it, so the
-criterion is the one vLLM's tests use, made stricter by teacher forcing: transformers reads our tokens, and at every
-one of the 16 steps (not only up to a first divergence) our token must be its greedy token or within 0.1 nats
-(about two bf16 ulps of a logit) of it, and our logprob within 0.1 of its logprob of that token. Identical greedy
-sequences against transformers' own generate are printed for the record."""
+difference in a logit (0.03-0.06 at the logits' magnitudes here) can flip a near tie, and every later token follows
+it. So transformers reads our tokens (teacher forcing) and at every one of the 16 steps our token must be its greedy
+token or a near tie, and our logprob must match its logprob of that token; "near" is calibrated in the same run by
+transformers against itself (its generate's decode kernels against its own forward over the same tokens): we may
+differ from it by at most twice its own disagreement plus 0.05 nats. Identical greedy sequences against its
+generate are printed for the record. The float32 CPU parity (tests/test_decode_graphs.py, 5e-4, the same fused
+step through its torch references) and the compiled kernels against those references (test_gpu_decode_graphs.py)
+are the exact checks."""
 import random
 
 import pytest
@@ -58,20 +61,27 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
         toks.append(t[0])
         lps.append(lg[0])
     assert all(s.graphs.replays >= 150 for s in lp.stages), [s.graphs.stats() for s in lp.stages]
-    same, worst_gap, worst_lp = 0, 0.0, 0.0
-    for p, t, l in zip(prompts, toks, lps):
-        ht, _ = hf_greedy_bf16(hf, p, 16)
-        same += t == ht
-        ids = torch.tensor([p + t], device=cuda)
+    same, ours, self_ = 0, [0.0, 0.0], [0.0, 0.0]
+
+    def teacher_forced(p, t):
+        """Transformers' (greedy gap, logprob) of tokens t after prompt p, read in one forward pass."""
         with torch.no_grad():
-            lsm = torch.log_softmax(hf(ids).logits[0, len(p) - 1:len(p) + 15].float(), -1)   # teacher-forced
-        ours = lsm[torch.arange(16), torch.tensor(t, device=cuda)]
-        gap = (lsm.max(-1).values - ours).max().item()
-        dlp = (ours - torch.tensor(l, device=cuda)).abs().max().item()
-        worst_gap, worst_lp = max(worst_gap, gap), max(worst_lp, dlp)
-        print(f"prompt {len(p):4d}: identical to generate {t == ht}; worst gap to transformers' greedy {gap:.4f}, "
-              f"worst logprob diff {dlp:.4f}")
-    print(f"{size}: {same}/10 prompts identical to generate; worst greedy gap {worst_gap:.3e}, worst logprob "
-          f"diff {worst_lp:.3e}")
-    assert worst_gap <= 0.1, "one of our tokens is not transformers' greedy token nor a near tie"
-    assert worst_lp <= 0.1
+            lsm = torch.log_softmax(hf(torch.tensor([p + t], device=cuda)).logits[0, len(p) - 1:len(p) + 15]
+                                    .float(), -1)
+        lp = lsm[torch.arange(16), torch.tensor(t, device=cuda)]
+        return lsm.max(-1).values - lp, lp
+
+    for p, t, l in zip(prompts, toks, lps):
+        ht, hl = hf_greedy_bf16(hf, p, 16)
+        same += t == ht
+        gap, lp = teacher_forced(p, t)
+        hgap, hlp = teacher_forced(p, ht)
+        o = [gap.max().item(), (lp - torch.tensor(l, device=cuda)).abs().max().item()]
+        h = [hgap.max().item(), (hlp - torch.tensor(hl, device=cuda)).abs().max().item()]
+        ours, self_ = [max(a, b) for a, b in zip(ours, o)], [max(a, b) for a, b in zip(self_, h)]
+        print(f"prompt {len(p):4d}: identical to generate {t == ht}; greedy gap / logprob diff: ours "
+              f"{o[0]:.4f} / {o[1]:.4f}, transformers' generate against itself {h[0]:.4f} / {h[1]:.4f}")
+    print(f"{size}: {same}/10 prompts identical to generate; worst greedy gap {ours[0]:.3e} (transformers against "
+          f"itself {self_[0]:.3e}), worst logprob diff {ours[1]:.3e} (itself {self_[1]:.3e})")
+    assert ours[0] <= 2 * self_[0] + 0.05, "one of our tokens is neither transformers' greedy token nor a near tie"
+    assert ours[1] <= 2 * self_[1] + 0.05, "our logprobs stray further from transformers' than it does from itself"

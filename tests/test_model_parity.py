@@ -38,3 +38,26 @@ def test_single_request_paths():
     """One request alone (no batching) must match for the MoE model through 2 stages."""
     for p in PROMPTS:
         check("moe", False, 2, chunk=None, prompts=[p])
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_grouped_prefill_equals_one_at_a_time(kind, monkeypatch):
+    """Sequences of one step with the same segment length (and start) prefill as one batched call per layer (the
+    conv, the delta rule, the attention): the tokens and logprobs must be those of each prompt alone, and the
+    batched calls must have happened (G > 1), fresh prompts and continuing chunks alike."""
+    from memra_pp.model.linear_attention import GatedDeltaNet
+    _, path = tiny_checkpoint(kind, False)
+    src = SafetensorsSource(path)
+    prompts = [list(range(10, 30)), list(range(40, 60)), [5, 6, 7, 8, 9, 10, 11], list(range(70, 90)),
+               [3, 4, 5, 6, 7, 8, 9]]
+    seen = []
+    chunk = GatedDeltaNet._chunk
+    monkeypatch.setattr(GatedDeltaNet, "_chunk", lambda self, q, *a: seen.append(q.shape[0]) or chunk(self, q, *a))
+    lp = LocalPipeline(src, [(0, 3), (3, 8)], max_seqs=len(prompts))
+    toks, lps = lp.greedy(prompts, 6, chunk=8)
+    assert max(seen) == 3, seen          # three 20-token prompts in chunks of 8, 8, 4 ran together
+    for p, t, l in zip(prompts, toks, lps):
+        alone = LocalPipeline(src, [(0, 8)], max_seqs=1)
+        ta, la = alone.greedy([p], 6)
+        assert t == ta[0]
+        assert max(abs(a - b) for a, b in zip(l, la[0])) < 5e-4

@@ -85,18 +85,17 @@ class GatedAttention(Param):
         return self.lin(attn_TX * torch.sigmoid(gate_TX), "o_proj", lora)
 
 
-def attend(q_THD: torch.Tensor, k_HSD: torch.Tensor, v_HSD: torch.Tensor, start: int) -> torch.Tensor:
-    """Causal GQA attention of T new queries at positions start.. over S = start + T cached keys -> [T, nh*D]."""
-    T = q_THD.shape[0]
-    q = q_THD.transpose(0, 1)[None]                                           # [1, nh, T, D]
-    k, v = k_HSD[None], v_HSD[None]
+def attend_batch(q_GTHD: torch.Tensor, k_GHSD: torch.Tensor, v_GHSD: torch.Tensor, start: int) -> torch.Tensor:
+    """attend() for G sequences with the same start and T at once -> [G, T, nh*D]."""
+    G, T = q_GTHD.shape[:2]
+    q = q_GTHD.transpose(1, 2)                                                # [G, nh, T, D]
     if start == 0:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, is_causal=T > 1, enable_gqa=True)
     else:
-        S = k.shape[2]
+        S = k_GHSD.shape[2]
         mask = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return o[0].transpose(0, 1).reshape(T, -1)
+        o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, attn_mask=mask, enable_gqa=True)
+    return o.transpose(1, 2).reshape(G, T, -1)
 
 
 def attend_decode(q_BHD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, lens: torch.Tensor):

@@ -60,6 +60,22 @@ class StepBatch:
         return torch.tensor([a for a, s in zip(self.adapter_slots, self.sample) if s], dtype=torch.long,
                             device=device)
 
+    def groups(self, key) -> list[tuple[list[int], torch.Tensor]]:
+        """The step's sequences grouped by key(i) (say, segment length and start), so that each group runs as one
+        batched call instead of one call per sequence: [(indices into the batch, their token rows [G * n] in
+        order)], groups in order of first appearance. Every sequence of a group must have the same count."""
+        out: dict = {}
+        for i in range(len(self.slots)):
+            out.setdefault(key(i), []).append(i)
+        offs = self.offsets
+        res = []
+        for idx in out.values():
+            n = self.counts[idx[0]]
+            assert all(self.counts[i] == n for i in idx), "a group mixes segment lengths"
+            rows = (torch.tensor([offs[i] for i in idx])[:, None] + torch.arange(n)[None]).reshape(-1)
+            res.append((idx, rows))
+        return res
+
     def sample_rows(self) -> list[int]:
         return [o + c - 1 for o, c, s in zip(self.offsets, self.counts, self.sample) if s]
 

@@ -59,6 +59,8 @@ class DecodeGraphs:
         if self._kv_key() != self.kv_key:      # the pools moved: every captured address is stale
             self.graphs.clear()
             self.kv_key = self._kv_key()
+            if self.capture:   # a fresh memory pool: capturing into the pool of freed graphs trips the allocator
+                self.pool = torch.cuda.graph_pool_handle()
         key = (nb, S)
         if key not in self.graphs:
             self.graphs[key] = self._capture(nb, S)   # raises CaptureFailed: the stage goes on eagerly

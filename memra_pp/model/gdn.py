@@ -85,6 +85,17 @@ def causal_conv(x_TC: torch.Tensor, w_CK: torch.Tensor, state_CK1: torch.Tensor 
     return F.silu(y).transpose(0, 1), xs[:, -(K - 1):]
 
 
+def causal_conv_batch(x_GTC: torch.Tensor, w_CK: torch.Tensor, state_GCK1: torch.Tensor | None):
+    """causal_conv over G sequences of the same length T at once. x [G, T, C]; state [G, C, K-1] or None (zeros).
+    Returns (y [G, T, C], new states [G, C, K-1])."""
+    K = w_CK.shape[1]
+    G, T, C = x_GTC.shape
+    prev = state_GCK1 if state_GCK1 is not None else x_GTC.new_zeros(G, C, K - 1)
+    xs = torch.cat([prev.to(x_GTC.dtype), x_GTC.transpose(1, 2)], 2)    # [G, C, K-1+T]
+    y = F.conv1d(xs, w_CK[:, None, :], groups=C)                          # [G, C, T]
+    return F.silu(y).transpose(1, 2), xs[:, :, -(K - 1):]
+
+
 def causal_conv_step(x_BC: torch.Tensor, w_CK: torch.Tensor, state_BCK1: torch.Tensor):
     """One decode token per sequence, batched. Returns (y [B, C], new state [B, C, K-1])."""
     xs = torch.cat([state_BCK1.to(x_BC.dtype), x_BC[:, :, None]], 2)     # [B, C, K]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from .batch import StepBatch
 from .cache import StageCache
 from .config import TextConfig
-from .gdn import causal_conv, causal_conv_step, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .gdn import causal_conv_batch, causal_conv_step, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from .layers import Param, gated_rms_norm
 
 
@@ -54,24 +54,22 @@ class GatedDeltaNet(Param):
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         out = torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)
         r = nv // nk
-
-        def split(y):
-            n = y.shape[0]
+        dev = x_TH.device
+        # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
+        for idx, rows in b.groups(lambda i: (b.counts[i], b.starts[i] == 0)):
+            G, n, fresh = len(idx), b.counts[idx[0]], b.starts[idx[0]] == 0
+            rows = rows.to(dev)
+            slots = torch.tensor([b.slots[i] for i in idx], device=dev)
+            y, conv[slots] = causal_conv_batch(u[rows].view(G, n, -1), w, None if fresh else conv[slots])
             q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
-            q = q.reshape(n, nk, dk).repeat_interleave(r, 1)
-            k = k.reshape(n, nk, dk).repeat_interleave(r, 1)
-            return q, k, v.reshape(n, nv, dv)
-
-        for slot, start, off, n in zip(b.slots, b.starts, b.offsets, b.counts):
-            y, conv[slot] = causal_conv(u[off:off + n], w, conv[slot] if start else None)
-            q, k, v = split(y)
-            s0 = rec[slot:slot + 1] if start else torch.zeros_like(rec[slot:slot + 1])
+            q = q.reshape(G, n, nk, dk).repeat_interleave(r, 2)
+            k = k.reshape(G, n, nk, dk).repeat_interleave(r, 2)
+            s0 = torch.zeros_like(rec[slots]) if fresh else rec[slots]
             # transformers runs the chunked form for every prefill, even of one token, and the recurrent
             # one only to continue a cached state: the same kernels keep bf16 rounding identical
-            fn = self._recurrent if n == 1 and start else self._chunk
-            o, rec[slot:slot + 1] = fn(q[None], k[None], v[None], g[None, off:off + n],
-                                       beta[None, off:off + n], s0)
-            out[off:off + n] = o[0].to(out.dtype)
+            fn = self._recurrent if n == 1 and not fresh else self._chunk
+            o, rec[slots] = fn(q, k, v.reshape(G, n, nv, dv), g[rows].view(G, n, nv), beta[rows].view(G, n, nv), s0)
+            out[rows] = o.reshape(G * n, nv, dv).to(out.dtype)
         o = gated_rms_norm(out, z, self.norm_weight, c.rms_norm_eps).reshape(T, nv * dv)
         return self.lin(o, "out_proj", lora)
 

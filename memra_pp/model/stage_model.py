@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import GatedAttention, Rope, attend, attend_decode
+from .attention import GatedAttention, Rope, attend_batch, attend_decode
 from .batch import StepBatch
 from .cache import StageCache
 from .config import ModelConfig
@@ -79,10 +79,16 @@ class Layer(nn.Module):
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
         o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        for slot, start, off, n in zip(b.slots, b.starts, b.offsets, b.counts):
-            kp[slot, :, start:start + n] = k[off:off + n].transpose(0, 1)
-            vp[slot, :, start:start + n] = v[off:off + n].transpose(0, 1)
-            o[off:off + n] = attend(q[off:off + n], kp[slot, :, :start + n], vp[slot, :, :start + n], start)
+        dev = x_TH.device
+        # sequences with the same (start, length) write their keys and attend in one batched call
+        for idx, rows in b.groups(lambda i: (b.starts[i], b.counts[i])):
+            G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
+            rows = rows.to(dev)
+            slots = torch.tensor([b.slots[i] for i in idx], device=dev)
+            kp[slots, :, start:start + n] = k[rows].view(G, n, *k.shape[1:]).transpose(1, 2)
+            vp[slots, :, start:start + n] = v[rows].view(G, n, *v.shape[1:]).transpose(1, 2)
+            o[rows] = attend_batch(q[rows].view(G, n, *q.shape[1:]), kp[slots, :, :start + n],
+                                   vp[slots, :, :start + n], start).reshape(G * n, -1)
         return at.output(o, gate, lora)
 
 
@@ -180,14 +186,17 @@ class StageModel(nn.Module):
                 raise RuntimeError(f"stage layers [{self.start},{self.end}): slot {slot} holds "
                                    f"{cache.lens[slot]} tokens but the step says {start}")
         cache.reserve(max(s + c for s, c in zip(b.starts, b.counts)))
-        h = h_TH.to(self.device, self.dtype)
+        out = self._step(b, h_TH.to(self.device, self.dtype), cache, lora, token_overlay)
+        for slot, start, n in zip(b.slots, b.starts, b.counts):
+            cache.lens[slot] = start + n
+        return out
+
+    def _step(self, b: StepBatch, h: torch.Tensor, cache: StageCache, lora, token_overlay) -> torch.Tensor:
+        """The step's compute: a decode graph when one takes the batch, else the eager layers."""
         if self.graphs is not None and self.graphs.takes(b):
             from .decode_graphs import CaptureFailed
             try:
-                out = self.graphs.run(b, h)
-                for slot, start in zip(b.slots, b.starts):
-                    cache.lens[slot] = start + 1
-                return out
+                return self.graphs.run(b, h)
             except CaptureFailed as e:
                 import warnings
                 warnings.warn(f"layers [{self.start}, {self.end}): {e}; decoding eagerly")
@@ -196,8 +205,6 @@ class StageModel(nn.Module):
         step = None if lora is None else lora.step(b)
         for layer in self.layers:
             h = layer(h, b, cache, cos, sin, None if step is None else step.layer(layer.i))
-        for slot, start, n in zip(b.slots, b.starts, b.counts):
-            cache.lens[slot] = start + n
         if not self.primary:
             return h
         rows = b.sample_rows()
