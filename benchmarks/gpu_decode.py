@@ -74,8 +74,8 @@ def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
 
 def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: int, microbatches,
               fmt: str = "dummy", ttft: int = 0) -> list[dict]:
-    """One deployment over `devices` (one stage per entry; a GPU may hold several). Each concurrency runs once to
-    warm up (its decode graphs are captured), then is measured: the steady-state decode rate is the tokens that
+    """One deployment over `devices` (one stage per entry; a GPU may hold several). Each concurrency is warmed up
+    by run_bench (its decode graphs are captured), then measured: the steady-state decode rate is the tokens that
     arrived while every request was decoding, over that window (memra_pp.bench)."""
     import memra_pp
     from memra_pp.bench import run_bench
@@ -88,10 +88,8 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
     t0 = time.time()
     with memra_pp.launch(cfg) as dep:
         print(f"  {n} stage(s) on cuda {devices} up in {time.time() - t0:.0f} s", flush=True)
-        run_bench(dep, 2, 16, 4)   # warm up (kernels compile)
         for c in concurrencies:
-            run_bench(dep, c, prompt_len, 4)     # this concurrency's decode graphs are captured before timing
-            r = run_bench(dep, c, prompt_len, new)
+            r = run_bench(dep, c, prompt_len, new)      # warms up first: this batch size's graphs are captured
             st = dep.stats()["stages"]
             r.update(n_stages=n, devices=devices, model=model,
                      memory=[{k: s.get(k) for k in ("weights_bytes", "cache_bytes", "device_allocated_bytes")}
@@ -103,7 +101,6 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   + ", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us",
                   flush=True)
         if ttft:      # one long prompt alone: time to first token (chunked prefill through every stage)
-            run_bench(dep, 1, ttft, 2)
             r = run_bench(dep, 1, ttft, 2, seed=1)
             r.update(n_stages=n, devices=devices, model=model, kind="ttft")
             out.append(r)

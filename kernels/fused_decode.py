@@ -262,7 +262,10 @@ if triton is not None:
         bf = braw.to(tl.float32)
         b_beta = (1.0 / (1.0 + tl.exp(-bf))).to(braw.dtype).to(tl.float32)
         x = tl.load(a + i_n * sa + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-        sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        # softplus as torch computes it (threshold 20, log1p): log1p(e) by its series where 1 + e would round
+        e = tl.exp(-tl.abs(x))
+        l1p = tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e * (1.0 / 3.0 - 0.25 * e))), tl.log(1.0 + e))
+        sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + l1p)
         b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * sp
         b_h *= tl.exp(b_g)
         b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))

@@ -60,20 +60,32 @@ class StepBatch:
         return torch.tensor([a for a, s in zip(self.adapter_slots, self.sample) if s], dtype=torch.long,
                             device=device)
 
-    def groups(self, key) -> list[tuple[list[int], torch.Tensor]]:
-        """The step's sequences grouped by key(i) (say, segment length and start), so that each group runs as one
-        batched call instead of one call per sequence: [(indices into the batch, their token rows [G * n] in
-        order)], groups in order of first appearance. Every sequence of a group must have the same count."""
+    def groups(self, kind: str, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """The step's sequences grouped so that each group runs as one batched call instead of one call per
+        sequence: kind "length" groups by segment length and by fresh (start 0) or continuing, "start" by
+        (start, length). Returns [(indices into the batch, token rows [G * n], slots [G])] with the tensors on
+        `device`, made once per step and kind (every host-to-device copy from pageable memory waits for the
+        stream: once per layer would stall the prefill 64 times)."""
+        cache = self.__dict__.setdefault("_groups", {})
+        ck = (kind, str(device))
+        if ck in cache:
+            return cache[ck]
+        key = {"length": lambda i: (self.counts[i], self.starts[i] == 0),
+               "start": lambda i: (self.starts[i], self.counts[i])}[kind]
         out: dict = {}
         for i in range(len(self.slots)):
             out.setdefault(key(i), []).append(i)
         offs = self.offsets
-        res = []
-        for idx in out.values():
-            n = self.counts[idx[0]]
-            assert all(self.counts[i] == n for i in idx), "a group mixes segment lengths"
-            rows = (torch.tensor([offs[i] for i in idx])[:, None] + torch.arange(n)[None]).reshape(-1)
-            res.append((idx, rows))
+        idxs = list(out.values())
+        rows = [offs[i] + t for idx in idxs for i in idx for t in range(self.counts[i])]
+        slots = [self.slots[i] for idx in idxs for i in idx]
+        flat = torch.tensor(rows + slots).to(device)                 # one copy for every group
+        res, r0, s0 = [], 0, len(rows)
+        for idx in idxs:
+            nr = len(idx) * self.counts[idx[0]]
+            res.append((idx, flat[r0:r0 + nr], flat[s0:s0 + len(idx)]))
+            r0, s0 = r0 + nr, s0 + len(idx)
+        cache[ck] = res
         return res
 
     def sample_rows(self) -> list[int]:

@@ -34,7 +34,8 @@ class Param(nn.Module):
 
     def fuse(self, names: list[str]) -> torch.Tensor:
         """One matrix holding the named projections' rows in order (one GEMV for the decode graphs instead of
-        several); the named buffers become views into it, so nothing is held twice."""
+        several); the named buffers become views into it, so nothing is held twice. The merged matrix is a plain
+        attribute: weights are loaded on their device and never moved (Module.to would split views from it)."""
         keys = [n.replace(".", "_") + "_weight" for n in names]
         ws = [getattr(self, k) for k in keys]
         W = torch.cat(ws, 0)

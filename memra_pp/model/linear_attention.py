@@ -54,17 +54,14 @@ class GatedDeltaNet(Param):
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         out = torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)
         r = nv // nk
-        dev = x_TH.device
         # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
-        for idx, rows in b.groups(lambda i: (b.counts[i], b.starts[i] == 0)):
+        for idx, rows, slots in b.groups("length", x_TH.device):
             G, n, fresh = len(idx), b.counts[idx[0]], b.starts[idx[0]] == 0
-            rows = rows.to(dev)
-            slots = torch.tensor([b.slots[i] for i in idx], device=dev)
             y, conv[slots] = causal_conv_batch(u[rows].view(G, n, -1), w, None if fresh else conv[slots])
             q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
             q = q.reshape(G, n, nk, dk).repeat_interleave(r, 2)
             k = k.reshape(G, n, nk, dk).repeat_interleave(r, 2)
-            s0 = torch.zeros_like(rec[slots]) if fresh else rec[slots]
+            s0 = rec.new_zeros(G, *rec.shape[1:]) if fresh else rec[slots]
             # transformers runs the chunked form for every prefill, even of one token, and the recurrent
             # one only to continue a cached state: the same kernels keep bf16 rounding identical
             fn = self._recurrent if n == 1 and not fresh else self._chunk

@@ -40,9 +40,9 @@ class Layer(nn.Module):
         h_TH = h_TH + m
         return h_TH + self.ffn(rms_norm(h_TH, self.ln2, self.eps), lora)
 
-    def decode(self, h_BH, slots_B, pos_B, S: int, cache: StageCache, cos, sin, lora=None, static=False):
+    def decode(self, h_BH, slots_B, pos_B, S: int, cache: StageCache, cos, sin, lora=None):
         """One new token per sequence at positions pos_B of slots slots_B, attending over the first S cached
-        positions (S > every pos). No host sync: a decode CUDA graph captures it (`static` for the MoE too)."""
+        positions (S > every pos). The eager decode; the graphs run decode_fused."""
         x = rms_norm(h_BH, self.ln1, self.eps)
         if self.full:
             at: GatedAttention = self.mixer
@@ -54,7 +54,7 @@ class Layer(nn.Module):
         else:
             m = self.mixer.decode(x, slots_B, cache, lora)
         h_BH = h_BH + m
-        return h_BH + self.ffn(rms_norm(h_BH, self.ln2, self.eps), lora, static)
+        return h_BH + self.ffn(rms_norm(h_BH, self.ln2, self.eps), lora)
 
     def decode_fused(self, h_BH, pending, slots_B, pos_B, S: int, cache: StageCache, cos, sin):
         """Layer.decode for the decode graphs through fused kernels: the previous layer's last residual add
@@ -79,16 +79,20 @@ class Layer(nn.Module):
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
         o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        dev = x_TH.device
-        # sequences with the same (start, length) write their keys and attend in one batched call
-        for idx, rows in b.groups(lambda i: (b.starts[i], b.counts[i])):
+        # sequences with the same (start, length) write their keys and attend in one batched call; a group of one
+        # reads its cache through a view (indexing by a slot tensor would copy its whole KV every layer)
+        for idx, rows, slots in b.groups("start", x_TH.device):
             G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
-            rows = rows.to(dev)
-            slots = torch.tensor([b.slots[i] for i in idx], device=dev)
-            kp[slots, :, start:start + n] = k[rows].view(G, n, *k.shape[1:]).transpose(1, 2)
-            vp[slots, :, start:start + n] = v[rows].view(G, n, *v.shape[1:]).transpose(1, 2)
-            o[rows] = attend_batch(q[rows].view(G, n, *q.shape[1:]), kp[slots, :, :start + n],
-                                   vp[slots, :, :start + n], start).reshape(G * n, -1)
+            if G == 1:
+                sl = b.slots[idx[0]]
+                kp[sl, :, start:start + n] = k[rows].transpose(0, 1)
+                vp[sl, :, start:start + n] = v[rows].transpose(0, 1)
+                kg, vg = kp[sl, :, :start + n][None], vp[sl, :, :start + n][None]
+            else:
+                kp[slots, :, start:start + n] = k[rows].view(G, n, *k.shape[1:]).transpose(1, 2)
+                vp[slots, :, start:start + n] = v[rows].view(G, n, *v.shape[1:]).transpose(1, 2)
+                kg, vg = kp[slots, :, :start + n], vp[slots, :, :start + n]
+            o[rows] = attend_batch(q[rows].view(G, n, *q.shape[1:]), kg, vg, start).reshape(G * n, -1)
         return at.output(o, gate, lora)
 
 
