@@ -78,8 +78,9 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
             "request_latency_p50_s": _pct(lat, 0.5), "request_latency_p99_s": _pct(lat, 0.99),
             "ray_actor_call_p50_us": p50, "ray_actor_call_p99_us": p99,
-            "stages": [{k: s[k] for k in ("index", "device", "layers", "busy", "microbatches", "handoffs",
-                                          "handoff_p50_us", "handoff_p99_us")} for s in st]}
+            "stages": [{k: s.get(k) for k in ("index", "device", "layers", "busy", "microbatches", "handoffs",
+                                              "handoff_p50_us", "handoff_p99_us", "phase_us_per_microbatch")}
+                       for s in st]}
 
 
 def format_report(r: dict) -> str:
@@ -95,6 +96,11 @@ def format_report(r: dict) -> str:
         lines.append(f"{s['index']:>5} {s['device']:>8} {str(tuple(s['layers'])):>9} {s['busy']:>6.1%} "
                      f"{s['microbatches']:>12} {s['handoffs']:>9} {s['handoff_p50_us'] or 0:>15.1f} "
                      f"{s['handoff_p99_us'] or 0:>8.1f}")
+    for s in r["stages"]:
+        ph = s.get("phase_us_per_microbatch") or {}
+        if ph:
+            lines.append(f"stage {s['index']} host time per microbatch: " + ", ".join(f"{k} {v:.0f} us"
+                                                                                   for k, v in ph.items()))
     return "\n".join(lines)
 
 

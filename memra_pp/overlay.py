@@ -4,9 +4,11 @@ where rows cross contexts. Runs in stage processes: the tower engine's (publish_
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from memra_pp.engine import ContextId, Engine, process_counters, residency_of
@@ -155,22 +157,37 @@ def must_publish(mode: OverlayPublish, src: ContextId, dst: ContextId) -> bool:
     return True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PublishedRows:
-    """Overlay rows in transit between contexts: host bytes plus what is needed to land them (picklable)."""
-    data: bytes
+    """Overlay rows in transit between contexts: host bytes plus what is needed to land them (picklable). The bytes
+    are a uint8 numpy array: Ray moves it through its object store out of band and the receiver reads it in place,
+    so a publication copies the rows twice on the host (into the store, out of it), not four times."""
+    data: np.ndarray
     dtype: str    # torch dtype name, e.g. 'bfloat16'
     shape: tuple[int, int]
     spans: tuple[Span, ...]
     source: ContextId
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, PublishedRows) and (self.dtype, self.shape, self.spans, self.source) ==
+                (other.dtype, other.shape, other.spans, other.source) and
+                np.array_equal(np.asarray(self.data), np.asarray(other.data)))
+
+    __hash__ = None
 
     def land(self, intake: Engine) -> EmbedOverlay:
         """The htod half of a publication, in `intake`'s context; counted on the engine and the process."""
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise OverlayError(f"published rows carry unknown dtype {self.dtype!r}")
-        host = torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(dtype).reshape(self.shape)
-        rows = host.to(intake.device) if intake.is_cuda else host  # from pageable memory: returns once copied
+        buf = np.frombuffer(self.data, dtype=np.uint8)         # no copy; read-only when it is the object store's
+        if intake.is_cuda:
+            with warnings.catch_warnings():                      # read, never written: the copy to the device
+                warnings.simplefilter("ignore", UserWarning)
+                host = torch.from_numpy(buf)
+            rows = host.view(dtype).reshape(self.shape).to(intake.device)   # from pageable memory: returns once copied
+        else:
+            rows = torch.from_numpy(buf.copy()).view(dtype).reshape(self.shape)   # the intake's own rows
         ov = EmbedOverlay(intake, rows, self.spans)
         intake.counters.publications += 1
         process_counters().publications += 1
@@ -186,7 +203,9 @@ def publish_out(tower: Engine, rows: torch.Tensor, spans) -> PublishedRows:
                             "the vision tower must produce its rows on its own engine (vision.engine) before "
                             "they can be published")
     host = rows.detach().contiguous().to("cpu")  # a synchronous dtoh on the current stream of tower's device
-    data = host.reshape(-1).view(torch.uint8).numpy().tobytes()
+    if host.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
+        host = host.clone()                      # CPU rows: a snapshot, never a view the tower may write again
+    data = host.reshape(-1).view(torch.uint8).numpy()
     return PublishedRows(data, str(host.dtype).removeprefix("torch."), tuple(host.shape), spans, ctx)
 
 

@@ -57,6 +57,7 @@ class _Loop:
         self.r = runner
         self.stopping = threading.Event()
         self.busy_s, self.microbatches, self.t0 = 0.0, 0, time.monotonic()
+        self.phase_s: dict[str, float] = {}  # host time per phase of the loop (where a step's time goes)
         self.error: str | None = None
         self.computing_since: float | None = None
         self.lost_link = False              # the loop ended because a neighbour's link closed under it
@@ -73,9 +74,11 @@ class _Loop:
 
     def stats(self, reset: bool = False) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
-        out = {"busy": self.busy_s / wall, "microbatches": self.microbatches, "loop_error": self.error}
+        out = {"busy": self.busy_s / wall, "microbatches": self.microbatches, "loop_error": self.error,
+               "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6 for k, v in self.phase_s.items()}}
         if reset:
             self.busy_s, self.t0, self.microbatches = 0.0, time.monotonic(), 0
+            self.phase_s = {}
         return out
 
     def _guarded(self):
@@ -99,6 +102,11 @@ class _Loop:
                                                                                 self.lost_link),
                 "computing_s": 0.0 if since is None else time.monotonic() - since}
 
+    def _phase(self, name: str, t: float) -> float:
+        now = time.monotonic()
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + now - t
+        return now
+
     def compute(self, b: StepBatch, h):
         t = self.computing_since = time.monotonic()   # the supervisor reads how long one microbatch takes
         r = self.r
@@ -107,7 +115,9 @@ class _Loop:
             time.sleep(stall)
         out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
         if self.sampler is not None:
+            t1 = self._phase("model", t)
             out = self.sampler(out, b)
+            self._phase("sample", t1)       # waits for the device: the step's device time shows here
         self.computing_since = None
         self.busy_s += time.monotonic() - t
         self.microbatches += 1
@@ -189,10 +199,12 @@ class IntakeLoop(_Loop):
         microbatch while anything runs; admissions must not wait for the running batch to finish)."""
         r, sched = self.r, self.sched
         while not self.stopping.is_set():
+            t = time.monotonic()
             worked = self._drain(block=False)
             mb, evs = sched.next_microbatch()
             r.mail.post(evs)
             if mb is not None:
+                self._phase("schedule", t)
                 self._run_mb(mb)
             elif not worked:
                 self._drain(block=True)
@@ -214,7 +226,9 @@ class IntakeLoop(_Loop):
             elif kind == "abort":
                 r.mail.post(sched.abort(item))
             elif kind == "ring" and item["kind"] == "tokens":
+                t = time.monotonic()
                 r.mail.post(sched.on_tokens(item["mb"], item["tokens"], item["logprobs"]))
+                self._phase("tokens", t)
             elif kind == "ring":   # mb_error: that microbatch's requests fail, the others go on
                 msg = f"stage {item['stage']} failed a microbatch: {item['etype']}: {item['message']}"
                 r.mail.post(sched.fail_mb(item["mb"], "StageFailed", msg))
@@ -223,6 +237,7 @@ class IntakeLoop(_Loop):
 
     def _run_mb(self, mb):
         r = self.r
+        t = time.monotonic()
         ad = [s.req.adapter for s in mb.seqs]
         b = StepBatch([s.slot for s in mb.seqs], mb.starts, mb.counts, mb.pos_3T, mb.sample,
                       ad if any(a >= 0 for a in ad) else None)
@@ -233,13 +248,16 @@ class IntakeLoop(_Loop):
                     s.req.images.splice_into(r.engine, h[off:off + c], start)
             if self.sampler is not None:
                 self.sampler.admit(mb.admit, mb.release)
+            self._phase("embed", t)
             out = self.compute(b, h)
         except Exception as e:  # this microbatch fails; the loop keeps serving
             r.mail.post(self.sched.fail_mb(mb.mb, "StageFailed", f"stage 0 failed a microbatch: "
                                            f"{type(e).__name__}: {e}"))
             return
         if self.sampler is not None:
+            t = time.monotonic()
             r.mail.post(self.sched.on_tokens(mb.mb, *out))
+            self._phase("tokens", t)
             return
         hdr = {"kind": "step", "mb": mb.mb, "slots": b.slots, "starts": mb.starts, "counts": mb.counts,
                "sample": mb.sample, "pos": mb.pos_3T.to(torch.int32), "admit": mb.admit, "release": mb.release,

@@ -39,3 +39,6 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     assert len(r["stages"]) == 2 and all(s["microbatches"] > 0 for s in r["stages"])
     assert r["stages"][1]["handoffs"] > 0
     assert "steady decode" in format_report(r)
+    ph = r["stages"][0]["phase_us_per_microbatch"]      # the intake loop says where a step's host time goes
+    assert {"schedule", "embed", "tokens"} <= set(ph) and all(v >= 0 for v in ph.values())
+    assert {"model", "sample"} <= set(r["stages"][1]["phase_us_per_microbatch"])

@@ -283,3 +283,23 @@ def test_token_overlay_refusals(overlays, tied, msg):
     """Bad token overlays must be refused naming the slot."""
     with pytest.raises(OverlayError, match=msg):
         TokenOverlaySet.from_slots(Engine("cpu"), overlays, max_loras=2, tied=tied)
+
+
+def test_publication_is_a_snapshot_and_lands_owned_rows():
+    """Published CPU rows are a copy (the tower writing its rows afterwards changes nothing in transit); landed
+    rows belong to the intake (writable, not the transit buffer); the bytes travel as one uint8 array (Ray moves
+    it out of band) and land bit-exact, also from a read-only buffer (as the object store hands it out)."""
+    import numpy as np
+    rows = _rows()
+    before = rows.clone()
+    pub = publish_out(Engine("cpu"), rows, [(0, 0, 2)])
+    rows.add_(1.0)
+    assert isinstance(pub.data, np.ndarray) and pub.data.dtype == np.uint8
+    ro = PublishedRows(np.frombuffer(pub.data.tobytes(), dtype=np.uint8), pub.dtype, pub.shape, pub.spans,
+                       pub.source)
+    assert not ro.data.flags.writeable
+    for p in (pub, ro):
+        ov = p.land(Engine("cpu"))
+        assert torch.equal(ov.rows, before)
+        ov.rows.add_(0.0)                       # writable: the intake's own tensor
+        assert ov.rows.untyped_storage().data_ptr() != p.data.ctypes.data
