@@ -37,7 +37,8 @@ def in_process(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: str) 
     return ts[3:]
 
 
-def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: str, as_bytes=False) -> list[float]:
+def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: str, as_bytes=False,
+                  via_slot=False) -> list[float]:
     import ray
 
     @ray.remote(num_cpus=0.1)
@@ -47,9 +48,13 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
             self.eng = Engine(tower_dev)
             self.x = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(0)).to(self.eng.device)
 
-        def publish(self, as_bytes: bool = False):
+        def publish(self, as_bytes: bool = False, inbox=None):
             import dataclasses
             from memra_pp.overlay import publish_out
+            from memra_pp.stages.pub_inbox import InboxWriter
+            if inbox is not None:        # the rows' bytes into the intake's slot, the answer a description only
+                self.w = getattr(self, "w", None) or InboxWriter()
+                return publish_out(self.eng, self.x, [(0, 0, rows)], into=self.w.view(*inbox))
             pub = publish_out(self.eng, self.x, [(0, 0, rows)])
             # as_bytes: the rows as a Python bytes object (how publications travelled before 2026-12-01)
             return dataclasses.replace(pub, data=pub.data.tobytes()) if as_bytes else pub
@@ -60,11 +65,17 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
             from memra_pp.engine import Engine
             self.eng, self.tower = Engine(intake_dev), tower
 
-        def run(self, n, as_bytes):
+        def run(self, n, as_bytes, via_slot):
+            from memra_pp.stages.pub_inbox import PublicationInbox
+            inbox = PublicationInbox("bench")
             ts = []
             for _ in range(n + 3):
                 t = time.perf_counter()
-                ov = ray.get(self.tower.publish.remote(as_bytes)).land(self.eng)
+                if via_slot:
+                    with inbox.slot(rows * hidden * 4, 30) as (name, size, buf):
+                        ov = ray.get(self.tower.publish.remote(inbox=(name, size))).land(self.eng, host=buf)
+                else:
+                    ov = ray.get(self.tower.publish.remote(as_bytes)).land(self.eng)
                 if self.eng.is_cuda:
                     torch.cuda.synchronize(self.eng.device)
                 ts.append((time.perf_counter() - t) * 1e3)
@@ -75,7 +86,7 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
     gpus = lambda d: 1 if d.startswith("cuda") else 0   # noqa: E731
     tower = Tower.options(num_gpus=gpus(tower_dev)).remote()
     intake = Intake.options(num_gpus=gpus(intake_dev)).remote(tower)
-    return ray.get(intake.run.remote(n, as_bytes), timeout=300)
+    return ray.get(intake.run.remote(n, as_bytes, via_slot), timeout=300)
 
 
 def main() -> int:
@@ -91,7 +102,9 @@ def main() -> int:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     mb = a.rows * a.hidden * 4 / 2**20
     out = {"rows": a.rows, "hidden": a.hidden, "MiB": mb, "tower": a.tower, "intake": a.intake}
-    runs = (("in_process", in_process), ("across_actors", across_actors),
+    runs = (("in_process", in_process),
+            ("across_actors_via_slot", lambda *x: across_actors(*x, via_slot=True)),
+            ("across_actors", across_actors),
             ("across_actors_as_bytes", lambda *x: across_actors(*x, as_bytes=True)))
     for name, fn in runs:
         ts = fn(a.rows, a.hidden, a.n, a.tower, a.intake)

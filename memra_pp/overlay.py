@@ -160,9 +160,10 @@ def must_publish(mode: OverlayPublish, src: ContextId, dst: ContextId) -> bool:
 @dataclass(frozen=True, eq=False)
 class PublishedRows:
     """Overlay rows in transit between contexts: host bytes plus what is needed to land them (picklable). The bytes
-    are a uint8 numpy array: Ray moves it through its object store out of band and the receiver reads it in place,
-    so a publication copies the rows twice on the host (into the store, out of it), not four times."""
-    data: np.ndarray
+    are a uint8 numpy array (Ray moves it through its object store out of band and the receiver reads it in place),
+    or None when the tower wrote them into the intake's publication slot (stages/pub_inbox.py): then `land` reads
+    them from that slot and Ray carries only this description."""
+    data: np.ndarray | None
     dtype: str    # torch dtype name, e.g. 'bfloat16'
     shape: tuple[int, int]
     spans: tuple[Span, ...]
@@ -171,42 +172,63 @@ class PublishedRows:
     def __eq__(self, other) -> bool:
         return (isinstance(other, PublishedRows) and (self.dtype, self.shape, self.spans, self.source) ==
                 (other.dtype, other.shape, other.spans, other.source) and
-                np.array_equal(np.asarray(self.data), np.asarray(other.data)))
+                ((self.data is None and other.data is None) or (self.data is not None and other.data is not None
+                                                                and np.array_equal(self.data, other.data))))
 
     __hash__ = None
 
-    def land(self, intake: Engine) -> EmbedOverlay:
-        """The htod half of a publication, in `intake`'s context; counted on the engine and the process."""
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * torch.empty(0, dtype=self._torch_dtype()).element_size()
+
+    def _torch_dtype(self) -> torch.dtype:
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise OverlayError(f"published rows carry unknown dtype {self.dtype!r}")
-        buf = np.frombuffer(self.data, dtype=np.uint8)         # no copy; read-only when it is the object store's
-        if intake.is_cuda:
-            with warnings.catch_warnings():                      # read, never written: the copy to the device
-                warnings.simplefilter("ignore", UserWarning)
-                host = torch.from_numpy(buf)
-            rows = host.view(dtype).reshape(self.shape).to(intake.device)   # from pageable memory: returns once copied
+        return dtype
+
+    def land(self, intake: Engine, host: torch.Tensor | None = None) -> EmbedOverlay:
+        """The htod half of a publication, in `intake`'s context; counted on the engine and the process. `host`:
+        the intake's publication slot (uint8) the tower wrote into, when `data` is None."""
+        dtype = self._torch_dtype()
+        if self.data is None:
+            if host is None or host.numel() < self.nbytes:
+                raise OverlayError("these rows were written into a publication slot: land them from that slot "
+                                   f"({self.nbytes} bytes)")
+            buf = host[:self.nbytes]
         else:
-            rows = torch.from_numpy(buf.copy()).view(dtype).reshape(self.shape)   # the intake's own rows
+            with warnings.catch_warnings():              # read, never written: copied below
+                warnings.simplefilter("ignore", UserWarning)
+                buf = torch.from_numpy(np.frombuffer(self.data, dtype=np.uint8))
+        host_rows = buf.view(dtype).reshape(self.shape)
+        # the intake's own rows: a device copy (from pageable memory: returns once copied), or a host copy
+        rows = host_rows.to(intake.device) if intake.is_cuda else host_rows.clone()
         ov = EmbedOverlay(intake, rows, self.spans)
         intake.counters.publications += 1
         process_counters().publications += 1
         return ov
 
 
-def publish_out(tower: Engine, rows: torch.Tensor, spans) -> PublishedRows:
-    """The dtoh half of a publication, in `tower`'s context; refuses rows that do not live there."""
+def publish_out(tower: Engine, rows: torch.Tensor, spans, into: torch.Tensor | None = None) -> PublishedRows:
+    """The dtoh half of a publication, in `tower`'s context; refuses rows that do not live there. `into`: the
+    intake's publication slot (a uint8 host tensor): the rows' bytes are copied there and not carried (rows larger
+    than the slot are carried instead)."""
     spans = _check_spans(rows, spans)
     ctx = residency_of(rows, tower)
     if ctx != tower.ctx:
         raise _not_resident("rows to publish", ctx, tower,
                             "the vision tower must produce its rows on its own engine (vision.engine) before "
                             "they can be published")
-    host = rows.detach().contiguous().to("cpu")  # a synchronous dtoh on the current stream of tower's device
+    src = rows.detach().contiguous()
+    dtype, shape = str(src.dtype).removeprefix("torch."), tuple(src.shape)
+    nbytes = src.numel() * src.element_size()
+    if into is not None and into.numel() >= nbytes:
+        into[:nbytes].copy_(src.reshape(-1).view(torch.uint8))   # a synchronous dtoh straight into the slot
+        return PublishedRows(None, dtype, shape, spans, ctx)
+    host = src.to("cpu")                         # a synchronous dtoh on the current stream of tower's device
     if host.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
         host = host.clone()                      # CPU rows: a snapshot, never a view the tower may write again
-    data = host.reshape(-1).view(torch.uint8).numpy()
-    return PublishedRows(data, str(host.dtype).removeprefix("torch."), tuple(host.shape), spans, ctx)
+    return PublishedRows(host.reshape(-1).view(torch.uint8).numpy(), dtype, shape, spans, ctx)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ class StageActor:
             self.runner.remote_encode = lambda *a: get(tower.encode_images.remote(*a), timeout, "vision tower")
         return self.runner.connect(downstream, ring, timeout, tower_ctx)
 
-    def encode_images(self, pixel_values: list, grids: list, spans: list):
-        return self.runner.encode_images(pixel_values, grids, spans)
+    def encode_images(self, pixel_values: list, grids: list, spans: list, inbox=None):
+        return self.runner.encode_images(pixel_values, grids, spans, inbox)
 
     def start(self) -> None:
         return self.runner.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import threading
 import time
 
 import torch
@@ -53,6 +54,9 @@ class StageRunner(RecoveryMixin):
         self.tower = None
         self.tower_ctx = None
         self.remote_encode = None       # set by the actor shell when the tower is another stage
+        self.pub_inbox = None           # intake: its publication slots (stages/pub_inbox.py), made at first use
+        self._pub_lock = threading.Lock()
+        self.inbox_writer = None        # tower: the intakes' slots it writes rows into
         self.rx_hashes = None           # battery: sha256 of each received activation while recording
         self.stall_s = 0.0              # fault injection: the next microbatch's compute sleeps this long
         self.lora = None                # this stage's LoraPool, made at the first adapter load
@@ -182,8 +186,25 @@ class StageRunner(RecoveryMixin):
             if self.remote_encode is None:
                 raise InputError("this deployment has no vision tower engine (the model has no vision_config)")
             must_publish(self.publish_mode, self.tower_ctx, self.engine.ctx)   # NEVER refuses before any work
-            ov = self.remote_encode(pixels, grids, ip.spans).land(self.engine)
+            ov = self._remote_rows(pixels, grids, ip.spans)
         r.prompt, r.positions_3L, r.rope_delta, r.images = ip.prompt, ip.positions_3L, ip.rope_delta, ov
+
+    def _remote_rows(self, pixels, grids, spans) -> EmbedOverlay:
+        """Rows from the tower stage by host bounce: it writes their bytes into one of this stage's publication
+        slots (Ray carries the request and the rows' description only), and they land here from the slot."""
+        from .pub_inbox import PublicationInbox
+        with self._pub_lock:
+            if self.pub_inbox is None:
+                self.pub_inbox = PublicationInbox(f"{self.placement.name}_{self.index}")
+        nrows = max((off + n for _, off, n in spans), default=0)
+        nbytes = nrows * self.mc.text.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+        with self.pub_inbox.slot(nbytes, self.placement.timeouts.step_s) as (name, size, buf):
+            pub = self.remote_encode(pixels, grids, spans, (name, size))
+            ov = pub.land(self.engine, host=buf)
+        if pub.data is None:
+            with self._pub_lock:
+                self.pub_inbox.landed += 1
+        return ov
 
     def _tower_rows(self, pixels, grids) -> torch.Tensor:
         if self.tower is None:
@@ -192,10 +213,19 @@ class StageRunner(RecoveryMixin):
         with torch.inference_mode():
             return self.tower(pv, grids)
 
-    def encode_images(self, pixel_values: list, grids: list, spans: list):
-        """The tower side of a cross-actor publication: compute the rows here, dtoh them (host bounce)."""
+    def encode_images(self, pixel_values: list, grids: list, spans: list, inbox: tuple | None = None):
+        """The tower side of a cross-actor publication: compute the rows here, dtoh them (host bounce) into the
+        intake's publication slot `inbox` (name, size), or carried in the answer when none is named."""
         self.here()
-        return publish_out(self.engine, self._tower_rows(pixel_values, grids), spans)
+        rows = self._tower_rows(pixel_values, grids)
+        into = None
+        if inbox is not None:
+            from .pub_inbox import InboxWriter
+            with self._pub_lock:
+                if self.inbox_writer is None:
+                    self.inbox_writer = InboxWriter()
+            into = self.inbox_writer.view(*inbox)
+        return publish_out(self.engine, rows, spans, into=into)
 
     # -- adapters ---------------------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, slot: int) -> None:
@@ -273,6 +303,7 @@ class StageRunner(RecoveryMixin):
         st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
         st["overlay_publications"] = self.engine.counters.publications
+        st["publications_via_slot"] = self.pub_inbox.landed if self.pub_inbox is not None else 0
         st["splices"] = self.engine.counters.splices
         st["rss_bytes"] = rss_bytes()
         return st
@@ -290,3 +321,5 @@ class StageRunner(RecoveryMixin):
         if self.loop:
             self.loop.stop()
         self._close_links()
+        if self.pub_inbox is not None:
+            self.pub_inbox.close()

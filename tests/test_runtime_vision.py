@@ -67,6 +67,8 @@ def test_image_prompts_match_transformers(ray_cluster, n, engine):
         st = dep.stats()["stages"]
         cross = dep.plan.tower_index != dep.plan.intake_index
         assert st[0]["overlay_publications"] == (2 if cross else 0), "AUTO publishes exactly across contexts"
+        # across actors the rows' bytes come through the intake's publication slots, not Ray's object store
+        assert st[0]["publications_via_slot"] == (2 if cross else 0)
         assert st[0]["splices"] > 0
 
 

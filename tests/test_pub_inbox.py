@@ -1,0 +1,83 @@
+"""The overlay publication slots (stages/pub_inbox.py): the intake lends a slot, the tower writes the rows' bytes
+into it through its own mapping, the rows land bit-exact from it; slots grow, are reused, block when all are lent
+and vanish on close."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from memra_pp.engine import Engine
+from memra_pp.errors import OverlayError, StageFailed
+from memra_pp.overlay import publish_out
+from memra_pp.stages.pub_inbox import MIN_BYTES, InboxWriter, PublicationInbox
+
+
+def test_rows_land_bit_exact_through_a_slot():
+    inbox, writer = PublicationInbox("t"), InboxWriter()
+    rows = torch.randn(256, 640).to(torch.bfloat16)
+    with inbox.slot(rows.numel() * 2, 5) as (name, size, buf):
+        assert size >= rows.numel() * 2 and os.path.exists(f"/dev/shm/{name}")
+        pub = publish_out(Engine("cpu"), rows, [(0, 0, 256)], into=writer.view(name, size))
+        assert pub.data is None                      # only the description travels
+        ov = pub.land(Engine("cpu"), host=buf)
+    assert torch.equal(ov.rows, rows) and ov.rows.dtype == torch.bfloat16
+    with pytest.raises(OverlayError, match="publication slot"):
+        pub.land(Engine("cpu"))                      # the bytes are in the slot, not in the answer
+    inbox.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_slot_too_small_carries_the_rows():
+    rows = torch.randn(8, 16)
+    small = torch.zeros(16, dtype=torch.uint8)
+    pub = publish_out(Engine("cpu"), rows, [(0, 0, 8)], into=small)
+    assert pub.data is not None and torch.equal(pub.land(Engine("cpu")).rows, rows)
+    assert int(small.sum()) == 0
+
+
+def test_slots_grow_are_reused_and_block_when_all_lent():
+    inbox = PublicationInbox("g", n_slots=2)
+    with inbox.slot(10, 5) as (n1, s1, _):
+        assert s1 == MIN_BYTES
+    with inbox.slot(10, 5) as (n2, _, _):
+        assert n2 == n1                              # reused, not recreated
+    with inbox.slot(3 * MIN_BYTES, 5) as (n3, s3, _):
+        assert s3 == 4 * MIN_BYTES and n3 != n1 and not os.path.exists(f"/dev/shm/{n1}")
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold():
+        with inbox.slot(10, 5), inbox.slot(10, 5):
+            held.set()
+            release.wait(5)
+
+    th = threading.Thread(target=hold)
+    th.start()
+    assert held.wait(5)
+    t = time.monotonic()
+    with pytest.raises(StageFailed, match="no publication slot came free within 0 s"):
+        with inbox.slot(10, 0.3):
+            pass
+    assert time.monotonic() - t >= 0.3
+    release.set()
+    th.join()
+    with inbox.slot(10, 1):                          # free again
+        pass
+    inbox.close()
+    with pytest.raises(StageFailed, match="closed"):
+        with inbox.slot(10, 1):
+            pass
+
+
+def test_writer_keeps_a_few_mappings():
+    inboxes = [PublicationInbox(f"w{i}", n_slots=1) for i in range(InboxWriter.KEEP + 2)]
+    w = InboxWriter()
+    for ib in inboxes:
+        with ib.slot(10, 1) as (name, size, buf):
+            w.view(name, size)[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+            assert buf[:3].tolist() == [1, 2, 3]      # the same memory, two mappings
+    assert len(w._maps) == InboxWriter.KEEP
+    for ib in inboxes:
+        ib.close()
