@@ -79,6 +79,7 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
                 if self.eng.is_cuda:
                     torch.cuda.synchronize(self.eng.device)
                 ts.append((time.perf_counter() - t) * 1e3)
+            inbox.close()
             ref = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(0))
             assert torch.equal(ov.rows.cpu(), ref), "published rows differ from the tower's"
             return ts[3:]

@@ -28,6 +28,7 @@ class Deployment:
     def __init__(self, placement: Placement, plan: Plan, actors: list, infos: list[dict], run_dir: str | None,
                  owns_ray: bool, detached: bool):
         self.placement, self.plan, self.actors, self.infos = placement, plan, actors, infos
+        self.slot_names = [shm_names(x) for x in infos]   # each stage's receiving segments (to clean after a kill)
         self.run_dir, self.owns_ray, self.detached = run_dir, owns_ray, detached
         self._clients = []
         self._adapters: dict[str, int] = {}
@@ -252,6 +253,7 @@ class Deployment:
             actors = list(self.actors)
         for a in actors:
             ray.kill(a)
+        unlink_shm([n for names in self.slot_names for n in names])   # what a killed stage could not (this host)
         if getattr(self, "_pg", None) is not None:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self._pg)
@@ -265,3 +267,25 @@ class Deployment:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def shm_names(info: dict | None) -> list[str]:
+    """The shared-memory segments a stage's setup / relink answer names (its receiving slots)."""
+    ep = (info or {}).get("endpoint") or {}
+    return list(ep.get("shm") or [])
+
+
+def unlink_shm(names) -> int:
+    """Unlink this project's shared-memory segments by name, where they exist on this host (a stage that was
+    killed could not unlink its own); returns how many were there."""
+    import _posixshmem
+    n = 0
+    for name in names:
+        if not str(name).startswith("mpp_"):
+            continue
+        try:
+            _posixshmem.shm_unlink("/" + name)
+            n += 1
+        except (FileNotFoundError, OSError):
+            pass
+    return n

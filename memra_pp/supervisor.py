@@ -13,6 +13,7 @@ import ray
 
 from .errors import StageFailed
 from .rayutil import get as _get
+from .deployment import shm_names
 
 log = logging.getLogger("memra_pp")
 MISSED_BEATS = 3          # a stage silent for this many heartbeats is declared failed
@@ -176,9 +177,13 @@ class Supervisor:
             if self.stopping.is_set():
                 ray.kill(a)
                 raise StageFailed("the deployment is shutting down")
+        stale = {i: dep.slot_names[i] for i in failed if dep.slot_names[i]}
+        if stale:   # a killed stage left its receiving segments behind: its replacement (same node) unlinks them
+            _get([dep.actors[i].unlink_shm.remote(names) for i, names in stale.items()], t, "stale slots")
         tr = dep.transports
         infos = _get([a.setup.remote(p.to_dict(), dep.plan.to_dict(), i, run_dir, tr[i]) if i in failed
                       else a.relink.remote(run_dir, tr[i]) for i, a in enumerate(dep.actors)], t, "stage restart")
+        dep.slot_names = [shm_names(x) for x in infos]
         dep.wire(dep.actors, infos, t)
         for name, (slot, path) in dep._adapter_paths.items():
             _get([dep.actors[i].load_adapter.remote(name, path, slot) for i in sorted(failed)], t,

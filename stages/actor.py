@@ -26,6 +26,11 @@ class StageActor:
             self.runner.remote_encode = lambda *a: get(tower.encode_images.remote(*a), timeout, "vision tower")
         return self.runner.connect(downstream, ring, timeout, tower_ctx)
 
+    def unlink_shm(self, names: list) -> int:
+        """Unlink a killed stage's receiving segments on this node (the supervisor asks its replacement)."""
+        from ..deployment import unlink_shm
+        return unlink_shm(names)
+
     def encode_images(self, pixel_values: list, grids: list, spans: list, inbox=None):
         return self.runner.encode_images(pixel_values, grids, spans, inbox)
 

@@ -89,10 +89,14 @@ def check_serves(dep, c):
 def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
     """Killing each stage mid-decode and mid-prefill must end both requests with StageFailed naming that stage
     within 15 s (no caller hangs); the deployment must then recover and serve reference tokens."""
+    import os
     _, path = tiny_checkpoint("dense", False)
+    seen = set()
     with memra_pp.launch(config(path, n)) as dep:
         c = dep.client()
         for i, how in enumerate(kills):
+            dead = list(dep.slot_names[i])          # the killed stage's receiving segments (none on stage 0)
+            assert (i == 0) == (not dead)
             dec, pre, t_kill = interrupt(dep, c, i, how)
             for s in (dec, pre):
                 assert isinstance(s.error, StageFailed), (how, i, s.error, len(s.tokens))
@@ -100,8 +104,12 @@ def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
                 assert s.t_end - t_kill < 15, f"{how} of stage {i}: StageFailed took {s.t_end - t_kill:.1f} s"
             assert len(dec.tokens) < DECODE_NEW
             check_serves(dep, c)
+            left = [x for x in dead if os.path.exists(f"/dev/shm/{x}")]
+            assert not left, f"{how} of stage {i} left its slot segments behind: {left}"
+            seen.update(x for names in dep.slot_names for x in names)
         log = dep.supervisor.log
         assert [e["stage"] for e in log] == list(range(n)) and all(e["recovered"] for e in log), log
+    assert seen and not [x for x in seen if os.path.exists(f"/dev/shm/{x}")], "shutdown left slot segments"
 
 
 def test_replay_completes_interrupted_requests(ray_cluster):
