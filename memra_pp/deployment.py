@@ -270,22 +270,33 @@ class Deployment:
 
 
 def shm_names(info: dict | None) -> list[str]:
-    """The shared-memory segments a stage's setup / relink answer names (its receiving slots)."""
+    """The shared-memory segments a stage's setup / relink answer names (its receiving slots), and the name
+    prefixes of segments it makes later (the intake's publication slots): what to unlink if it is killed."""
     ep = (info or {}).get("endpoint") or {}
-    return list(ep.get("shm") or [])
+    return list(ep.get("shm") or []) + [p + "*" for p in (info or {}).get("shm_prefixes") or []]
 
 
 def unlink_shm(names) -> int:
-    """Unlink this project's shared-memory segments by name, where they exist on this host (a stage that was
-    killed could not unlink its own); returns how many were there."""
+    """Unlink this project's shared-memory segments (names starting "mpp"; "PREFIX*" for every segment with that
+    prefix) where they exist on this host: a stage that was killed could not unlink its own. Returns how many."""
     import _posixshmem
-    n = 0
+    todo = []
     for name in names:
-        if not str(name).startswith("mpp_"):
+        name = str(name)
+        if not name.startswith("mpp"):
             continue
+        if name.endswith("*"):
+            try:
+                todo += [e for e in os.listdir("/dev/shm") if e.startswith(name[:-1])]
+            except OSError:
+                pass
+        else:
+            todo.append(name)
+    n = 0
+    for name in todo:
         try:
             _posixshmem.shm_unlink("/" + name)
             n += 1
-        except (FileNotFoundError, OSError):
+        except OSError:
             pass
     return n

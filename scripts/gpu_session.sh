@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
-# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench bench4 engine" (one run call is 10 minutes:
-# split them over calls).
+# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench bench4 engine kernels publish" (one run
+# call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -22,9 +22,11 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     battery1) phase battery-one-card ${B1_S:-420} python3 -m memra_pp.cli battery cluster_configs/2xh200-one-card.yaml --out "$OUT/battery-one-card.json" ;;
     battery2) phase battery-2xh200 ${B2_S:-420} python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
     battery4) phase battery-4gpu 420 python3 -m memra_pp.cli battery cluster_configs/battery-4gpu.yaml --out "$OUT/battery-4gpu.json" ;;
-    bench) phase gpu-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --stages 1,2 --concurrency 1,64 --hf ;;
-    bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --stages 1,2,4 --concurrency 64,256 ;;
-    engine) phase gpu-engine-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64 --profile ;;
+    bench) phase gpu-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1" --concurrency 1,64,256 --new 64 --hf --hf-first --ttft 8192 ;;
+    bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1;0,1,2,3" --concurrency 64,256 ;;
+    engine) phase gpu-engine-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64,256 --modes graph --profile ;;
+    kernels) phase gpu-kernels 120 python3 -u benchmarks/gpu_kernels.py --out "$OUT" ;;
+    publish) phase overlay-publish 200 python3 -u benchmarks/overlay_publish.py --tower cuda:0 --intake cuda:${PUB_INTAKE:-1} --json "$OUT/overlay_publish.json" ;;
     host) phase battery-host ${HOST_S:-300} python3 -m memra_pp.cli battery cluster_configs/host-bounce.yaml --out "$OUT/battery-host.json" ;;
   esac
 done

@@ -75,7 +75,8 @@ class _Loop:
     def stats(self, reset: bool = False) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
         out = {"busy": self.busy_s / wall, "microbatches": self.microbatches, "loop_error": self.error,
-               "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6 for k, v in self.phase_s.items()}}
+               "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
+                                           for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys
         if reset:
             self.busy_s, self.t0, self.microbatches = 0.0, time.monotonic(), 0
             self.phase_s = {}

@@ -4,7 +4,8 @@ answers with the rows' description only; the intake lands the rows from its slot
 the bytes never enter Ray's object store (two host copies of a 5 MiB image instead of four, and no store put/get).
 
 Slots grow to the largest publication seen (a new segment, faulted in once) and are reused; the tower keeps a few
-mappings open by name. Runs in the intake and the tower stage processes.
+mappings open by name. Segment names start with the inbox's `prefix`, which the stage reports at setup, so that
+whoever outlives a killed intake can unlink what it left (`memra_pp.deployment.unlink_shm`). Runs in the intake and the tower stage processes.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ MIN_BYTES = 1 << 20
 class PublicationInbox:
     """Intake side: `n_slots` receiver-owned segments; `slot(nbytes)` lends one (waiting while all are lent)."""
 
-    def __init__(self, name: str, n_slots: int = 2):
+    def __init__(self, name: str, n_slots: int = 4):
         self.prefix = f"mpp_pub_{re.sub(r'[^A-Za-z0-9_]', '_', name)[:30]}_{os.getpid()}_{secrets.token_hex(3)}"
         self._cv = threading.Condition()
         self._free = list(range(n_slots))
@@ -41,27 +42,39 @@ class PublicationInbox:
 
     @contextlib.contextmanager
     def slot(self, nbytes: int, timeout: float):
-        """Yields (segment name, segment size, uint8 tensor over it) for a publication of nbytes."""
+        """Yields (segment name, segment size, uint8 tensor over it) for a publication of nbytes. A slot whose
+        publication failed (the tower's answer timed out, say) is discarded, not lent again: the tower may still
+        write into it late, and must never overwrite another request's rows."""
         with self._cv:
             if not self._cv.wait_for(lambda: self._free or self.closed, timeout):
-                raise StageFailed(f"no publication slot came free within {timeout:.0f} s")
+                raise StageFailed(f"no publication slot came free within {timeout:.0f} s (all "
+                                  f"{len(self._segs)} hold images the vision tower is still encoding)")
             if self.closed:
                 raise StageFailed("the publication inbox is closed (the stage is stopping)")
             k = self._free.pop()
-            seg = self._segs[k]
-            if seg is None or seg[1] < nbytes:
+            try:
+                seg = self._segs[k]
+                if seg is None or seg[1] < nbytes:
+                    self._drop(k)
+                    size = max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+                    self._gen += 1
+                    seg = self._segs[k] = _create(f"{self.prefix}_{k}_{self._gen}", size)
+                    _u8_over(seg[2], size).zero_()           # fault the pages in once, not on every publication
+            except BaseException:
                 self._drop(k)
-                size = max(MIN_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
-                self._gen += 1
-                seg = self._segs[k] = _create(f"{self.prefix}_{k}_{self._gen}", size)
-                _u8_over(seg[2], size).zero_()               # fault the pages in once, not on every publication
+                self._free.append(k)                         # the slot stays usable (no segment yet)
+                raise
         name, size, m = seg
         view = _u8_over(m, size)
+        ok = False
         try:
             yield name, size, view
+            ok = True
         finally:
             del view
             with self._cv:
+                if not ok:
+                    self._drop(k)                            # a late write lands in an orphaned segment
                 self._free.append(k)
                 self._cv.notify()
 

@@ -92,4 +92,10 @@ class RecoveryMixin:
         if i == 0 and len(self.plan.stages) > 1:
             self.ring_listener = ChannelListener(f"unix:{run_dir}/ring.sock", label="ring")
             info["ring"] = self.ring_listener.address
+        if i == 0:   # the intake's publication slots: made on demand, under a prefix its survivors can clean up
+            from .pub_inbox import PublicationInbox
+            with self._pub_lock:
+                if self.pub_inbox is None:
+                    self.pub_inbox = PublicationInbox(f"{self.placement.name}_{i}")
+            info["shm_prefixes"] = [self.pub_inbox.prefix]
         return info

@@ -81,3 +81,46 @@ def test_writer_keeps_a_few_mappings():
     assert len(w._maps) == InboxWriter.KEEP
     for ib in inboxes:
         ib.close()
+
+
+def test_a_failed_publication_discards_its_slot():
+    """A publication that failed (the tower's answer timed out) must not lend its slot again: a late write from the
+    tower would land in another request's rows. The slot gets a fresh segment; the old name is gone."""
+    inbox = PublicationInbox("f", n_slots=1)
+    with pytest.raises(TimeoutError):
+        with inbox.slot(10, 1) as (name, size, _):
+            raise TimeoutError("vision tower: no answer")
+    assert not os.path.exists(f"/dev/shm/{name}")
+    with inbox.slot(10, 1) as (again, _, _):
+        assert again != name and os.path.exists(f"/dev/shm/{again}")
+    inbox.close()
+
+
+def test_a_failed_segment_creation_keeps_the_slot(monkeypatch):
+    import memra_pp.stages.pub_inbox as pi
+    inbox = PublicationInbox("e", n_slots=1)
+    real = pi._create
+    monkeypatch.setattr(pi, "_create", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    for _ in range(2):
+        with pytest.raises(OSError, match="No space"):
+            with inbox.slot(10, 1):
+                pass
+    monkeypatch.setattr(pi, "_create", real)
+    with inbox.slot(10, 1) as (name, _, _):              # not lost: the next publication gets the slot
+        assert os.path.exists(f"/dev/shm/{name}")
+    inbox.close()
+
+
+def test_unlink_by_prefix_cleans_up_after_a_killed_intake():
+    """What the supervisor does for a killed intake: its replacement unlinks every segment under the prefix the
+    intake reported at setup (its publication slots are made later, so their names are not known)."""
+    from memra_pp.deployment import shm_names, unlink_shm
+    inbox = PublicationInbox("k", n_slots=2)
+    with inbox.slot(10, 1) as (a, _, _), inbox.slot(3 * MIN_BYTES, 1) as (b, _, _):
+        pass
+    names = shm_names({"endpoint": None, "shm_prefixes": [inbox.prefix]})
+    assert names == [inbox.prefix + "*"]
+    assert unlink_shm(names) == 2                         # the inbox was "killed": never closed
+    assert not os.path.exists(f"/dev/shm/{a}") and not os.path.exists(f"/dev/shm/{b}")
+    assert unlink_shm(["not_ours", "/etc/passwd*"]) == 0   # only this project's names
+    inbox.close()

@@ -95,8 +95,8 @@ def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
     with memra_pp.launch(config(path, n)) as dep:
         c = dep.client()
         for i, how in enumerate(kills):
-            dead = list(dep.slot_names[i])          # the killed stage's receiving segments (none on stage 0)
-            assert (i == 0) == (not dead)
+            dead = list(dep.slot_names[i])          # the killed stage's receiving segments; the intake's prefix
+            assert all(x.endswith("*") for x in dead) == (i == 0) and dead
             dec, pre, t_kill = interrupt(dep, c, i, how)
             for s in (dec, pre):
                 assert isinstance(s.error, StageFailed), (how, i, s.error, len(s.tokens))
@@ -104,12 +104,14 @@ def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
                 assert s.t_end - t_kill < 15, f"{how} of stage {i}: StageFailed took {s.t_end - t_kill:.1f} s"
             assert len(dec.tokens) < DECODE_NEW
             check_serves(dep, c)
-            left = [x for x in dead if os.path.exists(f"/dev/shm/{x}")]
+            left = [x for x in dead if os.path.exists(f"/dev/shm/{x}")] + \
+                [e for x in dead if x.endswith("*") for e in os.listdir("/dev/shm") if e.startswith(x[:-1])]
             assert not left, f"{how} of stage {i} left its slot segments behind: {left}"
             seen.update(x for names in dep.slot_names for x in names)
         log = dep.supervisor.log
         assert [e["stage"] for e in log] == list(range(n)) and all(e["recovered"] for e in log), log
     assert seen and not [x for x in seen if os.path.exists(f"/dev/shm/{x}")], "shutdown left slot segments"
+    assert not [e for x in seen if x.endswith("*") for e in os.listdir("/dev/shm") if e.startswith(x[:-1])]
 
 
 def test_replay_completes_interrupted_requests(ray_cluster):
