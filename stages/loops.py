@@ -115,8 +115,8 @@ class _Loop:
             stall, r.stall_s = r.stall_s, 0.0
             time.sleep(stall)
         out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
+        t1 = self._phase("model", t)        # on a GPU: launching (a graph replay is one launch)
         if self.sampler is not None:
-            t1 = self._phase("model", t)
             out = self.sampler(out, b)
             self._phase("sample", t1)       # waits for the device: the step's device time shows here
         self.computing_since = None

@@ -40,5 +40,5 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     assert r["stages"][1]["handoffs"] > 0
     assert "steady decode" in format_report(r)
     ph = r["stages"][0]["phase_us_per_microbatch"]      # the intake loop says where a step's host time goes
-    assert {"schedule", "embed", "tokens"} <= set(ph) and all(v >= 0 for v in ph.values())
+    assert {"schedule", "embed", "model", "tokens"} <= set(ph) and all(v >= 0 for v in ph.values())
     assert {"model", "sample"} <= set(r["stages"][1]["phase_us_per_microbatch"])
