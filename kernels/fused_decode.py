@@ -147,7 +147,7 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
                      tile: tuple[int, int] | None = None):
     """y [B, C] = q | k | v after the conv (q, k [nk * K], v [HV * V]); b, a [B, HV] raw projections (views).
     Returns o [B, HV, V] in y's dtype; the fp32 state pool is updated in place at slots_B."""
-    from .gdn_decode import gdn_decode_ref
+    from .gdn_decode import gdn_decode_ref, launch_gdn_decode
     B = y_BC.shape[0]
     HV, K, V = state_NVKD.shape[1:]
     if not _triton(y_BC):
@@ -155,16 +155,10 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
         q, k, v = torch.split(y_BC, [nk * K, nk * K, HV * V], -1)
         return gdn_decode_ref(q.reshape(B, nk, K), k.reshape(B, nk, K), v.reshape(B, HV, V), g, beta, state_NVKD,
                               slots_B, scale)
-    assert y_BC.is_contiguous() and state_NVKD.is_contiguous() and state_NVKD.dtype == torch.float32
-    assert b_BV.stride(1) == 1 and a_BV.stride(1) == 1
-    o = torch.empty(B, HV, V, dtype=y_BC.dtype, device=y_BC.device)
-    bv, warps = tile or GDN_TILE[max(k for k in GDN_TILE if k <= B) if B >= min(GDN_TILE) else min(GDN_TILE)]
-    BK, BV = triton.next_power_of_2(K), min(bv, triton.next_power_of_2(V))
-    grid = (triton.cdiv(V, BV) * B * HV,)
-    _gdn_fused_kernel[grid](y_BC, b_BV, a_BV, A_log, dt_bias, o, state_NVKD, slots_B, scale, y_BC.stride(0),
-                            b_BV.stride(0), a_BV.stride(0), H=nk, HV=HV, K=K, V=V, BK=BK, BV=BV, num_warps=warps,
-                            num_stages=3)
-    return o
+    assert y_BC.stride(1) == 1
+    tile = tile or GDN_TILE[max(k for k in GDN_TILE if k <= B) if B >= min(GDN_TILE) else min(GDN_TILE)]
+    return launch_gdn_decode(y_BC, y_BC[:, nk * K:], y_BC[:, 2 * nk * K:], a_BV, b_BV, state_NVKD, slots_B, scale,
+                             nk, tile, raw_gates=(A_log, dt_bias))
 
 
 if triton is not None:
@@ -233,43 +227,3 @@ if triton is not None:
                 tl.store(st + (j - 1), xj.to(state.dtype.element_ty), mask=m)
         yv = acc.to(x_new.dtype).to(tl.float32)
         tl.store(y + n * C + c, (yv / (1.0 + tl.exp(-yv))).to(x_new.dtype), mask=m)
-
-    @triton.jit
-    def _gdn_fused_kernel(yq, b, a, A_log, dt_bias, o, h, slots, scale, sy, sb, sa, H: tl.constexpr,
-                          HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        NV = tl.cdiv(V, BV)
-        i_v, i_nh = pid % NV, pid // NV
-        i_n, i_hv = i_nh // HV, i_nh % HV
-        i_h = i_hv // (HV // H)
-        slot = tl.load(slots + i_n).to(tl.int64)
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        mask_k = o_k < K
-        mask_v = o_v < V
-        mask_h = mask_k[:, None] & mask_v[None, :]
-        p_h = h + (slot * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
-        b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
-        row = yq + i_n * sy
-        b_q = tl.load(row + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_k = tl.load(row + H * K + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_v = tl.load(row + 2 * H * K + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
-        b_q = b_q * scale
-        braw = tl.load(b + i_n * sb + i_hv)
-        bf = braw.to(tl.float32)
-        b_beta = (1.0 / (1.0 + tl.exp(-bf))).to(braw.dtype).to(tl.float32)
-        x = tl.load(a + i_n * sa + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
-        # softplus as torch computes it (threshold 20, log1p): log1p(e) by its series where 1 + e would round
-        e = tl.exp(-tl.abs(x))
-        l1p = tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e * (1.0 / 3.0 - 0.25 * e))), tl.log(1.0 + e))
-        sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + l1p)
-        b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * sp
-        b_h *= tl.exp(b_g)
-        b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
-        b_h += b_k[:, None] * b_v
-        b_o = tl.sum(b_h * b_q[:, None], 0)
-        tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-        tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)

@@ -34,8 +34,12 @@ def gdn_decode_ref(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scal
 
 if triton is not None:
     @triton.jit
-    def _gdn_decode_kernel(q, k, v, g, beta, o, h, slots, scale, H: tl.constexpr, HV: tl.constexpr,
-                           K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    def _gdn_decode_kernel(q, k, v, g, beta, A_log, dt_bias, o, h, slots, scale, sq, sk, sv, sg, sb,
+                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, RAW_GATES: tl.constexpr):
+        """Rows of q, k, v, g, beta at strides sq .. sb (views into one projection allowed). RAW_GATES: g and beta
+        hold the raw a and b projections; the kernel computes beta = sigmoid(b) (rounded to b's dtype, as
+        transformers rounds it) and g = -exp(A_log) softplus(a + dt_bias)."""
         pid = tl.program_id(0).to(tl.int64)
         NV = tl.cdiv(V, BV)
         i_v, i_nh = pid % NV, pid // NV
@@ -50,20 +54,50 @@ if triton is not None:
         p_h = h + (slot * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
-        b_q = tl.load(q + (i_n * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_k = tl.load(k + (i_n * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-        b_v = tl.load(v + (i_n * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+        b_q = tl.load(q + i_n * sq + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_k = tl.load(k + i_n * sk + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
+        b_v = tl.load(v + i_n * sv + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
         b_q = b_q * scale
-        b_beta = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
-        b_g = tl.load(g + i_n * HV + i_hv).to(tl.float32)
+        if RAW_GATES:
+            braw = tl.load(beta + i_n * sb + i_hv)
+            bf = braw.to(tl.float32)
+            b_beta = (1.0 / (1.0 + tl.exp(-bf))).to(braw.dtype).to(tl.float32)
+            x = tl.load(g + i_n * sg + i_hv).to(tl.float32) + tl.load(dt_bias + i_hv).to(tl.float32)
+            # softplus as torch computes it (threshold 20, log1p): log1p(e) by its series where 1 + e would round
+            e = tl.exp(-tl.abs(x))
+            l1p = tl.where(e < 1e-2, e * (1.0 - e * (0.5 - e * (1.0 / 3.0 - 0.25 * e))), tl.log(1.0 + e))
+            sp = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + l1p)
+            b_g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * sp
+        else:
+            b_beta = tl.load(beta + i_n * sb + i_hv).to(tl.float32)
+            b_g = tl.load(g + i_n * sg + i_hv).to(tl.float32)
         b_h *= tl.exp(b_g)
         b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))
         b_h += b_k[:, None] * b_v
         b_o = tl.sum(b_h * b_q[:, None], 0)
         tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         tl.store(p_h, b_h.to(p_h.dtype.element_ty), mask=mask_h)
+
+
+def launch_gdn_decode(q, k, v, g, beta, state_NVKD, slots_B, scale: float, H: int, tile: tuple[int, int],
+                      raw_gates=None) -> torch.Tensor:
+    """The kernel over B rows: q, k [B, >= H*K], v [B, >= HV*V], g, beta [B, HV], each with unit last stride
+    (views into one projection allowed). `raw_gates` = (A_log, dt_bias): g and beta are the raw a and b
+    projections. `tile` = (BV, num_warps). Returns o [B, HV, V] in v's dtype."""
+    B = v.shape[0]
+    HV, K, V = state_NVKD.shape[1:]
+    assert state_NVKD.dtype == torch.float32 and state_NVKD.is_contiguous()
+    assert all(t.stride(-1) == 1 for t in (q, k, v, g, beta))
+    o = torch.empty(B, HV, V, dtype=v.dtype, device=v.device)
+    BK, BV = triton.next_power_of_2(K), min(tile[0], triton.next_power_of_2(V))
+    A_log, dt_bias = raw_gates if raw_gates is not None else (g, g)      # unused without raw gates
+    _gdn_decode_kernel[(triton.cdiv(V, BV) * B * HV,)](
+        q, k, v, g, beta, A_log, dt_bias, o, state_NVKD, slots_B.contiguous(), scale, q.stride(0), k.stride(0),
+        v.stride(0), g.stride(0), beta.stride(0), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        RAW_GATES=raw_gates is not None, num_warps=tile[1], num_stages=3)
+    return o
 
 
 def gdn_decode(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: float) -> torch.Tensor:
@@ -76,13 +110,7 @@ def gdn_decode(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: f
 def gdn_decode_triton(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: float) -> torch.Tensor:
     B, H, K = k_BHK.shape
     HV, V = v_BVD.shape[1], v_BVD.shape[2]
-    assert state_NVKD.dtype == torch.float32 and state_NVKD.is_contiguous()
     assert tuple(state_NVKD.shape[1:]) == (HV, K, V), f"state pool {tuple(state_NVKD.shape)} vs {(HV, K, V)}"
-    q, k, v = q_BHK.contiguous(), k_BHK.contiguous(), v_BVD.contiguous()
-    g, beta = g_BV.float().contiguous(), beta_BV.contiguous()
-    o = torch.empty_like(v)
-    BK, BV = triton.next_power_of_2(K), min(8, triton.next_power_of_2(V))
-    grid = (triton.cdiv(V, BV) * B * HV,)
-    _gdn_decode_kernel[grid](q, k, v, g, beta, o, state_NVKD, slots_B.contiguous(), scale, H=H, HV=HV, K=K, V=V,
-                             BK=BK, BV=BV, num_warps=1, num_stages=3)
-    return o
+    return launch_gdn_decode(q_BHK.reshape(B, H * K), k_BHK.reshape(B, H * K), v_BVD.reshape(B, HV * V),
+                             g_BV.float().contiguous(), beta_BV.contiguous(), state_NVKD, slots_B, scale, H,
+                             tile=(8, 1))   # fla's tile: bf16 results equal to the fla kernel transformers runs
