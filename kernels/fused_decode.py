@@ -71,11 +71,9 @@ def add_rms_norm(x, res, w, eps: float, plus_one: bool = True):
 
 # -- gated RMSNorm ------------------------------------------------------------------------------------------------
 def gated_rms_norm_ref(o_RD, z_RD, w, eps: float):
-    """layers.gated_rms_norm: normalise, cast, scale by plain w, gate by silu(z)."""
-    dt = o_RD.dtype
-    of = o_RD.float()
-    y = w * (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
-    return (y * F.silu(z_RD.float())).to(dt)
+    """The eager model's gated norm itself (layers.gated_rms_norm)."""
+    from memra_pp.model.layers import gated_rms_norm as eager
+    return eager(o_RD, z_RD, w, eps)
 
 
 def gated_rms_norm(o_BVD, z_BVD, w, eps: float):
@@ -112,10 +110,9 @@ def silu_mul(gu_BI2):
 # -- causal conv step -----------------------------------------------------------------------------------------------
 def conv_step_ref(u_BC, state_NCK1, w_CK, slots_B):
     """gdn.causal_conv_step over the slot pool: y = silu(conv([state, u])), the state window shifted in place."""
-    xs = torch.cat([state_NCK1[slots_B].to(u_BC.dtype), u_BC[:, :, None]], 2)         # [B, C, K]
-    y = F.conv1d(xs, w_CK[:, None, :], groups=xs.shape[1])[:, :, 0]
-    state_NCK1[slots_B] = xs[:, :, 1:]
-    return F.silu(y)
+    from memra_pp.model.gdn import causal_conv_step
+    y, state_NCK1[slots_B] = causal_conv_step(u_BC, w_CK, state_NCK1[slots_B])
+    return y
 
 
 def conv_step(u_BC, state_NCK1, w_CK, slots_B):
@@ -133,13 +130,6 @@ def conv_step(u_BC, state_NCK1, w_CK, slots_B):
 
 
 # -- the Gated DeltaNet step from raw projections ---------------------------------------------------------------------
-def gdn_gates_ref(b_BV, a_BV, A_log, dt_bias):
-    """beta = sigmoid(b) in the model dtype (as transformers rounds it), g = -exp(A_log) softplus(a + dt_bias) fp32."""
-    beta = torch.sigmoid(b_BV)
-    g = -A_log.float().exp() * F.softplus(a_BV.float() + dt_bias.float())
-    return g, beta
-
-
 GDN_TILE = {1: (32, 2)}   # batch -> (BV, num_warps), the nearest batch at or below applies (benchmarks/gpu_kernels.py)
 
 
@@ -147,11 +137,12 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
                      tile: tuple[int, int] | None = None):
     """y [B, C] = q | k | v after the conv (q, k [nk * K], v [HV * V]); b, a [B, HV] raw projections (views).
     Returns o [B, HV, V] in y's dtype; the fp32 state pool is updated in place at slots_B."""
+    from memra_pp.model.gdn import gdn_gates
     from .gdn_decode import gdn_decode_ref, launch_gdn_decode
     B = y_BC.shape[0]
     HV, K, V = state_NVKD.shape[1:]
     if not _triton(y_BC):
-        g, beta = gdn_gates_ref(b_BV, a_BV, A_log, dt_bias)
+        g, beta = gdn_gates(b_BV, a_BV, A_log, dt_bias)
         q, k, v = torch.split(y_BC, [nk * K, nk * K, HV * V], -1)
         return gdn_decode_ref(q.reshape(B, nk, K), k.reshape(B, nk, K), v.reshape(B, HV, V), g, beta, state_NVKD,
                               slots_B, scale)

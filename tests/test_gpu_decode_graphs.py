@@ -80,7 +80,8 @@ def test_fused_decode_kernels_compiled(cuda, dtype):
 def test_fused_gdn_step_equals_the_inplace_kernel_at_27b_shapes(cuda):
     """gdn_decode_fused (gates computed in the kernel from raw b / a, q k v read from the conv output) against the
     in-place kernel fed the torch gates, at the 27B head shapes."""
-    from memra_pp.kernels.fused_decode import gdn_decode_fused, gdn_gates_ref
+    from memra_pp.kernels.fused_decode import gdn_decode_fused
+    from memra_pp.model.gdn import gdn_gates
     from memra_pp.kernels.gdn_decode import gdn_decode
     torch.manual_seed(0)
     B, H, HV, K, V, N = 5, 16, 48, 128, 128, 9
@@ -93,7 +94,7 @@ def test_fused_gdn_step_equals_the_inplace_kernel_at_27b_shapes(cuda):
     slots = torch.tensor([7, 0, 3, 8, 2], device=cuda)
     p1, p2 = pool.clone(), pool.clone()
     o1 = gdn_decode_fused(y, b, a, A_log, dt_bias, p1, slots, H, K ** -0.5)
-    g, beta = gdn_gates_ref(b, a, A_log, dt_bias)
+    g, beta = gdn_gates(b, a, A_log, dt_bias)
     q, k, v = torch.split(y, [H * K, H * K, HV * V], -1)
     o2 = gdn_decode(q.reshape(B, H, K), k.reshape(B, H, K), v.reshape(B, HV, V), g, beta, p2, slots, K ** -0.5)
     assert (o1.float() - o2.float()).abs().max() <= 1e-2 * o2.float().abs().max()

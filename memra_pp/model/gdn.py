@@ -72,6 +72,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     return out.transpose(1, 2), S
 
 
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """(g, beta) from the raw b and a projections: g = -exp(A_log) softplus(a + dt_bias) in fp32, beta = sigmoid(b)
+    in the model dtype (as transformers rounds it)."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b)
+
+
 def causal_conv(x_TC: torch.Tensor, w_CK: torch.Tensor, state_CK1: torch.Tensor | None):
     """Depthwise causal conv + SiLU over one sequence. x [T, C]; state = the last K-1 inputs before x.
 

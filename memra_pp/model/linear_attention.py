@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from .batch import StepBatch
 from .cache import StageCache
 from .config import TextConfig
-from .gdn import causal_conv_batch, causal_conv_step, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .gdn import (causal_conv_batch, causal_conv_step, chunk_gated_delta_rule, gdn_gates,
+                  recurrent_gated_delta_rule)
 from .layers import Param, gated_rms_norm
 
 
@@ -47,9 +48,8 @@ class GatedDeltaNet(Param):
         T = x_TH.shape[0]
         u = self.lin(x_TH, "in_proj_qkv", lora)                                  # [T, C]
         z = self.lin(x_TH, "in_proj_z", lora).view(T, nv, dv)
-        beta = torch.sigmoid(self.lin(x_TH, "in_proj_b", lora))                    # model dtype, as HF
-        a = self.lin(x_TH, "in_proj_a", lora)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = gdn_gates(self.lin(x_TH, "in_proj_b", lora), self.lin(x_TH, "in_proj_a", lora), self.A_log,
+                            self.dt_bias)
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         out = torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)
@@ -79,9 +79,8 @@ class GatedDeltaNet(Param):
         B = x_BH.shape[0]
         u = self.lin(x_BH, "in_proj_qkv", lora)
         z = self.lin(x_BH, "in_proj_z", lora).view(B, nv, dv)
-        beta = torch.sigmoid(self.lin(x_BH, "in_proj_b", lora))
-        a = self.lin(x_BH, "in_proj_a", lora)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g, beta = gdn_gates(self.lin(x_BH, "in_proj_b", lora), self.lin(x_BH, "in_proj_a", lora), self.A_log,
+                            self.dt_bias)
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         y, conv[slots_B] = causal_conv_step(u, self.conv1d_weight[:, 0, :], conv[slots_B])
         q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
