@@ -12,6 +12,7 @@ from collections import deque
 import torch
 
 from .errors import InputError
+from .model.batch import positions_3T
 from .model.sampling import SamplingParams
 
 
@@ -159,7 +160,7 @@ class Scheduler:
                 admit.append([s.slot, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, s.req.adapter, s.req.step0])
                 s.admitted = True
             s.in_flight, s.last_run = True, tick
-        mb = Microbatch(next(self._mb), take, ids, starts, counts, sample, self._cat_positions(pos), admit,
+        mb = Microbatch(next(self._mb), take, ids, starts, counts, sample, positions_3T(pos), admit,
                         self.pending_release)
         self.pending_release = []
         self.inflight[mb.mb] = mb
@@ -172,15 +173,6 @@ class Scheduler:
         if r.positions_3L is not None and s.fed < len(r.prompt):
             return r.positions_3L[:, s.fed:s.fed + c]
         return range(s.fed + r.rope_delta, s.fed + r.rope_delta + c)
-
-    @staticmethod
-    def _cat_positions(parts) -> torch.Tensor:
-        """[3, T] int64 for the microbatch: one tensor built from the text ranges (per-sequence torch calls were
-        most of a decode step's scheduling time at 64 sequences), image rows spliced where there are any."""
-        if all(isinstance(p, range) for p in parts):
-            return torch.tensor([x for p in parts for x in p], dtype=torch.long)[None].expand(3, -1).contiguous()
-        return torch.cat([p if isinstance(p, torch.Tensor) else torch.tensor(p, dtype=torch.long)[None].expand(3, -1)
-                          for p in parts], 1)
 
     def on_tokens(self, mb_id: int, tokens: list[int], logprobs: list[float]) -> list[Event]:
         """The primary's sampled tokens for microbatch `mb_id` (one per sampled sequence, in order)."""
