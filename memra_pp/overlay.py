@@ -179,7 +179,7 @@ class PublishedRows:
 
     @property
     def nbytes(self) -> int:
-        return self.shape[0] * self.shape[1] * torch.empty(0, dtype=self._torch_dtype()).element_size()
+        return self.shape[0] * self.shape[1] * self._torch_dtype().itemsize
 
     def _torch_dtype(self) -> torch.dtype:
         dtype = getattr(torch, self.dtype, None)

@@ -54,7 +54,7 @@ class StageRunner(RecoveryMixin):
         self.tower = None
         self.tower_ctx = None
         self.remote_encode = None       # set by the actor shell when the tower is another stage
-        self.pub_inbox = None           # intake: its publication slots (stages/pub_inbox.py), made at first use
+        self.pub_inbox = None           # intake: its publication slots (stages/pub_inbox.py), made by relink
         self._pub_lock = threading.Lock()
         self.inbox_writer = None        # tower: the intakes' slots it writes rows into
         self.rx_hashes = None           # battery: sha256 of each received activation while recording
@@ -191,13 +191,10 @@ class StageRunner(RecoveryMixin):
 
     def _remote_rows(self, pixels, grids, spans) -> EmbedOverlay:
         """Rows from the tower stage by host bounce: it writes their bytes into one of this stage's publication
-        slots (Ray carries the request and the rows' description only), and they land here from the slot."""
-        from .pub_inbox import PublicationInbox
-        with self._pub_lock:
-            if self.pub_inbox is None:
-                self.pub_inbox = PublicationInbox(f"{self.placement.name}_{self.index}")
+        slots (Ray carries the request and the rows' description only), and they land here from the slot. The
+        slots were made with the receiving side (relink), which reports their name prefix for clean-up."""
         nrows = max((off + n for _, off, n in spans), default=0)
-        nbytes = nrows * self.mc.text.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = nrows * self.mc.text.hidden_size * self.dtype.itemsize
         with self.pub_inbox.slot(nbytes, self.placement.timeouts.step_s) as (name, size, buf):
             pub = self.remote_encode(pixels, grids, spans, (name, size))
             ov = pub.land(self.engine, host=buf)

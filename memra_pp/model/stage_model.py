@@ -45,12 +45,7 @@ class Layer(nn.Module):
         positions (S > every pos). The eager decode; the graphs run decode_fused."""
         x = rms_norm(h_BH, self.ln1, self.eps)
         if self.full:
-            at: GatedAttention = self.mixer
-            q, gate, k, v = at.project(x, cos, sin, lora)
-            kp, vp = cache.k[self.i], cache.v[self.i]
-            kp[slots_B, :, pos_B] = k
-            vp[slots_B, :, pos_B] = v
-            m = at.output(attend_decode(q, kp[slots_B, :, :S], vp[slots_B, :, :S], pos_B + 1), gate, lora)
+            m = self._attend_decode(*self.mixer.project(x, cos, sin, lora), slots_B, pos_B, S, cache, lora)
         else:
             m = self.mixer.decode(x, slots_B, cache, lora)
         h_BH = h_BH + m
@@ -63,16 +58,18 @@ class Layer(nn.Module):
         from memra_pp.kernels.fused_decode import add_rms_norm
         h_BH, x = add_rms_norm(h_BH, pending, self.ln1, self.eps)
         if self.full:
-            at: GatedAttention = self.mixer
-            q, gate, k, v = at.project_fused(x, cos, sin)
-            kp, vp = cache.k[self.i], cache.v[self.i]
-            kp[slots_B, :, pos_B] = k
-            vp[slots_B, :, pos_B] = v
-            m = at.output(attend_decode(q, kp[slots_B, :, :S], vp[slots_B, :, :S], pos_B + 1), gate)
+            m = self._attend_decode(*self.mixer.project_fused(x, cos, sin), slots_B, pos_B, S, cache)
         else:
             m = self.mixer.decode_fused(x, slots_B, cache)
         h_BH, x = add_rms_norm(h_BH, m, self.ln2, self.eps)
         return h_BH, self.ffn.decode_fused(x)
+
+    def _attend_decode(self, q, gate, k, v, slots_B, pos_B, S: int, cache: StageCache, lora=None):
+        """Write one new key/value per sequence at its slot and position, attend over the first S positions."""
+        kp, vp = cache.k[self.i], cache.v[self.i]
+        kp[slots_B, :, pos_B] = k
+        vp[slots_B, :, pos_B] = v
+        return self.mixer.output(attend_decode(q, kp[slots_B, :, :S], vp[slots_B, :, :S], pos_B + 1), gate, lora)
 
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
