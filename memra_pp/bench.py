@@ -87,7 +87,8 @@ def format_report(r: dict) -> str:
     lines = [f"{r['concurrency']} concurrent x ({r['prompt_len']} in, {r['max_new_tokens']} out): "
              f"{r['generated_tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tokens/s; "
              f"steady decode {r['decode_tokens_per_s']:.1f} tokens/s; time to first token p50 "
-             f"{r['ttft_p50_s'] * 1e3:.0f} ms; request latency p50 {r['request_latency_p50_s']:.2f} s, p99 {r['request_latency_p99_s']:.2f} s",
+             f"{r['ttft_p50_s'] * 1e3:.0f} ms; request latency p50 {r['request_latency_p50_s']:.2f} s, "
+             f"p99 {r['request_latency_p99_s']:.2f} s",
              f"Ray actor call round trip (same run): p50 {r['ray_actor_call_p50_us']:.0f} us, "
              f"p99 {r['ray_actor_call_p99_us']:.0f} us",
              f"{'stage':>5} {'device':>8} {'layers':>9} {'busy':>6} {'microbatches':>12} {'handoffs':>9} "

@@ -200,12 +200,12 @@ class IntakeLoop(_Loop):
         microbatch while anything runs; admissions must not wait for the running batch to finish)."""
         r, sched = self.r, self.sched
         while not self.stopping.is_set():
-            t = time.monotonic()
+            t, tok = time.monotonic(), self.phase_s.get("tokens", 0.0)
             worked = self._drain(block=False)
             mb, evs = sched.next_microbatch()
             r.mail.post(evs)
-            if mb is not None:
-                self._phase("schedule", t)
+            if mb is not None:   # schedule: inbox, admissions, next microbatch; ring tokens count as "tokens"
+                self._phase("schedule", t + self.phase_s.get("tokens", 0.0) - tok)
                 self._run_mb(mb)
             elif not worked:
                 self._drain(block=True)

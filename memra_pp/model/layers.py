@@ -64,7 +64,7 @@ class DenseMLP(Param):
         from memra_pp.kernels.fused_decode import silu_mul
         return F.linear(silu_mul(F.linear(x_BH, self.gate_up)), self.down_proj_weight)
 
-    def forward(self, x, lora=None, static: bool = False):
+    def forward(self, x, lora=None):
         return self.lin(F.silu(self.lin(x, "gate_proj", lora)) * self.lin(x, "up_proj", lora), "down_proj", lora)
 
 
