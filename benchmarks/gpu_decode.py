@@ -119,25 +119,37 @@ def run_hf(concurrencies, prompt_len: int, new: int, save=None) -> list[dict]:
         torch.set_default_dtype(torch.bfloat16)
         model = Qwen3_5ForCausalLM(cfg).eval()
         torch.set_default_dtype(torch.float32)
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        """Called once per generated token (after its forward): a timestamp per step, so the decode rate is
+        measured over the steps themselves, like memra_pp's steady-state window (generate syncs every step)."""
+        def __init__(self):
+            self.t = []
+
+        def __call__(self, input_ids, scores):
+            torch.cuda.synchronize()
+            self.t.append(time.perf_counter())
+            return scores
+
     out = []
     for c in concurrencies:
         ids = torch.randint(4, cfg.vocab_size, (c, prompt_len), device="cuda")
-        walls = {}
         with torch.no_grad():
             model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)
-            for m in (1, new):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=m, min_new_tokens=m,
-                               do_sample=False)
-                torch.cuda.synchronize()
-                walls[m] = time.perf_counter() - t
-        dt = walls[new]
-        dec = c * (new - 1) / max(1e-9, walls[new] - walls[1])
+            stamp = Stamp()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, logits_processor=LogitsProcessorList([stamp]))
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+        st = stamp.t
+        dec = c * (len(st) - 1) / max(1e-9, st[-1] - st[0])
         out.append({"system": "transformers", "concurrency": c, "tokens_per_s": c * new / dt, "wall_s": dt,
-                    "decode_tokens_per_s": dec})
-        print(f"  transformers, {c} concurrent: {c * new / dt:.1f} tokens/s end to end, decode {dec:.1f}",
-              flush=True)
+                    "decode_tokens_per_s": dec, "ttft_s": st[0] - t})
+        print(f"  transformers, {c} concurrent: {c * new / dt:.1f} tokens/s end to end, decode {dec:.1f}, "
+              f"first token {st[0] - t:.2f} s", flush=True)
         if save:
             save(out)
     del model

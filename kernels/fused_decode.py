@@ -5,6 +5,7 @@ step of 64 layers was ~4,300 kernels, two thirds of them a few microseconds of e
 - gated_rms_norm: the linear-attention output norm gated by silu(z), z read in place from the projection.
 - silu_mul: silu(gate) * up from the merged gate/up projection.
 - conv_step: the causal depthwise conv of one decode token, its window state shifted in place at the slots.
+- decode_attention: one query per sequence against its slot of the KV pools, read in place (no gather), gated.
 - gdn_decode_fused: the Gated DeltaNet step of kernels/gdn_decode.py reading q, k, v from the conv output and the
   raw b / a projections (beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) computed in the kernel).
 
@@ -43,29 +44,39 @@ def _rows3(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- RMSNorm (+ residual) -------------------------------------------------------------------------------------------
-def add_rms_norm_ref(x, res, w, eps: float, plus_one: bool = True):
-    """(s, norm(s)) with s = x + res (or x when res is None); the torch ops of layers.rms_norm."""
+def add_rms_norm_ref(x, res, w, eps: float, plus_one: bool = True, rope=None):
+    """(s, norm(s)) with s = x + res (or x when res is None); the torch ops of layers.rms_norm (then
+    attention.apply_rope with rope = (cos, sin) [R0, r])."""
     s = x if res is None else x + res
     sf = s.float()
     y = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
     wf = (1.0 + w.float()) if plus_one else w.float()
-    return s, (y * wf).to(s.dtype)
+    y = (y * wf).to(s.dtype)
+    if rope is not None:
+        from memra_pp.model.attention import apply_rope
+        y = apply_rope(y, *rope)
+    return s, y
 
 
-def add_rms_norm(x, res, w, eps: float, plus_one: bool = True):
+def add_rms_norm(x, res, w, eps: float, plus_one: bool = True, rope=None):
     """x [R, D] or [R0, R1, D] (rows may be strided, as a view into a projection); res like x or None. Returns
-    (x + res, or x itself when res is None) and the normed rows, both [R0 * R1, D]-shaped like x but contiguous."""
+    (x + res, or x itself when res is None) and the normed rows, both [R0 * R1, D]-shaped like x but contiguous.
+    rope = (cos, sin) [R0, r]: the normed rows (the per-head q / k norms) are also rotated, partial rotary on
+    their first r dims, as attention.apply_rope rounds."""
     if not _triton(x):
-        return add_rms_norm_ref(x, res, w, eps, plus_one)
+        return add_rms_norm_ref(x, res, w, eps, plus_one, rope)
     x3 = _rows3(x)
     R0, R1, D = x3.shape
     assert x3.stride(2) == 1 and w.is_contiguous()
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     s = out if res is None else torch.empty_like(out)
     r3 = x3 if res is None else _rows3(res)
-    _add_rms_norm_kernel[(R0 * R1,)](x3, r3, w, s, out, eps, R1, x3.stride(0), x3.stride(1), r3.stride(0),
-                                     r3.stride(1), D=D, BLOCK=triton.next_power_of_2(D), HAS_RES=res is not None,
-                                     PLUS_ONE=plus_one, num_warps=8 if D >= 2048 else 1)
+    cos, sin = rope if rope is not None else (w, w)
+    assert cos.is_contiguous() and sin.is_contiguous()
+    _add_rms_norm_kernel[(R0 * R1,)](x3, r3, w, s, out, cos, sin, eps, R1, x3.stride(0), x3.stride(1),
+                                     r3.stride(0), r3.stride(1), D=D, BLOCK=triton.next_power_of_2(D),
+                                     HAS_RES=res is not None, PLUS_ONE=plus_one,
+                                     ROPE=0 if rope is None else cos.shape[-1], num_warps=8 if D >= 2048 else 1)
     return (x if res is None else s.view(x.shape)), out.view(x.shape)
 
 
@@ -152,10 +163,131 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
                              nk, tile, raw_gates=(A_log, dt_bias))
 
 
+# -- decode attention over the slot pools -------------------------------------------------------------------------
+def decode_attention_ref(q_BHD, gate, kp, vp, slots_B, lens_B, S: int):
+    """attention.attend_decode over the slots' first S positions (gathered), times sigmoid(gate)."""
+    from memra_pp.model.attention import attend_decode
+    B = q_BHD.shape[0]
+    o = attend_decode(q_BHD, kp[slots_B, :, :S], vp[slots_B, :, :S], lens_B)
+    return o * torch.sigmoid(gate.reshape(B, -1))
+
+
+def decode_attention(q_BHD, gate, kp, vp, slots_B, lens_B, S: int, block: int = 64):
+    """One query per sequence against its own slot of the KV pools [N, nkv, Smax, D], keys s < lens_B[b] visible
+    (lens <= S), output gated by sigmoid(gate) ([B, nh * D] or a [B, nh, D] view): [B, nh * D]. The keys are read
+    in place (no gather of the slots' caches); a long cache is split over programs (flash decoding) when the
+    batch alone would leave the GPU idle, and the splits are combined in a second kernel."""
+    B, nh, D = q_BHD.shape
+    if not _triton(q_BHD) or D < 16 or D & (D - 1):      # tl.dot needs a power-of-two head dim >= 16
+        return decode_attention_ref(q_BHD, gate, kp, vp, slots_B, lens_B, S)
+    nkv = kp.shape[1]
+    g3 = gate.view(B, nh, D) if gate.dim() == 2 else gate
+    assert q_BHD.stride(2) == 1 and g3.stride(2) == 1 and kp.stride(3) == 1 and vp.stride(3) == 1
+    assert kp.stride() == vp.stride()
+    group = nh // nkv
+    blocks = triton.cdiv(S, block)
+    splits = max(1, min(blocks, triton.cdiv(2 * _sms(q_BHD.device), B * nkv)))
+    chunk = triton.cdiv(blocks, splits) * block
+    splits = triton.cdiv(S, chunk)
+    out = torch.empty(B, nh * D, dtype=q_BHD.dtype, device=q_BHD.device)
+    mid = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
+    lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
+    _decode_attn_kernel[(B, nkv, splits)](
+        q_BHD, kp, vp, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1), kp.stride(0),
+        kp.stride(1), kp.stride(2), g3.stride(0), g3.stride(1), D ** -0.5, chunk, GROUP=group,
+        GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, SPLITS=splits,
+        IEEE=q_BHD.dtype == torch.float32, num_warps=4, num_stages=2)
+    if splits > 1:
+        _attn_combine_kernel[(B, nh)](mid, lse, g3, out, g3.stride(0), g3.stride(1), D=D, SPLITS=splits,
+                                      SP=triton.next_power_of_2(splits), num_warps=4)
+    return out
+
+
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
 if triton is not None:
     @triton.jit
-    def _add_rms_norm_kernel(x, r, w, s, out, eps, R1, sx0, sx1, sr0, sr1, D: tl.constexpr, BLOCK: tl.constexpr,
-                             HAS_RES: tl.constexpr, PLUS_ONE: tl.constexpr):
+    def _decode_attn_kernel(Q, K, V, SLOTS, LENS, G, O, MID, LSE, sqb, sqh, skn, skh, sks, sgb, sgh, scale, CHUNK,
+                            GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                            SPLITS: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        kh = tl.program_id(1).to(tl.int64)
+        sp = tl.program_id(2)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        L = tl.load(LENS + b).to(tl.int32)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        gm = g < GROUP
+        h = kh * GROUP + g
+        q = tl.load(Q + b * sqb + h[:, None] * sqh + d[None, :], mask=gm[:, None], other=0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        base = slot * skn + kh * skh
+        start = sp * CHUNK
+        end = tl.minimum(start + CHUNK, L)
+        for s0 in range(start, end, BS):
+            s = s0 + tl.arange(0, BS)
+            sm = s < end
+            off = base + s[:, None].to(tl.int64) * sks + d[None, :]
+            k = tl.load(K + off, mask=sm[:, None], other=0)
+            if IEEE:
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(k))
+            qk = tl.where(sm[None, :], qk * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + off, mask=sm[:, None], other=0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        if SPLITS == 1:
+            o = acc / l_i[:, None]
+            gt = tl.load(G + b * sgb + h[:, None] * sgh + d[None, :], mask=gm[:, None], other=0).to(tl.float32)
+            o = o * (1.0 / (1.0 + tl.exp(-gt)))
+            tl.store(O + b * (GROUP * D) * tl.num_programs(1) + h[:, None] * D + d[None, :],
+                     o.to(q.dtype), mask=gm[:, None])
+        else:
+            nh = GROUP * tl.num_programs(1)
+            row = (b * nh + h) * SPLITS + sp
+            safe = tl.where(l_i > 0, l_i, 1.0)
+            tl.store(MID + row[:, None] * D + d[None, :], acc / safe[:, None], mask=gm[:, None])
+            tl.store(LSE + row, tl.where(l_i > 0, m_i + tl.log(safe), float("-inf")), mask=gm)
+
+    @triton.jit
+    def _attn_combine_kernel(MID, LSE, G, O, sgb, sgh, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        nh = tl.num_programs(1)
+        i = tl.arange(0, SP)
+        d = tl.arange(0, D)
+        row = (b * nh + h) * SPLITS
+        lse = tl.load(LSE + row + i, mask=i < SPLITS, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, 0))
+        mid = tl.load(MID + (row + i)[:, None] * D + d[None, :], mask=(i < SPLITS)[:, None], other=0)
+        o = tl.sum(mid * w[:, None], 0) / tl.sum(w, 0)
+        gt = tl.load(G + b * sgb + h * sgh + d).to(tl.float32)
+        o = o * (1.0 / (1.0 + tl.exp(-gt)))
+        tl.store(O + (b * nh + h) * D + d, o.to(O.dtype.element_ty))
+
+    @triton.jit
+    def _add_rms_norm_kernel(x, r, w, s, out, cos, sin, eps, R1, sx0, sx1, sr0, sr1, D: tl.constexpr,
+                             BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PLUS_ONE: tl.constexpr, ROPE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         i0, i1 = row // R1, row % R1
         o = tl.arange(0, BLOCK)
@@ -167,11 +299,30 @@ if triton is not None:
             tl.store(s + row * D + o, xv, mask=m)
         xf = xv.to(tl.float32)
         var = tl.sum(xf * xf, 0) / D
-        y = xf * (1.0 / tl.sqrt(var + eps))
+        inv = 1.0 / tl.sqrt(var + eps)
         wf = tl.load(w + o, mask=m, other=0).to(tl.float32)
         if PLUS_ONE:
             wf = 1.0 + wf
-        tl.store(out + row * D + o, (y * wf).to(xv.dtype), mask=m)
+        y = (xf * inv * wf).to(xv.dtype)
+        if ROPE > 0:   # rotate_half partner of dim j < ROPE: j + ROPE/2 (negated) or j - ROPE/2, normed the same way
+            half: tl.constexpr = ROPE // 2
+            rm = o < ROPE
+            pj = tl.where(o < half, o + half, o - half)
+            xp = tl.load(x + i0 * sx0 + i1 * sx1 + pj, mask=rm, other=0).to(tl.float32)
+            if HAS_RES:
+                xp = (xp + tl.load(r + i0 * sr0 + i1 * sr1 + pj, mask=rm, other=0).to(tl.float32)).to(xv.dtype)
+                xp = xp.to(tl.float32)
+            wp = tl.load(w + pj, mask=rm, other=0).to(tl.float32)
+            if PLUS_ONE:
+                wp = 1.0 + wp
+            yp = (xp * inv * wp).to(xv.dtype).to(tl.float32)
+            yp = tl.where(o < half, -yp, yp)
+            c = tl.load(cos + i0 * ROPE + o, mask=rm, other=0).to(tl.float32)
+            sn = tl.load(sin + i0 * ROPE + o, mask=rm, other=0).to(tl.float32)
+            a = (y.to(tl.float32) * c).to(xv.dtype).to(tl.float32)
+            bb = (yp * sn).to(xv.dtype).to(tl.float32)
+            y = tl.where(rm, (a + bb).to(xv.dtype), y)
+        tl.store(out + row * D + o, y, mask=m)
 
     @triton.jit
     def _gated_rms_norm_kernel(o_ptr, z, w, out, eps, HV, sz0, sz1, D: tl.constexpr, BLOCK: tl.constexpr):

@@ -79,7 +79,8 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             "request_latency_p50_s": _pct(lat, 0.5), "request_latency_p99_s": _pct(lat, 0.99),
             "ray_actor_call_p50_us": p50, "ray_actor_call_p99_us": p99,
             "stages": [{k: s.get(k) for k in ("index", "device", "layers", "busy", "microbatches", "handoffs",
-                                              "handoff_p50_us", "handoff_p99_us", "phase_us_per_microbatch")}
+                                              "handoff_p50_us", "handoff_p99_us", "phase_us_per_microbatch",
+                                              "async_steps")}
                        for s in st]}
 
 

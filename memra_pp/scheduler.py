@@ -39,8 +39,9 @@ class Seq:
     fed: int = 0                                  # tokens whose cache entries exist on every stage
     out: list[int] = dataclasses.field(default_factory=list)
     lps: list[float] = dataclasses.field(default_factory=list)
-    in_flight: bool = False
+    in_flight: int = 0                            # microbatches holding it (two while a continuation runs)
     admitted: bool = False                        # the primary has its sampling params
+    done: bool = False                            # finished: tokens of a continuation still in flight are dropped
     last_run: int = 0
 
     @property
@@ -59,6 +60,8 @@ class Microbatch:
     pos_3T: torch.Tensor
     admit: list[list]                             # [slot, temperature, top_k, top_p, min_p, seed, adapter, step0]
     release: list[int]
+    feed: list[int] | None = None                 # a continuation: ids are these rows of the previous
+                                                  # microbatch's sampled tokens, still on the device (ids unknown)
 
 
 @dataclasses.dataclass
@@ -80,6 +83,7 @@ class Scheduler:
         self.inflight: dict[int, Microbatch] = {}
         self.pending_release: list[int] = []
         self._mb = itertools.count()
+        self.dropped = 0                          # tokens of continuations whose sequence had already ended
         self._tick = itertools.count()
 
     def add(self, r: Request) -> None:
@@ -98,6 +102,38 @@ class Scheduler:
 
     def idle(self) -> bool:
         return not self.waiting and not self.active
+
+    def has_ready_work(self) -> bool:
+        """Is there anything next_microbatch could take besides what is in flight (new requests, idle seqs)?"""
+        return bool(self.waiting) or any(not s.in_flight for s in self.active.values())
+
+    def continue_microbatch(self, mb: Microbatch) -> Microbatch | None:
+        """The next decode step of `mb`'s sampling sequences, cut before `mb`'s tokens are back (async
+        scheduling: the device runs it while the host reads `mb`'s tokens). Sequences that certainly end with
+        `mb`'s token (length, max_context, abort) are left out; one that ends on a stop token is found only when
+        the tokens arrive, and its continuation's token is dropped. The ids are `mb`'s sampled tokens (`feed`
+        names the rows), so only the device knows them."""
+        take, feed = [], []
+        row = 0
+        for s, st, c, smp in zip(mb.seqs, mb.starts, mb.counts, mb.sample):
+            if not smp:
+                continue
+            if not s.done and len(s.out) + 1 < s.req.max_new_tokens and st + c + 1 <= self.max_context:
+                take.append((s, st + c))
+                feed.append(row)
+            row += 1
+        if not take:
+            return None
+        tick = next(self._tick)
+        for s, _ in take:
+            s.in_flight += 1
+            s.last_run = tick
+        starts = [st for _, st in take]
+        pos = [range(st + s.req.rope_delta, st + s.req.rope_delta + 1) for s, st in take]
+        nxt = Microbatch(next(self._mb), [s for s, _ in take], [], starts, [1] * len(take), [True] * len(take),
+                         positions_3T(pos), [], [], feed)
+        self.inflight[nxt.mb] = nxt
+        return nxt
 
     def abort(self, rid: str) -> list[Event]:
         for i, r in enumerate(self.waiting):
@@ -159,7 +195,7 @@ class Scheduler:
                 p = s.req.params
                 admit.append([s.slot, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, s.req.adapter, s.req.step0])
                 s.admitted = True
-            s.in_flight, s.last_run = True, tick
+            s.in_flight, s.last_run = s.in_flight + 1, tick
         mb = Microbatch(next(self._mb), take, ids, starts, counts, sample, positions_3T(pos), admit,
                         self.pending_release)
         self.pending_release = []
@@ -182,11 +218,14 @@ class Scheduler:
         it = iter(zip(tokens, logprobs))
         events = []
         for s, c, smp in zip(mb.seqs, mb.counts, mb.sample):
-            s.in_flight = False
+            s.in_flight -= 1
+            t, lp = next(it) if smp else (None, None)
+            if s.done:          # ended while this (continuation) microbatch ran: its token is dropped
+                self.dropped += smp
+                continue
             s.fed += c
             if not smp:
                 continue
-            t, lp = next(it)
             s.out.append(t)
             s.lps.append(lp)
             r = s.req
@@ -201,6 +240,7 @@ class Scheduler:
         return events
 
     def _finish(self, s: Seq) -> None:
+        s.done = True
         del self.active[s.slot]
         self.free_slots.append(s.slot)
         self.pending_release.append(s.slot)
@@ -215,9 +255,10 @@ class Scheduler:
             return []
         evs = []
         for s in mb.seqs:
-            s.in_flight = False
-            evs.append(Event(s.req.client, s.req.rid, [], [], "error", (etype, message)))
-            self._finish(s)
+            s.in_flight -= 1
+            if not s.done:
+                evs.append(Event(s.req.client, s.req.rid, [], [], "error", (etype, message)))
+                self._finish(s)
         return evs
 
     def fail_all(self, etype: str, message: str, stage: int | None = None) -> list[Event]:

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import MemraError, ProtocolError
 from ..model.batch import StepBatch
-from ..model.sampling import SamplingParams, sample
+from ..model.sampling import PendingTokens, SamplingParams, sample_async
 from ..battery_stage import hash_rx
 from .channel import ChannelClosed
 
@@ -34,12 +34,13 @@ class Sampler:
             self.params[slot] = SamplingParams(t, k, p, mp, seed)
             self.steps[slot] = step0     # a replayed request continues its seeded (seed, step) draws
 
-    def __call__(self, logits, b: StepBatch):
+    def __call__(self, logits, b: StepBatch) -> PendingTokens:
+        """Sample the step's rows; an all-greedy step is only enqueued (the device keeps its tokens)."""
         slots = [s for s, smp in zip(b.slots, b.sample) if smp]
-        toks, lps = sample(logits, [self.params[s] for s in slots], [self.steps[s] for s in slots], self.rng)
+        out = sample_async(logits, [self.params[s] for s in slots], [self.steps[s] for s in slots], self.rng)
         for s in slots:
             self.steps[s] += 1
-        return toks, lps
+        return out
 
 
 def mb_error(mb: int, stage: int, e: BaseException) -> dict:
@@ -57,6 +58,8 @@ class _Loop:
         self.r = runner
         self.stopping = threading.Event()
         self.busy_s, self.microbatches, self.t0 = 0.0, 0, time.monotonic()
+        self._busy_mark = 0.0
+        self.continued = 0                  # decode steps cut before the previous step's tokens were back
         self.phase_s: dict[str, float] = {}  # host time per phase of the loop (where a step's time goes)
         self.error: str | None = None
         self.computing_since: float | None = None
@@ -75,6 +78,7 @@ class _Loop:
     def stats(self, reset: bool = False) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
         out = {"busy": self.busy_s / wall, "microbatches": self.microbatches, "loop_error": self.error,
+               "async_steps": self.continued,
                "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
                                            for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys
         if reset:
@@ -108,25 +112,87 @@ class _Loop:
         self.phase_s[name] = self.phase_s.get(name, 0.0) + now - t
         return now
 
-    def compute(self, b: StepBatch, h):
-        t = self.computing_since = time.monotonic()   # the supervisor reads how long one microbatch takes
+    def compute(self, b: StepBatch, h, wait: bool = True):
+        """Run the stage's layers on microbatch `b` (and sample, on the primary: then the tokens are returned, or
+        with wait=False a PendingTokens whose wait the caller accounts for with `_resolved`)."""
+        t, before = time.monotonic(), self.computing_since
+        if wait or before is None:
+            self.computing_since = t                   # the supervisor reads how long one microbatch takes
         r = self.r
-        if r.stall_s:                                  # fault injection (StageRunner.inject_stall)
-            stall, r.stall_s = r.stall_s, 0.0
-            time.sleep(stall)
-        out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
-        t1 = self._phase("model", t)        # on a GPU: launching (a graph replay is one launch)
-        if self.sampler is not None:
-            out = self.sampler(out, b)
-            self._phase("sample", t1)       # waits for the device: the step's device time shows here
+        try:
+            if r.stall_s:                              # fault injection (StageRunner.inject_stall)
+                stall, r.stall_s = r.stall_s, 0.0
+                time.sleep(stall)
+            out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
+            t1 = self._phase("model", t)    # on a GPU: launching (a graph replay is one launch)
+            self.microbatches += 1
+            if self.sampler is not None:
+                out = self.sampler(out, b)
+                t1 = self._phase("sample", t1)
+                if not wait:
+                    return out
+                out = out.result()
+                self._phase("wait", t1)     # waits for the device: the step's device time shows here
+        except BaseException:
+            self.computing_since = None if wait else before   # a failed microbatch is not a stuck one
+            raise
         self.computing_since = None
         self.busy_s += time.monotonic() - t
-        self.microbatches += 1
         return out
+
+    def _resolved(self, launched: float, since: float | None) -> None:
+        """An asynchronously launched microbatch's tokens are back: the device was busy from its launch (or the
+        previous resolution) until now; `since` is when the next in-flight one was launched (None: none is)."""
+        now = time.monotonic()
+        self.busy_s += now - max(launched, self._busy_mark)
+        self._busy_mark, self.computing_since = now, since
 
 
 class StageLoop(_Loop):
-    """Stage i > 0: receive a microbatch, run the layers, free the slot, pass it on (or sample and ring it)."""
+    """Stage i > 0: receive a microbatch, run the layers, free the slot, pass it on (or sample and ring it).
+    The primary does not wait for its tokens: a ring thread waits for each step's tokens, in order, and sends
+    them back to the intake, while this loop already receives and launches the next microbatch."""
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.ring_thread = None
+        if self.sampler is not None:
+            self.ringq: queue.Queue = queue.Queue()
+            self.ring_thread = threading.Thread(target=self._send_ring, name="memra-ring-out", daemon=True)
+
+    def start(self):
+        if self.ring_thread:
+            self.ring_thread.start()
+        super().start()
+
+    def _send_ring(self):
+        """The primary's ring writer: tokens (once the device has them) and failures, in microbatch order."""
+        try:
+            self.r.engine.make_current()    # the events it waits on belong to the stage's context
+            self._ring_out()
+        except Exception as e:  # the ring is lost: say why (health() sees the thread gone)
+            self.error = traceback.format_exc()
+            self.lost_link = isinstance(e, (ChannelClosed, TimeoutError))
+
+    def _ring_out(self):
+        r = self.r
+        while not self.stopping.is_set():
+            try:
+                hdr, pend, launched = self.ringq.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if pend is not None:
+                t = time.monotonic()
+                try:
+                    toks, lps = pend.result()
+                    hdr = {"kind": "tokens", "mb": hdr["mb"], "tokens": toks, "logprobs": lps}
+                except Exception as e:  # pragma: no cover - a device fault surfaces here; the microbatch fails
+                    hdr = mb_error(hdr["mb"], r.index, e)
+                self._phase("wait", t)
+                with self.ringq.mutex:
+                    nxt = self.ringq.queue[0][2] if self.ringq.queue else None
+                self._resolved(launched, nxt)
+            r.ring.send(hdr)
 
     def run(self):
         r = self.r
@@ -145,21 +211,19 @@ class StageLoop(_Loop):
                         self.sampler.admit(hdr.get("admit", ()), hdr.get("release", ()))
                     if r.rx_hashes is not None:
                         hash_rx(r, view)
-                    out = self.compute(batch_of(hdr), view)
+                    launched = time.monotonic()
+                    out = self.compute(batch_of(hdr), view, wait=self.sampler is None)
                 except Exception as e:  # this microbatch fails; the stage keeps serving the others
                     hdr = mb_error(hdr["mb"], r.index, e)
                 finally:
                     if slot is not None:
                         r.receiver.free(slot)
-            self._forward(hdr, out, step)
+            self._forward(hdr, out, step, launched if out is not None else 0.0)
 
-    def _forward(self, hdr, out, step):
+    def _forward(self, hdr, out, step, launched=0.0):
         r = self.r
-        if hdr["kind"] == "step" and self.sampler is not None:
-            toks, lps = out
-            r.ring.send({"kind": "tokens", "mb": hdr["mb"], "tokens": toks, "logprobs": lps})
-        elif self.sampler is not None:
-            r.ring.send(hdr)
+        if self.sampler is not None:      # the ring thread waits for the tokens and sends them (or the error)
+            self.ringq.put((hdr, out if hdr["kind"] == "step" else None, launched))
         else:
             r.sender.send(hdr, out if hdr["kind"] == "step" else None, timeout=step)
 
@@ -171,9 +235,15 @@ class IntakeLoop(_Loop):
     def __init__(self, runner):
         super().__init__(runner)
         self.sched = runner.scheduler
+        self.pending = None     # one stage: (microbatch, PendingTokens, launch time) on the device, tokens unread
         self.ring_thread = None
         if runner.ring is not None:
             self.ring_thread = threading.Thread(target=self._read_ring, name="memra-ring", daemon=True)
+
+    def stats(self, reset: bool = False) -> dict:
+        out = super().stats(reset)
+        out["async_dropped"] = self.sched.dropped
+        return out
 
     def start(self):
         if self.ring_thread:
@@ -202,6 +272,9 @@ class IntakeLoop(_Loop):
         while not self.stopping.is_set():
             t, tok = time.monotonic(), self.phase_s.get("tokens", 0.0)
             worked = self._drain(block=False)
+            if self.pending is not None:
+                self._advance()
+                continue
             mb, evs = sched.next_microbatch()
             r.mail.post(evs)
             if mb is not None:   # schedule: inbox, admissions, next microbatch; ring tokens count as "tokens"
@@ -236,30 +309,68 @@ class IntakeLoop(_Loop):
             elif kind == "dead":
                 r.mail.post(sched.fail_all("StageFailed", item[1], item[0]))
 
-    def _run_mb(self, mb):
+    def _advance(self):
+        """One stage: a step is on the device. While nothing else waits to be scheduled and its tokens are on the
+        device, cut and launch the next decode step of its sequences first (fed from those tokens), then read
+        its tokens: the host's scheduling and bookkeeping overlap the device's step instead of following it."""
+        mb, pend, launched = self.pending
+        self.pending = nxt = None
+        if pend.device is not None and not self.sched.has_ready_work():
+            t = time.monotonic()
+            cont = self.sched.continue_microbatch(mb)
+            self._phase("schedule", t)
+            if cont is not None:
+                self.continued += 1
+                nxt = self._run_mb(cont, pend.device)
+        t = time.monotonic()
+        try:
+            toks, lps = pend.result()
+        except Exception as e:  # pragma: no cover - a device fault surfaces here; the microbatch fails
+            self.r.mail.post(self.sched.fail_mb(mb.mb, "StageFailed", f"stage 0 failed a microbatch: "
+                                                f"{type(e).__name__}: {e}"))
+            toks = None
+        self._phase("wait", t)
+        self._resolved(launched, nxt[2] if nxt is not None else None)
+        if toks is not None:
+            t = time.monotonic()
+            self.r.mail.post(self.sched.on_tokens(mb.mb, toks, lps))
+            self._phase("tokens", t)
+        self.pending = nxt
+
+    def _ids(self, mb, fed_from):
+        """The microbatch's token ids: from the host, or (a continuation) rows of the previous step's tokens."""
+        if mb.feed is None:
+            return torch.tensor(mb.ids)
+        if mb.feed == list(range(fed_from.shape[0])):
+            return fed_from
+        return fed_from[torch.tensor(mb.feed, device=fed_from.device)]
+
+    def _run_mb(self, mb, fed_from=None):
+        """Embed and run one microbatch. One stage: launch it and return (mb, PendingTokens, launch time) for
+        `_advance`, or make `self.pending` of it; else send it to stage 1."""
         r = self.r
         t = time.monotonic()
         ad = [s.req.adapter for s in mb.seqs]
         b = StepBatch([s.slot for s in mb.seqs], mb.starts, mb.counts, mb.pos_3T, mb.sample,
                       ad if any(a >= 0 for a in ad) else None)
         try:
-            h = r.model.embed_ids(torch.tensor(mb.ids), b, token_overlay=r.token_overlay)
+            h = r.model.embed_ids(self._ids(mb, fed_from), b, token_overlay=r.token_overlay)
             for s, off, start, c in zip(mb.seqs, b.offsets, mb.starts, mb.counts):
                 if s.req.images is not None and start < len(s.req.prompt):
                     s.req.images.splice_into(r.engine, h[off:off + c], start)
             if self.sampler is not None:
                 self.sampler.admit(mb.admit, mb.release)
             self._phase("embed", t)
-            out = self.compute(b, h)
+            out = self.compute(b, h, wait=self.sampler is None)
         except Exception as e:  # this microbatch fails; the loop keeps serving
             r.mail.post(self.sched.fail_mb(mb.mb, "StageFailed", f"stage 0 failed a microbatch: "
                                            f"{type(e).__name__}: {e}"))
-            return
+            return None
         if self.sampler is not None:
-            t = time.monotonic()
-            r.mail.post(self.sched.on_tokens(mb.mb, *out))
-            self._phase("tokens", t)
-            return
+            launched = (mb, out, t)
+            if fed_from is None:
+                self.pending = launched
+            return launched
         hdr = {"kind": "step", "mb": mb.mb, "slots": b.slots, "starts": mb.starts, "counts": mb.counts,
                "sample": mb.sample, "pos": mb.pos_3T.to(torch.int32), "admit": mb.admit, "release": mb.release,
                "adapters": b.adapter_slots}

@@ -37,6 +37,11 @@ wq = torch.randn(16, dtype=dt)
 a, b = fd.add_rms_norm(q, None, wq, 1e-6)[1], ref(fd.add_rms_norm, q, None, wq, 1e-6)[1]
 assert a.shape == (2, 3, 16) and a.is_contiguous(); close(a, b, tol)
 close(fd.add_rms_norm(x, None, w, 1e-6, False)[1], ref(fd.add_rms_norm, x, None, w, 1e-6, False)[1], tol)
+# the q norm with its partial rotary embedding (8 of 16 dims), on the strided q heads
+cs = (torch.randn(2, 8, dtype=dt), torch.randn(2, 8, dtype=dt))
+close(fd.add_rms_norm(q, None, wq, 1e-6, rope=cs)[1], ref(fd.add_rms_norm, q, None, wq, 1e-6, True, cs)[1], tol)
+cs = (torch.randn(2, 16, dtype=dt), torch.randn(2, 16, dtype=dt))          # every dim rotated
+close(fd.add_rms_norm(q, None, wq, 1e-6, rope=cs)[1], ref(fd.add_rms_norm, q, None, wq, 1e-6, True, cs)[1], tol)
 # gated norm with z a strided view
 o = torch.randn(2, 4, 16, dtype=dt)
 Pz = torch.randn(2, 100, dtype=dt)
@@ -84,4 +89,17 @@ close(gdn_decode_triton(q, k, v, g, beta, pe, slots, Kd ** -0.5), gdn_decode_ref
                                                                                   Kd ** -0.5), tol)
 close(pe, pf, tol)
 assert torch.equal(pe[[1, 2, 5]], pool[[1, 2, 5]])
+# decode attention over the slot pools: GQA (3 query heads per kv head), the gate a strided view into the
+# projection, slots out of order (one the scratch slot), lens up to S; one program per head, and split over S
+Bq, nkv, G3, Dh, N, Smax, S = 3, 2, 3, 32, 6, 192, 160
+Pq = torch.randn(Bq, nkv * G3 * 2 * Dh, dtype=dt)
+qa = torch.randn(Bq, nkv * G3, Dh, dtype=dt)
+gv = Pq.view(Bq, nkv * G3, 2 * Dh)[..., Dh:]
+kp, vp = torch.randn(N, nkv, Smax, Dh, dtype=dt), torch.randn(N, nkv, Smax, Dh, dtype=dt)
+sl, ln = torch.tensor([4, 1, 5]), torch.tensor([160, 1, 97])
+# (Triton 3.9's interpreter computes tl.dot of bfloat16 operands wrongly, so bf16 runs compiled on the GPU only)
+for blk in ((64, 256) if dt == torch.float32 or sys.argv[2] == "cuda" else ()):
+    # 64: the 160 keys split over two programs and combined; 256: one block, no split
+    close(fd.decode_attention(qa, gv, kp, vp, sl, ln, S, block=blk),
+          ref(fd.decode_attention, qa, gv, kp, vp, sl, ln, S), tol)
 print("fused ok", dt, sys.argv[2])

@@ -43,6 +43,30 @@ def test_launch_parity(ray_cluster, kind, tied, n_stages):
         assert all(s["microbatches"] > 0 for s in st), st
         if n_stages > 1:
             assert all(s["handoffs"] > 0 for s in st), "boundary slots must have carried the microbatches"
+        else:   # one stage schedules asynchronously: decode steps were cut before the previous tokens were read
+            assert st[0]["async_steps"] > 0, st
+
+
+def test_async_steps_drop_tokens_after_a_stop(ray_cluster):
+    """One stage cuts step n+1 before step n's tokens are read, so a sequence that ends on a stop token at step n
+    already has step n+1 on the device: that token must be dropped, and the slot it wrote into must serve the
+    next request correctly. Requests with and without stops run together; the stop lands at different steps."""
+    kind, tied = "dense", False
+    _, path = tiny_checkpoint(kind, tied)
+    with memra_pp.launch(config(path, 1)) as dep:
+        c = dep.client()
+        refs = {p: hf_reference(kind, tied, p, NEW)[0] for p in PROMPTS}
+
+        async def go():
+            return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, stop_token_ids=[refs[p][k]])
+                                          for k, p in zip((2, 4, 0, 6), PROMPTS)])
+        for k, p, r in zip((2, 4, 0, 6), PROMPTS, asyncio.run(go())):
+            first = refs[p].index(refs[p][k])      # the stop id may occur earlier in the reference
+            assert r.token_ids == refs[p][:first + 1] and r.finish_reason == "stop", (p, r)
+        for p in PROMPTS:                          # the slots the dropped steps wrote into serve new requests
+            assert_same(kind, tied, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
+        st = dep.stats()["stages"][0]
+        assert st["async_steps"] > 0 and st["async_dropped"] > 0, st
 
 
 @pytest.mark.parametrize("n_stages", [1, 2])

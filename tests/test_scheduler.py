@@ -92,3 +92,33 @@ def test_failed_microbatch_ends_only_its_requests():
     assert {e.rid for e in ev} == {q.req.rid for q in a.seqs} and all(e.finish == "error" for e in ev)
     rest = s.on_tokens(b.mb, [7] * len(b.seqs), [0.0] * len(b.seqs)) + run_to_end(s)
     assert {e.rid for e in rest if e.finish == "length"} == {q.req.rid for q in b.seqs}
+
+
+def test_continuations_leave_out_ending_sequences_and_drop_late_tokens():
+    """Async scheduling: the continuation of a step is cut before its tokens are back. It must leave out the
+    sequences that certainly end with that step (length, abort), feed the rest from the step's sampled rows, and
+    a sequence that ends on a stop token meanwhile must lose its continuation's token, not gain it."""
+    s = Scheduler(max_batch=4, microbatches=1, prefill_chunk=64, max_context=64)
+    s.add(req(0, n=3, new=5, stop=(9,)))
+    s.add(req(1, n=2, new=1))                     # ends with its first token
+    s.add(req(2, n=4, new=5))
+    mb, _ = s.next_microbatch()                   # the three prompts, each sampling its first token
+    cont = s.continue_microbatch(mb)
+    assert [q.req.rid for q in cont.seqs] == ["r0", "r2"] and cont.feed == [0, 2]
+    assert cont.starts == [3, 4] and cont.ids == [] and cont.pos_3T[:, 0].tolist() == [3, 3, 3]
+    assert not s.has_ready_work()
+    ev = s.on_tokens(mb.mb, [5, 6, 7], [-0.1] * 3)
+    assert [(e.rid, e.tokens, e.finish) for e in ev] == [("r0", [5], None), ("r1", [6], "length"),
+                                                         ("r2", [7], None)]
+    cont2 = s.continue_microbatch(cont)            # r0 stops on 9 in `cont`; its `cont2` token is dropped
+    ev = s.on_tokens(cont.mb, [9, 8], [-0.2] * 2)
+    assert [(e.rid, e.finish) for e in ev] == [("r0", "stop"), ("r2", None)]
+    s.add(req(3, n=2, new=2))
+    assert s.has_ready_work()
+    ev = s.on_tokens(cont2.mb, [4, 4], [-0.3] * 2)
+    assert [(e.rid, e.tokens) for e in ev] == [("r2", [4])] and s.dropped == 1
+    assert s.active[[q for q in cont2.seqs if q.req.rid == "r2"][0].slot].fed == 6
+    s.abort("r2")                                  # in no microbatch now: ends at once
+    ev = run_to_end(s)
+    assert [(e.rid, len(e.tokens), e.finish) for e in ev] == [("r3", 1, None), ("r3", 1, "length")]
+    assert s.idle() and sorted(s.free_slots) == [0, 1, 2, 3]

@@ -56,7 +56,8 @@ class GatedAttention(Param):
         self.qkv = self.fuse(["q_proj", "k_proj", "v_proj"])
 
     def project_fused(self, x_BH, cos, sin):
-        """project() for the decode graphs: one GEMV for q|gate|k|v, the q and k norms one kernel each."""
+        """project() for the decode graphs: one GEMV for q|gate|k|v, the q and k norms (with their rotary
+        embedding) one kernel each."""
         from memra_pp.kernels.fused_decode import add_rms_norm
         c = self.cfg
         B, D = x_BH.shape[0], c.head_dim
@@ -65,9 +66,9 @@ class GatedAttention(Param):
         qg = P[:, :nq].view(B, c.num_attention_heads, 2 * D)
         k = P[:, nq:nq + nkv].view(B, c.num_key_value_heads, D)
         v = P[:, nq + nkv:].view(B, c.num_key_value_heads, D)
-        q = apply_rope(add_rms_norm(qg[..., :D], None, self.q_norm_weight, c.rms_norm_eps)[1], cos, sin)
-        k = apply_rope(add_rms_norm(k, None, self.k_norm_weight, c.rms_norm_eps)[1], cos, sin)
-        return q, qg[..., D:].reshape(B, -1), k, v
+        q = add_rms_norm(qg[..., :D], None, self.q_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
+        k = add_rms_norm(k, None, self.k_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
+        return q, qg[..., D:], k, v          # the gate: a [B, nh, D] view, read in place by decode_attention
 
     def project(self, x_TH, cos, sin, lora=None):
         """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached)."""

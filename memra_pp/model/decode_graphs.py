@@ -32,9 +32,11 @@ class DecodeGraphs:
                                                                            or max_batch,)
         n, dev = self.buckets[-1], model.device
         self.h = torch.zeros(n, model.mc.text.hidden_size, dtype=model.dtype, device=dev)
-        self.slots = torch.full((n,), cache.scratch, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self.pos3 = torch.zeros(3, n, dtype=torch.long, device=dev)
+        # one index block per step, copied in with one host-to-device copy: slots, positions, 3 M-RoPE rows
+        self.idx = torch.zeros(5, n, dtype=torch.long, device=dev)
+        self.slots, self.pos, self.pos3 = self.idx[0], self.idx[1], self.idx[2:]
+        self.slots.fill_(cache.scratch)
+        self._pin = dev.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.kv_key = self._kv_key()
@@ -65,14 +67,14 @@ class DecodeGraphs:
         if key not in self.graphs:
             self.graphs[key] = self._capture(nb, S)   # raises CaptureFailed: the stage goes on eagerly
         graph, out = self.graphs[key]
-        idx = torch.tensor([b.slots, b.starts], dtype=torch.long).to(self.h.device, non_blocking=True)
+        # padding rows write into the scratch slot at position 0; pinned, so the copy never waits for the device
+        idx = torch.zeros(5, nb, dtype=torch.long, pin_memory=self._pin)
+        idx[0, :n] = torch.tensor(b.slots)
+        idx[0, n:] = self.cache.scratch
+        idx[1, :n] = torch.tensor(b.starts)
+        idx[2:, :n] = b.pos_3T
+        self.idx[:, :nb].copy_(idx, non_blocking=True)
         self.h[:n].copy_(h_BH)
-        self.slots[:n].copy_(idx[0])
-        self.slots[n:nb].fill_(self.cache.scratch)
-        self.pos[:n].copy_(idx[1])
-        self.pos[n:nb].zero_()
-        self.pos3[:, :n].copy_(b.pos_3T.to(self.h.device, non_blocking=True))
-        self.pos3[:, n:nb].zero_()
         if self.capture:
             graph.replay()
         else:

@@ -52,14 +52,49 @@ def _filtered(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+class PendingTokens:
+    """A step's sampled tokens on their way to the host. For an all-greedy batch the argmax and its logprob are
+    enqueued on the device and copied to pinned host memory without waiting (`result()` waits); `device` keeps
+    the tokens on the device, so the next decode step can be fed from them before the host has read them."""
+
+    def __init__(self, device: torch.Tensor | None = None, host: torch.Tensor | None = None, event=None,
+                 done: tuple[list[int], list[float]] | None = None):
+        self.device, self._host, self._event, self._done = device, host, event, done
+
+    def result(self) -> tuple[list[int], list[float]]:
+        if self._done is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._done = (self._host[0].long().tolist(), self._host[1].tolist())
+        return self._done
+
+
+def sample_async(logits_NV: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                 rng: torch.Generator | None = None) -> PendingTokens:
+    """`sample` without waiting for the device when every row is greedy (the tokens stay on the device too)."""
+    if not all(p.greedy for p in params):
+        return PendingTokens(done=sample(logits_NV, params, steps, rng))
+    logits_NV = logits_NV.float()
+    greedy = logits_NV.argmax(-1)
+    lp = logits_NV.gather(1, greedy[:, None])[:, 0] - torch.logsumexp(logits_NV, -1)
+    both = torch.stack([greedy.double(), lp.double()])       # token ids < 2**53: exact in float64
+    if logits_NV.device.type != "cuda":
+        return PendingTokens(greedy, both)
+    host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+    host.copy_(both, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return PendingTokens(greedy, host, ev)
+
+
 def sample(logits_NV: torch.Tensor, params: list[SamplingParams], steps: list[int],
            rng: torch.Generator | None = None) -> tuple[list[int], list[float]]:
     """One token per row; returns (tokens, logprobs under the raw temperature-1 distribution)."""
+    if all(p.greedy for p in params):      # one device->host transfer for the whole batch
+        return sample_async(logits_NV, params, steps, rng).result()
     logits_NV = logits_NV.float()
     logp = torch.log_softmax(logits_NV, -1)
     greedy = logits_NV.argmax(-1)
-    if all(p.greedy for p in params):      # one device->host transfer for the whole batch
-        return greedy.tolist(), logp.gather(1, greedy[:, None])[:, 0].tolist()
     if rng is not None and rng.device != logits_NV.device:
         rng = None
     toks = []

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import GatedAttention, Rope, attend_batch, attend_decode
+from .attention import GatedAttention, Rope, attend_batch
 from .batch import StepBatch
 from .cache import StageCache
 from .config import ModelConfig
@@ -65,11 +65,13 @@ class Layer(nn.Module):
         return h_BH, self.ffn.decode_fused(x)
 
     def _attend_decode(self, q, gate, k, v, slots_B, pos_B, S: int, cache: StageCache, lora=None):
-        """Write one new key/value per sequence at its slot and position, attend over the first S positions."""
+        """Write one new key/value per sequence at its slot and position, attend over the first S positions (on a
+        GPU one kernel reads the slots' keys in place and applies the output gate)."""
+        from memra_pp.kernels.fused_decode import decode_attention
         kp, vp = cache.k[self.i], cache.v[self.i]
         kp[slots_B, :, pos_B] = k
         vp[slots_B, :, pos_B] = v
-        return self.mixer.output(attend_decode(q, kp[slots_B, :, :S], vp[slots_B, :, :S], pos_B + 1), gate, lora)
+        return self.mixer.lin(decode_attention(q, gate, kp, vp, slots_B, pos_B + 1, S), "o_proj", lora)
 
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
