@@ -1,7 +1,9 @@
 """Overlay publication by host bounce, timed: a 256 x 5120 float32 image's rows (issue 7, target 6: under 1 ms)
 go from a tower engine to an intake engine, in one process (publish_out + land) and between two Ray actors (the
 tower actor's publish_out, the object store, the intake actor's land: the path a deployment's image takes), the
-latter also with the rows as a Python bytes object (the transit form before 2026-12-01), side by side.
+latter also with the rows as a Python bytes object (the transit form before 2026-12-01), side by side. Through the
+intake's publication slot the bytes' own path (the tower's dtoh into the slot + the intake's htod out of it, both
+DMA from page-locked memory on a GPU) is also timed apart from the Ray call that asks the tower for the rows.
 
     .venv/bin/python benchmarks/overlay_publish.py [--rows 256] [--hidden 5120] [--n 50] [--tower cpu]
         [--intake cpu] [--json OUT]
@@ -53,8 +55,10 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
             from memra_pp.overlay import publish_out
             from memra_pp.stages.pub_inbox import InboxWriter
             if inbox is not None:        # the rows' bytes into the intake's slot, the answer a description only
-                self.w = getattr(self, "w", None) or InboxWriter()
-                return publish_out(self.eng, self.x, [(0, 0, rows)], into=self.w.view(*inbox))
+                self.w = getattr(self, "w", None) or InboxWriter(self.eng)
+                t = time.perf_counter()
+                pub = publish_out(self.eng, self.x, [(0, 0, rows)], into=self.w.view(*inbox))
+                return pub, (time.perf_counter() - t) * 1e3      # and the tower's dtoh time
             pub = publish_out(self.eng, self.x, [(0, 0, rows)])
             # as_bytes: the rows as a Python bytes object (how publications travelled before 2026-12-01)
             return dataclasses.replace(pub, data=pub.data.tobytes()) if as_bytes else pub
@@ -67,13 +71,18 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
 
         def run(self, n, as_bytes, via_slot):
             from memra_pp.stages.pub_inbox import PublicationInbox
-            inbox = PublicationInbox("bench")
-            ts = []
+            inbox = PublicationInbox("bench", engine=self.eng)
+            ts, data = [], []
             for _ in range(n + 3):
                 t = time.perf_counter()
                 if via_slot:
                     with inbox.slot(rows * hidden * 4, 30) as (name, size, buf):
-                        ov = ray.get(self.tower.publish.remote(inbox=(name, size))).land(self.eng, host=buf)
+                        pub, dtoh_ms = ray.get(self.tower.publish.remote(inbox=(name, size)))
+                        t1 = time.perf_counter()
+                        ov = pub.land(self.eng, host=buf)
+                        if self.eng.is_cuda:
+                            torch.cuda.synchronize(self.eng.device)
+                        data.append(dtoh_ms + (time.perf_counter() - t1) * 1e3)   # the bytes' path alone
                 else:
                     ov = ray.get(self.tower.publish.remote(as_bytes)).land(self.eng)
                 if self.eng.is_cuda:
@@ -82,7 +91,7 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
             inbox.close()
             ref = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(0))
             assert torch.equal(ov.rows.cpu(), ref), "published rows differ from the tower's"
-            return ts[3:]
+            return (ts[3:], data[3:]) if via_slot else ts[3:]
 
     gpus = lambda d: 1 if d.startswith("cuda") else 0   # noqa: E731
     tower = Tower.options(num_gpus=gpus(tower_dev)).remote()
@@ -109,6 +118,12 @@ def main() -> int:
             ("across_actors_as_bytes", lambda *x: across_actors(*x, as_bytes=True)))
     for name, fn in runs:
         ts = fn(a.rows, a.hidden, a.n, a.tower, a.intake)
+        if isinstance(ts, tuple):    # via the slot: also the data path alone (tower dtoh + intake htod), no call
+            ts, data = ts
+            out["slot_data_path"] = {"p50_ms": _pct(data, 0.5), "p90_ms": _pct(data, 0.9), "min_ms": min(data)}
+            print(f"slot data path (the tower's dtoh into the slot + the intake's htod, no Ray call): p50 "
+                  f"{out['slot_data_path']['p50_ms']:.3f} ms, p90 {out['slot_data_path']['p90_ms']:.3f} ms",
+                  flush=True)
         out[name] = {"p50_ms": _pct(ts, 0.5), "p90_ms": _pct(ts, 0.9), "min_ms": min(ts)}
         print(f"{name:22s} {a.rows} x {a.hidden} float32 ({mb:.1f} MiB) {a.tower} -> {a.intake}: p50 "
               f"{out[name]['p50_ms']:.2f} ms, p90 {out[name]['p90_ms']:.2f} ms, min {out[name]['min_ms']:.2f} ms",

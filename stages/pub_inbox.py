@@ -4,7 +4,8 @@ answers with the rows' description only; the intake lands the rows from its slot
 the bytes never enter Ray's object store (two host copies of a 5 MiB image instead of four, and no store put/get).
 
 Slots grow to the largest publication seen (a new segment, faulted in once) and are reused; the tower keeps a few
-mappings open by name. Segment names start with the inbox's `prefix`, which the stage reports at setup, so that
+mappings open by name. In a CUDA process each mapping is page-locked once (cuMemHostRegister), so the tower's dtoh
+and the intake's htod are DMA copies at full link speed instead of staged pageable copies. Segment names start with the inbox's `prefix`, which the stage reports at setup, so that
 whoever outlives a killed intake can unlink what it left (`memra_pp.deployment.unlink_shm`). Runs in the intake
 and the tower stage processes.
 """
@@ -32,7 +33,9 @@ MIN_BYTES = 1 << 20
 class PublicationInbox:
     """Intake side: `n_slots` receiver-owned segments; `slot(nbytes)` lends one (waiting while all are lent)."""
 
-    def __init__(self, name: str, n_slots: int = 4):
+    def __init__(self, name: str, n_slots: int = 4, engine=None):
+        self._engine = engine if engine is not None and engine.is_cuda else None   # page-lock slots for it
+        self._pinned: dict[int, int] = {}   # slot -> registered address
         self.prefix = f"mpp_pub_{re.sub(r'[^A-Za-z0-9_]', '_', name)[:30]}_{os.getpid()}_{secrets.token_hex(3)}"
         self._cv = threading.Condition()
         self._free = list(range(n_slots))
@@ -61,6 +64,8 @@ class PublicationInbox:
                     self._gen += 1
                     seg = self._segs[k] = _create(f"{self.prefix}_{k}_{self._gen}", size)
                     _u8_over(seg[2], size).zero_()           # fault the pages in once, not on every publication
+                    if self._engine is not None:
+                        self._pinned[k] = _pin(self._engine, seg[2], size)
             except BaseException:
                 self._drop(k)
                 self._free.append(k)                         # the slot stays usable (no segment yet)
@@ -82,6 +87,8 @@ class PublicationInbox:
     def _drop(self, k: int) -> None:
         """Unlink slot k's segment; its mapping goes when the last view of it does (never closed under one)."""
         seg, self._segs[k] = self._segs[k], None
+        if k in self._pinned:       # no copy of ours is in flight: land() waits for its htod
+            _unpin(self._engine, self._pinned.pop(k))
         if seg is not None:
             with contextlib.suppress(FileNotFoundError):
                 _posixshmem.shm_unlink("/" + seg[0])
@@ -107,14 +114,30 @@ def _create(name: str, size: int) -> tuple[str, int, mmap.mmap]:
     return name, size, m
 
 
+def _pin(engine, m: mmap.mmap, size: int) -> int:
+    """Page-lock a mapping for every context of this process; returns its address (for _unpin)."""
+    from memra_pp import cuda
+    engine.make_current()
+    return cuda.host_register(_u8_over(m, size).data_ptr(), size)
+
+
+def _unpin(engine, addr: int) -> None:
+    from memra_pp import cuda
+    engine.make_current()
+    cuda.host_unregister(addr)
+
+
 class InboxWriter:
-    """Tower side: the intake's slots, mapped by name (a few kept open: slots are reused, and regrow rarely)."""
+    """Tower side: the intake's slots, mapped by name (a few kept open: slots are reused, and regrow rarely);
+    page-locked for a CUDA tower's dtoh."""
 
     KEEP = 4
 
-    def __init__(self):
-        self._maps: OrderedDict[str, tuple[mmap.mmap, torch.Tensor]] = OrderedDict()
+    def __init__(self, engine=None):
+        self._engine = engine if engine is not None and engine.is_cuda else None
+        self._maps: OrderedDict[str, tuple[mmap.mmap, torch.Tensor, int | None]] = OrderedDict()
         self._lock = threading.Lock()
+        self.pinned = 0                     # mappings page-locked (stats and tests: the DMA path ran)
 
     def view(self, name: str, size: int) -> torch.Tensor:
         with self._lock:
@@ -123,8 +146,22 @@ class InboxWriter:
                 return self._maps[name][1]
             m = _attach_shm(name, size, "overlay publication")
             v = _u8_over(m, size)
-            self._maps[name] = (m, v)
+            addr = None
+            if self._engine is not None:
+                addr = _pin(self._engine, m, size)
+                self.pinned += 1
+            self._maps[name] = (m, v, addr)
             while len(self._maps) > self.KEEP:
-                _, (old, ov) = self._maps.popitem(last=False)
+                _, (old, ov, oaddr) = self._maps.popitem(last=False)
+                if oaddr is not None:       # our dtoh into it was synchronous: nothing is in flight
+                    _unpin(self._engine, oaddr)
                 del ov, old          # unmapped once no view of it is left
             return v
+
+    def close(self) -> None:
+        with self._lock:
+            while self._maps:
+                _, (old, ov, oaddr) = self._maps.popitem(last=False)
+                if oaddr is not None:
+                    _unpin(self._engine, oaddr)
+                del ov, old

@@ -96,6 +96,6 @@ class RecoveryMixin:
             from .pub_inbox import PublicationInbox
             with self._pub_lock:
                 if self.pub_inbox is None:
-                    self.pub_inbox = PublicationInbox(f"{self.placement.name}_{i}")
+                    self.pub_inbox = PublicationInbox(f"{self.placement.name}_{i}", engine=self.engine)
             info["shm_prefixes"] = [self.pub_inbox.prefix]
         return info

@@ -220,7 +220,7 @@ class StageRunner(RecoveryMixin):
             from .pub_inbox import InboxWriter
             with self._pub_lock:
                 if self.inbox_writer is None:
-                    self.inbox_writer = InboxWriter()
+                    self.inbox_writer = InboxWriter(self.engine)
             into = self.inbox_writer.view(*inbox)
         return publish_out(self.engine, rows, spans, into=into)
 
@@ -320,3 +320,5 @@ class StageRunner(RecoveryMixin):
         self._close_links()
         if self.pub_inbox is not None:
             self.pub_inbox.close()
+        if getattr(self, "inbox_writer", None) is not None:
+            self.inbox_writer.close()

@@ -57,8 +57,10 @@ def test_captured_decode_equals_eager(cuda, kind, splits):
     for s in graphed.stages:
         st = s.graphs.stats()
         assert st["replays"] == 15 and st["captures"] == 1 and st["graphs"] == [(4, 256)], st
-    worst = max(abs(a - b) for x, y in zip(le, lg) for a, b in zip(x, y))
-    print(f"{kind}: tokens equal {tg == te}, worst logprob diff {worst:.2e}")
+    # logprobs compare while the tokens agree: after a bf16 near tie flips, the two continue different sequences
+    worst = max(abs(le[i][j] - lg[i][j]) for i in range(len(prompts))
+                for j in range(next((j for j, (a, b) in enumerate(zip(te[i], tg[i])) if a != b), len(te[i]))))
+    print(f"{kind}: tokens equal {tg == te}, worst logprob diff {worst:.2e} (up to each first difference)")
     if kind == "dense":     # the graphs run the fused kernels (merged GEMVs, one-pass norms): bf16 rounding only
         assert tg == te and worst < 2e-2
     else:                   # the all-experts MoE sums in another order

@@ -51,3 +51,24 @@ def test_two_processes_are_two_contexts():
     assert r["differ"] and r["forged_equal_uid_not_local"], r
     assert r["pickled_overlay"].startswith(f"overlay rows live in {r['theirs']} but engine cuda:0 is {r['mine']}")
     assert "must not be read there" in r["pickled_splice"]
+
+
+def test_publication_slots_are_page_locked_and_bit_exact():
+    """A CUDA intake's publication slot and a CUDA tower's mapping of it are page-locked (DMA both ways); rows
+    published into it land bit-exact, and closing unregisters both (no error, nothing left registered)."""
+    from memra_pp import cuda
+    from memra_pp.engine import Engine
+    from memra_pp.overlay import publish_out
+    from memra_pp.stages.pub_inbox import InboxWriter, PublicationInbox
+    eng = Engine("cuda:0")
+    inbox, writer = PublicationInbox("gputest", engine=eng), InboxWriter(eng)
+    x = torch.randn(256, 5120, device="cuda:0")
+    with inbox.slot(x.numel() * 4, 5) as (name, size, buf):
+        assert len(inbox._pinned) == 1 and cuda.pointer_info(buf.data_ptr()) is not None
+        pub = publish_out(eng, x, [(0, 0, 256)], into=writer.view(name, size))
+        assert writer.pinned == 1 and pub.data is None
+        ov = pub.land(eng, host=buf)
+    assert torch.equal(ov.rows, x)
+    writer.close()
+    inbox.close()
+    assert not inbox._pinned
