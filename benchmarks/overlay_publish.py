@@ -93,7 +93,8 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
             assert torch.equal(ov.rows.cpu(), ref), "published rows differ from the tower's"
             return (ts[3:], data[3:]) if via_slot else ts[3:]
 
-    gpus = lambda d: 1 if d.startswith("cuda") else 0   # noqa: E731
+    share = 0.5 if tower_dev == intake_dev else 1       # both actors on one GPU: each asks for half of it
+    gpus = lambda d: share if d.startswith("cuda") else 0   # noqa: E731
     tower = Tower.options(num_gpus=gpus(tower_dev)).remote()
     intake = Intake.options(num_gpus=gpus(intake_dev)).remote(tower)
     return ray.get(intake.run.remote(n, as_bytes, via_slot), timeout=300)

@@ -45,11 +45,30 @@ class StageCache:
         cap = min(self.max_context, -(-max(length, 2 * self.kv_capacity) // self.kv_block) * self.kv_block)
         if length > cap:
             raise ValueError(f"sequence length {length} exceeds max_context {self.max_context}")
+        self._check_room(cap)
         for d in (self.k, self.v):
             for i, t in d.items():
                 n = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
                 n[:, :, : t.shape[2]] = t
                 d[i] = n
+
+    def _check_room(self, cap: int) -> None:
+        """The pools hold every slot at the longest length (one per slot, contiguous): refuse a growth the device
+        cannot hold with a message that says so, before the allocator's out-of-memory error would."""
+        if self.device.type != "cuda":
+            return
+        t = next(iter(self.k.values()))
+        grow = 2 * len(self.k) * t.shape[0] * t.shape[1] * (cap - t.shape[2]) * t.shape[3] * t.element_size()
+        per_layer = 2 * t.shape[0] * t.shape[1] * cap * t.shape[3] * t.element_size()   # new pools coexist w/ old
+        free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
+            - torch.cuda.memory_allocated(self.device)
+        if grow + per_layer > free:
+            from memra_pp.errors import InputError
+            raise InputError(
+                f"a sequence of {cap} positions does not fit this stage's KV cache: its pools hold every one of "
+                f"{t.shape[0] - 1} slots (scheduler.max_batch) at the longest length, {(grow + per_layer) / 2**30:.1f}"
+                f" GiB more on {self.device} where {free / 2**30:.1f} GiB are free; lower scheduler.max_batch or "
+                f"scheduler.max_context, or split the model over more stages")
 
     def reset(self, slot: int) -> None:
         """Forget a sequence: zero its linear states (a fresh prefill must start from S0 = 0)."""
