@@ -73,7 +73,7 @@ def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
 
 
 def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: int, microbatches,
-              fmt: str = "dummy", ttft: int = 0, out: list | None = None) -> list[dict]:
+              fmt: str = "dummy", ttft: int = 0, out: list | None = None, chunk: int = 4096) -> list[dict]:
     """One deployment over `devices` (one stage per entry; a GPU may hold several). Each concurrency is warmed up
     by run_bench (its decode graphs are captured), then measured: the steady-state decode rate is the tokens that
     arrived while every request was decoding, over that window (memra_pp.bench)."""
@@ -83,7 +83,7 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
     cfg = {"name": f"bench{n}", "model": {"path": model, "format": fmt, "dtype": "bfloat16"},
            "stages": [{"device": f"cuda:{d}" if isinstance(d, int) else d, "num_cpus": 0.5} for d in devices],
            "scheduler": {"max_batch": max(concurrencies), "max_context": max(prompt_len + new, ttft + 2) + 8,
-                         "prefill_chunk": 4096, "microbatches": microbatches}}
+                         "prefill_chunk": chunk, "microbatches": microbatches}}
     out = [] if out is None else out      # the caller's list: runs measured before a failure are kept
     t0 = time.time()
     with memra_pp.launch(cfg) as dep:
@@ -168,6 +168,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--ttft", type=int, default=0, help="also time the first token of one prompt this long")
+    ap.add_argument("--prefill-chunk", type=int, default=4096,
+                    help="scheduler.prefill_chunk (a long prompt's chunks pipeline across stages)")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
     a = ap.parse_args()
@@ -198,7 +200,8 @@ def main() -> int:
         devices = [int(x) for x in layout.split(",")]
         if max(devices) < torch.cuda.device_count():
             try:
-                run_memra(a.model, devices, conc, a.prompt_len, a.new, mb, ttft=a.ttft, out=rep["runs"])
+                run_memra(a.model, devices, conc, a.prompt_len, a.new, mb, ttft=a.ttft, out=rep["runs"],
+                          chunk=a.prefill_chunk)
             except Exception as e:  # noqa: BLE001 - record it and go on to the next layout
                 print(f"  layout {devices} failed: {type(e).__name__}: {e}", flush=True)
                 rep.setdefault("failed", []).append({"devices": devices, "error": f"{type(e).__name__}: {e}"})

@@ -37,6 +37,7 @@ class Seq:
     req: Request
     slot: int
     fed: int = 0                                  # tokens whose cache entries exist on every stage
+    sent: int = 0                                 # tokens dispatched in microbatches (fed + those in flight)
     out: list[int] = dataclasses.field(default_factory=list)
     lps: list[float] = dataclasses.field(default_factory=list)
     in_flight: int = 0                            # microbatches holding it (two while a continuation runs)
@@ -84,7 +85,8 @@ class Scheduler:
         self.pending_release: list[int] = []
         self._mb = itertools.count()
         self.dropped = 0                          # tokens of continuations whose sequence had already ended
-        self._tick = itertools.count()
+        self.pipelined = 0                        # prompt chunks sent while the same prompt's previous one ran
+        self._tick = itertools.count(1)          # a sequence never run has last_run 0: it goes first
 
     def add(self, r: Request) -> None:
         self.validate(r)
@@ -127,6 +129,7 @@ class Scheduler:
         tick = next(self._tick)
         for s, _ in take:
             s.in_flight += 1
+            s.sent += 1
             s.last_run = tick
         starts = [st for _, st in take]
         pos = [range(st + s.req.rope_delta, st + s.req.rope_delta + 1) for s, st in take]
@@ -163,7 +166,11 @@ class Scheduler:
         events = self._admit()
         if len(self.inflight) >= self.M:
             return None, events
-        ready = sorted((s for s in self.active.values() if not s.in_flight), key=lambda s: s.last_run)
+        # a prompt's next chunk may follow its previous one before that one is back: every stage runs microbatches
+        # in order, so chunk k+1 meets chunk k's cache on each stage (chunked prefill pipelined across stages)
+        # (after every sequence that is not in flight: they take the budget first, least recently run first)
+        ready = sorted((s for s in self.active.values() if not s.in_flight or s.sent < len(s.req.prompt)),
+                       key=lambda s: (s.in_flight > 0, s.last_run))
         if not ready:
             return None, events
         cap = max(1, math.ceil(len(self.active) / self.M))
@@ -171,11 +178,11 @@ class Scheduler:
         for s in ready:
             if len(take) >= cap:
                 break
-            if s.prompt_done:
+            if s.sent >= len(s.req.prompt):   # decoding (not in flight: its last token is known)
                 take.append(s)
                 counts.append(1)
             elif budget > 0:
-                c = min(len(s.req.prompt) - s.fed, budget)
+                c = min(len(s.req.prompt) - s.sent, budget)
                 budget -= c
                 take.append(s)
                 counts.append(c)
@@ -184,13 +191,15 @@ class Scheduler:
         ids, starts, sample, pos, admit = [], [], [], [], []
         tick = next(self._tick)
         for s, c in zip(take, counts):
-            if s.prompt_done:
+            if s.sent >= len(s.req.prompt):
                 ids.append(s.out[-1])
             else:
-                ids.extend(s.req.prompt[s.fed:s.fed + c])
-            starts.append(s.fed)
-            sample.append(s.fed + c >= len(s.req.prompt))
+                ids.extend(s.req.prompt[s.sent:s.sent + c])
+            self.pipelined += s.in_flight > 0
+            starts.append(s.sent)
+            sample.append(s.sent + c >= len(s.req.prompt))
             pos.append(self._positions(s, c))
+            s.sent += c
             if not s.admitted:
                 p = s.req.params
                 admit.append([s.slot, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, s.req.adapter, s.req.step0])
@@ -206,9 +215,9 @@ class Scheduler:
     def _positions(s: Seq, c: int):
         """The M-RoPE rows of an image prompt's segment, else the text positions as a range (all three rows)."""
         r = s.req
-        if r.positions_3L is not None and s.fed < len(r.prompt):
-            return r.positions_3L[:, s.fed:s.fed + c]
-        return range(s.fed + r.rope_delta, s.fed + r.rope_delta + c)
+        if r.positions_3L is not None and s.sent < len(r.prompt):
+            return r.positions_3L[:, s.sent:s.sent + c]
+        return range(s.sent + r.rope_delta, s.sent + r.rope_delta + c)
 
     def on_tokens(self, mb_id: int, tokens: list[int], logprobs: list[float]) -> list[Event]:
         """The primary's sampled tokens for microbatch `mb_id` (one per sampled sequence, in order)."""

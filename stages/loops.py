@@ -243,6 +243,7 @@ class IntakeLoop(_Loop):
     def stats(self, reset: bool = False) -> dict:
         out = super().stats(reset)
         out["async_dropped"] = self.sched.dropped
+        out["pipelined_chunks"] = self.sched.pipelined
         return out
 
     def start(self):

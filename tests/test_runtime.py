@@ -43,6 +43,8 @@ def test_launch_parity(ray_cluster, kind, tied, n_stages):
         assert all(s["microbatches"] > 0 for s in st), st
         if n_stages > 1:
             assert all(s["handoffs"] > 0 for s in st), "boundary slots must have carried the microbatches"
+            # the 130-token prompt's chunks (48 each) followed one another down the pipeline
+            assert st[0]["pipelined_chunks"] > 0, st[0]
         else:   # one stage schedules asynchronously: decode steps were cut before the previous tokens were read
             assert st[0]["async_steps"] > 0, st
 

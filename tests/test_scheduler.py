@@ -122,3 +122,24 @@ def test_continuations_leave_out_ending_sequences_and_drop_late_tokens():
     ev = run_to_end(s)
     assert [(e.rid, len(e.tokens), e.finish) for e in ev] == [("r3", 1, None), ("r3", 1, "length")]
     assert s.idle() and sorted(s.free_slots) == [0, 1, 2, 3]
+
+
+def test_a_long_prompt_is_chunked_through_the_pipeline():
+    """A prompt's next chunk is sent while its previous one is still in flight (each stage runs microbatches in
+    order), so a long prompt fills the pipeline; other sequences take the budget first; the first token comes with
+    the last chunk and decoding waits for it."""
+    s = Scheduler(max_batch=2, microbatches=3, prefill_chunk=4, max_context=64)
+    s.add(req(0, n=10, new=2))
+    mbs = [s.next_microbatch()[0] for _ in range(3)]
+    assert [(m.starts, m.counts, m.sample) for m in mbs] == [([0], [4], [False]), ([4], [4], [False]),
+                                                             ([8], [2], [True])]
+    assert mbs[1].ids == [5, 6, 7, 8] and mbs[2].pos_3T[0].tolist() == [8, 9] and s.pipelined == 2
+    s.add(req(1, n=3, new=1))
+    assert s.next_microbatch()[0] is None             # three in flight (M); r0's prompt is all sent
+    assert s.on_tokens(mbs[0].mb, [], []) == [] and s.on_tokens(mbs[1].mb, [], []) == []
+    nxt, _ = s.next_microbatch()                      # r1's prompt; r0 waits for its first token
+    assert [q.req.rid for q in nxt.seqs] == ["r1"]
+    ev = s.on_tokens(mbs[2].mb, [7], [-0.1])
+    assert [(e.rid, e.tokens) for e in ev] == [("r0", [7])]
+    dec, _ = s.next_microbatch()
+    assert [q.req.rid for q in dec.seqs] == ["r0"] and dec.starts == [10] and dec.ids == [7]
