@@ -57,7 +57,8 @@ def across_actors(rows: int, hidden: int, n: int, tower_dev: str, intake_dev: st
             if inbox is not None:        # the rows' bytes into the intake's slot, the answer a description only
                 self.w = getattr(self, "w", None) or InboxWriter(self.eng)
                 t = time.perf_counter()
-                pub = publish_out(self.eng, self.x, [(0, 0, rows)], into=self.w.view(*inbox))
+                with self.w.lease(*inbox) as into:
+                    pub = publish_out(self.eng, self.x, [(0, 0, rows)], into=into)
                 return pub, (time.perf_counter() - t) * 1e3      # and the tower's dtoh time
             pub = publish_out(self.eng, self.x, [(0, 0, rows)])
             # as_bytes: the rows as a Python bytes object (how publications travelled before 2026-12-01)

@@ -192,11 +192,18 @@ def decode_attention(q_BHD, gate, kp, vp, slots_B, lens_B, S: int, block: int = 
     out = torch.empty(B, nh * D, dtype=q_BHD.dtype, device=q_BHD.device)
     mid = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
     lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
-    _decode_attn_kernel[(B, nkv, splits)](
-        q_BHD, kp, vp, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1), kp.stride(0),
-        kp.stride(1), kp.stride(2), g3.stride(0), g3.stride(1), D ** -0.5, chunk, GROUP=group,
-        GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, SPLITS=splits,
-        IEEE=q_BHD.dtype == torch.float32, num_warps=4, num_stages=2)
+    args = (q_BHD, kp, vp, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1), kp.stride(0),
+            kp.stride(1), kp.stride(2), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
+    meta = dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, SPLITS=splits,
+                IEEE=q_BHD.dtype == torch.float32, num_warps=4)
+    global _ATTN_STAGES
+    try:
+        _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=_ATTN_STAGES)
+    except triton.runtime.errors.OutOfResources:
+        if _ATTN_STAGES == 1:    # even single-buffered K/V tiles do not fit this GPU's shared memory
+            raise
+        _ATTN_STAGES = 1         # double-buffered [64, D] K and V tiles need ~4 x 64 x D x 2 bytes (64 KiB at D 256)
+        _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=1)
     if splits > 1:
         _attn_combine_kernel[(B, nh)](mid, lse, g3, out, g3.stride(0), g3.stride(1), D=D, SPLITS=splits,
                                       SP=triton.next_power_of_2(splits), num_warps=4)
@@ -204,6 +211,7 @@ def decode_attention(q_BHD, gate, kp, vp, slots_B, lens_B, S: int, block: int = 
 
 
 _SMS: dict = {}
+_ATTN_STAGES = 2     # software pipelining of the K/V tiles; 1 where shared memory is short (see decode_attention)
 
 
 def _sms(device) -> int:

@@ -201,7 +201,7 @@ class PublishedRows:
                 warnings.simplefilter("ignore", UserWarning)
                 buf = torch.from_numpy(np.frombuffer(self.data, dtype=np.uint8))
         host_rows = buf.view(dtype).reshape(self.shape)
-        # the intake's own rows: a device copy (from pageable memory: returns once copied), or a host copy
+        # the intake's own rows: a device copy (synchronous; DMA when the slot is page-locked), or a host copy
         rows = host_rows.to(intake.device) if intake.is_cuda else host_rows.clone()
         ov = EmbedOverlay(intake, rows, self.spans)
         intake.counters.publications += 1

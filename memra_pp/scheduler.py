@@ -107,7 +107,7 @@ class Scheduler:
 
     def has_ready_work(self) -> bool:
         """Is there anything next_microbatch could take besides what is in flight (new requests, idle seqs)?"""
-        return bool(self.waiting) or any(not s.in_flight for s in self.active.values())
+        return bool(self.waiting and self.free_slots) or any(not s.in_flight for s in self.active.values())
 
     def continue_microbatch(self, mb: Microbatch) -> Microbatch | None:
         """The next decode step of `mb`'s sampling sequences, cut before `mb`'s tokens are back (async

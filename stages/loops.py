@@ -5,6 +5,7 @@ back to stage 0 over the ring channel, so the next step is scheduled without the
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -62,7 +63,9 @@ class _Loop:
         self.continued = 0                  # decode steps cut before the previous step's tokens were back
         self.phase_s: dict[str, float] = {}  # host time per phase of the loop (where a step's time goes)
         self.error: str | None = None
-        self.computing_since: float | None = None
+        self.computing_since: float | None = None   # launch time of the oldest microbatch not yet done here
+        self._launches: collections.deque = collections.deque()    # [launch time] of each, oldest first
+        self._launch_lock = threading.Lock()        # the loop and the primary's ring thread both end launches
         self.lost_link = False              # the loop ended because a neighbour's link closed under it
         self.sampler = Sampler() if runner.spec.primary else None
         self.thread = threading.Thread(target=self._guarded, name=f"memra-{self.name}-{runner.index}",
@@ -82,7 +85,7 @@ class _Loop:
                "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
                                            for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys
         if reset:
-            self.busy_s, self.t0, self.microbatches = 0.0, time.monotonic(), 0
+            self.busy_s, self.t0, self.microbatches, self.continued = 0.0, time.monotonic(), 0, 0
             self.phase_s = {}
         return out
 
@@ -112,12 +115,29 @@ class _Loop:
         self.phase_s[name] = self.phase_s.get(name, 0.0) + now - t
         return now
 
+    def _begin(self) -> list:
+        """A microbatch starts here: its launch time joins the outstanding ones (the supervisor reads how long the
+        oldest has been running, `computing_since`). Returns the token `_end` takes."""
+        tok = [time.monotonic()]
+        with self._launch_lock:
+            self._launches.append(tok)
+            self.computing_since = self._launches[0][0]
+        return tok
+
+    def _end(self, tok: list) -> None:
+        with self._launch_lock:
+            try:
+                self._launches.remove(tok)       # by identity: tokens are distinct lists
+            except ValueError:
+                pass
+            self.computing_since = self._launches[0][0] if self._launches else None
+
     def compute(self, b: StepBatch, h, wait: bool = True):
         """Run the stage's layers on microbatch `b` (and sample, on the primary: then the tokens are returned, or
-        with wait=False a PendingTokens whose wait the caller accounts for with `_resolved`)."""
-        t, before = time.monotonic(), self.computing_since
-        if wait or before is None:
-            self.computing_since = t                   # the supervisor reads how long one microbatch takes
+        with wait=False (PendingTokens, launch token): the caller ends the launch with `_resolved` once the
+        tokens are back)."""
+        tok = self._begin()
+        t = tok[0]
         r = self.r
         try:
             if r.stall_s:                              # fault injection (StageRunner.inject_stall)
@@ -125,27 +145,28 @@ class _Loop:
                 time.sleep(stall)
             out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
             t1 = self._phase("model", t)    # on a GPU: launching (a graph replay is one launch)
-            self.microbatches += 1
             if self.sampler is not None:
                 out = self.sampler(out, b)
                 t1 = self._phase("sample", t1)
                 if not wait:
-                    return out
+                    self.microbatches += 1
+                    return out, tok
                 out = out.result()
                 self._phase("wait", t1)     # waits for the device: the step's device time shows here
         except BaseException:
-            self.computing_since = None if wait else before   # a failed microbatch is not a stuck one
+            self._end(tok)                  # a failed microbatch is not a stuck one
             raise
-        self.computing_since = None
-        self.busy_s += time.monotonic() - t
+        self.microbatches += 1
+        self._resolved(tok)
         return out
 
-    def _resolved(self, launched: float, since: float | None) -> None:
-        """An asynchronously launched microbatch's tokens are back: the device was busy from its launch (or the
-        previous resolution) until now; `since` is when the next in-flight one was launched (None: none is)."""
+    def _resolved(self, tok: list) -> None:
+        """A launched microbatch is done here (its tokens are back, or its layers ran): the device was busy from
+        its launch (or the previous completion, whichever is later) until now."""
         now = time.monotonic()
-        self.busy_s += now - max(launched, self._busy_mark)
-        self._busy_mark, self.computing_since = now, since
+        self.busy_s += now - max(tok[0], self._busy_mark)
+        self._busy_mark = now
+        self._end(tok)
 
 
 class StageLoop(_Loop):
@@ -165,6 +186,11 @@ class StageLoop(_Loop):
             self.ring_thread.start()
         super().start()
 
+    def stop(self):
+        super().stop()
+        if self.ring_thread is not None:
+            self.ring_thread.join(timeout=5)
+
     def _send_ring(self):
         """The primary's ring writer: tokens (once the device has them) and failures, in microbatch order."""
         try:
@@ -178,10 +204,11 @@ class StageLoop(_Loop):
         r = self.r
         while not self.stopping.is_set():
             try:
-                hdr, pend, launched = self.ringq.get(timeout=0.2)
+                hdr, launched = self.ringq.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if pend is not None:
+            if launched is not None:
+                pend, tok = launched
                 t = time.monotonic()
                 try:
                     toks, lps = pend.result()
@@ -189,9 +216,7 @@ class StageLoop(_Loop):
                 except Exception as e:  # pragma: no cover - a device fault surfaces here; the microbatch fails
                     hdr = mb_error(hdr["mb"], r.index, e)
                 self._phase("wait", t)
-                with self.ringq.mutex:
-                    nxt = self.ringq.queue[0][2] if self.ringq.queue else None
-                self._resolved(launched, nxt)
+                self._resolved(tok)
             r.ring.send(hdr)
 
     def run(self):
@@ -211,19 +236,18 @@ class StageLoop(_Loop):
                         self.sampler.admit(hdr.get("admit", ()), hdr.get("release", ()))
                     if r.rx_hashes is not None:
                         hash_rx(r, view)
-                    launched = time.monotonic()
                     out = self.compute(batch_of(hdr), view, wait=self.sampler is None)
                 except Exception as e:  # this microbatch fails; the stage keeps serving the others
                     hdr = mb_error(hdr["mb"], r.index, e)
                 finally:
                     if slot is not None:
                         r.receiver.free(slot)
-            self._forward(hdr, out, step, launched if out is not None else 0.0)
+            self._forward(hdr, out, step)
 
-    def _forward(self, hdr, out, step, launched=0.0):
+    def _forward(self, hdr, out, step):
         r = self.r
         if self.sampler is not None:      # the ring thread waits for the tokens and sends them (or the error)
-            self.ringq.put((hdr, out if hdr["kind"] == "step" else None, launched))
+            self.ringq.put((hdr, out if hdr["kind"] == "step" else None))
         else:
             r.sender.send(hdr, out if hdr["kind"] == "step" else None, timeout=step)
 
@@ -314,29 +338,37 @@ class IntakeLoop(_Loop):
         """One stage: a step is on the device. While nothing else waits to be scheduled and its tokens are on the
         device, cut and launch the next decode step of its sequences first (fed from those tokens), then read
         its tokens: the host's scheduling and bookkeeping overlap the device's step instead of following it."""
-        mb, pend, launched = self.pending
-        self.pending = nxt = None
+        mb, pend, tok = self.pending
+        self.pending = nxt = failed = None
         if pend.device is not None and not self.sched.has_ready_work():
             t = time.monotonic()
             cont = self.sched.continue_microbatch(mb)
             self._phase("schedule", t)
             if cont is not None:
                 self.continued += 1
-                nxt = self._run_mb(cont, pend.device)
+                try:
+                    nxt = self._launch(cont, pend.device)
+                except Exception as e:  # reported after mb's tokens: mb itself succeeded
+                    failed = (cont, e)
         t = time.monotonic()
         try:
             toks, lps = pend.result()
         except Exception as e:  # pragma: no cover - a device fault surfaces here; the microbatch fails
-            self.r.mail.post(self.sched.fail_mb(mb.mb, "StageFailed", f"stage 0 failed a microbatch: "
-                                                f"{type(e).__name__}: {e}"))
+            self._fail(mb, e)
             toks = None
         self._phase("wait", t)
-        self._resolved(launched, nxt[2] if nxt is not None else None)
+        self._resolved(tok)
         if toks is not None:
             t = time.monotonic()
             self.r.mail.post(self.sched.on_tokens(mb.mb, toks, lps))
             self._phase("tokens", t)
+        if failed is not None:
+            self._fail(*failed)
         self.pending = nxt
+
+    def _fail(self, mb, e: BaseException) -> None:
+        self.r.mail.post(self.sched.fail_mb(mb.mb, "StageFailed", f"stage 0 failed a microbatch: "
+                                            f"{type(e).__name__}: {e}"))
 
     def _ids(self, mb, fed_from):
         """The microbatch's token ids: from the host, or (a continuation) rows of the previous step's tokens."""
@@ -344,34 +376,40 @@ class IntakeLoop(_Loop):
             return torch.tensor(mb.ids)
         if mb.feed == list(range(fed_from.shape[0])):
             return fed_from
-        return fed_from[torch.tensor(mb.feed, device=fed_from.device)]
+        idx = torch.tensor(mb.feed)          # pinned, so the copy does not wait for the step on the device
+        return fed_from[idx.pin_memory().to(fed_from.device, non_blocking=True) if fed_from.is_cuda else idx]
 
-    def _run_mb(self, mb, fed_from=None):
-        """Embed and run one microbatch. One stage: launch it and return (mb, PendingTokens, launch time) for
-        `_advance`, or make `self.pending` of it; else send it to stage 1."""
+    def _launch(self, mb, fed_from=None):
+        """Embed and run one microbatch (raises if it fails). One stage: returns (mb, PendingTokens, launch
+        token); else the stage's output for stage 1."""
         r = self.r
         t = time.monotonic()
         ad = [s.req.adapter for s in mb.seqs]
         b = StepBatch([s.slot for s in mb.seqs], mb.starts, mb.counts, mb.pos_3T, mb.sample,
                       ad if any(a >= 0 for a in ad) else None)
-        try:
-            h = r.model.embed_ids(self._ids(mb, fed_from), b, token_overlay=r.token_overlay)
-            for s, off, start, c in zip(mb.seqs, b.offsets, mb.starts, mb.counts):
-                if s.req.images is not None and start < len(s.req.prompt):
-                    s.req.images.splice_into(r.engine, h[off:off + c], start)
-            if self.sampler is not None:
-                self.sampler.admit(mb.admit, mb.release)
-            self._phase("embed", t)
-            out = self.compute(b, h, wait=self.sampler is None)
-        except Exception as e:  # this microbatch fails; the loop keeps serving
-            r.mail.post(self.sched.fail_mb(mb.mb, "StageFailed", f"stage 0 failed a microbatch: "
-                                           f"{type(e).__name__}: {e}"))
-            return None
+        h = r.model.embed_ids(self._ids(mb, fed_from), b, token_overlay=r.token_overlay)
+        for s, off, start, c in zip(mb.seqs, b.offsets, mb.starts, mb.counts):
+            if s.req.images is not None and start < len(s.req.prompt):
+                s.req.images.splice_into(r.engine, h[off:off + c], start)
         if self.sampler is not None:
-            launched = (mb, out, t)
-            if fed_from is None:
-                self.pending = launched
-            return launched
+            self.sampler.admit(mb.admit, mb.release)
+        self._phase("embed", t)
+        if self.sampler is None:
+            return b, self.compute(b, h)
+        return (mb, *self.compute(b, h, wait=False))
+
+    def _run_mb(self, mb):
+        """One stage: launch the microbatch and make `self.pending` of it; else run it and send it to stage 1."""
+        r = self.r
+        try:
+            launched = self._launch(mb)
+        except Exception as e:  # this microbatch fails; the loop keeps serving
+            self._fail(mb, e)
+            return
+        if self.sampler is not None:
+            self.pending = launched
+            return
+        b, out = launched
         hdr = {"kind": "step", "mb": mb.mb, "slots": b.slots, "starts": mb.starts, "counts": mb.counts,
                "sample": mb.sample, "pos": mb.pos_3T.to(torch.int32), "admit": mb.admit, "release": mb.release,
                "adapters": b.adapter_slots}

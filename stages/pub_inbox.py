@@ -21,7 +21,6 @@ from collections import OrderedDict
 from multiprocessing import resource_tracker
 
 import _posixshmem
-import torch
 
 from memra_pp.errors import StageFailed
 from memra_pp.stages.shm_slots import _attach_shm
@@ -79,7 +78,7 @@ class PublicationInbox:
         finally:
             del view
             with self._cv:
-                if not ok:
+                if not ok or self.closed:
                     self._drop(k)                            # a late write lands in an orphaned segment
                 self._free.append(k)
                 self._cv.notify()
@@ -95,9 +94,10 @@ class PublicationInbox:
             resource_tracker.unregister("/" + seg[0], "shared_memory")
 
     def close(self) -> None:
+        """Drop the free slots now; a lent one goes when its publication returns (never unpinned under a copy)."""
         with self._cv:
             self.closed = True
-            for k in range(len(self._segs)):
+            for k in self._free:
                 self._drop(k)
             self._cv.notify_all()
 
@@ -129,39 +129,55 @@ def _unpin(engine, addr: int) -> None:
 
 class InboxWriter:
     """Tower side: the intake's slots, mapped by name (a few kept open: slots are reused, and regrow rarely);
-    page-locked for a CUDA tower's dtoh."""
+    page-locked for a CUDA tower's dtoh. `lease` lends a mapping for one publication: a mapping is unpinned and
+    unmapped only once no publication holds it (the actor serves several calls at once)."""
 
     KEEP = 4
 
     def __init__(self, engine=None):
         self._engine = engine if engine is not None and engine.is_cuda else None
-        self._maps: OrderedDict[str, tuple[mmap.mmap, torch.Tensor, int | None]] = OrderedDict()
+        self._maps: OrderedDict[str, list] = OrderedDict()   # name -> [mapping, view, pinned address, users]
+        self._retired: list[list] = []      # evicted while in use: released when their last user returns
         self._lock = threading.Lock()
         self.pinned = 0                     # mappings page-locked (stats and tests: the DMA path ran)
 
-    def view(self, name: str, size: int) -> torch.Tensor:
+    @contextlib.contextmanager
+    def lease(self, name: str, size: int):
         with self._lock:
-            if name in self._maps:
+            e = self._maps.get(name)
+            if e is not None:
                 self._maps.move_to_end(name)
-                return self._maps[name][1]
-            m = _attach_shm(name, size, "overlay publication")
-            v = _u8_over(m, size)
-            addr = None
-            if self._engine is not None:
-                addr = _pin(self._engine, m, size)
-                self.pinned += 1
-            self._maps[name] = (m, v, addr)
-            while len(self._maps) > self.KEEP:
-                _, (old, ov, oaddr) = self._maps.popitem(last=False)
-                if oaddr is not None:       # our dtoh into it was synchronous: nothing is in flight
-                    _unpin(self._engine, oaddr)
-                del ov, old          # unmapped once no view of it is left
-            return v
+            else:
+                m = _attach_shm(name, size, "overlay publication")
+                addr = None
+                if self._engine is not None:
+                    addr = _pin(self._engine, m, size)
+                    self.pinned += 1
+                e = self._maps[name] = [m, _u8_over(m, size), addr, 0]
+                for old in [k for k in self._maps if k != name][:max(0, len(self._maps) - self.KEEP)]:
+                    self._retire(self._maps.pop(old))
+            e[3] += 1
+        try:
+            yield e[1]
+        finally:
+            with self._lock:
+                e[3] -= 1
+                if e[3] == 0 and e in self._retired:
+                    self._retired.remove(e)
+                    self._release(e)
+
+    def _retire(self, e: list) -> None:
+        if e[3]:
+            self._retired.append(e)          # a publication is copying into it: released when it returns
+        else:
+            self._release(e)
+
+    def _release(self, e: list) -> None:
+        if e[2] is not None:
+            _unpin(self._engine, e[2])
+        e[0] = e[1] = None                   # unmapped once no view of it is left
 
     def close(self) -> None:
         with self._lock:
             while self._maps:
-                _, (old, ov, oaddr) = self._maps.popitem(last=False)
-                if oaddr is not None:
-                    _unpin(self._engine, oaddr)
-                del ov, old
+                self._retire(self._maps.popitem(last=False)[1])

@@ -215,14 +215,14 @@ class StageRunner(RecoveryMixin):
         intake's publication slot `inbox` (name, size), or carried in the answer when none is named."""
         self.here()
         rows = self._tower_rows(pixel_values, grids)
-        into = None
-        if inbox is not None:
-            from .pub_inbox import InboxWriter
-            with self._pub_lock:
-                if self.inbox_writer is None:
-                    self.inbox_writer = InboxWriter(self.engine)
-            into = self.inbox_writer.view(*inbox)
-        return publish_out(self.engine, rows, spans, into=into)
+        if inbox is None:
+            return publish_out(self.engine, rows, spans)
+        from .pub_inbox import InboxWriter
+        with self._pub_lock:
+            if self.inbox_writer is None:
+                self.inbox_writer = InboxWriter(self.engine)
+        with self.inbox_writer.lease(*inbox) as into:
+            return publish_out(self.engine, rows, spans, into=into)
 
     # -- adapters ---------------------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, slot: int) -> None:

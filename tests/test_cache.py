@@ -26,3 +26,9 @@ def test_kv_growth_the_device_cannot_hold_is_refused(monkeypatch):
     assert c.kv_capacity == 512                      # nothing was allocated
     c.reserve(1024)                                  # a growth that fits goes on (2 full layers x 65 slots)
     assert c.kv_capacity == 1024
+    # doubling (to 2048) would not fit in 400 MB, growing only as far as asked (1152) does
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (400 * 2**20, 141 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 0)
+    c.reserve(1100)
+    assert c.kv_capacity == 1280                     # 1100 rounded up to the 256-position block

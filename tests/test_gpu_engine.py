@@ -65,7 +65,8 @@ def test_publication_slots_are_page_locked_and_bit_exact():
     x = torch.randn(256, 5120, device="cuda:0")
     with inbox.slot(x.numel() * 4, 5) as (name, size, buf):
         assert len(inbox._pinned) == 1 and cuda.pointer_info(buf.data_ptr()) is not None
-        pub = publish_out(eng, x, [(0, 0, 256)], into=writer.view(name, size))
+        with writer.lease(name, size) as into:
+            pub = publish_out(eng, x, [(0, 0, 256)], into=into)
         assert writer.pinned == 1 and pub.data is None
         ov = pub.land(eng, host=buf)
     assert torch.equal(ov.rows, x)

@@ -19,7 +19,8 @@ def test_rows_land_bit_exact_through_a_slot():
     rows = torch.randn(256, 640).to(torch.bfloat16)
     with inbox.slot(rows.numel() * 2, 5) as (name, size, buf):
         assert size >= rows.numel() * 2 and os.path.exists(f"/dev/shm/{name}")
-        pub = publish_out(Engine("cpu"), rows, [(0, 0, 256)], into=writer.view(name, size))
+        with writer.lease(name, size) as into:
+            pub = publish_out(Engine("cpu"), rows, [(0, 0, 256)], into=into)
         assert pub.data is None                      # only the description travels
         ov = pub.land(Engine("cpu"), host=buf)
     assert torch.equal(ov.rows, rows) and ov.rows.dtype == torch.bfloat16
@@ -76,10 +77,37 @@ def test_writer_keeps_a_few_mappings():
     w = InboxWriter()
     for ib in inboxes:
         with ib.slot(10, 1) as (name, size, buf):
-            w.view(name, size)[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+            with w.lease(name, size) as into:
+                into[:3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
             assert buf[:3].tolist() == [1, 2, 3]      # the same memory, two mappings
     assert len(w._maps) == InboxWriter.KEEP
     for ib in inboxes:
+        ib.close()
+
+
+def test_a_mapping_in_use_is_released_only_when_its_publication_returns():
+    """The tower serves several publications at once: a mapping evicted (or the writer closed) while a publication
+    still copies into it stays mapped until that publication returns, then goes; and an inbox closed while a slot
+    is lent drops that slot when it comes back, not under the copy."""
+    inboxes = [PublicationInbox(f"u{i}", n_slots=1) for i in range(InboxWriter.KEEP + 1)]
+    w = InboxWriter()
+    slots = [ib.slot(10, 1) for ib in inboxes]
+    names = [s.__enter__()[:2] for s in slots]
+    with w.lease(*names[0]) as first:
+        for n in names[1:]:                          # evicts the first mapping while it is leased
+            with w.lease(*n):
+                pass
+        assert names[0][0] not in w._maps and len(w._retired) == 1
+        first[:2] = torch.tensor([7, 8], dtype=torch.uint8)   # still mapped and writable
+    assert not w._retired                            # released on return
+    inboxes[0].close()                               # lent: kept until returned
+    assert inboxes[0]._segs[0] is not None
+    slots[0].__exit__(None, None, None)
+    assert inboxes[0]._segs[0] is None
+    for s in slots[1:]:
+        s.__exit__(None, None, None)
+    w.close()
+    for ib in inboxes[1:]:
         ib.close()
 
 

@@ -39,36 +39,51 @@ class StageCache:
 
     def reserve(self, length: int) -> None:
         """Grow every KV pool so positions < length fit: by whole blocks, at least doubling (few reallocations, each
-        of which drops the decode graphs captured over the old pools), up to max_context."""
+        of which drops the decode graphs captured over the old pools), up to max_context; only as far as needed
+        when doubling would not fit on the device."""
         if not self.k or length <= self.kv_capacity:
             return
-        cap = min(self.max_context, -(-max(length, 2 * self.kv_capacity) // self.kv_block) * self.kv_block)
-        if length > cap:
+        if length > self.max_context:
             raise ValueError(f"sequence length {length} exceeds max_context {self.max_context}")
-        self._check_room(cap)
+        blocks = lambda n: -(-n // self.kv_block) * self.kv_block   # noqa: E731
+        cap = min(self.max_context, blocks(max(length, 2 * self.kv_capacity)))
+        if not self._fits(cap):
+            cap = min(self.max_context, blocks(length))
+            self._check_room(cap)
         for d in (self.k, self.v):
             for i, t in d.items():
                 n = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
                 n[:, :, : t.shape[2]] = t
                 d[i] = n
 
+    def _need_free(self, cap: int) -> tuple[int, int]:
+        """(bytes a growth to cap needs at its peak, bytes the device has for it). The pools are replaced one by
+        one, so the peak is the growth plus one old pool."""
+        t = next(iter(self.k.values()))
+        row = t.shape[0] * t.shape[1] * t.shape[3] * t.element_size()
+        need = 2 * len(self.k) * row * (cap - t.shape[2]) + row * t.shape[2]
+        free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
+            - torch.cuda.memory_allocated(self.device)
+        return need, free
+
+    def _fits(self, cap: int) -> bool:
+        if self.device.type != "cuda":
+            return True
+        need, free = self._need_free(cap)
+        return need <= free
+
     def _check_room(self, cap: int) -> None:
         """The pools hold every slot at the longest length (one per slot, contiguous): refuse a growth the device
         cannot hold with a message that says so, before the allocator's out-of-memory error would."""
-        if self.device.type != "cuda":
+        if self._fits(cap):
             return
-        t = next(iter(self.k.values()))
-        grow = 2 * len(self.k) * t.shape[0] * t.shape[1] * (cap - t.shape[2]) * t.shape[3] * t.element_size()
-        per_layer = 2 * t.shape[0] * t.shape[1] * cap * t.shape[3] * t.element_size()   # new pools coexist w/ old
-        free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
-            - torch.cuda.memory_allocated(self.device)
-        if grow + per_layer > free:
-            from memra_pp.errors import InputError
-            raise InputError(
-                f"a sequence of {cap} positions does not fit this stage's KV cache: its pools hold every one of "
-                f"{t.shape[0] - 1} slots (scheduler.max_batch) at the longest length, {(grow + per_layer) / 2**30:.1f}"
-                f" GiB more on {self.device} where {free / 2**30:.1f} GiB are free; lower scheduler.max_batch or "
-                f"scheduler.max_context, or split the model over more stages")
+        need, free = self._need_free(cap)
+        from memra_pp.errors import InputError
+        raise InputError(
+            f"a sequence of {cap} positions does not fit this stage's KV cache: its pools hold every one of "
+            f"{next(iter(self.k.values())).shape[0] - 1} slots (scheduler.max_batch) at the longest length, "
+            f"{need / 2**30:.1f} GiB more on {self.device} where {free / 2**30:.1f} GiB are free; lower "
+            f"scheduler.max_batch or scheduler.max_context, or split the model over more stages")
 
     def reset(self, slot: int) -> None:
         """Forget a sequence: zero its linear states (a fresh prefill must start from S0 = 0)."""

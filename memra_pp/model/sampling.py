@@ -81,9 +81,10 @@ def sample_async(logits_NV: torch.Tensor, params: list[SamplingParams], steps: l
     if logits_NV.device.type != "cuda":
         return PendingTokens(greedy, both)
     host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-    host.copy_(both, non_blocking=True)
+    with torch.cuda.device(logits_NV.device):
+        host.copy_(both, non_blocking=True)
     ev = torch.cuda.Event()
-    ev.record()
+    ev.record(torch.cuda.current_stream(logits_NV.device))
     return PendingTokens(greedy, host, ev)
 
 

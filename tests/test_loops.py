@@ -1,0 +1,155 @@
+"""The stage loops' bookkeeping that the supervisor reads (`health()["computing_s"]`: how long the oldest
+microbatch not yet done has run) must be right while the primary's ring thread resolves tokens asynchronously:
+an idle stage never looks stuck (also after a failed microbatch), and a microbatch hanging on the host is seen
+even while an earlier one resolves. Driven with a stand-in runner (no Ray, no transport)."""
+import queue
+import threading
+import time
+import types
+
+import torch
+
+from memra_pp.stages.loops import StageLoop
+
+
+class Pend:
+    device = None
+
+    def __init__(self):
+        self.ev = threading.Event()
+
+    def result(self):
+        assert self.ev.wait(10)
+        return [1], [-0.1]
+
+
+class Sampler:
+    def __init__(self):
+        self.pends = []
+
+    def admit(self, *a):
+        pass
+
+    def __call__(self, out, b):
+        self.pends.append(Pend())
+        return self.pends[-1]
+
+
+def make_loop():
+    msgs, sent = queue.Queue(), []
+
+    class Recv:
+        _ch = None
+
+        def recv(self, timeout):
+            try:
+                return msgs.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError from None
+
+        def free(self, slot):
+            pass
+
+    def model(b, h, c, lora=None, token_overlay=None):
+        if r.hang is not None:
+            r.hang.wait(10)                # a microbatch stuck on the host (inject_stall's kind)
+        return torch.zeros(1, 4)
+
+    r = types.SimpleNamespace(
+        spec=types.SimpleNamespace(primary=True), index=1, engine=types.SimpleNamespace(make_current=lambda: None),
+        receiver=Recv(), placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)), rx_hashes=None,
+        stall_s=0.0, model=model, cache=None, lora=None, token_overlay=None, hang=None,
+        ring=types.SimpleNamespace(send=sent.append), sender=None)
+    loop = StageLoop(r)
+    loop.sampler = Sampler()
+    return loop, r, msgs, sent
+
+
+def step(mb):
+    return {"kind": "step", "mb": mb, "slots": [0], "starts": [3], "counts": [1], "sample": [True],
+            "pos": torch.zeros(3, 1, dtype=torch.int32)}, torch.zeros(1, 4)
+
+
+def wait_for(cond, s=5.0):
+    t = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t < s, "timed out"
+        time.sleep(0.01)
+
+
+def test_idle_after_a_failed_microbatch_is_not_stuck():
+    loop, r, msgs, sent = make_loop()
+    loop.start()
+    try:
+        msgs.put(step(0))
+        wait_for(lambda: loop.sampler.pends)
+        msgs.put(({"kind": "mb_error", "mb": 1, "stage": 0, "etype": "X", "message": "y"}, None))
+        time.sleep(0.1)
+        assert 0 < loop.health()["computing_s"] < 2          # step 0 is on the device
+        loop.sampler.pends[0].ev.set()
+        wait_for(lambda: len(sent) == 2)
+        assert [m["kind"] for m in sent] == ["tokens", "mb_error"]   # in order
+        time.sleep(0.2)
+        assert loop.health()["computing_s"] == 0.0           # idle: nothing outstanding
+    finally:
+        loop.stop()
+
+
+def test_a_hang_is_seen_while_an_earlier_step_resolves():
+    loop, r, msgs, sent = make_loop()
+    loop.start()
+    try:
+        msgs.put(step(0))
+        wait_for(lambda: loop.sampler.pends)
+        r.hang = threading.Event()
+        msgs.put(step(1))                                     # hangs inside the model call
+        time.sleep(0.1)
+        loop.sampler.pends[0].ev.set()                        # step 0's tokens come back meanwhile
+        wait_for(lambda: len(sent) == 1)
+        time.sleep(0.3)
+        assert loop.health()["computing_s"] >= 0.3           # step 1 is still seen running
+        r.hang.set()
+        wait_for(lambda: len(loop.sampler.pends) == 2)
+        loop.sampler.pends[1].ev.set()
+        wait_for(lambda: len(sent) == 2)
+        time.sleep(0.1)
+        assert loop.health()["computing_s"] == 0.0 and loop.stats()["microbatches"] == 2
+    finally:
+        loop.stop()
+
+
+def test_a_failed_continuation_comes_after_the_tokens_of_the_step_before_it():
+    """One stage cuts step n+1 before reading step n: when launching step n+1 fails, step n's tokens (which
+    succeeded) must still reach the client first, then the error; never the other way round (which dropped them)."""
+    from memra_pp.model.sampling import SamplingParams
+    from memra_pp.scheduler import Request, Scheduler
+    from memra_pp.stages.loops import IntakeLoop
+    events, calls = [], []
+
+    class Model:
+        def embed_ids(self, ids, b, token_overlay=None):
+            return torch.zeros(len(ids) if ids.dim() else 1, 4)
+
+        def __call__(self, b, h, cache, lora=None, token_overlay=None):
+            calls.append(list(b.starts))
+            if len(calls) == 3:
+                raise RuntimeError("no room for the next step")
+            logits = torch.zeros(sum(b.sample), 16)
+            logits[:, 5] = 1.0
+            return logits
+
+    r = types.SimpleNamespace(
+        spec=types.SimpleNamespace(primary=True), index=0, engine=types.SimpleNamespace(make_current=lambda: None),
+        scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=64), inbox=queue.Queue(),
+        mail=types.SimpleNamespace(post=events.extend), model=Model(), cache=None, lora=None, token_overlay=None,
+        stall_s=0.0, ring=None, placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
+    loop = IntakeLoop(r)
+    r.inbox.put(("req", Request("a", "c", [1, 2, 3], 5, SamplingParams())))
+    loop.start()
+    try:
+        wait_for(lambda: any(e.finish for e in events))
+    finally:
+        loop.stop()
+    assert calls == [[0], [3], [4]]                       # prefill, continuation 1, continuation 2 (fails)
+    assert [(e.tokens, e.finish) for e in events] == [([5], None), ([5], None), ([], "error")]
+    assert "no room for the next step" in events[-1].error[1] and loop.continued == 2
