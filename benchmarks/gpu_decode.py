@@ -168,6 +168,7 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--ttft", type=int, default=0, help="also time the first token of one prompt this long")
+    ap.add_argument("--deploy-each", action="store_true", help="one deployment per concurrency (saturation)")
     ap.add_argument("--prefill-chunk", type=int, default=4096,
                     help="scheduler.prefill_chunk (a long prompt's chunks pipeline across stages)")
     ap.add_argument("--hf", action="store_true")
@@ -199,13 +200,17 @@ def main() -> int:
     for layout in a.layouts.split(";"):
         devices = [int(x) for x in layout.split(",")]
         if max(devices) < torch.cuda.device_count():
-            try:
-                run_memra(a.model, devices, conc, a.prompt_len, a.new, mb, ttft=a.ttft, out=rep["runs"],
-                          chunk=a.prefill_chunk)
-            except Exception as e:  # noqa: BLE001 - record it and go on to the next layout
-                print(f"  layout {devices} failed: {type(e).__name__}: {e}", flush=True)
-                rep.setdefault("failed", []).append({"devices": devices, "error": f"{type(e).__name__}: {e}"})
-            save()
+            # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
+            # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
+            for cs in ([[c] for c in conc] if a.deploy_each else [conc]):
+                try:
+                    run_memra(a.model, devices, cs, a.prompt_len, a.new, mb, ttft=a.ttft, out=rep["runs"],
+                              chunk=a.prefill_chunk)
+                except Exception as e:  # noqa: BLE001 - record it and go on
+                    print(f"  layout {devices}, concurrency {cs} failed: {type(e).__name__}: {e}", flush=True)
+                    rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs,
+                                                         "error": f"{type(e).__name__}: {e}"})
+                save()
     if a.hf and not a.hf_first:
         rep["runs"] += run_hf(conc, a.prompt_len, a.new, save)
     with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:

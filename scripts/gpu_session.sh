@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
-# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench bench4 engine kernels publish" (one run
-# call is 10 minutes: split them over calls).
+# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench sat ttft2 bench4 engine kernels publish
+# prefill" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -23,10 +23,15 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     battery2) phase battery-2xh200 ${B2_S:-420} python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
     battery4) phase battery-4gpu 420 python3 -m memra_pp.cli battery cluster_configs/battery-4gpu.yaml --out "$OUT/battery-4gpu.json" ;;
     bench) phase gpu-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1" --concurrency 1,64,256 --new 64 --hf --hf-first --ttft 8192 ;;
+    # nvidia-h200-x2, issue 7 targets 1 (two stages), 2 (saturation: 512 in, 256 out, up to 1024 requests),
+    # 4 (8k prompt, chunks pipelined across stages) and 5 (busy, handoffs): one phase per call
+    sat) phase gpu-decode-sat 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1" --concurrency ${SAT_C:-64,256,384,512,1024} --prompt-len 512 --new 256 --deploy-each ;;
+    ttft2) phase gpu-ttft-2 300 python3 -u benchmarks/gpu_decode.py --out "$OUT/ttft" --layouts "0;0,1" --concurrency 1 --new 64 --ttft 8192 --prefill-chunk 1024 ;;
     bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1;0,1,2,3" --concurrency 64,256 ;;
     engine) phase gpu-engine-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64,256 --modes graph --profile ;;
     kernels) phase gpu-kernels 120 python3 -u benchmarks/gpu_kernels.py --out "$OUT" ;;
     publish) phase overlay-publish 200 python3 -u benchmarks/overlay_publish.py --tower cuda:0 --intake cuda:${PUB_INTAKE:-1} --json "$OUT/overlay_publish.json" ;;
+    prefill) phase prefill-pipeline 300 python3 -u benchmarks/prefill_pipeline.py --device cuda --model preset:qwen3.5-27b --prompt 8192 --chunk 1024 --json "$OUT/prefill_pipeline.json" ;;
     host) phase battery-host ${HOST_S:-300} python3 -m memra_pp.cli battery cluster_configs/host-bounce.yaml --out "$OUT/battery-host.json" ;;
   esac
 done
