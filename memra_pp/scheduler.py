@@ -169,7 +169,8 @@ class Scheduler:
         # a prompt's next chunk may follow its previous one before that one is back: every stage runs microbatches
         # in order, so chunk k+1 meets chunk k's cache on each stage (chunked prefill pipelined across stages)
         # (after every sequence that is not in flight: they take the budget first, least recently run first)
-        ready = sorted((s for s in self.active.values() if not s.in_flight or s.sent < len(s.req.prompt)),
+        ready = sorted((s for s in self.active.values() if not s.in_flight or (
+            s.sent < len(s.req.prompt) and s.req.max_new_tokens > 0)),      # (no more chunks of an aborted one)
                        key=lambda s: (s.in_flight > 0, s.last_run))
         if not ready:
             return None, events
@@ -234,6 +235,9 @@ class Scheduler:
                 continue
             s.fed += c
             if not smp:
+                if s.req.max_new_tokens == 0 and not s.in_flight:   # aborted mid-prompt: ends once its chunks are
+                    events.append(Event(s.req.client, s.req.rid, [], [], "abort"))   # back (none run after)
+                    self._finish(s)
                 continue
             s.out.append(t)
             s.lps.append(lp)

@@ -143,3 +143,15 @@ def test_a_long_prompt_is_chunked_through_the_pipeline():
     assert [(e.rid, e.tokens) for e in ev] == [("r0", [7])]
     dec, _ = s.next_microbatch()
     assert [q.req.rid for q in dec.seqs] == ["r0"] and dec.starts == [10] and dec.ids == [7]
+
+
+def test_an_aborted_prompt_sends_no_more_chunks_and_ends_when_its_chunks_are_back():
+    s = Scheduler(max_batch=2, microbatches=3, prefill_chunk=4, max_context=64)
+    s.add(req(0, n=12, new=3))
+    a, _ = s.next_microbatch()
+    b, _ = s.next_microbatch()                      # the second chunk follows the first
+    assert s.abort("r0") == []                      # in flight: it ends when its chunks are back
+    assert s.next_microbatch()[0] is None           # no third chunk
+    assert s.on_tokens(a.mb, [], []) == []
+    ev = s.on_tokens(b.mb, [], [])
+    assert [(e.rid, e.finish) for e in ev] == [("r0", "abort")] and s.idle()
