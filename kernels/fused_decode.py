@@ -164,26 +164,31 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
 
 
 # -- decode attention over the slot pools -------------------------------------------------------------------------
-def decode_attention_ref(q_BHD, gate, kp, vp, slots_B, lens_B, S: int):
-    """attention.attend_decode over the slots' first S positions (gathered), times sigmoid(gate)."""
+def decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int):
+    """attention.attend_decode over the slots' first S positions (gathered from their pages), times
+    sigmoid(gate)."""
     from memra_pp.model.attention import attend_decode
+    from memra_pp.model.cache import gather_pages
     B = q_BHD.shape[0]
-    o = attend_decode(q_BHD, kp[slots_B, :, :S], vp[slots_B, :, :S], lens_B)
+    o = attend_decode(q_BHD, gather_pages(kp, table, slots_B, S), gather_pages(vp, table, slots_B, S), lens_B)
     return o * torch.sigmoid(gate.reshape(B, -1))
 
 
-def decode_attention(q_BHD, gate, kp, vp, slots_B, lens_B, S: int, block: int = 64):
-    """One query per sequence against its own slot of the KV pools [N, nkv, Smax, D], keys s < lens_B[b] visible
-    (lens <= S), output gated by sigmoid(gate) ([B, nh * D] or a [B, nh, D] view): [B, nh * D]. The keys are read
-    in place (no gather of the slots' caches); a long cache is split over programs (flash decoding) when the
-    batch alone would leave the GPU idle, and the splits are combined in a second kernel."""
+def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block: int = 64):
+    """One query per sequence against its pages of the paged KV pools [n_blocks, nkv, kv_block, D] (table[slot, j]:
+    the block of positions [j * kv_block, (j + 1) * kv_block)), keys s < lens_B[b] visible (lens <= S), output gated
+    by sigmoid(gate) ([B, nh * D] or a [B, nh, D] view): [B, nh * D]. The pages are read in place (no gather); a
+    long cache is split over programs (flash decoding) when the batch alone would leave the GPU idle, and the
+    splits are combined in a second kernel."""
     B, nh, D = q_BHD.shape
-    if not _triton(q_BHD) or D < 16 or D & (D - 1):      # tl.dot needs a power-of-two head dim >= 16
-        return decode_attention_ref(q_BHD, gate, kp, vp, slots_B, lens_B, S)
+    kvb = kp.shape[2]
+    block = min(block, kvb)
+    if not _triton(q_BHD) or D < 16 or D & (D - 1) or kvb % block or block < 16:
+        return decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S)   # tl.dot: pow2 dims >= 16
     nkv = kp.shape[1]
     g3 = gate.view(B, nh, D) if gate.dim() == 2 else gate
     assert q_BHD.stride(2) == 1 and g3.stride(2) == 1 and kp.stride(3) == 1 and vp.stride(3) == 1
-    assert kp.stride() == vp.stride()
+    assert kp.stride() == vp.stride() and table.stride(1) == 1
     group = nh // nkv
     blocks = triton.cdiv(S, block)
     splits = max(1, min(blocks, triton.cdiv(2 * _sms(q_BHD.device), B * nkv)))
@@ -192,9 +197,9 @@ def decode_attention(q_BHD, gate, kp, vp, slots_B, lens_B, S: int, block: int = 
     out = torch.empty(B, nh * D, dtype=q_BHD.dtype, device=q_BHD.device)
     mid = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
     lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
-    args = (q_BHD, kp, vp, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1), kp.stride(0),
-            kp.stride(1), kp.stride(2), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
-    meta = dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, SPLITS=splits,
+    args = (q_BHD, kp, vp, table, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1),
+            kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
+    meta = dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, KVB=kvb, SPLITS=splits,
                 IEEE=q_BHD.dtype == torch.float32, num_warps=4)
     global _ATTN_STAGES
     try:
@@ -224,9 +229,9 @@ def _sms(device) -> int:
 
 if triton is not None:
     @triton.jit
-    def _decode_attn_kernel(Q, K, V, SLOTS, LENS, G, O, MID, LSE, sqb, sqh, skn, skh, sks, sgb, sgh, scale, CHUNK,
-                            GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                            SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    def _decode_attn_kernel(Q, K, V, TABLE, SLOTS, LENS, G, O, MID, LSE, sqb, sqh, skn, skh, sks, stt, sgb, sgh,
+                            scale, CHUNK, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                            KVB: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         kh = tl.program_id(1).to(tl.int64)
         sp = tl.program_id(2)
@@ -240,13 +245,13 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        base = slot * skn + kh * skh
         start = sp * CHUNK
         end = tl.minimum(start + CHUNK, L)
-        for s0 in range(start, end, BS):
+        for s0 in range(start, end, BS):       # a tile lies in one page: BS divides KVB, tiles start at BS multiples
+            blk = tl.load(TABLE + slot * stt + s0 // KVB).to(tl.int64)
             s = s0 + tl.arange(0, BS)
             sm = s < end
-            off = base + s[:, None].to(tl.int64) * sks + d[None, :]
+            off = blk * skn + kh * skh + (s[:, None] % KVB).to(tl.int64) * sks + d[None, :]
             k = tl.load(K + off, mask=sm[:, None], other=0)
             if IEEE:
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")

@@ -89,17 +89,24 @@ close(gdn_decode_triton(q, k, v, g, beta, pe, slots, Kd ** -0.5), gdn_decode_ref
                                                                                   Kd ** -0.5), tol)
 close(pe, pf, tol)
 assert torch.equal(pe[[1, 2, 5]], pool[[1, 2, 5]])
-# decode attention over the slot pools: GQA (3 query heads per kv head), the gate a strided view into the
-# projection, slots out of order (one the scratch slot), lens up to S; one program per head, and split over S
-Bq, nkv, G3, Dh, N, Smax, S = 3, 2, 3, 32, 6, 192, 160
+# decode attention over paged KV pools: GQA (3 query heads per kv head), the gate a strided view into the
+# projection, slots out of order with their pages scattered (one slot the scratch one, all on the null page), lens
+# up to S; one program per head, and split over S
+Bq, nkv, G3, Dh, N, S = 3, 2, 3, 32, 6, 160
 Pq = torch.randn(Bq, nkv * G3 * 2 * Dh, dtype=dt)
 qa = torch.randn(Bq, nkv * G3, Dh, dtype=dt)
 gv = Pq.view(Bq, nkv * G3, 2 * Dh)[..., Dh:]
-kp, vp = torch.randn(N, nkv, Smax, Dh, dtype=dt), torch.randn(N, nkv, Smax, Dh, dtype=dt)
-sl, ln = torch.tensor([4, 1, 5]), torch.tensor([160, 1, 97])
-# (Triton 3.9's interpreter computes tl.dot of bfloat16 operands wrongly, so bf16 runs compiled on the GPU only)
-for blk in ((64, 256) if dt == torch.float32 or sys.argv[2] == "cuda" else ()):
-    # 64: the 160 keys split over two programs and combined; 256: one block, no split
-    close(fd.decode_attention(qa, gv, kp, vp, sl, ln, S, block=blk),
-          ref(fd.decode_attention, qa, gv, kp, vp, sl, ln, S), tol)
+for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a tile never straddles a page)
+    npg = -(-192 // kvb)
+    kp, vp = torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt), torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt)
+    table = torch.zeros(N + 1, npg, dtype=torch.long)
+    table[:N] = (torch.randperm(N * npg) + 1).view(N, npg)   # page 0: the null page, the scratch slot's
+    sl, ln = torch.tensor([4, N, 5]), torch.tensor([160, 1, 97])
+    # (Triton 3.9's interpreter computes tl.dot of bfloat16 operands wrongly: bf16 runs compiled on the GPU only)
+    if dt == torch.float32 or sys.argv[2] == "cuda":
+        # on the CPU (4 "SMs"): the 160 keys split over programs and combined; at S=kvb one tile, no split
+        for s_ in (S, kvb):
+            lns = ln.clamp(max=s_)
+            close(fd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
+                  ref(fd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
 print("fused ok", dt, sys.argv[2])

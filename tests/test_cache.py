@@ -1,34 +1,59 @@
-"""The KV pools hold every slot at the longest length: a growth the device cannot hold must be refused with a
-typed error that names the knobs, before the allocator's out-of-memory error (measured on the H200: an 8k prompt
-in a max_batch 256 deployment asked for 138 GiB of KV)."""
+"""The paged KV cache: sequences take pages as they grow and give them back when their slot is reset, so memory
+follows the tokens cached, not max_batch x the longest sequence (measured on the H200 before paging: an 8k prompt
+in a max_batch 256 deployment asked for 138 GiB of KV); the pools grow only when no page is free, and a growth the
+device cannot hold is refused with a typed error that names the knobs, before the allocator's out-of-memory error."""
 import pytest
 import torch
 
 from memra_pp.errors import InputError
+from memra_pp.model import presets
 from memra_pp.model.cache import StageCache
 from memra_pp.model.config import parse_config
-from memra_pp.model import presets
 
 
-def test_kv_growth_the_device_cannot_hold_is_refused(monkeypatch):
+def cache(max_seqs=4, max_context=8448):
     t = parse_config(presets.get("qwen3.5-27b")).text
-    c = StageCache(t, range(0, 8), max_seqs=64, max_context=8448, dtype=torch.bfloat16, device="cpu")
-    c.reserve(300)                                   # CPU: no check, grows to 512
-    assert c.kv_capacity == 512
+    return StageCache(t, range(0, 8), max_seqs=max_seqs, max_context=max_context, dtype=torch.bfloat16,
+                      device="cpu", kv_block=64, initial_blocks_per_slot=2)
+
+
+def test_pages_follow_the_tokens_and_come_back():
+    c = cache()
+    assert c.n_blocks == 9 and len(c.free_blocks) == 8 and c.table.shape == (5, 132)
+    c.reserve([0, 1], [100, 64])                     # 2 pages, 1 page
+    assert [len(o) for o in c.owned] == [2, 1, 0, 0, 0]
+    assert c.table[0, :2].tolist() == c.owned[0] and c.table[0, 2:].eq(0).all() and 0 not in c.owned[0]
+    c.reserve([0], [128])                            # still within its 2 pages: nothing taken
+    assert len(c.owned[0]) == 2 and len(c.free_blocks) == 5
+    c.reserve([2], [8192])                           # one long sequence: 128 pages, the pools grow once
+    assert c.grown == 1 and len(c.owned[2]) == 128 and c.n_blocks == 9 + 128 - 5
+    blocks = set(c.owned[2])
+    c.reset(2)                                       # its pages come back for the others
+    assert not c.owned[2] and blocks <= set(c.free_blocks)
+    c.reserve([3], [8192])
+    assert c.grown == 1 and set(c.owned[3]) <= blocks   # served from the returned pages, no reallocation
+    # a page holds positions [64 j, 64 j + 64) of its sequence
+    blk, off = c.locate(torch.tensor([3, 3]), torch.tensor([0, 130]))
+    assert blk.tolist() == [c.owned[3][0], c.owned[3][2]] and off.tolist() == [0, 2]
+    with pytest.raises(ValueError, match="exceeds max_context"):
+        c.reserve([0], [9000])
+
+
+def test_a_growth_the_device_cannot_hold_is_refused(monkeypatch):
+    c = cache()                                      # 2 full layers: 4 pools of 128 KiB pages
     c.device = torch.device("cuda", 0)               # the check's arithmetic, with the device's numbers faked
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (2 * 2**30, 141 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2 * 2**30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 1 * 2**30)
-    with pytest.raises(InputError, match=r"does not fit this stage's KV cache: its pools hold every one of 64 "
-                                         r"slots \(scheduler.max_batch\).* where 3.0 GiB are free; lower "
-                                         r"scheduler.max_batch or scheduler.max_context"):
-        c.reserve(8192)
-    assert c.kv_capacity == 512                      # nothing was allocated
-    c.reserve(1024)                                  # a growth that fits goes on (2 full layers x 65 slots)
-    assert c.kv_capacity == 1024
-    # doubling (to 2048) would not fit in 400 MB, growing only as far as asked (1152) does
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (400 * 2**20, 141 * 2**30))
+    monkeypatch.setattr(c, "_write_rows", lambda slots: None)   # (the table copy itself: the test above)
+    free = {"b": 32 * 2**20}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free["b"], 141 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 0)
-    c.reserve(1100)
-    assert c.kv_capacity == 1280                     # 1100 rounded up to the 256-position block
+    with pytest.raises(InputError, match=r"the KV cache cannot grow to 129 blocks of 64 positions: 0.1 GiB more "
+                                         r"on cuda:0 where 0.0 GiB are free .* lower scheduler.max_batch or "
+                                         r"scheduler.max_context"):
+        c.reserve([0], [8192])                        # 120 more pages x 4 pools x 128 KiB = 60 MiB > 32 MiB
+    assert c.n_blocks == 9 and not c.owned[0]        # nothing was taken
+    c.reserve([0], [64 * 20])                        # 12 more pages: 6 MiB, fits
+    assert c.n_blocks == 21
+    free["b"] = 5 * 2**20
+    c.reserve([1], [64 * 4])                         # none free: doubling to 42 would need 13 MiB; 25 fits
+    assert c.n_blocks == 25 and c.grown == 2

@@ -43,16 +43,19 @@ def test_static_decode_equals_eager(kind, splits, n):
 
 
 def test_kv_growth_drops_and_recaptures():
-    """A sequence crossing the KV pool's capacity reallocates the pools: graphs over the old ones are dropped and
-    a longer KV bucket is captured; tokens still equal the eager ones."""
+    """A sequence that needs a page when none is free grows the paged pools (a reallocation): graphs over the old
+    pools are dropped and recaptured; tokens still equal the eager ones. Crossing a page boundary while pages are
+    free reallocates nothing."""
     eager, static = pipelines("dense", [(0, 4), (4, 8)], max_seqs=2)
-    prompts = [list(range(4, 254)), [7, 8]]                   # 250 + 12 crosses the first 256-token block
+    c = static.caches[0]
+    assert (c.n_blocks, c.kv_block) == (9, 64)                 # the null page + 4 per slot
+    prompts = [[4 + i % 200 for i in range(446)], [7, 8]]    # 7 + 1 pages: every free one; 446 + 12 needs an 8th
     te, le = eager.greedy(prompts, 12)
     ts, ls = static.greedy(prompts, 12)
     assert ts == te
     assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
     g = static.stages[0].graphs
-    assert static.caches[0].kv_capacity == 512
+    assert c.grown == 1 and c.n_blocks == 18 and [len(o) for o in c.owned] == [8, 1, 0]
     assert g.captures == 2 and g.stats()["graphs"] == [(2, 512)], g.stats()
 
 

@@ -106,31 +106,33 @@ def test_fused_gdn_step_equals_the_inplace_kernel_at_27b_shapes(cuda):
 
 @pytest.mark.parametrize("B,S,lens", [(64, 256, "mixed"), (1, 8192, "full")])
 def test_decode_attention_at_27b_shapes(cuda, B, S, lens):
-    """The slot-pool decode attention kernel (GQA 6:1, head dim 256, the gate a view into the projection) against
-    the gathered SDPA reference: a batch of 64 at one program per head, and one 8k-token sequence split over
-    programs and combined."""
+    """The paged decode attention kernel (GQA 6:1, head dim 256, 64-position pages scattered over the pool, the gate
+    a view into the projection) against the gathered SDPA reference: a batch of 64 at one program per head, and one
+    8k-token sequence split over programs and combined."""
     from memra_pp.kernels.fused_decode import decode_attention, decode_attention_ref
     torch.manual_seed(0)
-    nh, nkv, D, N = 24, 4, 256, B + 3
+    nh, nkv, D, N, kvb = 24, 4, 256, B + 3, 64
     bf = torch.bfloat16
     q = torch.randn(B, nh, D, device=cuda, dtype=bf)
     gate = torch.randn(B, nh, 2 * D, device=cuda, dtype=bf)[..., D:]
-    kp = torch.randn(N, nkv, S, D, device=cuda, dtype=bf)
-    vp = torch.randn(N, nkv, S, D, device=cuda, dtype=bf)
+    npg = S // kvb
+    kp = torch.randn(N * npg + 1, nkv, kvb, D, device=cuda, dtype=bf)
+    vp = torch.randn(N * npg + 1, nkv, kvb, D, device=cuda, dtype=bf)
+    table = (torch.randperm(N * npg, device=cuda) + 1).view(N, npg)     # pages scattered over the pool
     slots = torch.randperm(N, device=cuda)[:B]
     ln = torch.randint(1, S + 1, (B,), device=cuda) if lens == "mixed" else torch.full((B,), S, device=cuda)
-    o1 = decode_attention(q, gate, kp, vp, slots, ln, S)
-    o2 = decode_attention_ref(q, gate, kp, vp, slots, ln, S)
+    o1 = decode_attention(q, gate, kp, vp, table, slots, ln, S)
+    o2 = decode_attention_ref(q, gate, kp, vp, table, slots, ln, S)
     assert (o1.float() - o2.float()).abs().max() <= 2e-2 * o2.float().abs().max()
 
 
 def test_captured_decode_survives_kv_growth(cuda):
-    """A sequence crossing the KV pools' capacity reallocates them: the graphs over the old pools are dropped and
-    new ones captured (in a fresh memory pool: reusing the dropped graphs' pool tripped an allocator assert on the
-    H200 with an 8k prompt), still equal to eager decode and never falling back to eager."""
+    """A sequence that needs a page when none is free reallocates the paged pools: the graphs over the old pools are
+    dropped and new ones captured (in a fresh memory pool: reusing the dropped graphs' pool tripped an allocator
+    assert on the H200 with an 8k prompt), still equal to eager decode and never falling back to eager."""
     _, path = tiny_checkpoint("dense", False)
     src = SafetensorsSource(path)
-    prompts = [list(range(4, 254)), [7, 8]]                  # 250 + 12 crosses the first 256-token block
+    prompts = [[4 + i % 200 for i in range(446)], [7, 8]]   # 7 + 1 pages of 64, every free one; 446 + 12: an 8th
     eager = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=1024)
     graphed = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=1024)
     for s, c in zip(graphed.stages, graphed.caches):
@@ -139,6 +141,7 @@ def test_captured_decode_survives_kv_growth(cuda):
     te, _ = eager.greedy(prompts, 12)
     tg, _ = graphed.greedy(prompts, 12)
     assert tg == te
+    assert all(c.grown == 1 for c in graphed.caches)
     for s in graphed.stages:
         assert s.graphs is not None and s.graphs_failed is None, s.graphs_failed
         assert s.graphs.captures >= 2 and s.graphs.stats()["graphs"] == [(2, 512)], s.graphs.stats()

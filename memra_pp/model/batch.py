@@ -42,6 +42,17 @@ class StepBatch:
             cache[key] = (torch.tensor(self.slots, device=device), torch.tensor(self.starts, device=device))
         return cache[key]
 
+    def token_index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot, position) of every new token as int64 tensors on `device`, made once per step."""
+        key = ("tokens", str(device))
+        cache = self.__dict__.setdefault("_index", {})
+        if key not in cache:
+            sl = [s for s, c in zip(self.slots, self.counts) for _ in range(c)]
+            ps = [st + i for st, c in zip(self.starts, self.counts) for i in range(c)]
+            t = torch.tensor([sl, ps]).to(device)
+            cache[key] = (t[0], t[1])
+        return cache[key]
+
     def decode_only(self) -> bool:
         """Every segment is one token continuing a cached sequence: the batched decode path applies."""
         return all(c == 1 and s > 0 for c, s in zip(self.counts, self.starts))

@@ -1,7 +1,15 @@
-"""Per-sequence caches of one stage, in slot-indexed pools: KV for full layers, conv + fp32 state for linear.
+"""Per-sequence caches of one stage: KV for full layers in paged pools, conv + fp32 state for linear layers in
+slot-indexed pools.
 
 A sequence owns one slot for its life on every stage; `lens[slot]` is its cached length on this stage. One more
-slot, `scratch`, is never given to a sequence: the padding rows of a decode CUDA graph write there.
+slot, `scratch`, is never given to a sequence: the padding rows of a decode CUDA graph use it.
+
+KV is paged: each full layer's keys (and values) live in a pool of fixed-size blocks [n_blocks, kv_heads,
+kv_block, head_dim]; `table[slot, j]` names the block holding positions [j * kv_block, (j + 1) * kv_block) of the
+slot's sequence. A sequence takes blocks as it grows and returns them when its slot is reset, so memory follows the
+tokens actually cached (a long prompt no longer sizes every slot to its length). Block 0 is the null block: the
+scratch slot's table row and every unused entry point there, so a padding row's write is harmless. The pools grow
+(doubling, a reallocation that drops the decode graphs captured over them) only when free blocks run out.
 """
 from __future__ import annotations
 
@@ -12,86 +20,141 @@ from .config import TextConfig
 
 class StageCache:
     def __init__(self, cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, device,
-                 kv_block: int = 256):
+                 kv_block: int = 64, initial_blocks_per_slot: int = 4):
         self.cfg, self.max_seqs, self.max_context = cfg, max_seqs, max_context
         self.scratch = max_seqs
         rows = max_seqs + 1
         self.dtype, self.device, self.kv_block = dtype, torch.device(device), kv_block
+        self.max_blocks = -(-max_context // kv_block)             # table columns: one sequence's most blocks
         K = cfg.linear_conv_kernel_dim
         nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv: dict[int, torch.Tensor] = {}
         self.rec: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        n_blocks = 1 + max_seqs * min(initial_blocks_per_slot, self.max_blocks)
         for i in layers:
             if cfg.is_full(i):
-                shape = (rows, cfg.num_key_value_heads, 0, cfg.head_dim)
+                shape = (n_blocks, cfg.num_key_value_heads, kv_block, cfg.head_dim)
                 self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
             else:
                 self.conv[i] = torch.zeros(rows, cfg.conv_dim, K - 1, dtype=dtype, device=device)
                 self.rec[i] = torch.zeros(rows, nv, dk, dv, dtype=torch.float32, device=device)
+        self.n_blocks = n_blocks if self.k else 0
+        self.table = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)
+        self.owned: list[list[int]] = [[] for _ in range(rows)]
+        self.free_blocks = list(range(self.n_blocks - 1, 0, -1))  # block 0 is never given out
         self.lens = [0] * rows
+        self.grown = 0                                            # pool reallocations (stats, tests)
 
     @property
-    def kv_capacity(self) -> int:
-        return next(iter(self.k.values())).shape[2] if self.k else self.max_context
+    def max_positions(self) -> int:
+        """The most positions one sequence can cache (table columns x block size)."""
+        return self.max_blocks * self.kv_block
 
-    def reserve(self, length: int) -> None:
-        """Grow every KV pool so positions < length fit: by whole blocks, at least doubling (few reallocations, each
-        of which drops the decode graphs captured over the old pools), up to max_context; only as far as needed
-        when doubling would not fit on the device."""
-        if not self.k or length <= self.kv_capacity:
+    def reserve(self, slots: list[int], ends: list[int]) -> None:
+        """Give each slot enough blocks for positions < its end (a sequence keeps the blocks it has)."""
+        if not self.k:
             return
-        if length > self.max_context:
-            raise ValueError(f"sequence length {length} exceeds max_context {self.max_context}")
-        blocks = lambda n: -(-n // self.kv_block) * self.kv_block   # noqa: E731
-        cap = min(self.max_context, blocks(max(length, 2 * self.kv_capacity)))
-        if not self._fits(cap):
-            cap = min(self.max_context, blocks(length))
-            self._check_room(cap)
+        B = self.kv_block
+        if max(ends) > self.max_context:
+            raise ValueError(f"sequence length {max(ends)} exceeds max_context {self.max_context}")
+        need = {s: -(-e // B) - len(self.owned[s]) for s, e in zip(slots, ends)}
+        need = {s: n for s, n in need.items() if n > 0}
+        if not need:
+            return
+        short = sum(need.values()) - len(self.free_blocks)
+        if short > 0:
+            self._grow(short)
+        for s, n in need.items():
+            self.owned[s] += [self.free_blocks.pop() for _ in range(n)]
+        self._write_rows(list(need))
+
+    def _write_rows(self, slots: list[int]) -> None:
+        rows = torch.zeros(len(slots), self.max_blocks, dtype=torch.long)
+        for r, s in enumerate(slots):
+            rows[r, :len(self.owned[s])] = torch.tensor(self.owned[s])
+        idx = torch.tensor(slots)
+        if self.device.type == "cuda":    # pinned: the copies never wait for the step still on the device
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
+            idx = idx.pin_memory().to(self.device, non_blocking=True)
+        self.table.index_copy_(0, idx, rows)
+
+    def _grow(self, short: int) -> None:
+        """Reallocate every KV pool with more blocks (at least doubling; only as many as needed when doubling does
+        not fit on the device; refused with a typed error when even that does not fit)."""
+        n = self.n_blocks
+        cap = 1 + self.max_seqs * self.max_blocks                  # every slot at max_context
+        new = min(cap, max(2 * n, n + short))
+        if not self._fits(new):
+            new = n + short
+            self._check_room(new)
         for d in (self.k, self.v):
             for i, t in d.items():
-                n = t.new_zeros(t.shape[0], t.shape[1], cap, t.shape[3])
-                n[:, :, : t.shape[2]] = t
-                d[i] = n
+                p = t.new_zeros(new, *t.shape[1:])
+                p[:n] = t
+                d[i] = p
+        self.free_blocks = list(range(new - 1, n - 1, -1)) + self.free_blocks
+        self.n_blocks = new
+        self.grown += 1
 
-    def _need_free(self, cap: int) -> tuple[int, int]:
-        """(bytes a growth to cap needs at its peak, bytes the device has for it). The pools are replaced one by
-        one, so the peak is the growth plus one old pool."""
+    def _need_free(self, n_blocks: int) -> tuple[int, int]:
+        """(bytes growing the pools to n_blocks needs at its peak, bytes the device has for it). The pools are
+        replaced one by one, so the peak is the growth plus one old pool."""
         t = next(iter(self.k.values()))
-        row = t.shape[0] * t.shape[1] * t.shape[3] * t.element_size()
-        need = 2 * len(self.k) * row * (cap - t.shape[2]) + row * t.shape[2]
+        blk = t[0].numel() * t.element_size()
+        need = 2 * len(self.k) * blk * (n_blocks - t.shape[0]) + blk * t.shape[0]
         free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
             - torch.cuda.memory_allocated(self.device)
         return need, free
 
-    def _fits(self, cap: int) -> bool:
+    def _fits(self, n_blocks: int) -> bool:
         if self.device.type != "cuda":
             return True
-        need, free = self._need_free(cap)
+        need, free = self._need_free(n_blocks)
         return need <= free
 
-    def _check_room(self, cap: int) -> None:
-        """The pools hold every slot at the longest length (one per slot, contiguous): refuse a growth the device
-        cannot hold with a message that says so, before the allocator's out-of-memory error would."""
-        if self._fits(cap):
+    def _check_room(self, n_blocks: int) -> None:
+        """Refuse a growth the device cannot hold with a message that says so, before the allocator's
+        out-of-memory error would."""
+        if self._fits(n_blocks):
             return
-        need, free = self._need_free(cap)
+        need, free = self._need_free(n_blocks)
         from memra_pp.errors import InputError
         raise InputError(
-            f"a sequence of {cap} positions does not fit this stage's KV cache: its pools hold every one of "
-            f"{next(iter(self.k.values())).shape[0] - 1} slots (scheduler.max_batch) at the longest length, "
-            f"{need / 2**30:.1f} GiB more on {self.device} where {free / 2**30:.1f} GiB are free; lower "
-            f"scheduler.max_batch or scheduler.max_context, or split the model over more stages")
+            f"the KV cache cannot grow to {n_blocks} blocks of {self.kv_block} positions: {need / 2**30:.1f} GiB "
+            f"more on {self.device} where {free / 2**30:.1f} GiB are free (the sequences in flight hold "
+            f"{sum(map(len, self.owned)) * self.kv_block} positions); lower scheduler.max_batch or "
+            f"scheduler.max_context, or split the model over more stages")
+
+    def locate(self, slots: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of position pos[i] of slot slots[i] (device tensors; one gather)."""
+        return self.table[slots, pos // self.kv_block], pos % self.kv_block
+
+    def gather(self, pool: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
+        return gather_pages(pool, self.table, slots, S)
 
     def reset(self, slot: int) -> None:
-        """Forget a sequence: zero its linear states (a fresh prefill must start from S0 = 0)."""
+        """Forget a sequence: zero its linear states (a fresh prefill must start from S0 = 0), give its blocks
+        back (work on the device that still reads them runs before any later write, in stream order)."""
         for t in self.conv.values():
             t[slot].zero_()
         for t in self.rec.values():
             t[slot].zero_()
+        self.free_blocks += reversed(self.owned[slot])
+        self.owned[slot] = []
         self.lens[slot] = 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.conv, self.rec, self.k, self.v) for t in d.values())
+
+
+def gather_pages(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
+    """The first S positions of each slot's sequence from a paged pool [n_blocks, kv_heads, block, head_dim],
+    contiguous: [len(slots), kv_heads, S, head_dim] (a copy)."""
+    Bk = pool.shape[2]
+    nb = -(-S // Bk)
+    g = pool[table[slots, :nb]]                                    # [G, nb, kv_heads, block, head_dim]
+    G, _, H, _, D = g.shape
+    return g.transpose(1, 2).reshape(G, H, nb * Bk, D)[:, :, :S]

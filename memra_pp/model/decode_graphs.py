@@ -47,7 +47,7 @@ class DecodeGraphs:
 
     def _kv_key(self):
         c = self.cache
-        return (c.kv_capacity, next(iter(c.k.values())).data_ptr()) if c.k else (c.kv_capacity, 0)
+        return (c.n_blocks, next(iter(c.k.values())).data_ptr()) if c.k else (0, 0)
 
     def takes(self, b: StepBatch) -> bool:
         return (b.decode_only() and not b.uses_adapters() and len(b.slots) <= self.buckets[-1]
@@ -56,7 +56,7 @@ class DecodeGraphs:
     def run(self, b: StepBatch, h_BH: torch.Tensor) -> torch.Tensor:
         n = len(b.slots)
         nb = bucket(n, self.buckets)
-        cap = self.cache.kv_capacity
+        cap = self.cache.max_positions
         S = min(cap, max(MIN_KV, 1 << max(b.starts).bit_length()))    # > every position written this step
         if self._kv_key() != self.kv_key:      # the pools moved: every captured address is stale
             self.graphs.clear()

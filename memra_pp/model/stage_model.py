@@ -66,31 +66,27 @@ class Layer(nn.Module):
 
     def _attend_decode(self, q, gate, k, v, slots_B, pos_B, S: int, cache: StageCache, lora=None):
         """Write one new key/value per sequence at its slot and position, attend over the first S positions (on a
-        GPU one kernel reads the slots' keys in place and applies the output gate)."""
+        GPU one kernel reads the slots' pages in place and applies the output gate)."""
         from memra_pp.kernels.fused_decode import decode_attention
         kp, vp = cache.k[self.i], cache.v[self.i]
-        kp[slots_B, :, pos_B] = k
-        vp[slots_B, :, pos_B] = v
-        return self.mixer.lin(decode_attention(q, gate, kp, vp, slots_B, pos_B + 1, S), "o_proj", lora)
+        blk, off = cache.locate(slots_B, pos_B)
+        kp[blk, :, off] = k
+        vp[blk, :, off] = v
+        return self.mixer.lin(decode_attention(q, gate, kp, vp, cache.table, slots_B, pos_B + 1, S), "o_proj",
+                              lora)
 
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
+        blk, off = cache.locate(*b.token_index(x_TH.device))        # every new token's page and offset
+        kp[blk, :, off] = k
+        vp[blk, :, off] = v
         o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        # sequences with the same (start, length) write their keys and attend in one batched call; a group of one
-        # reads its cache through a view (indexing by a slot tensor would copy its whole KV every layer)
+        # sequences with the same (start, length) attend in one batched call over their pages, gathered
         for idx, rows, slots in b.groups("start", x_TH.device):
             G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
-            if G == 1:
-                sl = b.slots[idx[0]]
-                kp[sl, :, start:start + n] = k[rows].transpose(0, 1)
-                vp[sl, :, start:start + n] = v[rows].transpose(0, 1)
-                kg, vg = kp[sl, :, :start + n][None], vp[sl, :, :start + n][None]
-            else:
-                kp[slots, :, start:start + n] = k[rows].view(G, n, *k.shape[1:]).transpose(1, 2)
-                vp[slots, :, start:start + n] = v[rows].view(G, n, *v.shape[1:]).transpose(1, 2)
-                kg, vg = kp[slots, :, :start + n], vp[slots, :, :start + n]
+            kg, vg = cache.gather(kp, slots, start + n), cache.gather(vp, slots, start + n)
             o[rows] = attend_batch(q[rows].view(G, n, *q.shape[1:]), kg, vg, start).reshape(G * n, -1)
         return at.output(o, gate, lora)
 
@@ -188,7 +184,7 @@ class StageModel(nn.Module):
             elif cache.lens[slot] != start:
                 raise RuntimeError(f"stage layers [{self.start},{self.end}): slot {slot} holds "
                                    f"{cache.lens[slot]} tokens but the step says {start}")
-        cache.reserve(max(s + c for s, c in zip(b.starts, b.counts)))
+        cache.reserve(b.slots, [s + c for s, c in zip(b.starts, b.counts)])
         out = self._step(b, h_TH.to(self.device, self.dtype), cache, lora, token_overlay)
         for slot, start, n in zip(b.slots, b.starts, b.counts):
             cache.lens[slot] = start + n
