@@ -201,13 +201,13 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
             kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
     meta = dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, KVB=kvb, SPLITS=splits,
                 IEEE=q_BHD.dtype == torch.float32, num_warps=4)
-    global _ATTN_STAGES
+    stages = _ATTN_STAGES.get(q_BHD.device, 2)
     try:
-        _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=_ATTN_STAGES)
+        _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=stages)
     except triton.runtime.errors.OutOfResources:
-        if _ATTN_STAGES == 1:    # even single-buffered K/V tiles do not fit this GPU's shared memory
+        if stages == 1:          # even single-buffered K/V tiles do not fit this GPU's shared memory
             raise
-        _ATTN_STAGES = 1         # double-buffered [64, D] K and V tiles need ~4 x 64 x D x 2 bytes (64 KiB at D 256)
+        _ATTN_STAGES[q_BHD.device] = 1   # double-buffered [64, D] K and V tiles: ~4 x 64 x D x 2 B (64 KiB at 256)
         _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=1)
     if splits > 1:
         _attn_combine_kernel[(B, nh)](mid, lse, g3, out, g3.stride(0), g3.stride(1), D=D, SPLITS=splits,
@@ -216,7 +216,7 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
 
 
 _SMS: dict = {}
-_ATTN_STAGES = 2     # software pipelining of the K/V tiles; 1 where shared memory is short (see decode_attention)
+_ATTN_STAGES: dict = {}   # device -> software pipelining of the K/V tiles (2; 1 where shared memory is short)
 
 
 def _sms(device) -> int:

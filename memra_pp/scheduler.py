@@ -40,7 +40,7 @@ class Seq:
     sent: int = 0                                 # tokens dispatched in microbatches (fed + those in flight)
     out: list[int] = dataclasses.field(default_factory=list)
     lps: list[float] = dataclasses.field(default_factory=list)
-    in_flight: int = 0                            # microbatches holding it (two while a continuation runs)
+    in_flight: int = 0                            # microbatches holding it (pipelined chunks, a continuation)
     admitted: bool = False                        # the primary has its sampling params
     done: bool = False                            # finished: tokens of a continuation still in flight are dropped
     last_run: int = 0
@@ -179,6 +179,8 @@ class Scheduler:
         for s in ready:
             if len(take) >= cap:
                 break
+            if s.in_flight and take:          # a follow-on chunk travels alone: should its predecessor fail on
+                break                         # some stage, the failure (a lens mismatch there) stays its own
             if s.sent >= len(s.req.prompt):   # decoding (not in flight: its last token is known)
                 take.append(s)
                 counts.append(1)
@@ -187,6 +189,8 @@ class Scheduler:
                 budget -= c
                 take.append(s)
                 counts.append(c)
+                if s.in_flight:
+                    break
         if not take:
             return None, events
         ids, starts, sample, pos, admit = [], [], [], [], []

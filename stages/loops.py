@@ -127,7 +127,7 @@ class _Loop:
     def _end(self, tok: list) -> None:
         with self._launch_lock:
             try:
-                self._launches.remove(tok)       # by identity: tokens are distinct lists
+                self._launches.remove(tok)       # equal launch times are interchangeable
             except ValueError:
                 pass
             self.computing_since = self._launches[0][0] if self._launches else None
@@ -259,7 +259,7 @@ class IntakeLoop(_Loop):
     def __init__(self, runner):
         super().__init__(runner)
         self.sched = runner.scheduler
-        self.pending = None     # one stage: (microbatch, PendingTokens, launch time) on the device, tokens unread
+        self.pending = None     # one stage: (microbatch, PendingTokens, launch token) on the device, tokens unread
         self.ring_thread = None
         if runner.ring is not None:
             self.ring_thread = threading.Thread(target=self._read_ring, name="memra-ring", daemon=True)
@@ -274,6 +274,11 @@ class IntakeLoop(_Loop):
         if self.ring_thread:
             self.ring_thread.start()
         super().start()
+
+    def stop(self):
+        super().stop()
+        if self.ring_thread is not None:
+            self.ring_thread.join(timeout=5)
 
     def _read_ring(self):
         """Tokens coming back from the primary go into the same inbox as new requests."""

@@ -139,11 +139,14 @@ class InboxWriter:
         self._maps: OrderedDict[str, list] = OrderedDict()   # name -> [mapping, view, pinned address, users]
         self._retired: list[list] = []      # evicted while in use: released when their last user returns
         self._lock = threading.Lock()
+        self.closed = False
         self.pinned = 0                     # mappings page-locked (stats and tests: the DMA path ran)
 
     @contextlib.contextmanager
     def lease(self, name: str, size: int):
         with self._lock:
+            if self.closed:
+                raise StageFailed("the tower's publication writer is closed (the stage is stopping)")
             e = self._maps.get(name)
             if e is not None:
                 self._maps.move_to_end(name)
@@ -162,8 +165,9 @@ class InboxWriter:
         finally:
             with self._lock:
                 e[3] -= 1
-                if e[3] == 0 and e in self._retired:
-                    self._retired.remove(e)
+                k = next((j for j, x in enumerate(self._retired) if x is e), None)   # by identity
+                if e[3] == 0 and k is not None:
+                    del self._retired[k]
                     self._release(e)
 
     def _retire(self, e: list) -> None:
@@ -179,5 +183,6 @@ class InboxWriter:
 
     def close(self) -> None:
         with self._lock:
+            self.closed = True
             while self._maps:
                 self._retire(self._maps.popitem(last=False)[1])

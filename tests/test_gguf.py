@@ -243,3 +243,16 @@ def test_bad_names_and_values_refused(tmp_path):
         src.get("layers.0.mlp.bogus.weight", torch.float32)
     with pytest.raises(ConfigError, match=r"bad\.gguf: tensor for 'layers\.0\.linear_attn\.A_log' .* non-negative"):
         src.get("layers.0.linear_attn.A_log", torch.float32)
+
+
+def test_a_metadata_string_that_is_not_utf8_is_a_config_error(tmp_path):
+    """Found by tests/test_fuzz.py: the architecture string's first byte mutated to 0x80 made gguf's reader raise
+    UnicodeDecodeError out of GGUFSource; it is a ConfigError naming the key."""
+    from test_fuzz import FIX
+    b = bytearray(Path(f"{FIX}/dense_text-q8_0.gguf").read_bytes())
+    i = b.index(b"qwen35")
+    b[i] = 0x80
+    f = tmp_path / "m.gguf"
+    f.write_bytes(bytes(b))
+    with pytest.raises(ConfigError, match="GGUF metadata key 'general.architecture' does not decode"):
+        GGUFSource(f)

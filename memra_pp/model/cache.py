@@ -86,18 +86,28 @@ class StageCache:
         not fit on the device; refused with a typed error when even that does not fit)."""
         n = self.n_blocks
         cap = 1 + self.max_seqs * self.max_blocks                  # every slot at max_context
-        new = min(cap, max(2 * n, n + short))
-        if not self._fits(new):
-            new = n + short
-            self._check_room(new)
-        for d in (self.k, self.v):
-            for i, t in d.items():
-                p = t.new_zeros(new, *t.shape[1:])
-                p[:n] = t
-                d[i] = p
-        self.free_blocks = list(range(new - 1, n - 1, -1)) + self.free_blocks
-        self.n_blocks = new
-        self.grown += 1
+        lo, new = n + short, min(cap, max(2 * n, n + short))
+        while new > lo and not self._fits(new):                    # the largest growth that fits, down to lo
+            new = max(lo, (new + lo) // 2)
+        self._check_room(new)
+        try:    # pool by pool; one that already grew (an earlier, interrupted growth) is left as it is
+            for d in (self.k, self.v):
+                for i, t in d.items():
+                    if t.shape[0] < new:
+                        p = t.new_zeros(new, *t.shape[1:])
+                        p[:t.shape[0]] = t
+                        d[i] = p
+        except torch.OutOfMemoryError as e:
+            from memra_pp.errors import InputError
+            raise InputError(f"the KV cache could not grow to {new} blocks of {self.kv_block} positions on "
+                             f"{self.device} (out of memory); lower scheduler.max_batch or scheduler.max_context, "
+                             f"or split the model over more stages") from e
+        finally:   # the pages every pool has are usable, whatever happened
+            got = min(t.shape[0] for d in (self.k, self.v) for t in d.values())
+            if got > n:
+                self.free_blocks = list(range(got - 1, n - 1, -1)) + self.free_blocks
+                self.n_blocks = got
+                self.grown += 1
 
     def _need_free(self, n_blocks: int) -> tuple[int, int]:
         """(bytes growing the pools to n_blocks needs at its peak, bytes the device has for it). The pools are
@@ -110,10 +120,11 @@ class StageCache:
         return need, free
 
     def _fits(self, n_blocks: int) -> bool:
+        """With slack: memory the caching allocator holds free may be fragmented."""
         if self.device.type != "cuda":
             return True
         need, free = self._need_free(n_blocks)
-        return need <= free
+        return need * 1.05 + (64 << 20) <= free
 
     def _check_room(self, n_blocks: int) -> None:
         """Refuse a growth the device cannot hold with a message that says so, before the allocator's

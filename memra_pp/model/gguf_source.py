@@ -91,7 +91,11 @@ class GGUFSource:
             if default is KeyError:
                 raise ConfigError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
-        return f.contents()
+        try:
+            return f.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as e:   # a mutated string or array in the metadata
+            raise ConfigError(f"{self.path}: GGUF metadata key {key!r} does not decode "
+                              f"({type(e).__name__}: {e})") from None
 
     def _build_config(self) -> ModelConfig:
         arch = self._field("general.architecture")
