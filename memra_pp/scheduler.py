@@ -45,10 +45,6 @@ class Seq:
     done: bool = False                            # finished: tokens of a continuation still in flight are dropped
     last_run: int = 0
 
-    @property
-    def prompt_done(self) -> bool:
-        return self.fed >= len(self.req.prompt)
-
 
 @dataclasses.dataclass
 class Microbatch:
@@ -127,12 +123,13 @@ class Scheduler:
         if not take:
             return None
         tick = next(self._tick)
+        pos = []
         for s, _ in take:
+            pos.append(self._positions(s, 1))       # s.sent is the continuation's start
             s.in_flight += 1
             s.sent += 1
             s.last_run = tick
         starts = [st for _, st in take]
-        pos = [range(st + s.req.rope_delta, st + s.req.rope_delta + 1) for s, st in take]
         nxt = Microbatch(next(self._mb), [s for s, _ in take], [], starts, [1] * len(take), [True] * len(take),
                          positions_3T(pos), [], [], feed)
         self.inflight[nxt.mb] = nxt

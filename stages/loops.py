@@ -70,13 +70,18 @@ class _Loop:
         self.sampler = Sampler() if runner.spec.primary else None
         self.thread = threading.Thread(target=self._guarded, name=f"memra-{self.name}-{runner.index}",
                                        daemon=True)
+        self.ring_thread: threading.Thread | None = None   # the ring's reader (intake) or writer (primary)
 
     def start(self):
+        if self.ring_thread is not None:
+            self.ring_thread.start()
         self.thread.start()
 
     def stop(self):
         self.stopping.set()
         self.thread.join(timeout=5)
+        if self.ring_thread is not None:
+            self.ring_thread.join(timeout=5)
 
     def stats(self, reset: bool = False) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
@@ -103,7 +108,7 @@ class _Loop:
 
     def health(self) -> dict:
         """For the driver's supervisor: is the loop (and the ring reader) still running, and why not."""
-        threads = [self.thread] + [t for t in [getattr(self, "ring_thread", None)] if t is not None]
+        threads = [self.thread] + [t for t in [self.ring_thread] if t is not None]
         alive = all(t.is_alive() for t in threads)
         since = self.computing_since
         return {"alive": alive, "error": self.error, "lost_link": not alive and (self.error is None or
@@ -160,6 +165,15 @@ class _Loop:
         self._resolved(tok)
         return out
 
+    def _await(self, pend: PendingTokens, tok: list) -> tuple[list[int], list[float]]:
+        """Wait for an asynchronously launched microbatch's tokens; the launch ends here even if it failed."""
+        t = time.monotonic()
+        try:
+            return pend.result()
+        finally:
+            self._phase("wait", t)
+            self._resolved(tok)
+
     def _resolved(self, tok: list) -> None:
         """A launched microbatch is done here (its tokens are back, or its layers ran): the device was busy from
         its launch (or the previous completion, whichever is later) until now."""
@@ -176,20 +190,9 @@ class StageLoop(_Loop):
 
     def __init__(self, runner):
         super().__init__(runner)
-        self.ring_thread = None
         if self.sampler is not None:
             self.ringq: queue.Queue = queue.Queue()
             self.ring_thread = threading.Thread(target=self._send_ring, name="memra-ring-out", daemon=True)
-
-    def start(self):
-        if self.ring_thread:
-            self.ring_thread.start()
-        super().start()
-
-    def stop(self):
-        super().stop()
-        if self.ring_thread is not None:
-            self.ring_thread.join(timeout=5)
 
     def _send_ring(self):
         """The primary's ring writer: tokens (once the device has them) and failures, in microbatch order."""
@@ -208,15 +211,11 @@ class StageLoop(_Loop):
             except queue.Empty:
                 continue
             if launched is not None:
-                pend, tok = launched
-                t = time.monotonic()
                 try:
-                    toks, lps = pend.result()
+                    toks, lps = self._await(*launched)
                     hdr = {"kind": "tokens", "mb": hdr["mb"], "tokens": toks, "logprobs": lps}
                 except Exception as e:  # pragma: no cover - a device fault surfaces here; the microbatch fails
                     hdr = mb_error(hdr["mb"], r.index, e)
-                self._phase("wait", t)
-                self._resolved(tok)
             r.ring.send(hdr)
 
     def run(self):
@@ -260,7 +259,6 @@ class IntakeLoop(_Loop):
         super().__init__(runner)
         self.sched = runner.scheduler
         self.pending = None     # one stage: (microbatch, PendingTokens, launch token) on the device, tokens unread
-        self.ring_thread = None
         if runner.ring is not None:
             self.ring_thread = threading.Thread(target=self._read_ring, name="memra-ring", daemon=True)
 
@@ -269,16 +267,6 @@ class IntakeLoop(_Loop):
         out["async_dropped"] = self.sched.dropped
         out["pipelined_chunks"] = self.sched.pipelined
         return out
-
-    def start(self):
-        if self.ring_thread:
-            self.ring_thread.start()
-        super().start()
-
-    def stop(self):
-        super().stop()
-        if self.ring_thread is not None:
-            self.ring_thread.join(timeout=5)
 
     def _read_ring(self):
         """Tokens coming back from the primary go into the same inbox as new requests."""
@@ -355,14 +343,11 @@ class IntakeLoop(_Loop):
                     nxt = self._launch(cont, pend.device)
                 except Exception as e:  # reported after mb's tokens: mb itself succeeded
                     failed = (cont, e)
-        t = time.monotonic()
         try:
-            toks, lps = pend.result()
+            toks, lps = self._await(pend, tok)
         except Exception as e:  # pragma: no cover - a device fault surfaces here; the microbatch fails
             self._fail(mb, e)
             toks = None
-        self._phase("wait", t)
-        self._resolved(tok)
         if toks is not None:
             t = time.monotonic()
             self.r.mail.post(self.sched.on_tokens(mb.mb, toks, lps))

@@ -7,6 +7,7 @@ import threading
 import time
 import types
 
+import pytest
 import torch
 
 from memra_pp.stages.loops import StageLoop
@@ -65,6 +66,14 @@ def make_loop():
     return loop, r, msgs, sent
 
 
+@pytest.fixture
+def running():
+    loop, r, msgs, sent = make_loop()
+    loop.start()
+    yield loop, r, msgs, sent
+    loop.stop()
+
+
 def step(mb):
     return {"kind": "step", "mb": mb, "slots": [0], "starts": [3], "counts": [1], "sample": [True],
             "pos": torch.zeros(3, 1, dtype=torch.int32)}, torch.zeros(1, 4)
@@ -77,45 +86,37 @@ def wait_for(cond, s=5.0):
         time.sleep(0.01)
 
 
-def test_idle_after_a_failed_microbatch_is_not_stuck():
-    loop, r, msgs, sent = make_loop()
-    loop.start()
-    try:
-        msgs.put(step(0))
-        wait_for(lambda: loop.sampler.pends)
-        msgs.put(({"kind": "mb_error", "mb": 1, "stage": 0, "etype": "X", "message": "y"}, None))
-        time.sleep(0.1)
-        assert 0 < loop.health()["computing_s"] < 2          # step 0 is on the device
-        loop.sampler.pends[0].ev.set()
-        wait_for(lambda: len(sent) == 2)
-        assert [m["kind"] for m in sent] == ["tokens", "mb_error"]   # in order
-        time.sleep(0.2)
-        assert loop.health()["computing_s"] == 0.0           # idle: nothing outstanding
-    finally:
-        loop.stop()
+def test_idle_after_a_failed_microbatch_is_not_stuck(running):
+    loop, r, msgs, sent = running
+    msgs.put(step(0))
+    wait_for(lambda: loop.sampler.pends)
+    msgs.put(({"kind": "mb_error", "mb": 1, "stage": 0, "etype": "X", "message": "y"}, None))
+    time.sleep(0.1)
+    assert 0 < loop.health()["computing_s"] < 2          # step 0 is on the device
+    loop.sampler.pends[0].ev.set()
+    wait_for(lambda: len(sent) == 2)
+    assert [m["kind"] for m in sent] == ["tokens", "mb_error"]   # in order
+    time.sleep(0.2)
+    assert loop.health()["computing_s"] == 0.0           # idle: nothing outstanding
 
 
-def test_a_hang_is_seen_while_an_earlier_step_resolves():
-    loop, r, msgs, sent = make_loop()
-    loop.start()
-    try:
-        msgs.put(step(0))
-        wait_for(lambda: loop.sampler.pends)
-        r.hang = threading.Event()
-        msgs.put(step(1))                                     # hangs inside the model call
-        time.sleep(0.1)
-        loop.sampler.pends[0].ev.set()                        # step 0's tokens come back meanwhile
-        wait_for(lambda: len(sent) == 1)
-        time.sleep(0.3)
-        assert loop.health()["computing_s"] >= 0.3           # step 1 is still seen running
-        r.hang.set()
-        wait_for(lambda: len(loop.sampler.pends) == 2)
-        loop.sampler.pends[1].ev.set()
-        wait_for(lambda: len(sent) == 2)
-        time.sleep(0.1)
-        assert loop.health()["computing_s"] == 0.0 and loop.stats()["microbatches"] == 2
-    finally:
-        loop.stop()
+def test_a_hang_is_seen_while_an_earlier_step_resolves(running):
+    loop, r, msgs, sent = running
+    msgs.put(step(0))
+    wait_for(lambda: loop.sampler.pends)
+    r.hang = threading.Event()
+    msgs.put(step(1))                                     # hangs inside the model call
+    time.sleep(0.1)
+    loop.sampler.pends[0].ev.set()                        # step 0's tokens come back meanwhile
+    wait_for(lambda: len(sent) == 1)
+    time.sleep(0.3)
+    assert loop.health()["computing_s"] >= 0.3           # step 1 is still seen running
+    r.hang.set()
+    wait_for(lambda: len(loop.sampler.pends) == 2)
+    loop.sampler.pends[1].ev.set()
+    wait_for(lambda: len(sent) == 2)
+    time.sleep(0.1)
+    assert loop.health()["computing_s"] == 0.0 and loop.stats()["microbatches"] == 2
 
 
 def test_a_failed_continuation_comes_after_the_tokens_of_the_step_before_it():

@@ -105,8 +105,8 @@ class StepBatch:
     @staticmethod
     def text_positions(starts: list[int], counts: list[int], deltas: list[int] | None = None) -> torch.Tensor:
         """Text-only positions: all three rows equal start + i (+ the sequence's M-RoPE delta)."""
-        return positions_3T([range(s + (deltas[j] if deltas else 0), s + (deltas[j] if deltas else 0) + c)
-                             for j, (s, c) in enumerate(zip(starts, counts))])
+        deltas = deltas or [0] * len(starts)
+        return positions_3T([range(s + d, s + d + c) for s, c, d in zip(starts, counts, deltas)])
 
 
 def positions_3T(parts) -> torch.Tensor:
