@@ -80,3 +80,26 @@ def test_an_interrupted_growth_leaves_every_pool_usable(monkeypatch):
     assert all(t.shape[0] == 18 for d in (c.k, c.v) for t in d.values()) and c.n_blocks == 18
     assert len(c.owned[0]) == 10 and len(set(c.owned[0])) == 10 and 0 not in c.owned[0]
 
+
+
+def test_growth_counts_only_the_pools_that_grow(monkeypatch):
+    """After an interrupted growth the pools differ in size: the next growth's peak must count each pool smaller than
+    the target (its growth) plus the largest old one held while it is copied, not the first pool's size for all."""
+    c = cache()
+    real = torch.Tensor.new_zeros
+    calls = {"n": 0}
+
+    def flaky(t, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("injected")
+        return real(t, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "new_zeros", flaky)
+    with pytest.raises(InputError):
+        c.reserve([0], [64 * 10])
+    big = c.n_blocks * 2
+    blk = 4 * 64 * 256 * 2                           # one page of one pool: 4 kv heads x 64 x 256 x bf16
+    sizes = [t.shape[0] for d in (c.k, c.v) for t in d.values()]
+    assert sorted(sizes) == [c.n_blocks] * 3 + [big] and sizes[0] == big    # the first pool grew, the rest did not
+    assert c._peak_bytes(big) == 3 * (big - c.n_blocks) * blk + c.n_blocks * blk
+    assert c._peak_bytes(c.n_blocks) == 0

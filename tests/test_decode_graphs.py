@@ -117,3 +117,35 @@ def test_fused_projections_are_views_of_one_matrix():
     held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in st.tensors()}
                .values())
     assert sum(t.numel() * t.element_size() for t in st.tensors()) == held
+
+
+def test_graphs_see_every_pool_replacement(monkeypatch):
+    """Two interrupted growths in a row: the second replaces other pools but not the first one, so neither the block
+    count nor the first pool's address changes. The graphs' key must still change (it is the cache's generation,
+    bumped whenever any pool tensor is replaced): graphs over the freed pools must never replay."""
+    import types
+    from memra_pp.errors import InputError
+    _, static = pipelines("dense", [(0, 8)], max_seqs=2)
+    c = static.caches[0]
+    g = DecodeGraphs(types.SimpleNamespace(mc=static.stages[0].mc, dtype=torch.float32, device=torch.device("cpu")),
+                     c, 2, capture=False)
+    real = torch.Tensor.new_zeros
+    calls = {"n": 0, "fail": 2}
+
+    def flaky(t, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == calls["fail"]:
+            raise torch.OutOfMemoryError("injected")
+        return real(t, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "new_zeros", flaky)
+    need = 64 * (len(c.free_blocks) + 1)             # one page more than is free: the pools must grow
+    with pytest.raises(InputError):                  # the first pool grows, the second fails
+        c.reserve([0], [need])
+    assert g._kv_key() != g.kv_key
+    g.kv_key = g._kv_key()                           # (what the next run does: drop, recapture)
+    first = next(iter(c.k.values())).data_ptr()
+    calls.update(n=0, fail=2)
+    with pytest.raises(InputError):                  # the second pool grows (the first is skipped), the third fails
+        c.reserve([0], [need])
+    assert next(iter(c.k.values())).data_ptr() == first
+    assert g._kv_key() != g.kv_key, "a pool was replaced: the graphs' addresses are stale"

@@ -47,6 +47,7 @@ class StageCache:
         self.free_blocks = list(range(self.n_blocks - 1, 0, -1))  # block 0 is never given out
         self.lens = [0] * rows
         self.grown = 0                                            # pool reallocations (stats, tests)
+        self.generation = 0     # bumped whenever any pool tensor is replaced (decode graphs bake in the addresses)
 
     @property
     def max_positions(self) -> int:
@@ -97,6 +98,7 @@ class StageCache:
                         p = t.new_zeros(new, *t.shape[1:])
                         p[:t.shape[0]] = t
                         d[i] = p
+                        self.generation += 1
         except torch.OutOfMemoryError as e:
             from memra_pp.errors import InputError
             raise InputError(f"the KV cache could not grow to {new} blocks of {self.kv_block} positions on "
@@ -109,15 +111,19 @@ class StageCache:
                 self.n_blocks = got
                 self.grown += 1
 
+    def _peak_bytes(self, n_blocks: int) -> int:
+        """Bytes growing the pools to n_blocks needs at its peak. Only pools smaller than n_blocks grow (after an
+        interrupted growth some already have), one by one: the peak is their growth plus the largest one old pool,
+        held while its copy is made."""
+        grow = [(t.shape[0], t[0].numel() * t.element_size()) for d in (self.k, self.v) for t in d.values()
+                if t.shape[0] < n_blocks]
+        return sum((n_blocks - n) * blk for n, blk in grow) + max((n * blk for n, blk in grow), default=0)
+
     def _need_free(self, n_blocks: int) -> tuple[int, int]:
-        """(bytes growing the pools to n_blocks needs at its peak, bytes the device has for it). The pools are
-        replaced one by one, so the peak is the growth plus one old pool."""
-        t = next(iter(self.k.values()))
-        blk = t[0].numel() * t.element_size()
-        need = 2 * len(self.k) * blk * (n_blocks - t.shape[0]) + blk * t.shape[0]
+        """(bytes growing the pools to n_blocks needs at its peak, bytes the device has for it)."""
         free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
             - torch.cuda.memory_allocated(self.device)
-        return need, free
+        return self._peak_bytes(n_blocks), free
 
     def _fits(self, n_blocks: int) -> bool:
         """With slack: memory the caching allocator holds free may be fragmented."""

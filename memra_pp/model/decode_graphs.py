@@ -4,7 +4,8 @@ batch 1). A graph per (batch-size bucket, KV-length bucket) replays the step in 
 
 Static buffers hold the step's inputs; a batch of n sequences runs the graph of the smallest bucket >= n, its
 padding rows pointing at the cache's scratch slot. Graphs are captured on first use, share one memory pool and
-are dropped when the KV pools are reallocated (their addresses are baked into the graphs).
+are dropped when any KV pool is reallocated (their addresses are baked into the graphs; the cache's `generation`
+counts the replacements).
 """
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ class DecodeGraphs:
     def stats(self) -> dict:
         return {"captures": self.captures, "replays": self.replays, "graphs": sorted(self.graphs)}
 
-    def _kv_key(self):
-        c = self.cache
-        return (c.n_blocks, next(iter(c.k.values())).data_ptr()) if c.k else (0, 0)
+    def _kv_key(self) -> int:
+        """Changes whenever any pool tensor is replaced (an interrupted growth may replace some pools and not the
+        first one: neither the block count nor the first pool's address would show it)."""
+        return self.cache.generation
 
     def takes(self, b: StepBatch) -> bool:
         return (b.decode_only() and not b.uses_adapters() and len(b.slots) <= self.buckets[-1]
