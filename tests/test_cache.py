@@ -7,7 +7,7 @@ import torch
 
 from memra_pp.errors import InputError
 from memra_pp.model import presets
-from memra_pp.model.cache import StageCache
+from memra_pp.model.cache import StageCache, fits, growth_size, headroom
 from memra_pp.model.config import parse_config
 
 
@@ -55,8 +55,26 @@ def test_a_growth_the_device_cannot_hold_is_refused(monkeypatch):
     c.reserve([0], [64 * 20])                        # 12 more pages: 7 MiB (+ 5% + 64 MiB slack), fits
     assert c.n_blocks == 21
     free["b"] = 75 * 2**20
-    c.reserve([1], [64 * 4])                         # none free: doubling to 42 does not fit, 25 would: the
-    assert c.n_blocks == 33 and c.grown == 2         # largest that fits in between (13 vs 8.6 MiB + slack)
+    c.reserve([1], [64 * 4])                         # none free: the 4 needed fit, doubling to 42 would too but
+    assert c.n_blocks == 25 and c.grown == 2         # would leave less than the reserve free: only what is needed
+    free["b"] = headroom(141 * 2**30) + 96 * 2**20
+    c.reserve([2], [64])                             # with the reserve left free: doubling (15.6 MiB + slack)
+    assert c.n_blocks == 50 and c.grown == 3
+
+
+def test_growth_sizing():
+    """The blocks needed are the floor; beyond them a growth reaches for doubling (at most every slot at
+    max_context) only as far as leaves room; the room rule keeps 5% + 64 MiB of slack and, for growth beyond what
+    is needed, 8% of the device (at least 2 GiB) for activations and graph captures."""
+    assert growth_size(21, 4, 1000, lambda m: True) == 42
+    assert growth_size(21, 4, 30, lambda m: True) == 30               # capped
+    assert growth_size(21, 30, 1000, lambda m: True) == 51            # more than doubling needed
+    assert growth_size(21, 4, 1000, lambda m: m <= 30) == 29          # halving the distance to the floor: 42, 33, 29
+    assert growth_size(21, 4, 1000, lambda m: False) == 25            # the floor (the caller checks that it fits)
+    GiB = 2**30
+    assert headroom(141 * GiB) == int(0.08 * 141 * GiB) and headroom(16 * GiB) == 2 * GiB
+    assert fits(GiB, GiB * 105 // 100 + 1 + (64 << 20)) and not fits(GiB, GiB * 105 // 100 + (63 << 20))
+    assert fits(GiB, 4 * GiB, keep=2 * GiB) and not fits(GiB, 3 * GiB, keep=2 * GiB)
 
 
 def test_an_interrupted_growth_leaves_every_pool_usable(monkeypatch):

@@ -17,6 +17,29 @@ import torch
 
 from .config import TextConfig
 
+SLACK_BYTES = 64 << 20
+
+
+def fits(need: int, free: int, keep: int = 0) -> bool:
+    """Can `need` bytes be taken from `free` and leave `keep` free? With slack (5% + 64 MiB): memory the caching
+    allocator holds free may be fragmented."""
+    return need * 1.05 + SLACK_BYTES + keep <= free
+
+
+def headroom(total: int) -> int:
+    """What a growth beyond the blocks needed must leave free on a device of `total` bytes: activations and CUDA graph
+    captures allocate after it (8% of the device, at least 2 GiB)."""
+    return max(2 << 30, int(0.08 * total))
+
+
+def growth_size(n: int, short: int, cap: int, roomy) -> int:
+    """The blocks pools of n blocks grow to when `short` more are needed: at least n + short (the caller checks that
+    those fit); beyond, towards doubling (at most `cap`), only as far as `roomy(blocks)` allows."""
+    lo, new = n + short, min(cap, max(2 * n, n + short))
+    while new > lo and not roomy(new):
+        new = max(lo, (new + lo) // 2)
+    return new
+
 
 class StageCache:
     def __init__(self, cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, device,
@@ -83,14 +106,19 @@ class StageCache:
         self.table.index_copy_(0, idx, rows)
 
     def _grow(self, short: int) -> None:
-        """Reallocate every KV pool with more blocks (at least doubling; only as many as needed when doubling does
-        not fit on the device; refused with a typed error when even that does not fit)."""
+        """Reallocate every KV pool with more blocks: the `short` ones needed (refused with a typed error when even
+        those do not fit), and beyond them up to doubling while the device keeps its headroom free."""
         n = self.n_blocks
         cap = 1 + self.max_seqs * self.max_blocks                  # every slot at max_context
-        lo, new = n + short, min(cap, max(2 * n, n + short))
-        while new > lo and not self._fits(new):                    # the largest growth that fits, down to lo
-            new = max(lo, (new + lo) // 2)
-        self._check_room(new)
+        self._check_room(n + short)
+        room = None
+        if self.device.type == "cuda":
+            free, total = self._free_bytes()
+            room = (free, headroom(total))
+
+        def roomy(m: int) -> bool:
+            return room is None or fits(self._peak_bytes(m), *room)
+        new = growth_size(n, short, cap, roomy)
         try:    # pool by pool; one that already grew (an earlier, interrupted growth) is left as it is
             for d in (self.k, self.v):
                 for i, t in d.items():
@@ -119,25 +147,21 @@ class StageCache:
                 if t.shape[0] < n_blocks]
         return sum((n_blocks - n) * blk for n, blk in grow) + max((n * blk for n, blk in grow), default=0)
 
-    def _need_free(self, n_blocks: int) -> tuple[int, int]:
-        """(bytes growing the pools to n_blocks needs at its peak, bytes the device has for it)."""
-        free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
-            - torch.cuda.memory_allocated(self.device)
-        return self._peak_bytes(n_blocks), free
+    def _free_bytes(self) -> tuple[int, int]:
+        """(bytes the device has for a growth: its free memory and what the caching allocator holds unused, its total
+        memory)."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device), total
 
     def _fits(self, n_blocks: int) -> bool:
-        """With slack: memory the caching allocator holds free may be fragmented."""
-        if self.device.type != "cuda":
-            return True
-        need, free = self._need_free(n_blocks)
-        return need * 1.05 + (64 << 20) <= free
+        return self.device.type != "cuda" or fits(self._peak_bytes(n_blocks), self._free_bytes()[0])
 
     def _check_room(self, n_blocks: int) -> None:
         """Refuse a growth the device cannot hold with a message that says so, before the allocator's
         out-of-memory error would."""
         if self._fits(n_blocks):
             return
-        need, free = self._need_free(n_blocks)
+        need, free = self._peak_bytes(n_blocks), self._free_bytes()[0]
         from memra_pp.errors import InputError
         raise InputError(
             f"the KV cache cannot grow to {n_blocks} blocks of {self.kv_block} positions: {need / 2**30:.1f} GiB "
