@@ -48,14 +48,14 @@ def test_kv_growth_drops_and_recaptures():
     free reallocates nothing."""
     eager, static = pipelines("dense", [(0, 4), (4, 8)], max_seqs=2)
     c = static.caches[0]
-    assert (c.n_blocks, c.kv_block) == (9, 64)                 # the null page + 4 per slot
+    assert (c.n_blocks, c.kv_block) == (10, 64)                # the null page, the scratch's sink + 4 per slot
     prompts = [[4 + i % 200 for i in range(446)], [7, 8]]    # 7 + 1 pages: every free one; 446 + 12 needs an 8th
     te, le = eager.greedy(prompts, 12)
     ts, ls = static.greedy(prompts, 12)
     assert ts == te
     assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
     g = static.stages[0].graphs
-    assert c.grown == 1 and c.n_blocks == 18 and [len(o) for o in c.owned] == [8, 1, 0]
+    assert c.grown == 1 and c.n_blocks == 20 and [len(o) for o in c.owned] == [8, 1, 0]
     assert g.captures == 2 and g.stats()["graphs"] == [(2, 512)], g.stats()
 
 
@@ -149,3 +149,24 @@ def test_graphs_see_every_pool_replacement(monkeypatch):
         c.reserve([0], [need])
     assert next(iter(c.k.values())).data_ptr() == first
     assert g._kv_key() != g.kv_key, "a pool was replaced: the graphs' addresses are stale"
+
+
+def test_padding_garbage_never_reaches_a_real_row():
+    """Padding rows of a decode graph write into the scratch slot, whose table row points at its own sink page; the
+    null page, where every real row's unused table entries point, must stay zeros. NaN padding rows (whatever the
+    static buffer held) must leave every real row's output equal to eager decode: the reference attention over
+    gathered pages multiplies masked positions' values by 0, and 0 * NaN is NaN."""
+    eager, static = pipelines("dense", [(0, 3), (3, 8)])
+    for s in static.stages:
+        s.graphs.h.fill_(float("nan"))               # rows past the batch are never written by run()
+    prompts = [[5, 6, 7], list(range(20, 45)), [9]]  # bucket 4: one padding row
+    te, le = eager.greedy(prompts, 6)
+    ts, ls = static.greedy(prompts, 6)
+    assert ts == te
+    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
+    for c in static.caches:
+        sink = c.table[c.scratch, 0].item()
+        assert sink != 0 and c.table[c.scratch].eq(sink).all() and sink not in c.free_blocks
+        assert all(sink not in o for o in c.owned)
+        assert all(t[0].eq(0).all() for d in (c.k, c.v) for t in d.values())     # the null page: zeros
+        assert all(t[sink].isnan().any() for d in (c.k, c.v) for t in d.values())  # the padding wrote there

@@ -1,15 +1,18 @@
-"""Per-sequence caches of one stage: KV for full layers in paged pools, conv + fp32 state for linear layers in
-slot-indexed pools.
+"""Per-sequence caches of one stage (in its stage process): KV for full layers in paged pools, conv + fp32 state for
+linear layers in slot-indexed pools.
 
 A sequence owns one slot for its life on every stage; `lens[slot]` is its cached length on this stage. One more
 slot, `scratch`, is never given to a sequence: the padding rows of a decode CUDA graph use it.
 
 KV is paged: each full layer's keys (and values) live in a pool of fixed-size blocks [n_blocks, kv_heads,
 kv_block, head_dim]; `table[slot, j]` names the block holding positions [j * kv_block, (j + 1) * kv_block) of the
-slot's sequence. A sequence takes blocks as it grows and returns them when its slot is reset, so memory follows the
-tokens actually cached (a long prompt no longer sizes every slot to its length). Block 0 is the null block: the
-scratch slot's table row and every unused entry point there, so a padding row's write is harmless. The pools grow
-(doubling, a reallocation that drops the decode graphs captured over them) only when free blocks run out.
+slot's sequence. A sequence takes blocks as it grows and returns them when its slot is reset, so memory
+follows the tokens actually cached (a long prompt no longer sizes every slot to its length). Block 0 (NULL) is
+where every unused table entry points; nothing writes it, so it stays zeros (a reference attention multiplies a
+masked position's value by 0, and 0 * NaN is NaN). Block 1 (SINK) is the scratch slot's whole table row: a padding
+row's write, garbage or NaN, lands where only padding rows read. The pools grow only when no block is free (by the
+blocks needed, further towards doubling while the device keeps headroom free); each growth replaces the pool
+tensors, bumping `generation`, so decode graphs captured over the old ones are dropped.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 
 from .config import TextConfig
 
+NULL, SINK, FIRST_FREE = 0, 1, 2      # the null block, the scratch slot's sink block, the first block given out
 SLACK_BYTES = 64 << 20
 
 
@@ -55,7 +59,7 @@ class StageCache:
         self.rec: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
-        n_blocks = 1 + max_seqs * min(initial_blocks_per_slot, self.max_blocks)
+        n_blocks = FIRST_FREE + max_seqs * min(initial_blocks_per_slot, self.max_blocks)
         for i in layers:
             if cfg.is_full(i):
                 shape = (n_blocks, cfg.num_key_value_heads, kv_block, cfg.head_dim)
@@ -65,9 +69,10 @@ class StageCache:
                 self.conv[i] = torch.zeros(rows, cfg.conv_dim, K - 1, dtype=dtype, device=device)
                 self.rec[i] = torch.zeros(rows, nv, dk, dv, dtype=torch.float32, device=device)
         self.n_blocks = n_blocks if self.k else 0
-        self.table = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)
+        self.table = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)   # unused entries: NULL
+        self.table[self.scratch] = SINK
         self.owned: list[list[int]] = [[] for _ in range(rows)]
-        self.free_blocks = list(range(self.n_blocks - 1, 0, -1))  # block 0 is never given out
+        self.free_blocks = list(range(self.n_blocks - 1, FIRST_FREE - 1, -1))   # NULL and SINK never given out
         self.lens = [0] * rows
         self.grown = 0                                            # pool reallocations (stats, tests)
         self.generation = 0     # bumped whenever any pool tensor is replaced (decode graphs bake in the addresses)
@@ -109,7 +114,7 @@ class StageCache:
         """Reallocate every KV pool with more blocks: the `short` ones needed (refused with a typed error when even
         those do not fit), and beyond them up to doubling while the device keeps its headroom free."""
         n = self.n_blocks
-        cap = 1 + self.max_seqs * self.max_blocks                  # every slot at max_context
+        cap = FIRST_FREE + self.max_seqs * self.max_blocks         # every slot at max_context
         self._check_room(n + short)
         room = None
         if self.device.type == "cuda":
