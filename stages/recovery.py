@@ -29,7 +29,8 @@ class RecoveryMixin:
 
     def halt(self, stage: int, message: str) -> None:
         """Stop serving for a rewire: every request this stage holds ends with a stage-lost error naming `stage`
-        (clients replay or fail it), links close, caches reset. Loaded weights and adapters stay."""
+        (clients replay or fail it), links close, caches reset (decode graphs, if on, rebuilt over the new cache).
+        Loaded weights and adapters stay."""
         self.here()
         loop = self.loop
         if loop is not None:
@@ -59,6 +60,9 @@ class RecoveryMixin:
             self.mail.post(evs)
             self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
         self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
+        g = self.model.graphs
+        if g is not None:     # they decode over the old cache (and keep it alive): rebuilt over the new one
+            self.model.set_decode_graphs(True, self.cache, sc.max_batch, capture=g.capture)
 
     def _close_links(self) -> None:
         for x in (self.sender, self.ring, self.receiver, self.ring_listener):

@@ -143,14 +143,16 @@ class StageModel(nn.Module):
         ts += [t for layer in self.layers for t in (layer.ln1, layer.ln2, *layer.buffers())]
         return list({t.data_ptr(): t for t in ts if t is not None}.values())
 
-    def set_decode_graphs(self, on: bool, cache: StageCache, max_batch: int | None = None) -> None:
+    def set_decode_graphs(self, on: bool, cache: StageCache, max_batch: int | None = None,
+                          capture: bool = True) -> None:
         """Decode steps through CUDA graphs (one per batch-size and KV-length bucket, captured on first use) or
-        eagerly. Steps with adapters, prefill or more sequences than the largest bucket always run eagerly."""
+        eagerly. Steps with adapters, prefill or more sequences than the largest bucket always run eagerly.
+        `capture=False`: the same static step, uncaptured (CPU tests)."""
         if not on:
             self.graphs = None
             return
         from .decode_graphs import DecodeGraphs
-        self.graphs = DecodeGraphs(self, cache, max_batch or cache.max_seqs)
+        self.graphs = DecodeGraphs(self, cache, max_batch or cache.max_seqs, capture=capture)
 
     def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache) -> torch.Tensor:
         """The decode step a CUDA graph captures: hidden in, hidden (or float32 logits on the primary) out."""

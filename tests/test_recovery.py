@@ -1,0 +1,47 @@
+"""A stage's halt (the supervisor's recovery) makes a fresh cache: a stage that decodes through graphs must decode
+through graphs over the new cache after it, never over the old one. Driven on a StageRunner without Ray."""
+import types
+
+import torch
+
+from conftest_models import tiny_checkpoint
+from memra_pp.model.batch import StepBatch
+from memra_pp.model.decode_graphs import DecodeGraphs
+from memra_pp.model.stage_model import StageModel
+from memra_pp.model.weights import SafetensorsSource
+from memra_pp.stages.runner import StageRunner
+
+
+def model():
+    _, path = tiny_checkpoint("dense", False)
+    src = SafetensorsSource(path)
+    return StageModel(src.config, 0, 8, intake=True, primary=True).load(src)
+
+
+def steps(m, cache, ids=(5, 6, 7, 9, 11)):
+    """A 3-token prefill, then two decode steps: the last logits of each."""
+    out = []
+    for start, toks in ((0, ids[:3]), (3, ids[3:4]), (4, ids[4:])):
+        b = StepBatch([0], [start], [len(toks)], StepBatch.text_positions([start], [len(toks)]), [True])
+        out.append(m(b, m.embed_ids(torch.tensor(list(toks))), cache))
+    return out
+
+
+def test_halt_rebuilds_the_decode_graphs_over_the_new_cache():
+    r = StageRunner()
+    r.model = model()
+    r.placement = types.SimpleNamespace(scheduler=types.SimpleNamespace(max_batch=2, max_context=512))
+    r.spec = types.SimpleNamespace(intake=False)
+    r.cache = r.model.new_cache(2, 512)
+    r.model.graphs = DecodeGraphs(r.model, r.cache, 2, capture=False)
+    steps(r.model, r.cache, (1, 2, 3, 4, 8))          # the old cache holds another sequence in slot 0
+    old = r.cache
+    r.halt(1, "stage 1 is lost")
+    assert r.cache is not old
+    g = r.model.graphs
+    assert g is not None and g.cache is r.cache and not g.capture
+    eager = model()
+    want = steps(eager, eager.new_cache(2, 512))
+    got = steps(r.model, r.cache)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+    assert g.replays == 2                              # the decode steps ran through the graphs
