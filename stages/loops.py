@@ -49,7 +49,8 @@ def mb_error(mb: int, stage: int, e: BaseException) -> dict:
 
 
 def batch_of(h: dict) -> StepBatch:
-    return StepBatch(h["slots"], h["starts"], h["counts"], h["pos"].long(), h["sample"], h.get("adapters"))
+    return StepBatch(h["slots"], h["starts"], h["counts"], h["pos"].long(), h["sample"], h.get("adapters"),
+                     h.get("release") or [])
 
 
 class _Loop:
@@ -376,7 +377,7 @@ class IntakeLoop(_Loop):
         t = time.monotonic()
         ad = [s.req.adapter for s in mb.seqs]
         b = StepBatch([s.slot for s in mb.seqs], mb.starts, mb.counts, mb.pos_3T, mb.sample,
-                      ad if any(a >= 0 for a in ad) else None)
+                      ad if any(a >= 0 for a in ad) else None, mb.release)
         h = r.model.embed_ids(self._ids(mb, fed_from), b, token_overlay=r.token_overlay)
         for s, off, start, c in zip(mb.seqs, b.offsets, mb.starts, mb.counts):
             if s.req.images is not None and start < len(s.req.prompt):

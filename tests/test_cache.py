@@ -122,3 +122,29 @@ def test_growth_counts_only_the_pools_that_grow(monkeypatch):
     assert sorted(sizes) == [c.n_blocks] * 3 + [big] and sizes[0] == big    # the first pool grew, the rest did not
     assert c._peak_bytes(big) == 3 * (big - c.n_blocks) * blk + c.n_blocks * blk
     assert c._peak_bytes(c.n_blocks) == 0
+
+
+def test_a_release_frees_before_the_step_reuses_the_slot():
+    """A step's `release` must give the finished sequences' pages back before its own resets and reservations: a
+    released slot admitted again at start 0 in the same step (a new sequence) must compute exactly what it would in
+    a fresh cache, a released slot that is not in the step must hold nothing after it."""
+    from conftest_models import tiny_checkpoint
+    from memra_pp.model.local import LocalPipeline
+    from memra_pp.model.batch import StepBatch
+    from memra_pp.model.weights import SafetensorsSource
+    _, path = tiny_checkpoint("dense", False)
+    src = SafetensorsSource(path)
+    used, fresh = (LocalPipeline(src, [(0, 4), (4, 8)], max_seqs=2, max_context=512) for _ in range(2))
+
+    def prefill(p, slot, ids, release=()):
+        b = StepBatch([slot], [0], [len(ids)], StepBatch.text_positions([0], [len(ids)]), [True],
+                      release=list(release))
+        return p.step(b, torch.tensor(ids))
+    prefill(used, 0, list(range(1, 131)))            # 3 pages
+    prefill(used, 1, [4, 5])                         # 1 page
+    assert [len(o) for o in used.caches[0].owned] == [3, 1, 0]
+    out = prefill(used, 0, [7, 8, 9], release=[0, 1])
+    assert torch.allclose(out, prefill(fresh, 0, [7, 8, 9]), atol=1e-5)
+    for c in used.caches:
+        assert [len(o) for o in c.owned] == [1, 0, 0] and c.lens[:2] == [3, 0]
+        assert len(c.free_blocks) == c.n_blocks - 2 - 1

@@ -154,3 +154,62 @@ def test_a_failed_continuation_comes_after_the_tokens_of_the_step_before_it():
     assert calls == [[0], [3], [4]]                       # prefill, continuation 1, continuation 2 (fails)
     assert [(e.tokens, e.finish) for e in events] == [([5], None), ([5], None), ([], "error")]
     assert "no room for the next step" in events[-1].error[1] and loop.continued == 2
+
+
+def test_a_finished_sequence_gives_its_pages_back_on_every_stage():
+    """A finished sequence's slot travels in the `release` of the next microbatch: every stage must give its pages
+    back then (before that step's own resets and reservations), not only when the slot is next used. Two real stages
+    of the tiny model, the intake and the primary loop joined in process (headers through their wire encoding)."""
+    from conftest_models import tiny_checkpoint
+    from memra_pp.model.sampling import SamplingParams
+    from memra_pp.model.stage_model import StageModel
+    from memra_pp.model.weights import SafetensorsSource
+    from memra_pp.scheduler import Request, Scheduler
+    from memra_pp.stages.header import decode_header, encode_header
+    from memra_pp.stages.loops import IntakeLoop
+    _, path = tiny_checkpoint("dense", False)
+    src = SafetensorsSource(path)
+    models = [StageModel(src.config, a, b, intake=i == 0, primary=i == 1).load(src)
+              for i, (a, b) in enumerate([(0, 4), (4, 8)])]
+    caches = [m.new_cache(2, 512) for m in models]
+    msgs, events = queue.Queue(), []
+    common = dict(engine=types.SimpleNamespace(make_current=lambda: None), lora=None, token_overlay=None, stall_s=0.0,
+                  placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
+
+    class Send:
+        def send(self, hdr, out, timeout):
+            msgs.put((decode_header(encode_header(hdr)), out.clone()))
+
+    class Recv:
+        _ch = None
+
+        def recv(self, timeout):
+            try:
+                return msgs.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError from None
+
+    r0 = types.SimpleNamespace(
+        spec=types.SimpleNamespace(primary=False), index=0, inbox=queue.Queue(), ring=None, sender=Send(),
+        scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=512),
+        mail=types.SimpleNamespace(post=events.extend), model=models[0], cache=caches[0], **common)
+    r1 = types.SimpleNamespace(
+        spec=types.SimpleNamespace(primary=True), index=1, receiver=Recv(), rx_hashes=None, sender=None,
+        ring=types.SimpleNamespace(send=lambda m: r0.inbox.put(("ring", m))), model=models[1], cache=caches[1],
+        **common)
+    r0.inbox.put(("req", Request("long", "c", [5, 6, 7], 12, SamplingParams())))    # slot 0
+    r0.inbox.put(("req", Request("short", "c", [9, 10], 2, SamplingParams())))      # slot 1, done after 2 tokens
+    loops = [StageLoop(r1), IntakeLoop(r0)]
+    for lp in loops:
+        lp.start()
+    try:
+        wait_for(lambda: sum(e.finish is not None for e in events) == 2, 30)
+    finally:
+        for lp in loops:
+            lp.stop()
+    assert [e.rid for e in events if e.finish] == ["short", "long"] and all(e.finish == "length" for e in events
+                                                                             if e.finish)
+    for c in caches:
+        assert c.owned[1] == [] and c.lens[1] == 0, "the short sequence's release must have freed its page"
+        assert len(c.owned[0]) == 1             # the long one's release has no next microbatch to travel in
+        assert sorted(c.free_blocks + c.owned[0]) == list(range(2, c.n_blocks))

@@ -14,6 +14,9 @@ class StepBatch:
     pos_3T: torch.Tensor             # [3, T] rope positions (T, H, W rows) of every new token
     sample: list[bool]               # primary: produce logits for this sequence's last new token
     adapter_slots: list[int] | None = None   # adapter slot of each sequence (-1: none); None: no adapters
+    # slots of sequences that finished before this step: their cache pages go back first (a slot may be in both
+    # release and slots, a new sequence at start 0)
+    release: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.slots)

@@ -6,7 +6,7 @@ slot, `scratch`, is never given to a sequence: the padding rows of a decode CUDA
 
 KV is paged: each full layer's keys (and values) live in a pool of fixed-size blocks [n_blocks, kv_heads,
 kv_block, head_dim]; `table[slot, j]` names the block holding positions [j * kv_block, (j + 1) * kv_block) of the
-slot's sequence. A sequence takes blocks as it grows and returns them when its slot is reset, so memory
+slot's sequence. A sequence takes blocks as it grows and returns them when its slot is released or reset, so memory
 follows the tokens actually cached (a long prompt no longer sizes every slot to its length). Block 0 (NULL) is
 where every unused table entry points; nothing writes it, so it stays zeros (a reference attention multiplies a
 masked position's value by 0, and 0 * NaN is NaN). Block 1 (SINK) is the scratch slot's whole table row: a padding
@@ -181,16 +181,22 @@ class StageCache:
     def gather(self, pool: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
         return gather_pages(pool, self.table, slots, S)
 
+    def release(self, slots: list[int]) -> None:
+        """Give finished sequences' blocks back (work on the device that still reads them runs before any later
+        write, in stream order). Their linear states are zeroed when a new sequence starts in the slot."""
+        for slot in slots:
+            self.free_blocks += reversed(self.owned[slot])
+            self.owned[slot] = []
+            self.lens[slot] = 0
+
     def reset(self, slot: int) -> None:
         """Forget a sequence: zero its linear states (a fresh prefill must start from S0 = 0), give its blocks
-        back (work on the device that still reads them runs before any later write, in stream order)."""
+        back."""
         for t in self.conv.values():
             t[slot].zero_()
         for t in self.rec.values():
             t[slot].zero_()
-        self.free_blocks += reversed(self.owned[slot])
-        self.owned[slot] = []
-        self.lens[slot] = 0
+        self.release([slot])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.conv, self.rec, self.k, self.v) for t in d.values())

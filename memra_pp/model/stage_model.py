@@ -180,6 +180,7 @@ class StageModel(nn.Module):
         """hidden [T, H] in -> hidden [T, H] out, or float32 logits [n_sample, V] on the primary slice.
         `lora`: this stage's LoraPool (used when b.adapter_slots names a slot); `token_overlay`: the primary's
         TokenOverlaySet, which recomputes the logits of each sampled row's adapter-overridden ids."""
+        cache.release(b.release)       # first: a released slot may hold a new sequence in this very step
         for slot, start in zip(b.slots, b.starts):
             if start == 0:
                 cache.reset(slot)      # a new sequence in this slot
