@@ -40,6 +40,13 @@ def test_pages_follow_the_tokens_and_come_back():
         c.reserve([0], [9000])
 
 
+def test_pages_are_a_power_of_two():
+    """The decode attention kernel's tiles (powers of two) must divide a page."""
+    t = parse_config(presets.get("qwen3.5-27b")).text
+    with pytest.raises(AssertionError, match="kv_block 48 is not a power of two"):
+        StageCache(t, range(0, 4), max_seqs=2, max_context=512, dtype=torch.bfloat16, device="cpu", kv_block=48)
+
+
 def test_a_growth_the_device_cannot_hold_is_refused(monkeypatch):
     c = cache()                                      # 2 full layers: 4 pools of 128 KiB pages
     c.device = torch.device("cuda", 0)               # the check's arithmetic, with the device's numbers faked

@@ -48,6 +48,8 @@ def growth_size(n: int, short: int, cap: int, roomy) -> int:
 class StageCache:
     def __init__(self, cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, device,
                  kv_block: int = 64, initial_blocks_per_slot: int = 4):
+        # the decode attention kernel's tiles (powers of two, at most 64) must divide a page
+        assert kv_block > 0 and kv_block & (kv_block - 1) == 0, f"kv_block {kv_block} is not a power of two"
         self.cfg, self.max_seqs, self.max_context = cfg, max_seqs, max_context
         self.scratch = max_seqs
         rows = max_seqs + 1
@@ -74,7 +76,7 @@ class StageCache:
         self.owned: list[list[int]] = [[] for _ in range(rows)]
         self.free_blocks = list(range(self.n_blocks - 1, FIRST_FREE - 1, -1))   # NULL and SINK never given out
         self.lens = [0] * rows
-        self.grown = 0                                            # pool reallocations (stats, tests)
+        self.grown = 0                                            # growths (stats, tests)
         self.generation = 0     # bumped whenever any pool tensor is replaced (decode graphs bake in the addresses)
 
     @property
