@@ -128,7 +128,11 @@ def test_writer_reproduces_llama_cpp_bytes(folder, kind, qtype, tmp_path):
     a, b = {t.name: t for t in ours.tensors}, {t.name: t for t in theirs.tensors}
     assert sorted(a) == sorted(b)
     for n, t in b.items():
-        assert a[n].tensor_type == t.tensor_type and np.array_equal(a[n].data, t.data), n
+        assert a[n].tensor_type == t.tensor_type, n
+        if n.endswith("ssm_a"):   # -exp(A_log): torch's float32 exp differs by 1 ulp between CPUs' vector paths
+            np.testing.assert_array_max_ulp(np.asarray(a[n].data), np.asarray(t.data), maxulp=1)
+        else:
+            assert np.array_equal(a[n].data, t.data), n
     for key, f in theirs.fields.items():
         if not key.startswith(("tokenizer.", "general.name", "general.size_label", "GGUF.kv_count")):
             assert ours.fields[key].contents() == f.contents(), key
