@@ -91,13 +91,14 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
         for c in concurrencies:
             r = run_bench(dep, c, prompt_len, new)      # warms up first: this batch size's graphs are captured
             st = dep.stats()["stages"]
-            r.update(n_stages=n, devices=devices, model=model,
+            r.update(n_stages=n, devices=devices, model=model, microbatches=microbatches,
                      memory=[{k: s.get(k) for k in ("weights_bytes", "cache_bytes", "device_allocated_bytes")}
                              for s in st], decode_graphs=[s.get("decode_graphs") for s in st])
             out.append(r)
-            print(f"  {n} stage(s), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s end to end, steady decode "
+            print(f"  {n} stage(s) (microbatches {microbatches}), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s end to end, steady decode "
                   f"{r['decode_tokens_per_s']:.1f} tokens/s, ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms, busy "
                   + ", ".join(f"{s['busy']:.0%}" for s in r["stages"])
+                  + " (steady decode " + ", ".join(f"{b:.0%}" for b in r.get("steady_busy") or []) + ")"
                   + ", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us",
                   flush=True)
         if ttft:      # one long prompt alone: time to first token (chunked prefill through every stage)
@@ -162,7 +163,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="preset:qwen3.5-27b")
     ap.add_argument("--layouts", default="0;0,1", help="deployments to run: ';'-separated GPU lists, one stage "
-                    "per entry (0,0,1,1 = four stages, two per card)")
+                    "per entry (0,0,1,1 = four stages, two per card); a layout may end in @M: its scheduler.microbatches")
     ap.add_argument("--microbatches", default="auto")
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -198,13 +199,15 @@ def main() -> int:
         rep["runs"] += run_hf(conc, a.prompt_len, a.new, save)
         save()
     for layout in a.layouts.split(";"):
+        layout, _, m = layout.partition("@")
         devices = [int(x) for x in layout.split(",")]
+        mb_l = int(m) if m else mb
         if max(devices) < torch.cuda.device_count():
             # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             for cs in ([[c] for c in conc] if a.deploy_each else [conc]):
                 try:
-                    run_memra(a.model, devices, cs, a.prompt_len, a.new, mb, ttft=a.ttft, out=rep["runs"],
+                    run_memra(a.model, devices, cs, a.prompt_len, a.new, mb_l, ttft=a.ttft, out=rep["runs"],
                               chunk=a.prefill_chunk)
                 except Exception as e:  # noqa: BLE001 - record it and go on
                     print(f"  layout {devices}, concurrency {cs} failed: {type(e).__name__}: {e}", flush=True)
@@ -232,7 +235,9 @@ def plot(rep: dict, path: str) -> None:
         for r in rep["runs"]:
             if r.get("kind") == "ttft":
                 continue
-            name = r.get("system") or f"memra_pp, {r['n_stages']} stage(s) on {len(set(r['devices']))} GPU(s)"
+            name = r.get("system") or (f"memra_pp, {r['n_stages']} stage(s) on {len(set(r['devices']))} GPU(s)"
+                                       + (f", {r['microbatches']} microbatches" if r.get("microbatches") not in
+                                          (None, "auto") else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")
             if v is None:
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 
 
@@ -53,19 +54,47 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     prompts = [[rng.randrange(4, V) for _ in range(prompt_len)] for _ in range(concurrency)]
     p50, p99 = actor_call_us(dep.stage_actor(0))
 
-    def one(p, new=max_new_tokens):
+    # the steady-state window (every request decoding, none finished yet) gets its own stats: the stages' busy
+    # fractions there, apart from the prefill's
+    lock, firsts, steady = threading.Lock(), [0], {}
+    all_decoding, first_done = threading.Event(), threading.Event()
+
+    def one(p, new=max_new_tokens, timed=True):
         t = time.perf_counter()
-        ev = [(time.perf_counter(), len(e.token_ids))
-              for e in c.stream(p, max_new_tokens=new, stop_token_ids=[]) if e.token_ids]
+        ev = []
+        for e in c.stream(p, max_new_tokens=new, stop_token_ids=[]):
+            if e.token_ids:
+                ev.append((time.perf_counter(), len(e.token_ids)))
+                if timed and len(ev) == 1:
+                    with lock:
+                        firsts[0] += 1
+                        if firsts[0] == concurrency:
+                            all_decoding.set()
+        if timed:
+            first_done.set()
         return t, ev
+
+    def watch():
+        all_decoding.wait()
+        if first_done.is_set():
+            return
+        dep.stats(reset=True)
+        t = time.perf_counter()
+        first_done.wait()
+        steady.update(stages=dep.stats()["stages"], window_s=time.perf_counter() - t)
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         if warm:   # the same load, untimed: decode graphs of this batch size are captured, KV pools grown
-            list(pool.map(lambda p: one(p, min(3, max_new_tokens)), prompts))
+            list(pool.map(lambda p: one(p, min(3, max_new_tokens), False), prompts))
         dep.stats(reset=True)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         t0 = time.perf_counter()
         out = list(pool.map(one, prompts))
         wall = time.perf_counter() - t0
+        all_decoding.set()
+        first_done.set()
+        watcher.join(timeout=30)
     st = dep.stats()["stages"]
     toks = sum(k for _, ev in out for _, k in ev)
     lat = [ev[-1][0] - t for t, ev in out if ev]
@@ -80,8 +109,10 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             "ray_actor_call_p50_us": p50, "ray_actor_call_p99_us": p99,
             "stages": [{k: s.get(k) for k in ("index", "device", "layers", "busy", "microbatches", "handoffs",
                                               "handoff_p50_us", "handoff_p99_us", "phase_us_per_microbatch",
-                                              "async_steps")}
-                       for s in st]}
+                                              "async_steps", "host_busy")}
+                       for s in st],
+            "steady_busy": [s["busy"] for s in steady.get("stages", [])],
+            "steady_window_s": steady.get("window_s", 0.0)}
 
 
 def format_report(r: dict) -> str:
@@ -92,6 +123,8 @@ def format_report(r: dict) -> str:
              f"p99 {r['request_latency_p99_s']:.2f} s",
              f"Ray actor call round trip (same run): p50 {r['ray_actor_call_p50_us']:.0f} us, "
              f"p99 {r['ray_actor_call_p99_us']:.0f} us",
+             "busy in the steady decode window: " + (", ".join(f"{b:.1%}" for b in r.get("steady_busy") or [])
+                                                     or "(no window)"),
              f"{'stage':>5} {'device':>8} {'layers':>9} {'busy':>6} {'microbatches':>12} {'handoffs':>9} "
              f"{'handoff p50 us':>15} {'p99 us':>8}"]
     for s in r["stages"]:

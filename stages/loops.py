@@ -61,6 +61,13 @@ class _Loop:
         self.stopping = threading.Event()
         self.busy_s, self.microbatches, self.t0 = 0.0, 0, time.monotonic()
         self._busy_mark = 0.0
+        # on a GPU, busy is device time: a timing event pair around each microbatch's work on the stream, summed
+        # once both have completed (the host's launch-to-done spans say nothing about the device once launches
+        # are asynchronous); on a CPU the compute is synchronous and the host spans are the device time
+        self._events = getattr(runner.engine, "is_cuda", False)
+        self._ev: collections.deque = collections.deque()    # (start, end) pairs not yet summed
+        self._ev_lock = threading.Lock()
+        self.device_busy_s = 0.0
         self.continued = 0                  # decode steps cut before the previous step's tokens were back
         self.phase_s: dict[str, float] = {}  # host time per phase of the loop (where a step's time goes)
         self.error: str | None = None
@@ -84,10 +91,40 @@ class _Loop:
         if self.ring_thread is not None:
             self.ring_thread.join(timeout=5)
 
+    def _mark(self):
+        """A timing event recorded on the stage's stream now (None on a CPU stage)."""
+        if not self._events:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def _span(self, start, end) -> None:
+        """A microbatch's device work lies between these two events; sum what has completed."""
+        if start is None:
+            return
+        with self._ev_lock:
+            self._ev.append((start, end))
+            self._sum_events()
+
+    def _sum_events(self) -> None:
+        while self._ev and self._ev[0][1].query():
+            a, b = self._ev.popleft()
+            self.device_busy_s += a.elapsed_time(b) / 1e3
+
     def stats(self, reset: bool = False) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
-        out = {"busy": self.busy_s / wall, "microbatches": self.microbatches, "loop_error": self.error,
-               "async_steps": self.continued,
+        if self._events:
+            with self._ev_lock:
+                self._sum_events()
+                busy = self.device_busy_s / wall
+                if reset:
+                    self.device_busy_s = 0.0
+                    self._ev.clear()     # their spans began before the new window
+        else:
+            busy = self.busy_s / wall
+        out = {"busy": busy, "host_busy": self.busy_s / wall, "microbatches": self.microbatches,
+               "loop_error": self.error, "async_steps": self.continued,
                "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
                                            for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys
         if reset:
@@ -149,11 +186,15 @@ class _Loop:
             if r.stall_s:                              # fault injection (StageRunner.inject_stall)
                 stall, r.stall_s = r.stall_s, 0.0
                 time.sleep(stall)
+            ev = self._mark()
             out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
             t1 = self._phase("model", t)    # on a GPU: launching (a graph replay is one launch)
             if self.sampler is not None:
                 out = self.sampler(out, b)
                 t1 = self._phase("sample", t1)
+            if ev is not None:
+                self._span(ev, self._mark())
+            if self.sampler is not None:
                 if not wait:
                     self.microbatches += 1
                     return out, tok

@@ -39,6 +39,9 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     assert len(r["stages"]) == 2 and all(s["microbatches"] > 0 for s in r["stages"])
     assert r["stages"][1]["handoffs"] > 0
     assert "steady decode" in format_report(r)
+    # the steady window (all four decoding) has its own stats: one busy fraction per stage
+    assert r["steady_window_s"] > 0 and len(r["steady_busy"]) == 2 and all(0 < b <= 1 for b in r["steady_busy"])
+    assert all(0 < s["host_busy"] <= 1 for s in r["stages"])
     ph = r["stages"][0]["phase_us_per_microbatch"]      # the intake loop says where a step's host time goes
     assert {"schedule", "embed", "model", "tokens"} <= set(ph) and all(v >= 0 for v in ph.values())
     assert {"model", "sample"} <= set(r["stages"][1]["phase_us_per_microbatch"])

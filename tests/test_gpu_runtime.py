@@ -35,4 +35,5 @@ def test_two_gpu_stages_equal_one(ray_cluster, gpus, transport):
         toks, st = run(path, devs, transport)
         assert st[1]["transport"] == transport and st[1]["handoffs"] > 0
         assert all(s["decode_graphs"]["replays"] > 0 for s in st), [s["decode_graphs"] for s in st]
+        assert all(0 < s["busy"] <= 1 for s in st), [s["busy"] for s in st]      # device time (timing events)
         assert toks == ref, f"{devs} {transport}: {toks} != {ref}"

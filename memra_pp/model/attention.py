@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .batch import h2d
 from .config import TextConfig
 from .layers import Param, rms_norm
 
@@ -30,7 +31,7 @@ class Rope:
 
     def cos_sin(self, pos_3T: torch.Tensor, dtype):
         """pos [3, T] -> cos, sin [T, r] in the model dtype."""
-        p = pos_3T.to(self.inv_freq.device).float()                           # [3, T]
+        p = h2d(pos_3T, self.inv_freq.device).float()                         # [3, T]
         f = p[self.row, :].transpose(0, 1) * self.inv_freq                      # [T, r/2]
         emb = torch.cat([f, f], -1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -6,6 +6,16 @@ import dataclasses
 import torch
 
 
+def h2d(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device: on CUDA it goes through pinned memory with a
+    non-blocking copy (a pageable copy returns only once every kernel queued before it has run, which stalls the
+    stage's host loop behind its own previous step)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclasses.dataclass
 class StepBatch:
     slots: list[int]                 # cache slot of each sequence
@@ -42,7 +52,8 @@ class StepBatch:
         key = str(device)
         cache = self.__dict__.setdefault("_index", {})
         if key not in cache:
-            cache[key] = (torch.tensor(self.slots, device=device), torch.tensor(self.starts, device=device))
+            t = h2d(torch.tensor([self.slots, self.starts]), device)
+            cache[key] = (t[0], t[1])
         return cache[key]
 
     def token_index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +63,7 @@ class StepBatch:
         if key not in cache:
             sl = [s for s, c in zip(self.slots, self.counts) for _ in range(c)]
             ps = [st + i for st, c in zip(self.starts, self.counts) for i in range(c)]
-            t = torch.tensor([sl, ps]).to(device)
+            t = h2d(torch.tensor([sl, ps]), device)
             cache[key] = (t[0], t[1])
         return cache[key]
 
@@ -93,7 +104,7 @@ class StepBatch:
         idxs = list(out.values())
         rows = [offs[i] + t for idx in idxs for i in idx for t in range(self.counts[i])]
         slots = [self.slots[i] for idx in idxs for i in idx]
-        flat = torch.tensor(rows + slots).to(device)                 # one copy for every group
+        flat = h2d(torch.tensor(rows + slots), device)               # one copy for every group
         res, r0, s0 = [], 0, len(rows)
         for idx in idxs:
             nr = len(idx) * self.counts[idx[0]]

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import GatedAttention, Rope, attend_batch
-from .batch import StepBatch
+from .batch import StepBatch, h2d
 from .cache import StageCache
 from .config import ModelConfig
 from .layers import DenseMLP, MoE, rms_norm
@@ -168,7 +168,7 @@ class StageModel(nn.Module):
     def embed_ids(self, ids_T: torch.Tensor, b: StepBatch | None = None, token_overlay=None) -> torch.Tensor:
         """ids [T] -> embeddings [T, H]; with a TokenOverlaySet and b.adapter_slots, each token's adapter slot
         overrides the rows of its trainable ids (before any image splice)."""
-        e = F.embedding(ids_T.to(self.device), self.embed)
+        e = F.embedding(h2d(ids_T, self.device), self.embed)
         if token_overlay is None or b is None or not b.uses_adapters() or not token_overlay.any_active():
             return e
         from memra_pp.kernels.adapter_ops import apply_token_embedding
