@@ -265,14 +265,17 @@ def test_roles(engine, tower):
     assert [(s.intake, s.primary) for s in p.stages] == [(True, False), (False, False), (False, True)]
 
 
+GPU2 = ({"device": "cuda:0"}, {"device": "cuda:1"})
+
+
 def test_microbatches_resolved():
-    """auto must resolve to n_stages + 1 on a pipeline and 1 on one stage; an int must be kept."""
+    """auto must resolve to 1 on one stage, n_stages on an all-GPU pipeline (memory-bound decode: each microbatch
+    reads the weights again), n_stages + 1 on CPU stages; an int must be kept."""
     assert plan(cfg("auto")).microbatches == 1
     assert plan(cfg("auto", "auto", "auto")).microbatches == 4
+    assert plan(cfg(*GPU2)).microbatches == 2
+    assert plan(cfg({"device": "cuda:0"}, "auto")).microbatches == 3      # a CPU stage in the pipeline
     assert plan(cfg("auto", "auto", scheduler={"microbatches": 7})).microbatches == 7
-
-
-GPU2 = ({"device": "cuda:0"}, {"device": "cuda:1"})
 
 
 @pytest.mark.parametrize("raw,needle", [
