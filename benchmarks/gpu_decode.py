@@ -1,13 +1,14 @@
 """Decode throughput on H200s with the Qwen3.5-27B (dense) dimensions and random bf16 weights, side by side in
-one run: memra_pp with 1, 2 (and 4) stages at several concurrencies, transformers' generate on one GPU, and the
-copy bandwidth that sets the memory floor. Writes JSON (and a PNG plot) to --out.
+one run: memra_pp with 1, 2 (and 4) stages at several concurrencies, transformers' generate on one GPU and with
+device_map over several, and the copy bandwidth that sets the memory floor. Writes JSON (and a PNG plot) to --out.
 
     python -u benchmarks/gpu_decode.py --out DIR [--layouts "0;0,1;0,0,1,1"] [--concurrency 1,64] [--hf]
-        [--model preset:qwen3.5-27b] [--microbatches auto]
+        [--hf-device-map 0,1] [--model preset:qwen3.5-27b] [--microbatches auto]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -110,17 +111,67 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
     return out
 
 
-def run_hf(concurrencies, prompt_len: int, new: int, save=None) -> list[dict]:
+def hf_device_map(model, devices: list, max_memory: dict | None = None) -> dict:
+    """What device_map="auto" gives from_pretrained: whole decoder layers (the model's _no_split_modules) balanced
+    over the GPUs by transformers' get_balanced_memory (about model size / GPUs each, over each card's free memory
+    unless max_memory says), the embedding on the first, lm_head on the last. One device: the whole model there."""
+    if len(devices) == 1:
+        return {"": devices[0]}
+    from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
+    if max_memory is None:
+        max_memory = {d: torch.cuda.mem_get_info(d)[0] for d in devices}
+    no_split = model._no_split_modules
+    mem = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=no_split)
+    return dict(infer_auto_device_map(model, max_memory=mem, no_split_module_classes=no_split))
+
+
+def hf_on_meta(text_config: dict):
+    """transformers' Qwen3_5ForCausalLM for a text_config dict (a preset's), bf16, on the meta device: no storage."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    from memra_pp.model import presets
-    tc = dict(presets.get("qwen3.5-27b")["text_config"])
-    tc.pop("model_type")
-    cfg = Qwen3_5TextConfig(**tc)
-    with torch.device("cuda"):
-        torch.set_default_dtype(torch.bfloat16)
-        model = Qwen3_5ForCausalLM(cfg).eval()
+    cfg = Qwen3_5TextConfig(**{k: v for k, v in text_config.items() if k != "model_type"})
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            return Qwen3_5ForCausalLM(cfg).eval()
+    finally:
         torch.set_default_dtype(torch.float32)
+
+
+def build_hf(text_config: dict, devices: list, device_map: dict | None = None):
+    """hf_on_meta's model with transformers' own random init (dummy weights) over `devices`: each device_map entry
+    materialised on its device and initialised there, so the weights never pass through the host; on several
+    devices accelerate's hooks move activations between them (dispatch_model, as from_pretrained does)."""
+    model = hf_on_meta(text_config)
+    device_map = device_map or hf_device_map(model, devices)
+    for name, dev in device_map.items():    # entries are whole modules: a decoder layer is never split
+        model.get_submodule(name).to_empty(device=dev)
+    model.init_weights()     # normal(0, initializer_range) linears, norms, A_log, rotary buffers; ties if tied
+    if len(set(device_map.values())) > 1:
+        from accelerate import dispatch_model
+        dispatch_model(model, device_map=device_map)
+        model.hf_device_map = device_map     # as from_pretrained sets it: generate reads it
+    return model
+
+
+def run_hf(concurrencies, prompt_len: int, new: int, devices=("cuda",), text_config: dict | None = None,
+           system: str = "transformers", out: list | None = None, save=None) -> list[dict]:
+    """transformers' generate at each concurrency on the model spread over `devices` (one: the plain baseline;
+    several: the naive device_map pipeline). Rows are named `system`, so plot() draws each as its own line; they
+    go to the caller's `out` as they are measured, save() after each."""
     from transformers import LogitsProcessor, LogitsProcessorList
+    from memra_pp.model import presets
+    tc = text_config or presets.get("qwen3.5-27b")["text_config"]
+    model = build_hf(tc, list(devices))
+    layers = {}     # decoder layers per device, as the device map placed them
+    for name, d in getattr(model, "hf_device_map", {}).items():
+        if ".layers." in name:
+            layers[str(d)] = layers.get(str(d), 0) + 1
+    cuda = [d for d in (torch.device("cuda", x) if isinstance(x, int) else torch.device(x) for x in devices)
+            if d.type == "cuda"]
+
+    def sync():     # every card: a step's last kernels run on the last one
+        for d in cuda:
+            torch.cuda.synchronize(d)
 
     class Stamp(LogitsProcessor):
         """Called once per generated token (after its forward): a timestamp per step, so the decode rate is
@@ -129,32 +180,34 @@ def run_hf(concurrencies, prompt_len: int, new: int, save=None) -> list[dict]:
             self.t = []
 
         def __call__(self, input_ids, scores):
-            torch.cuda.synchronize()
+            sync()
             self.t.append(time.perf_counter())
             return scores
 
-    out = []
+    out = [] if out is None else out
     for c in concurrencies:
-        ids = torch.randint(4, cfg.vocab_size, (c, prompt_len), device="cuda")
+        ids = torch.randint(4, tc["vocab_size"], (c, prompt_len), device=model.device)
         with torch.no_grad():
             model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)
             stamp = Stamp()
-            torch.cuda.synchronize()
+            sync()
             t = time.perf_counter()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, logits_processor=LogitsProcessorList([stamp]))
-            torch.cuda.synchronize()
+            sync()
             dt = time.perf_counter() - t
         st = stamp.t
         dec = c * (len(st) - 1) / max(1e-9, st[-1] - st[0])
-        out.append({"system": "transformers", "concurrency": c, "tokens_per_s": c * new / dt, "wall_s": dt,
-                    "decode_tokens_per_s": dec, "ttft_s": st[0] - t})
-        print(f"  transformers, {c} concurrent: {c * new / dt:.1f} tokens/s end to end, decode {dec:.1f}, "
+        out.append({"system": system, "devices": list(devices), "layers_per_device": layers, "concurrency": c,
+                    "tokens_per_s": c * new / dt, "wall_s": dt, "decode_tokens_per_s": dec, "ttft_s": st[0] - t})
+        print(f"  {system}, {c} concurrent: {c * new / dt:.1f} tokens/s end to end, decode {dec:.1f}, "
               f"first token {st[0] - t:.2f} s", flush=True)
         if save:
-            save(out)
+            save()
     del model
-    torch.cuda.empty_cache()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
     return out
 
 
@@ -163,7 +216,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="preset:qwen3.5-27b")
     ap.add_argument("--layouts", default="0;0,1", help="deployments to run: ';'-separated GPU lists, one stage "
-                    "per entry (0,0,1,1 = four stages, two per card); a layout may end in @M: its scheduler.microbatches")
+                    "per entry (0,0,1,1 = four stages, two per card); a layout may end in @M: its scheduler.microbatches; "
+                    "\"\": no memra_pp deployment")
     ap.add_argument("--microbatches", default="auto")
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -172,9 +226,18 @@ def main() -> int:
     ap.add_argument("--deploy-each", action="store_true", help="one deployment per concurrency (saturation)")
     ap.add_argument("--prefill-chunk", type=int, default=4096,
                     help="scheduler.prefill_chunk (a long prompt's chunks pipeline across stages)")
-    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--hf", action="store_true", help="transformers' generate on GPU 0")
+    ap.add_argument("--hf-device-map", default="", help="also transformers' generate with the model spread over "
+                    "these GPUs (e.g. 0,1) as device_map=\"auto\" places it: the naive pipeline")
     ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
     a = ap.parse_args()
+    try:
+        hf_map = [int(x) for x in a.hf_device_map.split(",")] if a.hf_device_map else []
+    except ValueError:
+        ap.error(f"--hf-device-map {a.hf_device_map!r}: give comma-separated GPU indices, e.g. 0,1")
+    if hf_map and max(hf_map) >= torch.cuda.device_count():
+        ap.error(f"--hf-device-map {a.hf_device_map!r}: this machine has {torch.cuda.device_count()} GPU(s); "
+                 f"name indices below that")
     os.makedirs(a.out, exist_ok=True)
     conc = [int(x) for x in a.concurrency.split(",")]
     from memra_pp.model.config import parse_config
@@ -191,14 +254,24 @@ def main() -> int:
           flush=True)
     mb = a.microbatches if a.microbatches == "auto" else int(a.microbatches)
 
-    def save(hf_rows=()):
+    def save():
         with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
-            json.dump({**rep, "runs": rep["runs"] + list(hf_rows)}, f, indent=1)
+            json.dump(rep, f, indent=1)
 
-    if a.hf and a.hf_first:
-        rep["runs"] += run_hf(conc, a.prompt_len, a.new, save)
-        save()
-    for layout in a.layouts.split(";"):
+    def hf():
+        runs = ([(["cuda"], "transformers")] if a.hf else []) \
+            + ([(hf_map, f"transformers, device_map over {len(hf_map)} GPUs")] if hf_map else [])
+        for devices, system in runs:
+            try:
+                run_hf(conc, a.prompt_len, a.new, devices, system=system, out=rep["runs"], save=save)
+            except Exception as e:  # noqa: BLE001 - record it and go on: the rows measured so far are kept
+                print(f"  {system} failed: {type(e).__name__}: {e}", flush=True)
+                rep.setdefault("failed", []).append({"system": system, "error": f"{type(e).__name__}: {e}"})
+            save()
+
+    if a.hf_first:
+        hf()
+    for layout in filter(None, a.layouts.split(";")):
         layout, _, m = layout.partition("@")
         devices = [int(x) for x in layout.split(",")]
         mb_l = int(m) if m else mb
@@ -214,10 +287,9 @@ def main() -> int:
                     rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs,
                                                          "error": f"{type(e).__name__}: {e}"})
                 save()
-    if a.hf and not a.hf_first:
-        rep["runs"] += run_hf(conc, a.prompt_len, a.new, save)
-    with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
-        json.dump(rep, f, indent=1)
+    if not a.hf_first:
+        hf()
+    save()
     plot(rep, os.path.join(a.out, "gpu_decode.png"))
     return 0
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
-# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench sat ttft2 bench4 engine kernels publish
-# prefill" (one run call is 10 minutes: split them over calls).
+# Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
+# publish prefill" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -23,6 +23,8 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     battery2) phase battery-2xh200 ${B2_S:-420} python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
     battery4) phase battery-4gpu 420 python3 -m memra_pp.cli battery cluster_configs/battery-4gpu.yaml --out "$OUT/battery-4gpu.json" ;;
     bench) phase gpu-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1" --concurrency 1,64,256 --new 64 --hf --hf-first --ttft 8192 ;;
+    # nvidia-h200-x2, issue 7: transformers on one GPU and with device_map over both (the naive pipeline)
+    hfmap) phase gpu-decode-hfmap 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/hfmap" --layouts "" --concurrency 1,64 --new 64 --hf --hf-device-map 0,1 ;;
     # nvidia-h200-x2, issue 7 targets 1 (two stages), 2 (saturation: 512 in, 256 out, up to 1024 requests),
     # 4 (8k prompt, chunks pipelined across stages) and 5 (busy, handoffs): one phase per call
     sat) phase gpu-decode-sat 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1" --concurrency ${SAT_C:-64,256,384,512,1024} --prompt-len 512 --new 256 --deploy-each ;;

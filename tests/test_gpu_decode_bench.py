@@ -1,0 +1,98 @@
+"""benchmarks/gpu_decode.py's transformers baselines on CPU with the tiny Qwen3.5 text config: the device-map
+split, the meta-built model and the rows run_hf records (the GPU numbers come from scripts/gpu_session.sh)."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+
+import gpu_decode  # noqa: E402
+from memra_pp.model.tiny import tiny_config  # noqa: E402
+
+TEXT = tiny_config(num_layers=8)["text_config"]
+ROW_KEYS = {"system", "devices", "layers_per_device", "concurrency", "tokens_per_s", "wall_s",
+            "decode_tokens_per_s", "ttft_s"}
+
+
+def test_device_map_keeps_layers_whole_and_balanced():
+    """Over two GPUs the map must place every decoder layer whole, the embedding on the first and lm_head on the
+    last, with the layers split about evenly (what device_map="auto" gives from_pretrained)."""
+    model = gpu_decode.hf_on_meta(TEXT)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    dm = gpu_decode.hf_device_map(model, [0, 1], max_memory={0: size, 1: size})
+    n = TEXT["num_hidden_layers"]
+    assert [k for k in dm if ".layers." in k] == [f"model.layers.{i}" for i in range(n)]
+    assert dm["model.embed_tokens"] == 0 and dm["lm_head"] == 1
+    on_first = sum(dm[f"model.layers.{i}"] == 0 for i in range(n))
+    assert abs(2 * on_first - n) <= 2, dm
+
+
+def test_one_device_is_the_whole_model():
+    """One device must map the whole model there."""
+    assert gpu_decode.hf_device_map(gpu_decode.hf_on_meta(TEXT), ["cpu"]) == {"": "cpu"}
+
+
+def test_materialising_per_entry_matches_whole():
+    """Materialising a split map entry by entry must leave nothing on meta and give the same weights, seed for
+    seed, as materialising the model whole (init runs over the modules in one order either way)."""
+    split = gpu_decode.hf_device_map(gpu_decode.hf_on_meta(TEXT), [0, 1], max_memory={0: 1 << 40, 1: 1 << 40})
+    torch.manual_seed(0)
+    whole = gpu_decode.build_hf(TEXT, ["cpu"])
+    torch.manual_seed(0)
+    parts = gpu_decode.build_hf(TEXT, ["cpu"], device_map=dict.fromkeys(split, "cpu"))
+    tensors = dict(parts.named_parameters()) | dict(parts.named_buffers())
+    assert not [n for n, t in tensors.items() if t.is_meta]
+    ref = dict(whole.named_parameters()) | dict(whole.named_buffers())
+    assert set(ref) == set(tensors)
+    for n, t in tensors.items():
+        assert torch.equal(t, ref[n]), n
+    w = whole.model.layers[0].mlp.up_proj.weight
+    assert w.dtype == torch.bfloat16 and abs(w.float().std().item() - 0.02) < 0.005     # transformers' init ran
+
+
+def test_run_hf_rows_on_cpu():
+    """run_hf must generate on the built model and record one row per concurrency, under the system name it was
+    given, into the caller's list, saving after each."""
+    rows, saves = [], []
+    system = "transformers, device_map over 1 GPUs"
+    out = gpu_decode.run_hf([1, 2], prompt_len=8, new=4, devices=["cpu"], text_config=TEXT, system=system,
+                            out=rows, save=lambda: saves.append(len(rows)))
+    assert out is rows and saves == [1, 2]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(r) == ROW_KEYS
+        assert r["system"] == system and r["devices"] == ["cpu"]
+        assert r["tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 and 0 < r["ttft_s"] <= r["wall_s"]
+
+
+def test_generate_returns_new_tokens():
+    """The built model's generate must return the prompt followed by `new` in-vocabulary tokens."""
+    new = 4
+    model = gpu_decode.build_hf(TEXT, ["cpu"])
+    ids = torch.randint(4, TEXT["vocab_size"], (2, 8))
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False)
+    assert got.shape == (2, 8 + new) and torch.equal(got[:, :8], ids)
+    assert int(got.max()) < TEXT["vocab_size"]
+
+
+def test_plot_draws_each_system(tmp_path, monkeypatch):
+    """plot() must draw the device-map rows as a line of their own next to the one-GPU baseline."""
+    import matplotlib.axes
+    labels = []
+    real = matplotlib.axes.Axes.plot
+
+    def spy(self, *a, **kw):
+        labels.append(kw.get("label"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    runs = [{"system": s, "concurrency": c, "tokens_per_s": 1.0 + c, "decode_tokens_per_s": 2.0 + c}
+            for s in ("transformers", "transformers, device_map over 2 GPUs") for c in (1, 64)]
+    rep = {"model": "preset:qwen3.5-27b", "gpu": "cpu", "step_floor_tokens_per_s": {"1": 40.0, "64": 2000.0},
+           "runs": runs}
+    gpu_decode.plot(rep, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").exists()
+    assert labels.count("transformers, device_map over 2 GPUs") == 2 and labels.count("transformers") == 2
