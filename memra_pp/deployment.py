@@ -85,6 +85,8 @@ class Deployment:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from .stages.actor import StageActor
         env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        if "MEMRA_PP_SPIN_US" in os.environ:     # the boundary receivers' header-mailbox polling (stages/slots.py)
+            env["MEMRA_PP_SPIN_US"] = os.environ["MEMRA_PP_SPIN_US"]
         opts = dict(num_cpus=s.num_cpus, runtime_env={"env_vars": env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.index))
         if detached:
@@ -273,7 +275,8 @@ def shm_names(info: dict | None) -> list[str]:
     """The shared-memory segments a stage's setup / relink answer names (its receiving slots), and the name
     prefixes of segments it makes later (the intake's publication slots): what to unlink if it is killed."""
     ep = (info or {}).get("endpoint") or {}
-    return list(ep.get("shm") or []) + [p + "*" for p in (info or {}).get("shm_prefixes") or []]
+    return list(ep.get("shm") or []) + ([ep["mailbox"]] if ep.get("mailbox") else []) \
+        + [p + "*" for p in (info or {}).get("shm_prefixes") or []]
 
 
 def unlink_shm(names) -> int:

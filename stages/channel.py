@@ -90,7 +90,10 @@ class Channel:
 
     def send(self, obj: dict) -> None:
         """Encode and write one frame (one sendall of prefix + payload); thread-safe against other senders."""
-        payload = encode_header(obj)
+        self.send_payload(encode_header(obj))
+
+    def send_payload(self, payload: bytes) -> None:
+        """Write one frame already encoded with encode_header."""
         if len(payload) > self.max_frame:
             raise ValueError(f"{self.label}: frame of {len(payload)} bytes exceeds max_frame {self.max_frame}")
         frame = _PREFIX.pack(len(payload)) + payload
@@ -113,6 +116,22 @@ class Channel:
                 finally:
                     frame.release()
             self._fill(deadline)
+
+    def poll(self) -> dict | None:
+        """The next frame if it is here now (buffered, or readable without waiting), else None. Bytes of a frame
+        that has only partly arrived stay buffered for the next call."""
+        while True:
+            frame = self._take_frame()
+            if frame is not None:
+                try:
+                    return decode_header(frame)
+                finally:
+                    frame.release()
+            if self._closed:
+                raise ChannelClosed(f"{self.label}: recv on a closed channel")
+            if not self._poller.poll(0):
+                return None
+            self._fill(None)
 
     def _take_frame(self) -> memoryview | None:
         pending = self._end - self._start

@@ -46,10 +46,14 @@ def _require_current(ctx: ContextId, what: str, engine: Engine) -> None:
 
 
 class _GpuReceiver(SlotReceiverBase):
+    # GPU stages hold a whole host core each (num_cpus 1), and their receiver waits only between microbatches:
+    # it polls the header mailbox for up to 2 ms before it sleeps in the socket (mailbox.py says why)
+    SPIN_US = 2000.0
+
     def __init__(self, name: str, max_bytes: int, listen_address: str | None = None, n_slots: int = 2,
-                 engine: Engine | None = None, latency_ring: int = 4096):
+                 engine: Engine | None = None, latency_ring: int = 4096, spin_us: float | None = None):
         self.engine = _engine_for(engine)
-        super().__init__(name, max_bytes, listen_address, n_slots, latency_ring)
+        super().__init__(name, max_bytes, listen_address, n_slots, latency_ring, spin_us)
 
     def _stream(self):
         return cuda.stream_handle(torch.cuda.current_stream(self.engine.device))

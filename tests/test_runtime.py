@@ -98,3 +98,16 @@ def test_a_request_joins_a_running_batch(ray_cluster, n_stages):
     assert len(short.token_ids) == 3 and sum(k for _, k in times) == 400
     after = sum(k for t, k in times if t > t_short)
     assert after > 100, f"the short request waited for the long one: only {after} of its 400 tokens came after"
+
+
+def test_header_mailbox_in_a_three_stage_deployment(ray_cluster, monkeypatch):
+    """With the boundary receivers polling the header mailbox (MEMRA_PP_SPIN_US, the GPU transports' default), a
+    3-stage deployment must still equal transformers, and its receivers must have taken headers from the mailbox."""
+    monkeypatch.setenv("MEMRA_PP_SPIN_US", "20000")   # long enough to cover a busy 2-core machine's waits
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(config(path, 3)) as dep:
+        c = dep.client()
+        for p in PROMPTS:
+            assert_same("dense", False, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
+        st = dep.stats()["stages"]
+    assert all(s["mailbox_headers"] > 0 for s in st[1:]), [s["mailbox_headers"] for s in st]

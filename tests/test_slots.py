@@ -64,7 +64,8 @@ def _send_random(endpoint, n, seed):
     s = _connected_sender(endpoint)
     for mb in range(n):
         if rng.random() < 0.25:
-            s.send({"kind": "tokens", "mb": mb, "toks": [rng.randrange(1000) for _ in range(rng.randrange(4))]})
+            k = rng.choice([rng.randrange(4), 3000])     # 3000 ints: larger than a mailbox entry
+            s.send({"kind": "tokens", "mb": mb, "toks": [rng.randrange(1000) for _ in range(k)]})
         else:
             dt = rng.choice([torch.float32, torch.bfloat16])
             x = torch.randn(rng.randrange(0, 40), rng.choice([8, 64]), generator=torch.Generator().manual_seed(mb))
@@ -83,9 +84,11 @@ def _send_then_sleep(endpoint):
     time.sleep(60)
 
 
-def test_order_and_header_only_messages(peer):
-    """Microbatches must arrive in send order with their bytes; header-only messages must pass without a slot."""
-    with SlotReceiverCtx("order", 64 * 1024) as r:
+@pytest.mark.parametrize("spin_us", [0.0, 2000.0])
+def test_order_and_header_only_messages(peer, spin_us):
+    """Microbatches must arrive in send order with their bytes; header-only messages must pass without a slot.
+    With spin_us > 0 the headers are taken from the shared-memory mailbox (counted), in the same order."""
+    with SlotReceiverCtx("order", 64 * 1024, spin_us=spin_us) as r:
         fut = peer.submit(_send_ordered, r.endpoint(), 60)
         r.accept(30.0)
         for mb in range(60):
@@ -101,6 +104,10 @@ def test_order_and_header_only_messages(peer):
     assert sstats["handoffs"] == rstats["handoffs"] == n_tensor == 48
     assert sstats["headers"] == rstats["headers"] == 12
     assert sstats["bytes"] == rstats["bytes"] > 0 and rstats["handoff_p99_us"] >= rstats["handoff_p50_us"] > 0
+    if spin_us:   # every header went into the mailbox; the receiver took most of them there (the rest: socket)
+        assert sstats["mailbox_headers"] == 60 and 0 < rstats["mailbox_headers"] <= 60, (sstats, rstats)
+    else:
+        assert sstats["mailbox_headers"] == rstats["mailbox_headers"] == 0 and "mailbox" not in r.endpoint()
 
 
 def test_no_reuse_before_free(peer):
@@ -126,10 +133,12 @@ def test_no_reuse_before_free(peer):
     assert slots == [h0["slot"], h1["slot"], h0["slot"]] and sstats["wait_s"] >= 0.35 and sstats["handoffs"] == 3
 
 
-def test_randomized_schedule_loses_and_duplicates_nothing(peer):
-    """Under random delays, sizes, dtypes and free order, every microbatch must arrive exactly once, intact."""
+@pytest.mark.parametrize("spin_us", [0.0, 2000.0])
+def test_randomized_schedule_loses_and_duplicates_nothing(peer, spin_us):
+    """Under random delays, sizes, dtypes and free order, every microbatch must arrive exactly once, intact (with
+    the header mailbox too: headers larger than an entry, and the receiver falling behind, go by the socket)."""
     n, rng = 320, random.Random(7)
-    with SlotReceiverCtx("random", 40 * 64 * 4) as r:
+    with SlotReceiverCtx("random", 40 * 64 * 4, spin_us=spin_us) as r:
         fut = peer.submit(_send_random, r.endpoint(), n, 11)
         r.accept(30.0)
         held, seen, checked = [], [], 0
@@ -150,6 +159,7 @@ def test_randomized_schedule_loses_and_duplicates_nothing(peer):
         sstats = fut.result(30)
     assert seen == list(range(n))
     assert sstats["handoffs"] == r.stats()["handoffs"] == checked > 150 and sstats["headers"] == n - checked
+    assert (r.stats()["mailbox_headers"] > 0) == bool(spin_us)
 
 
 def test_killed_sender_gives_channel_closed_within_a_second():
@@ -258,3 +268,57 @@ class SlotReceiverCtx(SlotReceiver):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _send_burst(endpoint, n):
+    s = _connected_sender(endpoint)
+    for mb in range(n):
+        s.send({"kind": "tokens", "mb": mb, "toks": [mb] * (mb % 3)})
+    st = s.stats()
+    time.sleep(1.5)       # the channel stays open while the receiver reads (closing it is ChannelClosed there)
+    s.close()
+    return st
+
+
+def test_a_receiver_behind_the_mailbox_reads_the_socket(peer):
+    """Header-only frames are not credit-limited: a receiver more than a mailbox's entries behind finds its next
+    header overwritten and takes it (and those after) from the socket, in order, none twice."""
+    from memra_pp.stages import mailbox
+    n = 4 * mailbox.ENTRIES
+    with SlotReceiverCtx("behind", 1024, spin_us=2000.0) as r:
+        fut = peer.submit(_send_burst, r.endpoint(), n)
+        r.accept(30.0)
+        time.sleep(0.5)                  # all sent before the first is read
+        got = [r.recv(5.0)[0] for _ in range(n)]
+        assert [h["mb"] for h in got] == list(range(n)) and all(h["toks"] == [h["mb"]] * (h["mb"] % 3) for h in got)
+        assert all("_q" not in h for h in got)
+        with pytest.raises(TimeoutError):
+            r.recv(0.2)                  # no copy is delivered again
+        rs = r.stats()
+        sstats = fut.result(30)
+    assert sstats["mailbox_headers"] == n and rs["headers"] == n
+    assert rs["mailbox_headers"] < n     # the overwritten ones came by the socket
+
+
+def test_mailbox_entries_refuse_torn_and_stale_reads():
+    """The seqlock: a frame not yet written is None, a frame too large or overwritten is FALLBACK, a read whose
+    entry was rewritten under it is FALLBACK; the creator unlinks the segment."""
+    from memra_pp.stages.mailbox import ENTRIES, ENTRY_BYTES, FALLBACK, Mailbox
+    w = Mailbox.create("t")
+    r = Mailbox.attach(w.name, "t")
+    try:
+        assert r.get(0) is None
+        w.put(0, b"abc")
+        assert r.get(0) == b"abc" and r.get(1) is None
+        w.put(1, b"x" * (ENTRY_BYTES + 1))
+        assert r.get(1) is FALLBACK
+        for q in range(2, 2 + ENTRIES + 1):
+            w.put(q, str(q).encode())
+        assert r.get(2) is FALLBACK and r.get(2 + ENTRIES) == str(2 + ENTRIES).encode()
+        q = 2 + 2 * ENTRIES                      # a write that began (seq_begin) but has not ended
+        w._words[q % ENTRIES][0][0] = q + 1
+        assert r.get(q - ENTRIES) is FALLBACK and r.get(q) is None
+    finally:
+        r.close()
+        w.close()
+    assert not os.path.exists("/dev/shm/" + w.name)
