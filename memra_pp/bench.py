@@ -74,14 +74,16 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             first_done.set()
         return t, ev
 
-    def watch():
+    def watch():    # two snapshots, no reset: the run's own figures still cover all of it
         all_decoding.wait()
         if first_done.is_set():
             return
-        dep.stats(reset=True)
-        t = time.perf_counter()
+        a, t = dep.stats()["stages"], time.perf_counter()
         first_done.wait()
-        steady.update(stages=dep.stats()["stages"], window_s=time.perf_counter() - t)
+        b = dep.stats()["stages"]
+        steady.update(window_s=time.perf_counter() - t,
+                      busy=[(y["busy_s"] - x["busy_s"]) / max(y["wall_s"] - x["wall_s"], 1e-9)
+                            for x, y in zip(a, b)])
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         if warm:   # the same load, untimed: decode graphs of this batch size are captured, KV pools grown
@@ -90,11 +92,13 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         t0 = time.perf_counter()
-        out = list(pool.map(one, prompts))
+        try:
+            out = list(pool.map(one, prompts))
+        finally:        # also when a request failed: the watcher must not wait for ever
+            all_decoding.set()
+            first_done.set()
+            watcher.join(timeout=30)
         wall = time.perf_counter() - t0
-        all_decoding.set()
-        first_done.set()
-        watcher.join(timeout=30)
     st = dep.stats()["stages"]
     toks = sum(k for _, ev in out for _, k in ev)
     lat = [ev[-1][0] - t for t, ev in out if ev]
@@ -111,7 +115,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                                               "handoff_p50_us", "handoff_p99_us", "phase_us_per_microbatch",
                                               "async_steps", "host_busy")}
                        for s in st],
-            "steady_busy": [s["busy"] for s in steady.get("stages", [])],
+            "steady_busy": steady.get("busy", []),
             "steady_window_s": steady.get("window_s", 0.0)}
 
 

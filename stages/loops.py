@@ -114,16 +114,18 @@ class _Loop:
 
     def stats(self, reset: bool = False) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
-        if self._events:
-            with self._ev_lock:
+        if self._events:    # stats() arrives on a Ray pool thread: query the events on the stage's own device
+            with self._ev_lock, torch.cuda.device(self.r.engine.device):
                 self._sum_events()
-                busy = self.device_busy_s / wall
+                busy_s = self.device_busy_s
                 if reset:
                     self.device_busy_s = 0.0
                     self._ev.clear()     # their spans began before the new window
         else:
-            busy = self.busy_s / wall
-        out = {"busy": busy, "host_busy": self.busy_s / wall, "microbatches": self.microbatches,
+            busy_s = self.busy_s
+        # busy_s / wall_s: raw, so a caller can difference two snapshots (run_bench's steady window)
+        out = {"busy": busy_s / wall, "busy_s": busy_s, "wall_s": wall, "host_busy": self.busy_s / wall,
+               "microbatches": self.microbatches,
                "loop_error": self.error, "async_steps": self.continued,
                "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
                                            for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys

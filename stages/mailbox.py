@@ -77,8 +77,12 @@ class Mailbox:
     def get(self, seq: int):
         """The payload of frame `seq` (bytes), None while it is not written yet, or FALLBACK (on the socket only:
         too large, or overwritten before it was read)."""
+        words, u8 = self._words, self._u8     # locals: close() on another thread drops the attributes
+        if words is None or u8 is None:
+            from memra_pp.stages.channel import ChannelClosed
+            raise ChannelClosed(f"header mailbox {self.name} is closed")
         e = seq % ENTRIES
-        begin, length, end = self._words[e]
+        begin, length, end = words[e]
         have = int(end[0])
         if have < seq + 1:
             return None
@@ -88,7 +92,7 @@ class Mailbox:
         if n == TOO_BIG:
             return FALLBACK
         off = e * _STRIDE + _HEAD
-        data = self._u8[off:off + n].tobytes()
+        data = u8[off:off + n].tobytes()
         return data if int(begin[0]) == seq + 1 else FALLBACK
 
     def close(self) -> None:

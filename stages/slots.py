@@ -21,9 +21,9 @@ import time
 import numpy as np
 import torch
 
-from memra_pp.errors import InputError, ProtocolError
+from memra_pp.errors import ConfigError, InputError, ProtocolError
 from memra_pp.stages import mailbox
-from memra_pp.stages.channel import ChannelListener, connect
+from memra_pp.stages.channel import ChannelClosed, ChannelListener, connect
 from memra_pp.stages.header import decode_header, encode_header
 
 DTYPES = {n: getattr(torch, n) for n in ("float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8")}
@@ -102,14 +102,19 @@ class SlotReceiverBase(_Link):
             raise ValueError(f"boundary {name}: max_bytes ({max_bytes}) and n_slots ({n_slots}) must be positive")
         self.name, self.max_bytes, self.n_slots = name, max_bytes, n_slots
         if spin_us is None:   # MEMRA_PP_SPIN_US overrides the transport's default (0 turns the mailbox off)
-            spin_us = float(os.environ.get("MEMRA_PP_SPIN_US", self.SPIN_US))
+            raw = os.environ.get("MEMRA_PP_SPIN_US", self.SPIN_US)
+            try:
+                spin_us = float(raw)
+            except ValueError:
+                raise ConfigError(f"MEMRA_PP_SPIN_US={raw!r} is not a number of microseconds") from None
         self.spin_s = spin_us / 1e6
         self._listener = ChannelListener(listen_address, label=f"boundary {name}")
         self._mbox = None
         try:
-            self._extras = self._allocate(n_slots, max_bytes)
             if self.spin_s > 0 and mailbox.supported():
                 self._mbox = mailbox.Mailbox.create(name)
+            self._extras = self._allocate(n_slots, max_bytes)
+            if self._mbox is not None:
                 self._extras["mailbox"] = self._mbox.name
         except BaseException:
             self._listener.close()
@@ -178,6 +183,7 @@ class SlotReceiverBase(_Link):
             self._skip_copies()      # here, not after a take: the header's latency does not pay for it
         if self._early:
             return self._early.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout    # the spin counts against it
         if mb is not None:
             q = self._q
             end = time.perf_counter() + (self.spin_s if timeout is None else min(self.spin_s, timeout))
@@ -187,6 +193,8 @@ class SlotReceiverBase(_Link):
                     if time.perf_counter() >= end:
                         break
                     os.sched_yield()     # releases the GIL: the stage's other threads run meanwhile
+                    if self._ch._closed:
+                        raise ChannelClosed(f"boundary {self.name}: recv on a closed channel")
                     continue
                 if got is mailbox.FALLBACK:
                     break
@@ -195,7 +203,6 @@ class SlotReceiverBase(_Link):
                 header = decode_header(got)
                 header.pop("_q", None)
                 return header
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             h = self._ch.recv(None if deadline is None else max(deadline - time.monotonic(), 0.0))
             if self._fresh(h):

@@ -322,3 +322,42 @@ def test_mailbox_entries_refuse_torn_and_stale_reads():
         r.close()
         w.close()
     assert not os.path.exists("/dev/shm/" + w.name)
+
+
+def test_a_receiver_closed_while_polling_the_mailbox_raises_channel_closed():
+    """close() on another thread while recv polls the mailbox must end recv with ChannelClosed (as a blocked
+    socket recv does), not with an error from the unmapped ring."""
+    r = SlotReceiver("spinclose", 256, spin_us=5e6)
+    s = SlotSender(r.endpoint())
+    t = threading.Thread(target=s.connect, args=(5.0,))
+    t.start()
+    r.accept(5.0)
+    t.join()
+    box = []
+    th = threading.Thread(target=lambda: box.append(pytest.raises(ChannelClosed, r.recv, 10.0)))
+    th.start()
+    time.sleep(0.2)
+    r.close()
+    th.join(5.0)
+    s.close()
+    assert not th.is_alive() and box and "closed" in str(box[0].value)
+
+
+def test_a_mailbox_that_cannot_be_made_leaves_no_slots_behind(monkeypatch):
+    """If the header mailbox cannot be created (/dev/shm full), the receiver's setup fails with nothing left."""
+    from memra_pp.stages import mailbox
+
+    def full(label):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(mailbox.Mailbox, "create", staticmethod(full))
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(OSError, match="No space"):
+        SlotReceiver("full", 256, spin_us=100.0)
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def test_a_malformed_spin_setting_is_a_config_error(monkeypatch):
+    from memra_pp.errors import ConfigError
+    monkeypatch.setenv("MEMRA_PP_SPIN_US", "fast")
+    with pytest.raises(ConfigError, match="MEMRA_PP_SPIN_US='fast' is not a number"):
+        SlotReceiver("badspin", 256)
