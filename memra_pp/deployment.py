@@ -85,8 +85,6 @@ class Deployment:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from .stages.actor import StageActor
         env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-        if "MEMRA_PP_SPIN_US" in os.environ:     # the boundary receivers' header-mailbox polling (stages/slots.py)
-            env["MEMRA_PP_SPIN_US"] = os.environ["MEMRA_PP_SPIN_US"]
         opts = dict(num_cpus=s.num_cpus, runtime_env={"env_vars": env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.index))
         if detached:
@@ -106,9 +104,10 @@ class Deployment:
         n = len(actors)
         ti = plan.tower_index
         tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
+        kv = min((x["kv_pages"] for x in infos if x.get("kv_pages") is not None), default=None)
         _get([a.connect.remote(infos[i + 1]["endpoint"] if i + 1 < n else None,
                                infos[0]["ring"] if i == n - 1 and n > 1 else None, t,
-                               *(tower if i == 0 else (None, None)))
+                               *(tower if i == 0 else (None, None)), kv_pages=kv if i == 0 else None)
               for i, a in enumerate(actors)], t, "stage wiring")
 
     @staticmethod

@@ -44,6 +44,7 @@ class Seq:
     admitted: bool = False                        # the primary has its sampling params
     done: bool = False                            # finished: tokens of a continuation still in flight are dropped
     last_run: int = 0
+    pages: int = 0                                # KV pages reserved for it at admission (Scheduler.kv_pages)
 
 
 @dataclasses.dataclass
@@ -83,6 +84,14 @@ class Scheduler:
         self.dropped = 0                          # tokens of continuations whose sequence had already ended
         self.pipelined = 0                        # prompt chunks sent while the same prompt's previous one ran
         self._tick = itertools.count(1)          # a sequence never run has last_run 0: it goes first
+        # KV admission: the pages (of kv_block positions) every stage can hold for sequences at once (the least
+        # over the stages, set when the pipeline is wired; None: no limit). A request is admitted only when its
+        # most pages (prompt + max_new_tokens, capped at max_context) fit beside those of the admitted ones, so
+        # no stage's cache growth is ever refused under a running microbatch; the others wait in order.
+        self.kv_pages: int | None = None
+        self.kv_block = 64
+        self.kv_used = 0
+        self.kv_waits = 0                         # admissions that waited for pages (stats, tests)
 
     def add(self, r: Request) -> None:
         self.validate(r)
@@ -97,13 +106,26 @@ class Scheduler:
                              f"({self.max_context}); shorten it or raise max_context")
         if r.max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {r.max_new_tokens}")
+        if self.kv_pages is not None and self.pages(r) > self.kv_pages:
+            raise InputError(f"the request can reach {self.pages(r) * self.kv_block} positions "
+                             f"({len(r.prompt)} prompt + {r.max_new_tokens} new tokens, capped at max_context); the "
+                             f"KV cache holds {self.kv_pages * self.kv_block} positions on the fullest stage: lower "
+                             f"max_new_tokens or split the model over more stages")
+
+    def pages(self, r: Request) -> int:
+        """The most KV pages request r's sequence can hold."""
+        return -(-min(len(r.prompt) + r.max_new_tokens, self.max_context) // self.kv_block)
+
+    def _pages_fit(self, r: Request) -> bool:
+        return self.kv_pages is None or self.kv_used + self.pages(r) <= self.kv_pages
 
     def idle(self) -> bool:
         return not self.waiting and not self.active
 
     def has_ready_work(self) -> bool:
         """Is there anything next_microbatch could take besides what is in flight (new requests, idle seqs)?"""
-        return bool(self.waiting and self.free_slots) or any(not s.in_flight for s in self.active.values())
+        return bool(self.waiting and self.free_slots and self._pages_fit(self.waiting[0])) or \
+            any(not s.in_flight for s in self.active.values())
 
     def continue_microbatch(self, mb: Microbatch) -> Microbatch | None:
         """The next decode step of `mb`'s sampling sequences, cut before `mb`'s tokens are back (async
@@ -151,11 +173,18 @@ class Scheduler:
     def _admit(self) -> list[Event]:
         done = []
         while self.waiting and self.free_slots:
-            r = self.waiting.popleft()
+            r = self.waiting[0]
             if r.max_new_tokens == 0:
+                self.waiting.popleft()
                 done.append(Event(r.client, r.rid, [], [], "length"))
                 continue
+            if not self._pages_fit(r):      # waits, in order, for finished sequences' pages
+                self.kv_waits += 1
+                break
+            self.waiting.popleft()
             s = Seq(r, self.free_slots.pop())
+            s.pages = self.pages(r)
+            self.kv_used += s.pages
             self.active[s.slot] = s
         return done
 
@@ -255,6 +284,7 @@ class Scheduler:
 
     def _finish(self, s: Seq) -> None:
         s.done = True
+        self.kv_used -= s.pages
         del self.active[s.slot]
         self.free_slots.append(s.slot)
         self.pending_release.append(s.slot)

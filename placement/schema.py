@@ -62,6 +62,9 @@ class SchedulerSpec:
     microbatches: int | None = None   # None = auto (the planner resolves it); in flight at once around the ring
     max_context: int = 4096        # prompt + generated tokens per sequence; sizes the KV caches
     prefill_chunk: int = 512       # prompt tokens per prefill step; bounds activation memory, any positive size
+    # KV pages (64 positions each) the sequences may hold at once on every stage; None = auto: what the fullest
+    # stage's memory holds (beside its headroom). Requests wait for pages at admission instead of failing mid-step
+    kv_pages: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,9 @@ class Placement:
     vision: VisionSpec = VisionSpec()
     overlay_publish: str = "auto"   # auto | force | never; resolved to OverlayPublish by memra_pp.overlay
     transport: str = "auto"         # auto | peer (CUDA IPC) | host (pinned host bounce) for GPU boundary slots
+    # how long a boundary receiver polls its shared-memory header mailbox before it sleeps in the socket (a kernel
+    # wake-up costs 20-30 us); None = auto: 2000 us on GPU boundaries, 0 (no mailbox) on CPU ones
+    transport_poll_us: float | None = None
     scheduler: SchedulerSpec = SchedulerSpec()
     adapters: AdapterSpec = AdapterSpec()
     recover: str = "error"          # error: a failed stage fails its requests; replay: re-prefill them after restart
@@ -105,6 +111,8 @@ class Placement:
         d["model"]["path"] = str(self.model.path)
         d["stages"] = [dict(s, layers=list(s["layers"]) if s["layers"] else "auto") for s in d["stages"]]
         d["scheduler"]["microbatches"] = self.scheduler.microbatches or "auto"
+        d["scheduler"]["kv_pages"] = "auto" if self.scheduler.kv_pages is None else self.scheduler.kv_pages
+        d["transport_poll_us"] = "auto" if self.transport_poll_us is None else self.transport_poll_us
         return d
 
 
@@ -208,7 +216,18 @@ def _scheduler(raw: Any) -> SchedulerSpec:
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise _bad("scheduler.microbatches", f"must be auto or an integer >= 1, got {mb!r}")
         kw["microbatches"] = mb
+    kv = d.get("kv_pages", "auto")
+    if kv != "auto":
+        kw["kv_pages"] = _int(kv, "scheduler.kv_pages")
     return SchedulerSpec(**kw)
+
+
+def _poll_us(v: Any) -> float | None:
+    if v == "auto":
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e6:
+        raise _bad("transport_poll_us", f"must be auto or microseconds in [0, 1000000] (0: no mailbox), got {v!r}")
+    return float(v)
 
 
 def _ray(raw: Any) -> RaySpec:
@@ -238,6 +257,7 @@ def parse_placement(raw: Any) -> Placement:
         stages=stages, name=name, model=_model(d.get("model")), vision=_vision(d.get("vision"), len(stages)),
         overlay_publish=_choice(d.get("overlay_publish", "auto"), "overlay_publish", OVERLAY_PUBLISH),
         transport=_choice(d.get("transport", "auto"), "transport", TRANSPORTS),
+        transport_poll_us=_poll_us(d.get("transport_poll_us", "auto")),
         scheduler=_scheduler(d.get("scheduler")),
         adapters=AdapterSpec(**{k: _int(v, f"adapters.{k}") for k, v in ad.items()}),
         recover=_choice(d.get("recover", "error"), "recover", RECOVER), ray=_ray(d.get("ray")),

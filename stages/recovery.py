@@ -82,16 +82,18 @@ class RecoveryMixin:
         from .shm_slots import SlotReceiver
         i, sc = self.index, self.placement.scheduler
         info = {"index": i, "pid": os.getpid(), "endpoint": None, "ring": None, "ctx_id": self.engine.ctx,
-                "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids), "load_s": 0.0}
+                "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids), "load_s": 0.0,
+                "kv_pages": self.cache.page_capacity(self.placement.scheduler.kv_pages)}
         if i > 0:
             nbytes = (sc.prefill_chunk + sc.max_batch) * self.mc.text.hidden_size * \
                 torch.empty(0, dtype=self.dtype).element_size()
             addr = f"unix:{run_dir}/s{i}.sock"
             if transport == "shm":
-                self.receiver = SlotReceiver(f"s{i}", nbytes, addr)
+                self.receiver = SlotReceiver(f"s{i}", nbytes, addr, spin_us=self.placement.transport_poll_us)
             else:
                 from .gpu_slots import RECEIVERS
-                self.receiver = RECEIVERS[transport](f"s{i}", nbytes, addr, engine=self.engine)
+                self.receiver = RECEIVERS[transport](f"s{i}", nbytes, addr, engine=self.engine,
+                                                     spin_us=self.placement.transport_poll_us)
             info["endpoint"] = self.receiver.endpoint()
         if i == 0 and len(self.plan.stages) > 1:
             self.ring_listener = ChannelListener(f"unix:{run_dir}/ring.sock", label="ring")

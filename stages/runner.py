@@ -108,9 +108,13 @@ class StageRunner(RecoveryMixin):
             self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
         return info
 
-    def connect(self, downstream: dict | None, ring: str | None, timeout: float, tower_ctx=None) -> None:
-        """Connect outgoing links first (a listener's backlog accepts them), then accept the incoming ones."""
+    def connect(self, downstream: dict | None, ring: str | None, timeout: float, tower_ctx=None,
+                kv_pages: int | None = None) -> None:
+        """Connect outgoing links first (a listener's backlog accepts them), then accept the incoming ones.
+        `kv_pages` (the intake): the KV pages the fullest stage can hold, which admissions are counted against."""
         self.tower_ctx = tower_ctx
+        if self.spec.intake and kv_pages is not None:
+            self.scheduler.kv_pages = kv_pages
         self.here()
         from .shm_slots import SlotSender
         from ..stages.channel import connect
@@ -299,6 +303,10 @@ class StageRunner(RecoveryMixin):
         st["handoffs"] = ls.get("handoffs", 0)
         st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
         st["mailbox_headers"] = ls.get("mailbox_headers", 0)
+        st["kv_pages_free"] = len(self.cache.free_blocks)
+        if self.spec.intake:
+            sc = self.scheduler
+            st.update(kv_pages=sc.kv_pages, kv_pages_reserved=sc.kv_used, kv_admission_waits=sc.kv_waits)
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
         st["overlay_publications"] = self.engine.counters.publications
         st["publications_via_slot"] = self.pub_inbox.landed if self.pub_inbox is not None else 0

@@ -7,7 +7,7 @@ implements _allocate/_view/_release, a sender subclass _attach/_write/_detach; t
 # Legend: hidden_TD [T tokens, D hidden] in the model dtype; one slot holds one microbatch's hidden_TD.
 # Frames on a boundary channel: sender -> receiver: `_hello` once, then one header per microbatch (with slot, dtype,
 # shape when a tensor rides along); receiver -> sender: `_credit` naming a freed slot. With a header mailbox
-# (mailbox.py: receivers whose SPIN_US > 0, on x86-64) every header also carries its number `_q` and is written
+# (mailbox.py: receivers polling it, spin_us > 0, on x86-64) every header also carries its number `_q` and is written
 # into the mailbox before the socket; the receiver polls the mailbox first while it waits and skips the socket's copy.
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from memra_pp.errors import ConfigError, InputError, ProtocolError
+from memra_pp.errors import InputError, ProtocolError
 from memra_pp.stages import mailbox
 from memra_pp.stages.channel import ChannelClosed, ChannelListener, connect
 from memra_pp.stages.header import decode_header, encode_header
@@ -101,13 +101,7 @@ class SlotReceiverBase(_Link):
         if max_bytes <= 0 or n_slots <= 0:
             raise ValueError(f"boundary {name}: max_bytes ({max_bytes}) and n_slots ({n_slots}) must be positive")
         self.name, self.max_bytes, self.n_slots = name, max_bytes, n_slots
-        if spin_us is None:   # MEMRA_PP_SPIN_US overrides the transport's default (0 turns the mailbox off)
-            raw = os.environ.get("MEMRA_PP_SPIN_US", self.SPIN_US)
-            try:
-                spin_us = float(raw)
-            except ValueError:
-                raise ConfigError(f"MEMRA_PP_SPIN_US={raw!r} is not a number of microseconds") from None
-        self.spin_s = spin_us / 1e6
+        self.spin_s = (self.SPIN_US if spin_us is None else spin_us) / 1e6   # placement.transport_poll_us
         self._listener = ChannelListener(listen_address, label=f"boundary {name}")
         self._mbox = None
         try:

@@ -155,3 +155,15 @@ def test_a_release_frees_before_the_step_reuses_the_slot():
     for c in used.caches:
         assert [len(o) for o in c.owned] == [1, 0, 0] and c.lens[:2] == [3, 0]
         assert len(c.free_blocks) == c.n_blocks - 2 - 1
+
+
+def test_reachable_blocks_is_the_largest_growth_that_fits():
+    from memra_pp.model.cache import reachable_blocks
+    assert reachable_blocks(10, 100, lambda m: True) == 100
+    assert reachable_blocks(10, 100, lambda m: m <= 37) == 37
+    assert reachable_blocks(10, 100, lambda m: m <= 10) == 10     # nothing beyond what exists
+
+
+def test_page_capacity_on_cpu_is_the_table_unless_lowered():
+    c = cache(max_seqs=3, max_context=256)
+    assert c.page_capacity() == 3 * 4 and c.page_capacity(5) == 5 and c.page_capacity(100) == 12

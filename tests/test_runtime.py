@@ -100,14 +100,34 @@ def test_a_request_joins_a_running_batch(ray_cluster, n_stages):
     assert after > 100, f"the short request waited for the long one: only {after} of its 400 tokens came after"
 
 
-def test_header_mailbox_in_a_three_stage_deployment(ray_cluster, monkeypatch):
-    """With the boundary receivers polling the header mailbox (MEMRA_PP_SPIN_US, the GPU transports' default), a
+def test_header_mailbox_in_a_three_stage_deployment(ray_cluster):
+    """With the boundary receivers polling the header mailbox (transport_poll_us; GPU boundaries do by default), a
     3-stage deployment must still equal transformers, and its receivers must have taken headers from the mailbox."""
-    monkeypatch.setenv("MEMRA_PP_SPIN_US", "20000")   # long enough to cover a busy 2-core machine's waits
     _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(config(path, 3)) as dep:
+    cfg = dict(config(path, 3), transport_poll_us=20000)   # long enough to cover a busy 2-core machine's waits
+    with memra_pp.launch(cfg) as dep:
         c = dep.client()
         for p in PROMPTS:
             assert_same("dense", False, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
         st = dep.stats()["stages"]
     assert all(s["mailbox_headers"] > 0 for s in st[1:]), [s["mailbox_headers"] for s in st]
+
+
+def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
+    """With a KV budget of 4 pages (scheduler.kv_pages; auto on a GPU is what the memory holds), 16 concurrent
+    requests must queue for pages instead of failing a microbatch, and all equal transformers; a request that can never
+    fit must be refused alone with a typed error, and the deployment must go on."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(config(path, 2, kv_pages=4)) as dep:
+        c = dep.client()
+        many = [PROMPTS[i % 4] for i in range(16)]
+
+        async def go():
+            return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
+        for p, r in zip(many, asyncio.run(go())):
+            assert_same("dense", False, p, r)
+        with pytest.raises(memra_pp.errors.InputError, match="KV cache holds 256 positions"):
+            c.generate(list(range(1, 301)), max_new_tokens=NEW)
+        assert_same("dense", False, PROMPTS[0], c.generate(list(PROMPTS[0]), max_new_tokens=NEW, logprobs=True))
+        st = dep.stats()["stages"]
+    assert st[0]["kv_pages"] == 4 and st[0]["kv_admission_waits"] > 0 and st[0]["kv_pages_reserved"] == 0, st[0]

@@ -178,3 +178,31 @@ def test_a_follow_on_chunk_travels_alone():
         mb = inflight.pop(0)
         s.on_tokens(mb.mb, [5] * sum(mb.sample), [-0.1] * sum(mb.sample))
     assert follow_ons >= 3 and s.pipelined == follow_ons
+
+
+def test_kv_admission_waits_for_pages_and_refuses_what_can_never_fit():
+    """With a KV budget (the least pages over the stages), a request is admitted only when its most pages fit beside
+    the admitted ones': the next waits in order (slots free or not) and runs once pages come back; one that can
+    never fit is refused at once with a message naming the budget; the pages reserved return to zero."""
+    s = Scheduler(max_batch=4, microbatches=1, prefill_chunk=256, max_context=512)
+    s.kv_pages = 4
+    with pytest.raises(InputError, match=r"can reach 320 positions .* KV cache holds 256"):
+        s.add(req(9, n=300, new=10))                 # 5 pages > 4: never
+    s.add(req(0, n=100, new=28))                     # 2 pages
+    s.add(req(1, n=10, new=100))                     # 2 pages
+    s.add(req(2, n=60, new=4))                       # 1 page: must wait behind r1's admission (in order)
+    mb, _ = s.next_microbatch()
+    assert {q.req.rid for q in s.active.values()} == {"r0", "r1"} and s.kv_used == 4
+    assert [r.rid for r in s.waiting] == ["r2"] and s.kv_waits > 0
+    s.on_tokens(mb.mb, [7] * sum(mb.sample), [-0.5] * sum(mb.sample))
+    assert not s.has_ready_work() or any(not q.in_flight for q in s.active.values())
+    ev = run_to_end(s)
+    assert sorted(e.rid for e in ev if e.finish == "length") == ["r0", "r1", "r2"]
+    assert s.kv_used == 0 and s.idle()
+
+
+def test_kv_admission_unlimited_without_a_budget():
+    s = Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=4096)
+    s.add(req(0, n=4000, new=90))
+    assert s.kv_pages is None and s.pages(s.waiting[0]) == 64      # capped at max_context
+    assert [e.finish for e in run_to_end(s) if e.finish] == ["length"]

@@ -355,9 +355,3 @@ def test_a_mailbox_that_cannot_be_made_leaves_no_slots_behind(monkeypatch):
         SlotReceiver("full", 256, spin_us=100.0)
     assert set(os.listdir("/dev/shm")) == before
 
-
-def test_a_malformed_spin_setting_is_a_config_error(monkeypatch):
-    from memra_pp.errors import ConfigError
-    monkeypatch.setenv("MEMRA_PP_SPIN_US", "fast")
-    with pytest.raises(ConfigError, match="MEMRA_PP_SPIN_US='fast' is not a number"):
-        SlotReceiver("badspin", 256)

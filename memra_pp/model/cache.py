@@ -45,6 +45,18 @@ def growth_size(n: int, short: int, cap: int, roomy) -> int:
     return new
 
 
+def reachable_blocks(n: int, cap: int, ok) -> int:
+    """The most blocks (n <= it <= cap) pools of n blocks can grow to, where ok(blocks) says a growth fits (monotone:
+    a larger growth never fits where a smaller one does not)."""
+    if ok(cap):
+        return cap
+    lo, hi = n, cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
 class StageCache:
     def __init__(self, cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, device,
                  kv_block: int = 64, initial_blocks_per_slot: int = 4):
@@ -145,6 +157,19 @@ class StageCache:
                 self.free_blocks = list(range(got - 1, n - 1, -1)) + self.free_blocks
                 self.n_blocks = got
                 self.grown += 1
+
+    def page_capacity(self, limit: int | None = None) -> int:
+        """How many pages this stage's sequences may hold at once (the intake admits requests against the least
+        over the stages, so a growth is never refused under a running microbatch): every slot at max_context, or
+        on a GPU as far as the pools can grow while the device keeps its headroom free, measured now (after the
+        weights and the linear states); at most `limit` (scheduler.kv_pages)."""
+        cap = self.max_seqs * self.max_blocks if limit is None else min(limit, self.max_seqs * self.max_blocks)
+        if not self.k or self.device.type != "cuda":
+            return cap
+        free, total = self._free_bytes()
+        keep = headroom(total)
+        reach = reachable_blocks(self.n_blocks, FIRST_FREE + cap, lambda m: fits(self._peak_bytes(m), free, keep))
+        return max(0, min(cap, reach - FIRST_FREE))
 
     def _peak_bytes(self, n_blocks: int) -> int:
         """Bytes growing the pools to n_blocks needs at its peak. Only pools smaller than n_blocks grow (after an
