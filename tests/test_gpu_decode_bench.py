@@ -1,4 +1,4 @@
-"""benchmarks/gpu_decode.py's transformers baselines on CPU with the tiny Qwen3.5 text config: the device-map
+"""benchmarks/hf_baseline.py (gpu_decode.py's transformers baselines) on CPU with the tiny Qwen3.5 text config: the device-map
 split, the meta-built model and the rows run_hf records (the GPU numbers come from scripts/gpu_session.sh)."""
 import sys
 from pathlib import Path
@@ -8,6 +8,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 import gpu_decode  # noqa: E402
+import hf_baseline  # noqa: E402
 from memra_pp.model.tiny import tiny_config  # noqa: E402
 
 TEXT = tiny_config(num_layers=8)["text_config"]
@@ -18,9 +19,9 @@ ROW_KEYS = {"system", "devices", "layers_per_device", "concurrency", "tokens_per
 def test_device_map_keeps_layers_whole_and_balanced():
     """Over two GPUs the map must place every decoder layer whole, the embedding on the first and lm_head on the
     last, with the layers split about evenly (what device_map="auto" gives from_pretrained)."""
-    model = gpu_decode.hf_on_meta(TEXT)
+    model = hf_baseline.hf_on_meta(TEXT)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    dm = gpu_decode.hf_device_map(model, [0, 1], max_memory={0: size, 1: size})
+    dm = hf_baseline.hf_device_map(model, [0, 1], max_memory={0: size, 1: size})
     n = TEXT["num_hidden_layers"]
     assert [k for k in dm if ".layers." in k] == [f"model.layers.{i}" for i in range(n)]
     assert dm["model.embed_tokens"] == 0 and dm["lm_head"] == 1
@@ -30,17 +31,17 @@ def test_device_map_keeps_layers_whole_and_balanced():
 
 def test_one_device_is_the_whole_model():
     """One device must map the whole model there."""
-    assert gpu_decode.hf_device_map(gpu_decode.hf_on_meta(TEXT), ["cpu"]) == {"": "cpu"}
+    assert hf_baseline.hf_device_map(hf_baseline.hf_on_meta(TEXT), ["cpu"]) == {"": "cpu"}
 
 
 def test_materialising_per_entry_matches_whole():
     """Materialising a split map entry by entry must leave nothing on meta and give the same weights, seed for
     seed, as materialising the model whole (init runs over the modules in one order either way)."""
-    split = gpu_decode.hf_device_map(gpu_decode.hf_on_meta(TEXT), [0, 1], max_memory={0: 1 << 40, 1: 1 << 40})
+    split = hf_baseline.hf_device_map(hf_baseline.hf_on_meta(TEXT), [0, 1], max_memory={0: 1 << 40, 1: 1 << 40})
     torch.manual_seed(0)
-    whole = gpu_decode.build_hf(TEXT, ["cpu"])
+    whole = hf_baseline.build_hf(TEXT, ["cpu"])
     torch.manual_seed(0)
-    parts = gpu_decode.build_hf(TEXT, ["cpu"], device_map=dict.fromkeys(split, "cpu"))
+    parts = hf_baseline.build_hf(TEXT, ["cpu"], device_map=dict.fromkeys(split, "cpu"))
     tensors = dict(parts.named_parameters()) | dict(parts.named_buffers())
     assert not [n for n, t in tensors.items() if t.is_meta]
     ref = dict(whole.named_parameters()) | dict(whole.named_buffers())
@@ -56,7 +57,7 @@ def test_run_hf_rows_on_cpu():
     given, into the caller's list, saving after each."""
     rows, saves = [], []
     system = "transformers, device_map over 1 GPUs"
-    out = gpu_decode.run_hf([1, 2], prompt_len=8, new=4, devices=["cpu"], text_config=TEXT, system=system,
+    out = hf_baseline.run_hf([1, 2], prompt_len=8, new=4, devices=["cpu"], text_config=TEXT, system=system,
                             out=rows, save=lambda: saves.append(len(rows)))
     assert out is rows and saves == [1, 2]
     assert [r["concurrency"] for r in rows] == [1, 2]
@@ -69,7 +70,7 @@ def test_run_hf_rows_on_cpu():
 def test_generate_returns_new_tokens():
     """The built model's generate must return the prompt followed by `new` in-vocabulary tokens."""
     new = 4
-    model = gpu_decode.build_hf(TEXT, ["cpu"])
+    model = hf_baseline.build_hf(TEXT, ["cpu"])
     ids = torch.randint(4, TEXT["vocab_size"], (2, 8))
     with torch.no_grad():
         got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
