@@ -167,3 +167,17 @@ def test_reachable_blocks_is_the_largest_growth_that_fits():
 def test_page_capacity_on_cpu_is_the_table_unless_lowered():
     c = cache(max_seqs=3, max_context=256)
     assert c.page_capacity() == 3 * 4 and c.page_capacity(5) == 5 and c.page_capacity(100) == 12
+
+
+def test_gather_pages_reads_each_position_from_its_page():
+    """gather_pages must return, for every slot and position s < S, the row table[slot, s // block] holds at offset
+    s % block (head_dim contiguous, one copy), for S inside a page, on a page boundary and across pages."""
+    from memra_pp.model.cache import gather_pages
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(20, 4, 8, 16, generator=g)            # [n_blocks, kv_heads, block, head_dim]
+    table = torch.randint(0, 20, (5, 6), generator=g)
+    slots = torch.tensor([3, 0, 4])
+    for S in (1, 8, 13, 48):
+        out = gather_pages(pool, table, slots, S)
+        want = torch.stack([torch.stack([pool[table[sl, s // 8], :, s % 8] for s in range(S)], 1) for sl in slots])
+        assert out.shape == (3, 4, S, 16) and out.stride(-1) == 1 and torch.equal(out, want), S

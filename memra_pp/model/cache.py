@@ -230,10 +230,12 @@ class StageCache:
 
 
 def gather_pages(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
-    """The first S positions of each slot's sequence from a paged pool [n_blocks, kv_heads, block, head_dim],
-    contiguous: [len(slots), kv_heads, S, head_dim] (a copy)."""
+    """The first S positions of each slot's sequence from a paged pool [n_blocks, kv_heads, block, head_dim]:
+    [len(slots), kv_heads, S, head_dim], one copy (the gather reads the pool as [n_blocks, block, kv_heads,
+    head_dim], so its result's pages join into positions as a view; head_dim stays contiguous for attention)."""
     Bk = pool.shape[2]
     nb = -(-S // Bk)
-    g = pool[table[slots, :nb]]                                    # [G, nb, kv_heads, block, head_dim]
-    G, _, H, _, D = g.shape
-    return g.transpose(1, 2).reshape(G, H, nb * Bk, D)[:, :, :S]
+    idx = table[slots, :nb]
+    G, H, D = idx.shape[0], pool.shape[1], pool.shape[3]
+    g = pool.transpose(1, 2).index_select(0, idx.reshape(-1))     # [G * nb, block, kv_heads, head_dim], contiguous
+    return g.view(G, nb * Bk, H, D)[:, :S].transpose(1, 2)
