@@ -62,7 +62,7 @@ class Deployment:
             infos = _get([a.setup.remote(placement.to_dict(), plan.to_dict(), i, run_dir, transports[i])
                           for i, a in enumerate(actors)], t, "stage setup")
             infos[0]["transport_probes"] = probes
-            cls._wire(plan, actors, infos, t)
+            cls._wire(plan, actors, infos, t, placement.scheduler.kv_pages)
             _get([a.start.remote() for a in actors], t, "stage start")
         except BaseException:
             for a in actors:
@@ -96,18 +96,27 @@ class Deployment:
         return self._make_actor(self.placement, self.plan.stages[i], self._pg, self.detached)
 
     def wire(self, actors, infos, timeout: float) -> None:
-        self._wire(self.plan, actors, infos, timeout)
+        self._wire(self.plan, actors, infos, timeout, self.placement.scheduler.kv_pages)
 
     @staticmethod
-    def _wire(plan: Plan, actors, infos, t: float) -> None:
-        """Connect every boundary and the ring (one fan-out); infos are the stages' setup / relink answers."""
+    def _wire(plan: Plan, actors, infos, t: float, kv_limit: int | None = None) -> None:
+        """Connect every boundary and the ring (one fan-out); infos are the stages' setup / relink answers. First the
+        KV budget the intake admits against, from every stage's memory now that all are loaded (kv_budget)."""
+        from .model.cache import kv_budget
         n = len(actors)
         ti = plan.tower_index
         tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
-        kv = min((x["kv_pages"] for x in infos if x.get("kv_pages") is not None), default=None)
+        reports = _get([a.kv_report.remote() for a in actors], t, "KV memory")
+        pages = kv_budget(reports, kv_limit)
+        if pages < 1:
+            raise ConfigError(f"the KV cache has no room for one page of {reports[0]['kv_block']} positions on some "
+                              f"device beside the weights and linear states (pages per stage were it alone: "
+                              f"{[kv_budget([r]) for r in reports]}): lower scheduler.max_batch or split the model "
+                              f"over more stages")
+        kv = (pages, reports[0]["kv_block"])
         _get([a.connect.remote(infos[i + 1]["endpoint"] if i + 1 < n else None,
                                infos[0]["ring"] if i == n - 1 and n > 1 else None, t,
-                               *(tower if i == 0 else (None, None)), kv_pages=kv if i == 0 else None)
+                               *(tower if i == 0 else (None, None)), kv=kv if i == 0 else None)
               for i, a in enumerate(actors)], t, "stage wiring")
 
     @staticmethod

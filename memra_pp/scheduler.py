@@ -91,7 +91,8 @@ class Scheduler:
         self.kv_pages: int | None = None
         self.kv_block = 64
         self.kv_used = 0
-        self.kv_waits = 0                         # admissions that waited for pages (stats, tests)
+        self.kv_waits = 0                         # requests that waited for pages at the head (stats, tests)
+        self._kv_blocked: Request | None = None
 
     def add(self, r: Request) -> None:
         self.validate(r)
@@ -124,7 +125,8 @@ class Scheduler:
 
     def has_ready_work(self) -> bool:
         """Is there anything next_microbatch could take besides what is in flight (new requests, idle seqs)?"""
-        return bool(self.waiting and self.free_slots and self._pages_fit(self.waiting[0])) or \
+        return bool(self.waiting and self.free_slots and (self.waiting[0].max_new_tokens == 0 or
+                                                          self._pages_fit(self.waiting[0]))) or \
             any(not s.in_flight for s in self.active.values())
 
     def continue_microbatch(self, mb: Microbatch) -> Microbatch | None:
@@ -179,7 +181,9 @@ class Scheduler:
                 done.append(Event(r.client, r.rid, [], [], "length"))
                 continue
             if not self._pages_fit(r):      # waits, in order, for finished sequences' pages
-                self.kv_waits += 1
+                if r is not self._kv_blocked:
+                    self._kv_blocked = r
+                    self.kv_waits += 1
                 break
             self.waiting.popleft()
             s = Seq(r, self.free_slots.pop())

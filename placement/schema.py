@@ -217,13 +217,13 @@ def _scheduler(raw: Any) -> SchedulerSpec:
             raise _bad("scheduler.microbatches", f"must be auto or an integer >= 1, got {mb!r}")
         kw["microbatches"] = mb
     kv = d.get("kv_pages", "auto")
-    if kv != "auto":
+    if kv not in ("auto", None):
         kw["kv_pages"] = _int(kv, "scheduler.kv_pages")
     return SchedulerSpec(**kw)
 
 
 def _poll_us(v: Any) -> float | None:
-    if v == "auto":
+    if v in ("auto", None):
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e6:
         raise _bad("transport_poll_us", f"must be auto or microseconds in [0, 1000000] (0: no mailbox), got {v!r}")

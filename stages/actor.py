@@ -20,11 +20,14 @@ class StageActor:
     def setup(self, placement: dict, plan: dict, index: int, run_dir: str, transport: str = "shm") -> dict:
         return self.runner.setup(placement, plan, index, run_dir, transport)
 
-    def connect(self, downstream, ring, timeout: float, tower=None, tower_ctx=None, kv_pages=None) -> None:
+    def kv_report(self) -> dict:
+        return self.runner.kv_report()
+
+    def connect(self, downstream, ring, timeout: float, tower=None, tower_ctx=None, kv=None) -> None:
         if tower is not None:   # the intake asks the tower actor for rows; the runner never sees Ray
             from ..rayutil import get
             self.runner.remote_encode = lambda *a: get(tower.encode_images.remote(*a), timeout, "vision tower")
-        return self.runner.connect(downstream, ring, timeout, tower_ctx, kv_pages)
+        return self.runner.connect(downstream, ring, timeout, tower_ctx, kv)
 
     def unlink_shm(self, names: list) -> int:
         """Unlink a killed stage's receiving segments on this node (the supervisor asks its replacement)."""

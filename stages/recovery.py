@@ -82,8 +82,7 @@ class RecoveryMixin:
         from .shm_slots import SlotReceiver
         i, sc = self.index, self.placement.scheduler
         info = {"index": i, "pid": os.getpid(), "endpoint": None, "ring": None, "ctx_id": self.engine.ctx,
-                "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids), "load_s": 0.0,
-                "kv_pages": self.cache.page_capacity(self.placement.scheduler.kv_pages)}
+                "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids), "load_s": 0.0}
         if i > 0:
             nbytes = (sc.prefill_chunk + sc.max_batch) * self.mc.text.hidden_size * \
                 torch.empty(0, dtype=self.dtype).element_size()

@@ -108,13 +108,18 @@ class StageRunner(RecoveryMixin):
             self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
         return info
 
+    def kv_report(self) -> dict:
+        """This stage's KV memory facts, measured once every stage is loaded (Deployment._wire's kv_budget)."""
+        self.here()
+        return self.cache.kv_report()
+
     def connect(self, downstream: dict | None, ring: str | None, timeout: float, tower_ctx=None,
-                kv_pages: int | None = None) -> None:
+                kv: tuple[int, int] | None = None) -> None:
         """Connect outgoing links first (a listener's backlog accepts them), then accept the incoming ones.
-        `kv_pages` (the intake): the KV pages the fullest stage can hold, which admissions are counted against."""
+        `kv` (the intake): (pages, positions per page) every stage can hold, which admissions count against."""
         self.tower_ctx = tower_ctx
-        if self.spec.intake and kv_pages is not None:
-            self.scheduler.kv_pages = kv_pages
+        if self.spec.intake and kv is not None:
+            self.scheduler.kv_pages, self.scheduler.kv_block = kv
         self.here()
         from .shm_slots import SlotSender
         from ..stages.channel import connect

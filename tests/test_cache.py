@@ -181,3 +181,35 @@ def test_gather_pages_reads_each_position_from_its_page():
         out = gather_pages(pool, table, slots, S)
         want = torch.stack([torch.stack([pool[table[sl, s // 8], :, s % 8] for s in range(S)], 1) for sl in slots])
         assert out.shape == (3, 4, S, 16) and out.stride(-1) == 1 and torch.equal(out, want), S
+
+
+@pytest.mark.parametrize("n_full", [1, 4, 16])
+def test_kv_budget_pages_are_never_refused_by_a_growth(n_full):
+    """Every page kv_budget admits must be obtainable by the real growth path (doubling steps, each holding one old
+    pool while it is copied) on a simulated GPU (meta tensors, free memory falling as the pools grow), whatever the
+    number of full layers on the stage; and two stages sharing the device get no more between them than it holds."""
+    import types
+    from memra_pp.model.cache import kv_budget
+    t = parse_config(presets.get("qwen3.5-27b")).text
+    full = [i for i in range(t.num_hidden_layers) if t.is_full(i)]
+    GiB, total, free0 = 1 << 30, 20 << 30, 7 << 30
+
+    def sim():
+        c = StageCache(t, range(0, full[n_full - 1] + 1), max_seqs=64, max_context=32768, dtype=torch.bfloat16,
+                       device="meta", kv_block=64, initial_blocks_per_slot=1)
+        c.device = types.SimpleNamespace(type="cuda")
+        c._write_rows = lambda slots: None
+        base = c.nbytes()
+        c._free_bytes = lambda: (free0 - (c.nbytes() - base), total)
+        return c
+    c = sim()
+    pages = c.page_capacity()
+    assert 0 < pages < 64 * 512
+    for used in range(pages):            # decode-like: one page at a time, slots in turn
+        s = used % 64
+        c.reserve([s], [(len(c.owned[s]) + 1) * 64])
+    assert c.grown > 0
+    a, b = sim().kv_report(), sim().kv_report()
+    shared = kv_budget([a, b])
+    assert shared < pages and 2 * (shared + 2 - a["n_blocks"]) * a["page_bytes"] <= free0 - 2 * GiB
+    assert kv_budget([dict(a, device="cuda:1"), b]) == pages          # on two devices each has its own

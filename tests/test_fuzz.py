@@ -22,7 +22,7 @@ FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=list(Heal
 KEYS = ["name", "model", "stages", "vision", "scheduler", "adapters", "recover", "ray", "timeouts", "path",
         "format", "dtype", "device", "layers", "num_cpus", "threads", "engine", "max_batch", "microbatches",
         "max_context", "prefill_chunk", "max_loras", "max_rank", "address", "namespace", "listen", "ready_s",
-        "step_s", "heartbeat_s", "overlay_publish", "transport", "bogus"]
+        "step_s", "heartbeat_s", "overlay_publish", "transport", "transport_poll_us", "kv_pages", "bogus"]
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 1 << 40), st.floats(allow_nan=True),
                     st.sampled_from(["cpu", "cuda:0", "cuda:-1", "auto", "replay", "stage:9", "primary", "gguf",
                                      "127.0.0.1", "", "float32", "local"]), st.text(max_size=8))

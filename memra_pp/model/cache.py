@@ -57,6 +57,33 @@ def reachable_blocks(n: int, cap: int, ok) -> int:
     return lo
 
 
+def kv_budget(reports: list[dict], limit: int | None = None) -> int:
+    """The pages every stage's sequences may hold at once (the intake admits requests against it, so no stage's
+    pool growth is ever refused under a running microbatch): at most each stage's table, `limit`
+    (scheduler.kv_pages), and per device the most pages m for which the pools of all its stages (several stages may
+    share one GPU) grow to m pages plus the null and sink blocks, at the peak of the last growth step (one old pool
+    of m blocks held while its copy is made), leaving the device's headroom free. Measured after every stage is
+    loaded."""
+    cap = min(r["table_pages"] for r in reports)
+    cap = cap if limit is None else min(cap, limit)
+    by_dev: dict[str, list[dict]] = {}
+    for r in reports:
+        if "page_bytes" in r:
+            by_dev.setdefault(r["device"], []).append(r)
+    for group in by_dev.values():
+        free, keep = min(r["free"] for r in group), headroom(group[0]["total"])
+
+        def ok(m: int, group=group, free=free, keep=keep) -> bool:
+            blocks = m + FIRST_FREE
+            short = [r for r in group if blocks > r["n_blocks"]]
+            if not short:
+                return True            # the pools hold it already
+            grow = sum((blocks - r["n_blocks"]) * r["page_bytes"] for r in short)
+            return fits(grow + max(r["pool_page_bytes"] for r in short) * (blocks - 1), free, keep)
+        cap = reachable_blocks(0, cap, ok)
+    return cap
+
+
 class StageCache:
     def __init__(self, cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, device,
                  kv_block: int = 64, initial_blocks_per_slot: int = 4):
@@ -158,18 +185,21 @@ class StageCache:
                 self.n_blocks = got
                 self.grown += 1
 
+    def kv_report(self) -> dict:
+        """What `kv_budget` needs from this stage: its device, the pages its table can name, and (on a GPU, with
+        full layers here) the bytes of one page over all its pools, of one page of its largest pool, the blocks it
+        has, and the device's free and total memory, measured now."""
+        rep = {"device": str(self.device), "table_pages": self.max_seqs * self.max_blocks, "kv_block": self.kv_block}
+        if self.k and self.device.type == "cuda":
+            blks = [t[0].numel() * t.element_size() for d in (self.k, self.v) for t in d.values()]
+            free, total = self._free_bytes()
+            rep.update(page_bytes=sum(blks), pool_page_bytes=max(blks), n_blocks=self.n_blocks, free=free,
+                       total=total)
+        return rep
+
     def page_capacity(self, limit: int | None = None) -> int:
-        """How many pages this stage's sequences may hold at once (the intake admits requests against the least
-        over the stages, so a growth is never refused under a running microbatch): every slot at max_context, or
-        on a GPU as far as the pools can grow while the device keeps its headroom free, measured now (after the
-        weights and the linear states); at most `limit` (scheduler.kv_pages)."""
-        cap = self.max_seqs * self.max_blocks if limit is None else min(limit, self.max_seqs * self.max_blocks)
-        if not self.k or self.device.type != "cuda":
-            return cap
-        free, total = self._free_bytes()
-        keep = headroom(total)
-        reach = reachable_blocks(self.n_blocks, FIRST_FREE + cap, lambda m: fits(self._peak_bytes(m), free, keep))
-        return max(0, min(cap, reach - FIRST_FREE))
+        """How many pages this stage's sequences may hold at once, were it alone on its device."""
+        return kv_budget([self.kv_report()], limit)
 
     def _peak_bytes(self, n_blocks: int) -> int:
         """Bytes growing the pools to n_blocks needs at its peak. Only pools smaller than n_blocks grow (after an
