@@ -216,9 +216,18 @@ class Deployment:
             _get([a.unload_adapter.remote(slot) for a in self.actors], t, "unload after a failed load")
             raise
         _get(self.actors[0].name_adapter.remote(name, slot), t, "name adapter")
+        self._rebudget(t)                # the first load made LoRA pools: the KV budget shrinks by what they took
         self._adapters[name] = slot
         self._adapter_paths[name] = (slot, str(path))
         return slot
+
+    def _rebudget(self, t: float) -> None:
+        """Measure every stage's KV memory again and give the intake the new budget (admissions already made keep
+        their pages; new ones wait until the budget has room)."""
+        from .model.cache import kv_budget
+        reports = _get([a.kv_report.remote() for a in self.actors], t, "KV memory")
+        pages = max(1, kv_budget(reports, self.placement.scheduler.kv_pages))
+        _get(self.actors[0].set_kv_pages.remote(pages), t, "KV budget")
 
     def unload_adapter(self, name: str) -> None:
         from .errors import InputError

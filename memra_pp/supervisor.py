@@ -190,6 +190,8 @@ class Supervisor:
                  f"reload adapter {name!r}")
             if 0 in failed:
                 _get(dep.actors[0].name_adapter.remote(name, slot), t, "name adapter")
+        if dep._adapter_paths:      # reloaded LoRA pools took memory after the wiring measured it
+            dep._rebudget(t)
         _get([a.start.remote() for a in dep.actors], t, "stage start")
 
 

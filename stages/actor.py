@@ -23,6 +23,9 @@ class StageActor:
     def kv_report(self) -> dict:
         return self.runner.kv_report()
 
+    def set_kv_pages(self, pages: int) -> None:
+        return self.runner.set_kv_pages(pages)
+
     def connect(self, downstream, ring, timeout: float, tower=None, tower_ctx=None, kv=None) -> None:
         if tower is not None:   # the intake asks the tower actor for rows; the runner never sees Ray
             from ..rayutil import get

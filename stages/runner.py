@@ -59,6 +59,7 @@ class StageRunner(RecoveryMixin):
         self.inbox_writer = None        # tower: the intakes' slots it writes rows into
         self.rx_hashes = None           # battery: sha256 of each received activation while recording
         self.stall_s = 0.0              # fault injection: the next microbatch's compute sleeps this long
+        self.kv_rebudgets = 0           # intake: KV budgets given after wiring (adapter loads)
         self.lora = None                # this stage's LoraPool, made at the first adapter load
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}
@@ -112,6 +113,11 @@ class StageRunner(RecoveryMixin):
         """This stage's KV memory facts, measured once every stage is loaded (Deployment._wire's kv_budget)."""
         self.here()
         return self.cache.kv_report()
+
+    def set_kv_pages(self, pages: int) -> None:
+        """The intake: a new KV budget (memory taken after wiring, e.g. the LoRA pools of the first adapter load)."""
+        self.scheduler.kv_pages = pages
+        self.kv_rebudgets += 1
 
     def connect(self, downstream: dict | None, ring: str | None, timeout: float, tower_ctx=None,
                 kv: tuple[int, int] | None = None) -> None:
@@ -311,7 +317,8 @@ class StageRunner(RecoveryMixin):
         st["kv_pages_free"] = len(self.cache.free_blocks)
         if self.spec.intake:
             sc = self.scheduler
-            st.update(kv_pages=sc.kv_pages, kv_pages_reserved=sc.kv_used, kv_admission_waits=sc.kv_waits)
+            st.update(kv_pages=sc.kv_pages, kv_pages_reserved=sc.kv_used, kv_admission_waits=sc.kv_waits,
+                      kv_rebudgets=self.kv_rebudgets)
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
         st["overlay_publications"] = self.engine.counters.publications
         st["publications_via_slot"] = self.pub_inbox.landed if self.pub_inbox is not None else 0

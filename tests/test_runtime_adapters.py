@@ -1,6 +1,7 @@
 """Adapters through memra_pp.launch: a batch mixing two adapters and none must give each request PEFT's (or the
 base model's) greedy tokens on 1, 2 and 3 CPU stages; every refusal keeps the deployment serving."""
 import asyncio
+import time
 
 import pytest
 
@@ -21,8 +22,12 @@ def test_mixed_adapters_match_peft(ray_cluster, n, tied):
     """Requests naming adapter A, adapter B or none, in flight together, must each match their reference."""
     _, path = tiny_checkpoint("dense", tied)
     with memra_pp.launch(cfg(path, n)) as dep:
+        kv0 = dep.stats()["stages"][0]["kv_pages"]
         dep.load_adapter("a", adapter("dense", tied, "A")[1])
         dep.load_adapter("b", adapter("dense", tied, "B")[1])
+        # the KV budget was measured again after each load (on a CPU stage it is the table: unchanged)
+        st0 = dep.stats()["stages"][0]
+        assert st0["kv_pages"] == kv0 > 0 and st0["kv_rebudgets"] == 2
         c = dep.client()
         which = ["a", "b", None, "b"]
 
@@ -103,3 +108,21 @@ def test_unload_in_use_is_refused(ray_cluster):
         dep.unload_adapter("a")
         with pytest.raises(InputError, match="unknown adapter 'a'"):
             c.generate(list(PROMPTS[0]), max_new_tokens=2, adapter="a")
+
+
+def test_a_recovered_stage_reloads_its_adapter_and_the_kv_budget_is_measured_again(ray_cluster):
+    """A killed stage is replaced with its adapters reloaded: requests naming the adapter must match PEFT after the
+    recovery, and the intake must have been given a KV budget measured after the reload (the LoRA pools take
+    memory the wiring did not see)."""
+    import ray
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(cfg(path, 2)) as dep:
+        dep.load_adapter("a", adapter("dense", False, "A")[1])
+        assert dep.stats()["stages"][0]["kv_rebudgets"] == 1
+        ray.kill(dep.actors[1])
+        time.sleep(1.0)
+        dep.wait_ready(90)
+        r = dep.client().generate(list(PROMPTS[0]), max_new_tokens=NEW, adapter="a", logprobs=True, timeout=60)
+        ref = peft_reference("dense", False, "A", PROMPTS[0])
+        assert r.token_ids == ref[0] and max(abs(x - y) for x, y in zip(r.logprobs, ref[1])) < 5e-4
+        assert dep.stats()["stages"][0]["kv_rebudgets"] == 2
