@@ -16,13 +16,17 @@ keeps visible in that order to the other process; on other architectures the mai
 """
 from __future__ import annotations
 
+import collections
 import os
 import platform
 import re
 import secrets
+import time
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
+
+from memra_pp.stages.header import decode_header, encode_header
 
 ENTRIES = 8
 ENTRY_BYTES = 4096
@@ -110,3 +114,86 @@ class Mailbox:
         except BufferError:   # a view escaped: the mapping goes with the last reference
             pass
         self._buf = None
+
+
+class HeaderReader:
+    """The receiving end of a boundary's headers: the mailbox (polled up to spin_s) and the socket channel, in
+    order, each header once. Counts the headers taken from the mailbox in `mailboxed`."""
+
+    def __init__(self, ch, mbox: Mailbox | None, spin_s: float, label: str):
+        self.ch, self.mbox, self.spin_s, self.label = ch, mbox, spin_s, label
+        self.q = 0                                       # number of the next header
+        self.early: collections.deque = collections.deque()   # headers read off the socket ahead of the mailbox
+        self.mailboxed = 0
+
+    def next(self, timeout: float | None) -> dict:
+        """The next header: from the mailbox if it shows up while we poll, else from the socket, where every
+        header also travels (copies of those taken from the mailbox are skipped)."""
+        mb = self.mbox
+        if mb is not None and not self.early:
+            self._skip_copies()      # here, not after a take: the header's latency does not pay for it
+        if self.early:
+            return self.early.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout    # the poll counts against it
+        if mb is not None:
+            end = time.perf_counter() + (self.spin_s if timeout is None else min(self.spin_s, timeout))
+            while True:
+                got = mb.get(self.q)
+                if got is None:
+                    if time.perf_counter() >= end:
+                        break
+                    os.sched_yield()     # releases the GIL: the stage's other threads run meanwhile
+                    if self.ch._closed:
+                        from memra_pp.stages.channel import ChannelClosed
+                        raise ChannelClosed(f"{self.label}: recv on a closed channel")
+                    continue
+                if got is FALLBACK:
+                    break
+                self.q += 1
+                self.mailboxed += 1
+                header = decode_header(got)
+                header.pop("_q", None)
+                return header
+        while True:
+            h = self.ch.recv(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            if self._fresh(h):
+                return h
+
+    def _fresh(self, h: dict) -> bool:
+        """A socket frame: False if it is the copy of a header already taken from the mailbox."""
+        q = h.pop("_q", None)
+        if q is None:
+            return True
+        if q < self.q:
+            return False
+        self.q = q + 1
+        return True
+
+    def _skip_copies(self) -> None:
+        """Read off the socket what is there now without waiting: copies of mailbox headers are dropped (they
+        would fill the socket), a later header is kept for the next one."""
+        while True:
+            h = self.ch.poll()
+            if h is None:
+                return
+            if self._fresh(h):
+                self.early.append(h)
+                return
+
+
+class HeaderWriter:
+    """The sending end: each header numbered into the receiver's mailbox, then over the socket (or the socket
+    alone when the receiver has no mailbox). Counts the headers written into the mailbox in `mailboxed`."""
+
+    def __init__(self, ch, mbox: Mailbox | None):
+        self.ch, self.mbox, self.q, self.mailboxed = ch, mbox, 0, 0
+
+    def send(self, header: dict) -> None:
+        if self.mbox is None:
+            self.ch.send(header)
+            return
+        payload = encode_header(dict(header, _q=self.q))
+        self.mbox.put(self.q, payload)
+        self.q += 1
+        self.mailboxed += 1
+        self.ch.send_payload(payload)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import threading
 import time
 
@@ -23,8 +22,7 @@ import torch
 
 from memra_pp.errors import InputError, ProtocolError
 from memra_pp.stages import mailbox
-from memra_pp.stages.channel import ChannelClosed, ChannelListener, connect
-from memra_pp.stages.header import decode_header, encode_header
+from memra_pp.stages.channel import ChannelListener, connect
 
 DTYPES = {n: getattr(torch, n) for n in ("float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8")}
 RESERVED_KEYS = ("slot", "dtype", "shape", "t_ns", "_q")
@@ -36,7 +34,6 @@ class _HandoffStats:
 
     def __init__(self, ring: int):
         self.handoffs = self.headers = self.bytes = 0
-        self.mailbox = 0                 # headers taken from the mailbox (receiver) / written into it (sender)
         self.wait_s = 0.0
         self.lat_ns: collections.deque[int] = collections.deque(maxlen=ring)
 
@@ -44,7 +41,6 @@ class _HandoffStats:
         s = sorted(self.lat_ns)
         pct = (lambda q: s[max(0, math.ceil(q * len(s)) - 1)] / 1e3) if s else (lambda q: None)  # nearest rank
         return {"handoffs": self.handoffs, "headers": self.headers, "bytes": self.bytes, "wait_s": self.wait_s,
-                "mailbox_headers": self.mailbox,
                 "handoff_p50_us": pct(0.50), "handoff_p99_us": pct(0.99), "samples": len(s)}
 
 
@@ -81,7 +77,8 @@ class _Link:
     """What both ends of a boundary share: handoff counters, and closing as a context manager."""
 
     def stats(self) -> dict:
-        return self._stats.as_dict()
+        h = getattr(self, "_headers", None)     # headers taken from (receiver) / written into (sender) the mailbox
+        return {**self._stats.as_dict(), "mailbox_headers": 0 if h is None else h.mailboxed}
 
     def __enter__(self):
         return self
@@ -115,8 +112,7 @@ class SlotReceiverBase(_Link):
             if self._mbox is not None:
                 self._mbox.close()
             raise
-        self._q = 0                                  # number of the next header
-        self._early: collections.deque = collections.deque()   # headers read off the socket ahead of the mailbox
+        self._headers: mailbox.HeaderReader | None = None      # made by accept, over the channel
         self._ch = None
         self._held: dict[int, int] = {}  # slot -> mb: handed to the caller, not yet freed
         self._lock = threading.Lock()  # recv and free may run on different threads
@@ -137,13 +133,14 @@ class SlotReceiverBase(_Link):
             raise ProtocolError(f"boundary {self.name}: the connecting sender sent {hello['kind']!r} for endpoint "
                                 f"{hello.get('endpoint')}, this receiver is {self.endpoint()}")
         self._ch = ch
+        self._headers = mailbox.HeaderReader(ch, self._mbox, self.spin_s, f"boundary {self.name}")
         self._listener.close()  # one sender per boundary: free the socket path now
 
     def recv(self, timeout: float | None = None) -> tuple[dict, torch.Tensor | None]:
         """Next (header, hidden_TD view). The view aliases the slot: valid until `free(header['slot'])`."""
         assert self._ch is not None, "accept() before recv()"
         t_wait = time.perf_counter_ns()
-        header = self._next_header(timeout)
+        header = self._headers.next(timeout)
         t0 = time.perf_counter_ns()
         self._stats.wait_s += (t0 - t_wait) / 1e9
         if header["kind"] in (_HELLO, _CREDIT):
@@ -168,60 +165,6 @@ class SlotReceiverBase(_Link):
         start = max(t_sent, t_wait) if isinstance(t_sent, int) else t0
         st.lat_ns.append(time.perf_counter_ns() - start)
         return header, view_TD
-
-    def _next_header(self, timeout: float | None) -> dict:
-        """The next header in order: from the mailbox if it shows up while we poll (up to spin_s), else from the
-        socket, where every header also travels (copies of those taken from the mailbox are skipped)."""
-        mb = self._mbox
-        if mb is not None and not self._early:
-            self._skip_copies()      # here, not after a take: the header's latency does not pay for it
-        if self._early:
-            return self._early.popleft()
-        deadline = None if timeout is None else time.monotonic() + timeout    # the spin counts against it
-        if mb is not None:
-            q = self._q
-            end = time.perf_counter() + (self.spin_s if timeout is None else min(self.spin_s, timeout))
-            while True:
-                got = mb.get(q)
-                if got is None:
-                    if time.perf_counter() >= end:
-                        break
-                    os.sched_yield()     # releases the GIL: the stage's other threads run meanwhile
-                    if self._ch._closed:
-                        raise ChannelClosed(f"boundary {self.name}: recv on a closed channel")
-                    continue
-                if got is mailbox.FALLBACK:
-                    break
-                self._q = q + 1
-                self._stats.mailbox += 1
-                header = decode_header(got)
-                header.pop("_q", None)
-                return header
-        while True:
-            h = self._ch.recv(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-            if self._fresh(h):
-                return h
-
-    def _fresh(self, h: dict) -> bool:
-        """A socket frame: False if it is the copy of a header already taken from the mailbox."""
-        q = h.pop("_q", None)
-        if q is None:
-            return True
-        if q < self._q:
-            return False
-        self._q = q + 1
-        return True
-
-    def _skip_copies(self) -> None:
-        """Read off the socket what is there now without waiting: copies of mailbox headers are dropped (they
-        would fill the socket), a later header is kept for the next one."""
-        while True:
-            h = self._ch.poll()
-            if h is None:
-                return
-            if self._fresh(h):
-                self._early.append(h)
-                return
 
     def _check(self, h: dict) -> tuple[int, torch.dtype, list[int]]:
         slot, dname, shape = h.get("slot"), h.get("dtype"), h.get("shape")
@@ -279,8 +222,7 @@ class SlotSenderBase(_Link):
         self.name, self.max_bytes = endpoint["name"], endpoint["max_bytes"]
         self._free = collections.deque(range(endpoint["n_slots"]))
         self._in_flight: set[int] = set()  # written and announced, no credit back yet
-        self._ch = self._mbox = None
-        self._q = 0                          # number of the next header (with a mailbox)
+        self._ch = self._mbox = self._headers = None
         self._stats = _HandoffStats(latency_ring)
         self._attach(self.endpoint)
 
@@ -289,17 +231,7 @@ class SlotSenderBase(_Link):
         self._ch.send({"kind": _HELLO, "mb": -1, "endpoint": self.endpoint})
         if self.endpoint.get("mailbox"):
             self._mbox = mailbox.Mailbox.attach(self.endpoint["mailbox"], f"boundary {self.name}")
-
-    def _announce(self, header: dict) -> None:
-        """One header to the receiver: into its mailbox first (numbered), then over the socket."""
-        if self._mbox is None:
-            self._ch.send(header)
-            return
-        payload = encode_header(dict(header, _q=self._q))
-        self._mbox.put(self._q, payload)
-        self._q += 1
-        self._stats.mailbox += 1
-        self._ch.send_payload(payload)
+        self._headers = mailbox.HeaderWriter(self._ch, self._mbox)
 
     def send(self, header: dict, hidden_TD: torch.Tensor | None = None, timeout: float | None = 60.0) -> int | None:
         """Send a copy of `header` and, if given, hidden_TD through a free slot (the transport owns the copy's
@@ -310,7 +242,7 @@ class SlotSenderBase(_Link):
         if header.get("kind") in (_HELLO, _CREDIT):
             raise InputError(f"boundary {self.name}: header kind {header['kind']!r} is reserved for the transport")
         if hidden_TD is None:  # keys of the upstream boundary's slot would name a slot here that holds nothing
-            self._announce({k: v for k, v in header.items() if k not in RESERVED_KEYS})
+            self._headers.send({k: v for k, v in header.items() if k not in RESERVED_KEYS})
             self._stats.headers += 1
             return None
         nbytes = hidden_TD.numel() * hidden_TD.element_size()
@@ -325,7 +257,7 @@ class SlotSenderBase(_Link):
         t0 = time.perf_counter_ns()   # the handoff proper starts once a slot is ours: waiting is back-pressure
         try:
             self._write(slot, hidden_TD)
-            self._announce(dict(header, slot=slot, dtype=dname, shape=list(hidden_TD.shape), t_ns=t0))
+            self._headers.send(dict(header, slot=slot, dtype=dname, shape=list(hidden_TD.shape), t_ns=t0))
         except BaseException:
             self._free.appendleft(slot)  # never announced: the receiver does not know of it
             raise
