@@ -22,7 +22,8 @@ from ..overlay import EmbedOverlay, must_publish, publish_out, resolve_overlay_p
 from ..scheduler import Request, Scheduler
 from ..model.sampling import SamplingParams
 from .events import Mailboxes
-from .loops import IntakeLoop, StageLoop
+from .intake_loop import IntakeLoop
+from .loops import StageLoop
 from .recovery import RecoveryMixin, rss_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

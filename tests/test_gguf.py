@@ -260,3 +260,33 @@ def test_a_metadata_string_that_is_not_utf8_is_a_config_error(tmp_path):
     f.write_bytes(bytes(b))
     with pytest.raises(ConfigError, match="GGUF metadata key 'general.architecture' does not decode"):
         GGUFSource(f)
+
+
+@pytest.mark.parametrize("key,item_bytes", [("tokenizer.ggml.token_type", 4), ("tokenizer.ggml.tokens", 8)])
+def test_a_corrupt_array_count_is_refused_before_the_reader_runs_out_of_memory(tmp_path, key, item_bytes):
+    """Found by tests/test_fuzz.py (the suite was killed for memory): one byte of an array's count mutated made
+    gguf's reader build views past the end of the file until the process held 24 GB. The metadata is bounds-checked
+    first: a ConfigError naming the key, in milliseconds."""
+    import gguf
+    from test_fuzz import FIX
+    src = f"{FIX}/dense_text-q8_0.gguf"
+    field = gguf.GGUFReader(src).fields[key]
+    count_at = field.offset + 8 + len(key.encode()) + 4 + 4          # key length, key, value type, item type
+    b = bytearray(Path(src).read_bytes())
+    assert int.from_bytes(b[count_at:count_at + 8], "little") == len(field.data)
+    b[count_at + 3] = 27                                              # the count grows by 27 * 2**24
+    f = tmp_path / "m.gguf"
+    f.write_bytes(bytes(b))
+    with pytest.raises(ConfigError, match=rf"'{key}': an array of \d+ items where \d+ bytes remain"):
+        GGUFSource(f)
+
+
+def test_truncated_and_foreign_files_are_refused_by_the_metadata_check(tmp_path):
+    from test_fuzz import FIX
+    b = Path(f"{FIX}/dense_text-q8_0.gguf").read_bytes()
+    for data, needle in ((b[:10], "shorter than the header"), (b"GGML" + b[4:], "magic b'GGML'"),
+                         (b[:4] + (1).to_bytes(4, "little") + b[8:], "version 1"), (b[:4000], "remain")):
+        f = tmp_path / "m.gguf"
+        f.write_bytes(data)
+        with pytest.raises(ConfigError, match=needle):
+            GGUFSource(f)

@@ -124,7 +124,7 @@ def test_a_failed_continuation_comes_after_the_tokens_of_the_step_before_it():
     succeeded) must still reach the client first, then the error; never the other way round (which dropped them)."""
     from memra_pp.model.sampling import SamplingParams
     from memra_pp.scheduler import Request, Scheduler
-    from memra_pp.stages.loops import IntakeLoop
+    from memra_pp.stages.intake_loop import IntakeLoop
     events, calls = [], []
 
     class Model:
@@ -166,7 +166,7 @@ def test_a_finished_sequence_gives_its_pages_back_on_every_stage():
     from memra_pp.model.weights import SafetensorsSource
     from memra_pp.scheduler import Request, Scheduler
     from memra_pp.stages.header import decode_header, encode_header
-    from memra_pp.stages.loops import IntakeLoop
+    from memra_pp.stages.intake_loop import IntakeLoop
     _, path = tiny_checkpoint("dense", False)
     src = SafetensorsSource(path)
     models = [StageModel(src.config, a, b, intake=i == 0, primary=i == 1).load(src)

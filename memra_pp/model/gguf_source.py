@@ -73,7 +73,9 @@ class GGUFSource:
         import gguf
         self.path = Path(path).expanduser()
         self._gguf = gguf
+        from .gguf_check import check_gguf_metadata
         try:
+            check_gguf_metadata(self.path)      # before the reader: a corrupt count must not exhaust memory there
             self._reader = gguf.GGUFReader(str(self.path))
         except FileNotFoundError:
             raise ConfigError(f"{self.path}: GGUF file does not exist") from None
