@@ -102,13 +102,12 @@ class Deployment:
     def _wire(plan: Plan, actors, infos, t: float, kv_limit: int | None = None) -> None:
         """Connect every boundary and the ring (one fan-out); infos are the stages' setup / relink answers. First the
         KV budget the intake admits against, from every stage's memory now that all are loaded (kv_budget)."""
-        from .model.cache import kv_budget
         n = len(actors)
         ti = plan.tower_index
         tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
-        reports = _get([a.kv_report.remote() for a in actors], t, "KV memory")
-        pages = kv_budget(reports, kv_limit)
+        pages, reports = _measure_kv(actors, t, kv_limit)
         if pages < 1:
+            from .model.cache import kv_budget
             raise ConfigError(f"the KV cache has no room for one page of {reports[0]['kv_block']} positions on some "
                               f"device beside the weights and linear states (pages per stage were it alone: "
                               f"{[kv_budget([r]) for r in reports]}): lower scheduler.max_batch or split the model "
@@ -224,10 +223,8 @@ class Deployment:
     def _rebudget(self, t: float) -> None:
         """Measure every stage's KV memory again and give the intake the new budget (admissions already made keep
         their pages; new ones wait until the budget has room)."""
-        from .model.cache import kv_budget
-        reports = _get([a.kv_report.remote() for a in self.actors], t, "KV memory")
-        pages = max(1, kv_budget(reports, self.placement.scheduler.kv_pages))
-        _get(self.actors[0].set_kv_pages.remote(pages), t, "KV budget")
+        pages, _ = _measure_kv(self.actors, t, self.placement.scheduler.kv_pages)
+        _get(self.actors[0].set_kv_pages.remote(max(1, pages)), t, "KV budget")
 
     def unload_adapter(self, name: str) -> None:
         from .errors import InputError
@@ -286,6 +283,13 @@ class Deployment:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _measure_kv(actors, t: float, limit: int | None) -> tuple[int, list[dict]]:
+    """(the KV pages every stage can hold now, the stages' reports): one fan-out of kv_report, then kv_budget."""
+    from .model.cache import kv_budget
+    reports = _get([a.kv_report.remote() for a in actors], t, "KV memory")
+    return kv_budget(reports, limit), reports
 
 
 def shm_names(info: dict | None) -> list[str]:

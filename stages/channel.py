@@ -109,29 +109,33 @@ class Channel:
         """Next frame as a dict. TimeoutError after `timeout` s (None waits); ChannelClosed on EOF or reset."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            frame = self._take_frame()
-            if frame is not None:
-                try:
-                    return decode_header(frame)
-                finally:
-                    frame.release()
+            h = self._next_buffered()
+            if h is not None:
+                return h
             self._fill(deadline)
 
     def poll(self) -> dict | None:
         """The next frame if it is here now (buffered, or readable without waiting), else None. Bytes of a frame
         that has only partly arrived stay buffered for the next call."""
         while True:
-            frame = self._take_frame()
-            if frame is not None:
-                try:
-                    return decode_header(frame)
-                finally:
-                    frame.release()
+            h = self._next_buffered()
+            if h is not None:
+                return h
             if self._closed:
                 raise ChannelClosed(f"{self.label}: recv on a closed channel")
             if not self._poller.poll(0):
                 return None
             self._fill(None)
+
+    def _next_buffered(self) -> dict | None:
+        """The next whole frame already in the buffer, decoded, else None."""
+        frame = self._take_frame()
+        if frame is None:
+            return None
+        try:
+            return decode_header(frame)
+        finally:
+            frame.release()
 
     def _take_frame(self) -> memoryview | None:
         pending = self._end - self._start

@@ -102,8 +102,6 @@ class _Loop:
 
     def _span(self, start, end) -> None:
         """A microbatch's device work lies between these two events; sum what has completed."""
-        if start is None:
-            return
         with self._ev_lock:
             self._ev.append((start, end))
             self._sum_events()

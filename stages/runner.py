@@ -314,13 +314,13 @@ class StageRunner(RecoveryMixin):
             st["device_allocated_bytes"] = torch.cuda.memory_allocated(self.engine.device.index)
         st["handoffs"] = ls.get("handoffs", 0)
         st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
+        st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
         st["mailbox_headers"] = ls.get("mailbox_headers", 0)
         st["kv_pages_free"] = len(self.cache.free_blocks)
         if self.spec.intake:
             sc = self.scheduler
             st.update(kv_pages=sc.kv_pages, kv_pages_reserved=sc.kv_used, kv_admission_waits=sc.kv_waits,
                       kv_rebudgets=self.kv_rebudgets)
-        st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
         st["overlay_publications"] = self.engine.counters.publications
         st["publications_via_slot"] = self.pub_inbox.landed if self.pub_inbox is not None else 0
         st["splices"] = self.engine.counters.splices

@@ -14,3 +14,23 @@ def ray_cluster():
              log_to_driver=True)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def oom_on_new_zeros(monkeypatch):
+    """arm() makes torch.Tensor.new_zeros (how the KV pools grow) raise OutOfMemoryError on its state["fail"]-th
+    call from then on, counted in state["n"] (set both to re-arm); returns that state."""
+    import torch
+    real = torch.Tensor.new_zeros
+
+    def arm(fail: int = 2) -> dict:
+        state = {"n": 0, "fail": fail}
+
+        def flaky(t, *a, **k):
+            state["n"] += 1
+            if state["n"] == state["fail"]:
+                raise torch.OutOfMemoryError("injected")
+            return real(t, *a, **k)
+        monkeypatch.setattr(torch.Tensor, "new_zeros", flaky)
+        return state
+    return arm

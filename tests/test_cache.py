@@ -85,19 +85,11 @@ def test_growth_sizing():
     assert fits(GiB, 4 * GiB, keep=2 * GiB) and not fits(GiB, 3 * GiB, keep=2 * GiB)
 
 
-def test_an_interrupted_growth_leaves_every_pool_usable(monkeypatch):
+def test_an_interrupted_growth_leaves_every_pool_usable(oom_on_new_zeros):
     """Pools are replaced one by one: if the device runs out midway, the pools that grew keep their pages, the
     cache counts only the pages every pool has, and the next growth completes the others (never re-copies)."""
     c = cache()
-    calls = {"n": 0}
-    real = torch.Tensor.new_zeros
-
-    def flaky(t, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise torch.OutOfMemoryError("injected")
-        return real(t, *a, **k)
-    monkeypatch.setattr(torch.Tensor, "new_zeros", flaky)
+    oom_on_new_zeros()
     with pytest.raises(InputError, match=r"could not grow to 20 blocks of 64 positions on cpu \(out of memory\)"):
         c.reserve([0], [64 * 10])
     sizes = sorted(t.shape[0] for d in (c.k, c.v) for t in d.values())
@@ -108,19 +100,11 @@ def test_an_interrupted_growth_leaves_every_pool_usable(monkeypatch):
 
 
 
-def test_growth_counts_only_the_pools_that_grow(monkeypatch):
+def test_growth_counts_only_the_pools_that_grow(oom_on_new_zeros):
     """After an interrupted growth the pools differ in size: the next growth's peak must count each pool smaller than
     the target (its growth) plus the largest old one held while it is copied, not the first pool's size for all."""
     c = cache()
-    real = torch.Tensor.new_zeros
-    calls = {"n": 0}
-
-    def flaky(t, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise torch.OutOfMemoryError("injected")
-        return real(t, *a, **k)
-    monkeypatch.setattr(torch.Tensor, "new_zeros", flaky)
+    oom_on_new_zeros()
     with pytest.raises(InputError):
         c.reserve([0], [64 * 10])
     big = c.n_blocks * 2

@@ -119,7 +119,7 @@ def test_fused_projections_are_views_of_one_matrix():
     assert sum(t.numel() * t.element_size() for t in st.tensors()) == held
 
 
-def test_graphs_see_every_pool_replacement(monkeypatch):
+def test_graphs_see_every_pool_replacement(oom_on_new_zeros):
     """Two interrupted growths in a row: the second replaces other pools but not the first one, so neither the block
     count nor the first pool's address changes. The graphs' key must still change (it is the cache's generation,
     bumped whenever any pool tensor is replaced): graphs over the freed pools must never replay."""
@@ -129,15 +129,7 @@ def test_graphs_see_every_pool_replacement(monkeypatch):
     c = static.caches[0]
     g = DecodeGraphs(types.SimpleNamespace(mc=static.stages[0].mc, dtype=torch.float32, device=torch.device("cpu")),
                      c, 2, capture=False)
-    real = torch.Tensor.new_zeros
-    calls = {"n": 0, "fail": 2}
-
-    def flaky(t, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == calls["fail"]:
-            raise torch.OutOfMemoryError("injected")
-        return real(t, *a, **k)
-    monkeypatch.setattr(torch.Tensor, "new_zeros", flaky)
+    calls = oom_on_new_zeros()
     need = 64 * (len(c.free_blocks) + 1)             # one page more than is free: the pools must grow
     with pytest.raises(InputError):                  # the first pool grows, the second fails
         c.reserve([0], [need])

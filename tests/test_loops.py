@@ -36,20 +36,25 @@ class Sampler:
         return self.pends[-1]
 
 
+class QueueRecv:
+    """A boundary receiver over a queue of (header, tensor) pairs (no slots: free has nothing to give back)."""
+    _ch = None
+
+    def __init__(self, msgs: queue.Queue):
+        self.msgs = msgs
+
+    def recv(self, timeout):
+        try:
+            return self.msgs.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError from None
+
+    def free(self, slot):
+        pass
+
+
 def make_loop():
     msgs, sent = queue.Queue(), []
-
-    class Recv:
-        _ch = None
-
-        def recv(self, timeout):
-            try:
-                return msgs.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError from None
-
-        def free(self, slot):
-            pass
 
     def model(b, h, c, lora=None, token_overlay=None):
         if r.hang is not None:
@@ -58,8 +63,8 @@ def make_loop():
 
     r = types.SimpleNamespace(
         spec=types.SimpleNamespace(primary=True), index=1, engine=types.SimpleNamespace(make_current=lambda: None),
-        receiver=Recv(), placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)), rx_hashes=None,
-        stall_s=0.0, model=model, cache=None, lora=None, token_overlay=None, hang=None,
+        receiver=QueueRecv(msgs), placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)),
+        rx_hashes=None, stall_s=0.0, model=model, cache=None, lora=None, token_overlay=None, hang=None,
         ring=types.SimpleNamespace(send=sent.append), sender=None)
     loop = StageLoop(r)
     loop.sampler = Sampler()
@@ -180,21 +185,12 @@ def test_a_finished_sequence_gives_its_pages_back_on_every_stage():
         def send(self, hdr, out, timeout):
             msgs.put((decode_header(encode_header(hdr)), out.clone()))
 
-    class Recv:
-        _ch = None
-
-        def recv(self, timeout):
-            try:
-                return msgs.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError from None
-
     r0 = types.SimpleNamespace(
         spec=types.SimpleNamespace(primary=False), index=0, inbox=queue.Queue(), ring=None, sender=Send(),
         scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=512),
         mail=types.SimpleNamespace(post=events.extend), model=models[0], cache=caches[0], **common)
     r1 = types.SimpleNamespace(
-        spec=types.SimpleNamespace(primary=True), index=1, receiver=Recv(), rx_hashes=None, sender=None,
+        spec=types.SimpleNamespace(primary=True), index=1, receiver=QueueRecv(msgs), rx_hashes=None, sender=None,
         ring=types.SimpleNamespace(send=lambda m: r0.inbox.put(("ring", m))), model=models[1], cache=caches[1],
         **common)
     r0.inbox.put(("req", Request("long", "c", [5, 6, 7], 12, SamplingParams())))    # slot 0
