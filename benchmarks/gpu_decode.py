@@ -37,17 +37,26 @@ def copy_bandwidth(gb: float = 4.0) -> float:
     return 2 * n * 2 / dt
 
 
-def weight_bytes_per_token(mc) -> float:
-    """Every weight a decode step reads (all layers + lm_head; the embedding reads one row)."""
+def weight_bytes_per_token(mc, c: int = 1) -> float:
+    """Every weight a decode step of c sequences reads (all layers + lm_head; the embedding reads one row per
+    sequence, left out). MoE: the non-expert weights once, and per layer the experts the step routes to: with k of E
+    experts per token routed uniformly, E * (1 - (1 - k/E)^c) distinct experts (all k at c = 1)."""
     from memra_pp.model.weights import expected_shape
     t = mc.text
-    total = 0
+    total = 0.0
     for i in range(t.num_hidden_layers):
         for name in _layer_names(t, i):
             shp = expected_shape(name, t)
             if shp is not None:
-                total += 2 * torch.Size(shp).numel()
+                n = 2 * torch.Size(shp).numel()
+                total += n * expert_fraction(t, c) if ".experts." in name else n
     return total + 2 * t.vocab_size * t.hidden_size
+
+
+def expert_fraction(t, c: int) -> float:
+    """The share of a layer's experts a step of c sequences reads (uniform routing, k of E per token)."""
+    E, k = t.num_experts, t.num_experts_per_tok
+    return 1 - (1 - k / E) ** c
 
 
 def _layer_names(t, i):
@@ -55,7 +64,10 @@ def _layer_names(t, i):
     mix = ["self_attn." + n for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")] \
         if t.is_full(i) else ["linear_attn." + n for n in ("in_proj_qkv.weight", "in_proj_z.weight",
                                                              "in_proj_b.weight", "in_proj_a.weight", "out_proj.weight")]
-    return [p + m for m in mix] + [p + "mlp." + n for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")]
+    mlp = ["gate.weight", "shared_expert_gate.weight", "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+           "shared_expert.down_proj.weight", "experts.gate_up_proj", "experts.down_proj"] if t.moe else \
+        ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    return [p + m for m in mix] + [p + "mlp." + n for n in mlp]
 
 
 def step_bytes(mc, c: int, ctx: int) -> dict:
@@ -66,7 +78,7 @@ def step_bytes(mc, c: int, ctx: int) -> dict:
     n_full = t.num_hidden_layers - n_lin
     state = n_lin * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * 4 * 2
     kv = n_full * 2 * t.num_key_value_heads * t.head_dim * 2 * ctx
-    w = weight_bytes_per_token(mc)
+    w = weight_bytes_per_token(mc, c)
     return {"weights": w, "state_rw": c * state, "kv_read": c * kv, "total": w + c * (state + kv)}
 
 
@@ -143,6 +155,7 @@ def main() -> int:
     conc = [int(x) for x in a.concurrency.split(",")]
     from memra_pp.model.config import parse_config
     from memra_pp.model import presets
+    text_config = presets.get(a.model.removeprefix("preset:"))["text_config"]
     mc = parse_config(presets.get(a.model.removeprefix("preset:")))
     bw = copy_bandwidth()
     wb = weight_bytes_per_token(mc)
@@ -164,7 +177,8 @@ def main() -> int:
             + ([(hf_map, f"transformers, device_map over {len(hf_map)} GPUs")] if hf_map else [])
         for devices, system in runs:
             try:
-                run_hf(conc, a.prompt_len, a.new, devices, system=system, out=rep["runs"], save=save)
+                run_hf(conc, a.prompt_len, a.new, devices, text_config=text_config, system=system, out=rep["runs"],
+                       save=save)
             except Exception as e:  # noqa: BLE001 - record it and go on: the rows measured so far are kept
                 print(f"  {system} failed: {type(e).__name__}: {e}", flush=True)
                 rep.setdefault("failed", []).append({"system": system, "error": f"{type(e).__name__}: {e}"})

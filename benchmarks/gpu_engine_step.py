@@ -2,7 +2,7 @@
 memory floor, eager against CUDA graphs, side by side in one run (and a profile of one step).
 
     python -u benchmarks/gpu_engine_step.py --out DIR [--model preset:qwen3.5-27b] [--batches 1,64]
-        [--modes eager,graph] [--ctx 192] [--profile]
+        [--modes eager,graph,graph-torchmoe] [--ctx 192] [--profile]
 
 The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
 work of a step). The floor of a step: every weight once + each sequence's fp32 recurrent state read and written +
@@ -89,10 +89,12 @@ def main() -> int:
     cache = model.new_cache(max(batches), a.ctx + 64)
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
+    from memra_pp.kernels import fused_moe
     for mode in a.modes.split(","):
-        model.set_decode_graphs(mode == "graph", cache) if hasattr(model, "set_decode_graphs") else None
-        if mode == "graph" and not hasattr(model, "set_decode_graphs"):
-            continue
+        fused_moe.ENABLED = not mode.endswith("-torchmoe")   # MoE: layers.MoE's torch paths instead of the kernels
+        graph = mode.startswith("graph")
+        model.set_decode_graphs(False, cache)      # drop graphs captured under the previous mode
+        model.set_decode_graphs(graph, cache)
         for B in batches:
             b = StepBatch(list(range(B)), [a.ctx] * B, [1] * B, StepBatch.text_positions([a.ctx] * B, [1] * B),
                           [True] * B)

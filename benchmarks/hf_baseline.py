@@ -25,13 +25,15 @@ def hf_device_map(model, devices: list, max_memory: dict | None = None) -> dict:
 
 
 def hf_on_meta(text_config: dict):
-    """transformers' Qwen3_5ForCausalLM for a text_config dict (a preset's), bf16, on the meta device: no storage."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    cfg = Qwen3_5TextConfig(**{k: v for k, v in text_config.items() if k != "model_type"})
+    """transformers' Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM for a MoE text_config) for a text_config dict (a
+    preset's), bf16, on the meta device: no storage."""
+    import transformers
+    kind = "Qwen3_5Moe" if "moe" in text_config.get("model_type", "") else "Qwen3_5"
+    cfg = getattr(transformers, kind + "TextConfig")(**{k: v for k, v in text_config.items() if k != "model_type"})
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            return Qwen3_5ForCausalLM(cfg).eval()
+            return getattr(transformers, kind + "ForCausalLM")(cfg).eval()
     finally:
         torch.set_default_dtype(torch.float32)
 

@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill" (one run call is 10 minutes: split them over calls).
+# publish prefill moestep moekern moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -31,6 +31,10 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     ttft2) phase gpu-ttft-2 300 python3 -u benchmarks/gpu_decode.py --out "$OUT/ttft" --layouts "0;0,1" --concurrency 1 --new 64 --ttft 8192 --prefill-chunk ${TTFT_CHUNK:-1024} ;;
     bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1;0,1,2,3" --concurrency 64,256 ;;
     engine) phase gpu-engine-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64,256 --modes graph --profile ;;
+    # issue 7 on the 35B-A3B MoE dimensions: the engine step (profiled) and the deployment against transformers
+    moestep) phase gpu-moe-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --batches ${MOE_B:-1,64,256} --modes ${MOE_MODES:-graph,graph-torchmoe} --profile ;;
+    moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
+    moe) phase gpu-moe-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --layouts "${MOE_LAYOUTS:-0}" --concurrency ${MOE_C:-1,64,256} --new 64 ${MOE_HF:-} ;;
     kernels) phase gpu-kernels 120 python3 -u benchmarks/gpu_kernels.py --out "$OUT" ;;
     publish) phase overlay-publish 200 python3 -u benchmarks/overlay_publish.py --tower cuda:0 --intake cuda:${PUB_INTAKE:-1} --json "$OUT/overlay_publish.json" ;;
     prefill) phase prefill-pipeline 300 python3 -u benchmarks/prefill_pipeline.py --device cuda --model preset:qwen3.5-27b --prompt 8192 --chunk 1024 --json "$OUT/prefill_pipeline.json" ;;

@@ -101,6 +101,19 @@ def test_fused_decode_kernels_in_the_interpreter(dtype):
     assert r.returncode == 0 and "fused ok" in r.stdout, r.stderr[-3000:]
 
 
+def test_fused_moe_kernels_in_the_interpreter():
+    """The fused MoE routing and experts (kernels/fused_moe.py: the per-pair kernels, with and without the shared
+    expert riding in them, and the grouped GEMM over pairs sorted by expert, with its alignment) against their torch references, by Triton's CPU interpreter, in
+    float32 (the interpreter's bfloat16 tl.dot is wrong); tests/test_gpu_decode_graphs.py runs it compiled in both
+    dtypes and inside a CUDA graph."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    check = os.path.join(os.path.dirname(__file__), "fused_moe_check.py")
+    r = subprocess.run([sys.executable, check, "float32", "cpu"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "moe ok ['grouped16x64', 'grouped64x64', 'route', 'shared', 'small']" in r.stdout, \
+        r.stdout + r.stderr[-3000:]
+
+
 def test_fused_projections_are_views_of_one_matrix():
     """The decode graphs run one GEMV per merged projection; the named weights are views into it (held once)."""
     eager, _ = pipelines("dense", [(0, 8)])

@@ -77,23 +77,35 @@ class MoE(Param):
                           "experts.gate_up_proj", "experts.down_proj"])
         self.top_k = top_k
 
+    def load(self, prefix: str, src, dtype, device):
+        super().load(prefix, src, dtype, device)
+        self.shared_gate_up = self.fuse(["shared_expert.gate_proj", "shared_expert.up_proj"])
+
     def decode_fused(self, x_BH):
         return self(x_BH, None, True)
 
     def forward(self, x_TH, lora=None, static: bool = False):
-        """`static`: no host sync and no data-dependent shape (a CUDA graph captures it): few routed pairs copy
-        their experts out (_gathered); otherwise every expert runs on every row in two batched matmuls and the
-        routing weights (zero where unrouted) mix them, since most experts are routed to at such batch sizes."""
+        """On CUDA the fused routing and experts (kernels/fused_moe.py), eager and captured alike. Otherwise
+        `static` (no host sync, no data-dependent shape: a CUDA graph captures it): few routed pairs copy their
+        experts out (_gathered), more run every expert on every row in two batched matmuls mixed by the routing
+        weights (zero where unrouted); not static: each routed expert on its rows (_routed)."""
+        from memra_pp.kernels import fused_moe
         logits = F.linear(x_TH, self.gate_weight)
-        p = logits.float().softmax(-1)
-        w, idx = p.topk(self.top_k, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).to(x_TH.dtype)
-        if static and 3 * idx.numel() <= self.experts_gate_up_proj.shape[0]:
-            out = self._gathered(x_TH, w, idx)
-        elif static:
-            out = self._all_experts(x_TH, w, idx)
+        if fused_moe.enabled(x_TH, self.top_k):
+            w, idx = fused_moe.route(logits, self.top_k, x_TH.dtype)
+            if lora is None:     # the shared expert rides in the experts' kernels (few rows) or is added there
+                shared = (self.shared_gate_up, self.shared_expert_down_proj_weight, self.shared_expert_gate_weight)
+                return fused_moe.moe_experts(x_TH, self.experts_gate_up_proj, self.experts_down_proj, w, idx,
+                                             shared)
+            out = fused_moe.moe_experts(x_TH, self.experts_gate_up_proj, self.experts_down_proj, w, idx)
         else:
-            out = self._routed(x_TH, w, idx)
+            w, idx = fused_moe.route_ref(logits, self.top_k, x_TH.dtype)
+            if static and 3 * idx.numel() <= self.experts_gate_up_proj.shape[0]:
+                out = self._gathered(x_TH, w, idx)
+            elif static:
+                out = self._all_experts(x_TH, w, idx)
+            else:
+                out = self._routed(x_TH, w, idx)
         shared = self.lin(F.silu(self.lin(x_TH, "shared_expert.gate_proj", lora)) *
                           self.lin(x_TH, "shared_expert.up_proj", lora), "shared_expert.down_proj", lora)
         return out + torch.sigmoid(F.linear(x_TH, self.shared_expert_gate_weight)) * shared
@@ -101,13 +113,8 @@ class MoE(Param):
     def _gathered(self, x_TH, w, idx):
         """Few routed (row, expert) pairs (small decode batches): copy just their experts' weights out and run
         them as batched matrix-vector products; the bytes moved stay a small multiple of the routed experts'."""
-        T, k = idx.shape
-        gate_up, down = self.experts_gate_up_proj[idx.reshape(-1)], self.experts_down_proj[idx.reshape(-1)]
-        inter = down.shape[-1]
-        gu = torch.bmm(gate_up, x_TH.repeat_interleave(k, 0)[:, :, None])[..., 0]          # [T*k, 2I]
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = torch.bmm(down, h[:, :, None])[..., 0] * w.reshape(-1, 1)                      # [T*k, H]
-        return y.view(T, k, -1).sum(1)
+        from memra_pp.kernels.fused_moe import moe_experts_ref
+        return moe_experts_ref(x_TH, self.experts_gate_up_proj, self.experts_down_proj, w, idx)
 
     def _all_experts(self, x_TH, w, idx):
         gate_up, down = self.experts_gate_up_proj, self.experts_down_proj

@@ -1,0 +1,346 @@
+"""Fused MoE kernels: the routed experts of a MoE layer without copying any expert's weights and without running
+an expert on a row not routed to it.
+
+- route: softmax over the router logits, top-k, weights renormalised; one program per row.
+- moe_experts: sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = idx[t, j], as two kernels:
+  - few (row, expert) pairs (decode batches): one program per pair and output tile, a matrix-vector product that
+    reads each routed expert's weights once where they lie (the gathered path copied them out first: 3x the bytes);
+    the down kernel sums a row's k pairs in registers, so nothing else runs after it;
+  - many pairs (large decode batches, prefill): pairs sorted by expert into blocks of BM rows (every block one
+    expert, padded), a grouped GEMM per block (tl.dot), silu-mul fused into the gate|up GEMM's epilogue and the
+    routing weight into the down GEMM's. Static shapes throughout: a CUDA graph captures it (no host sync).
+
+Rounding follows the torch reference (moe_experts_ref, what layers.MoE runs on CPU): gate|up and down outputs
+rounded to the activation dtype, silu and the product rounded as torch's two ops round, the weighted pair outputs
+rounded before the sum over k, which accumulates in float32. Runs in stage processes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memra_pp.kernels.fused_decode import _triton, triton
+
+if triton is not None:
+    import triton.language as tl
+
+SMALL_PAIRS = 64       # at most this many (row, expert) pairs: the per-pair kernels, else the grouped GEMM
+ENABLED = True         # False: layers.MoE's torch paths on CUDA too (benchmarks compare the two in one run)
+CALLS = {"route": 0, "small": 0, "grouped": 0}     # host-side launches by path (a captured graph counts once)
+
+
+def enabled(x: torch.Tensor, k: int) -> bool:
+    """The fused path serves x (CUDA, or CPU under Triton's interpreter) with k experts per row (a power of 2)."""
+    return ENABLED and _triton(x) and k & (k - 1) == 0
+
+
+# -- routing --------------------------------------------------------------------------------------------------------
+def route_ref(logits_TE: torch.Tensor, k: int, dtype: torch.dtype):
+    """(weights [T, k] in dtype, expert ids [T, k] int64): softmax in float32, top-k, renormalised (layers.MoE)."""
+    p = logits_TE.float().softmax(-1)
+    w, idx = p.topk(k, dim=-1)
+    return (w / w.sum(-1, keepdim=True)).to(dtype), idx
+
+
+def route(logits_TE: torch.Tensor, k: int, dtype: torch.dtype):
+    if not _triton(logits_TE) or logits_TE.shape[1] > 1024 or k & (k - 1):
+        return route_ref(logits_TE, k, dtype)
+    T, E = logits_TE.shape
+    assert logits_TE.stride(1) == 1
+    CALLS["route"] += 1
+    w = torch.empty(T, k, dtype=dtype, device=logits_TE.device)
+    idx = torch.empty(T, k, dtype=torch.int64, device=logits_TE.device)
+    _route_kernel[(T,)](logits_TE, w, idx, logits_TE.stride(0), E, K=k, BE=triton.next_power_of_2(E),
+                        num_warps=2)
+    return w, idx
+
+
+if triton is not None:
+    @triton.jit
+    def _route_kernel(l_ptr, w_ptr, i_ptr, stride_l, E, K: tl.constexpr, BE: tl.constexpr):
+        t = tl.program_id(0)
+        offs = tl.arange(0, BE)
+        x = tl.load(l_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, 0))
+        p = p / tl.sum(p, 0)
+        p = tl.where(offs < E, p, -1.0)
+        ks = tl.arange(0, K)
+        vals = tl.zeros([K], dtype=tl.float32)
+        ids = tl.zeros([K], dtype=tl.int32)
+        for j in tl.static_range(K):           # k rounds of argmax; ties go to the lowest index
+            m = tl.max(p, 0)
+            e = tl.min(tl.where(p == m, offs, BE), 0)
+            vals = tl.where(ks == j, m, vals)
+            ids = tl.where(ks == j, e, ids)
+            p = tl.where(offs == e, -1.0, p)
+        tl.store(w_ptr + t * K + ks, (vals / tl.sum(vals, 0)).to(w_ptr.dtype.element_ty))
+        tl.store(i_ptr + t * K + ks, ids.to(tl.int64))
+
+
+# -- the routed experts ---------------------------------------------------------------------------------------------
+def moe_experts_ref(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK):
+    """The torch reference: each pair's expert on its row (the rounding of layers.MoE._gathered)."""
+    T, k = topi_TK.shape
+    gate_up, down = w_gu_EIH[topi_TK.reshape(-1)], w_d_EHI[topi_TK.reshape(-1)]
+    inter = down.shape[-1]
+    gu = torch.bmm(gate_up, x_TH.repeat_interleave(k, 0)[:, :, None])[..., 0]
+    h = F.silu(gu[:, :inter]) * gu[:, inter:]
+    y = torch.bmm(down, h[:, :, None])[..., 0] * topw_TK.reshape(-1, 1)
+    return y.view(T, k, -1).sum(1)
+
+
+def shared_ref(x_TH, shared):
+    """The sigmoid-gated shared expert: sigmoid(x . w_gate) * down(silu(gate(x)) * up(x)); shared = (gate|up
+    [2Is, H], down [H, Is], gate [1, H])."""
+    w_sgu, w_sd, w_sg = shared
+    Is = w_sd.shape[1]
+    gu = F.linear(x_TH, w_sgu)
+    return torch.sigmoid(F.linear(x_TH, w_sg)) * F.linear(F.silu(gu[:, :Is]) * gu[:, Is:], w_sd)
+
+
+def moe_ref(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared=None):
+    out = moe_experts_ref(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK)
+    return out if shared is None else out + shared_ref(x_TH, shared)
+
+
+def moe_experts(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared=None):
+    """x [T, H]; gate|up weights [E, 2I, H], down [E, H, I]; routing weights [T, k] (x's dtype), ids [T, k].
+    With `shared` (shared_ref's tuple) the shared expert's term is added: in the per-pair kernels as one more pair
+    per row (its gate computed in the down kernel), else by torch ops."""
+    if not _triton(x_TH):
+        return moe_ref(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared)
+    assert x_TH.stride(1) == 1 and w_gu_EIH.is_contiguous() and w_d_EHI.is_contiguous()
+    topw_TK, topi_TK = topw_TK.contiguous(), topi_TK.contiguous()
+    path = "small" if topi_TK.numel() <= SMALL_PAIRS else "grouped"
+    CALLS[path] += 1
+    if path == "small":
+        return _moe_small(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared)
+    out = _moe_grouped(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK)
+    return out if shared is None else out + shared_ref(x_TH, shared)
+
+
+def _fp32_dot(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32
+
+
+# per-pair kernels: gate|up (BN, BK, warps), down (BN, BK, warps); picked by benchmarks/moe_kernels.py
+# (H200, 35B-A3B, 2026-12-01: 20 us for one row's 8 experts, 58 us for 4 rows, 101 us for 8; 55, 70, 110 before)
+SMALL_TILES = (16, 512, 4, 4, 512, 4)
+
+
+def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None):
+    T, H = x.shape
+    k = topi.shape[1]
+    E, I2, _ = w_gu.shape
+    I = I2 // 2
+    BN, BK, warps, BN2, BK2, warps2 = tiles or SMALL_TILES
+    S = shared is not None
+    w_sgu, w_sd, w_sg = shared if S else (w_gu, w_d, x)         # placeholders when there is no shared expert
+    Is = w_sd.shape[1] if S else I
+    assert not S or (w_sgu.is_contiguous() and w_sd.is_contiguous() and w_sg.is_contiguous())
+    IH = max(I, Is)
+    h = torch.empty(T * (k + S), IH, dtype=x.dtype, device=x.device)
+    _small_gate_up_kernel[(T * (k + S), triton.cdiv(IH, BN))](
+        x, w_gu, w_sgu, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN, BK=BK, num_warps=warps)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    _small_down_kernel[(T, triton.cdiv(H, BN2))](
+        h, w_d, w_sd, x, w_sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN2, BK=BK2,
+        BH=triton.next_power_of_2(H), num_warps=warps2)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _small_gate_up_kernel(x_ptr, w_ptr, ws_ptr, i_ptr, h_ptr, stride_x, H, I, Is, IH, K: tl.constexpr,
+                              S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """Program (row t, pair j, tile of the width): h[t*(K+S) + j, n] = silu(x_t . W[n]) * (x_t . W[I + n]),
+        W the j-th routed expert's gate|up, or for j = K (S: a shared expert) the shared expert's."""
+        r = tl.program_id(0)
+        t = r // (K + S)
+        j = r % (K + S)
+        if j < K:
+            e = tl.load(i_ptr + t * K + j)
+            w_e = w_ptr + e * (2 * I * H)
+            width = I
+        else:
+            w_e = ws_ptr
+            width = Is
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < width
+        acc_g = tl.zeros([BN], dtype=tl.float32)
+        acc_u = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            xk = tl.load(x_ptr + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
+            m2 = nm[:, None] & km[None, :]
+            wg = tl.load(w_e + n[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            wu = tl.load(w_e + (width + n)[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            acc_g += tl.sum(wg * xk[None, :], 1)
+            acc_u += tl.sum(wu * xk[None, :], 1)
+        dt = h_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(h_ptr + r * IH + n, (s * u).to(dt), mask=nm)
+
+    @triton.jit
+    def _small_down_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is, IH,
+                           K: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           BH: tl.constexpr):
+        """Program (row, tile of H): out[t, n] = sum_j w[t, j] * (h[t, j] . Wd[e_j, n]), each pair's product
+        rounded to the dtype before the float32 sum (as moe_experts_ref rounds); S: plus
+        sigmoid(x_t . w_gate) * (h[t, K] . Wd_shared[n]), rounded as shared_ref's torch ops round."""
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < H
+        dt = o_ptr.dtype.element_ty
+        total = tl.zeros([BN], dtype=tl.float32)
+        for j in tl.static_range(K):
+            e = tl.load(i_ptr + t * K + j)
+            w_e = w_ptr + e * (H * I)
+            hrow = h_ptr + (t * (K + S) + j) * IH
+            acc = tl.zeros([BN], dtype=tl.float32)
+            for k0 in range(0, I, BK):
+                kk = k0 + tl.arange(0, BK)
+                km = kk < I
+                hk = tl.load(hrow + kk, mask=km, other=0.0).to(tl.float32)
+                wd = tl.load(w_e + n[:, None] * I + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                acc += tl.sum(wd.to(tl.float32) * hk[None, :], 1)
+            tw = tl.load(tw_ptr + t * K + j).to(tl.float32)
+            total += (acc.to(dt).to(tl.float32) * tw).to(dt).to(tl.float32)
+        if S:
+            hrow = h_ptr + (t * (K + S) + K) * IH
+            acc = tl.zeros([BN], dtype=tl.float32)
+            for k0 in range(0, Is, BK):
+                kk = k0 + tl.arange(0, BK)
+                km = kk < Is
+                hk = tl.load(hrow + kk, mask=km, other=0.0).to(tl.float32)
+                wd = tl.load(ws_ptr + n[:, None] * Is + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                acc += tl.sum(wd.to(tl.float32) * hk[None, :], 1)
+            hh = tl.arange(0, BH)
+            xr = tl.load(x_ptr + t * stride_x + hh, mask=hh < H, other=0.0).to(tl.float32)
+            gw = tl.load(wsg_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
+            gate = tl.sum(xr * gw, 0).to(dt).to(tl.float32)
+            sig = (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+            term = (sig * acc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            total = total.to(dt).to(tl.float32) + term
+        tl.store(o_ptr + t * H + n, total.to(dt), mask=nm)
+
+
+# -- grouped GEMM over pairs sorted by expert -----------------------------------------------------------------------
+def align(topi_TK: torch.Tensor, E: int, BM: int):
+    """Pairs (t*k + j) sorted by expert into blocks of BM rows, each expert's run padded to a whole block.
+    Returns (sorted_pairs [P] int32, N where a row is padding; block_expert [P // BM] int32, E past the last
+    block). P is the worst case for this many pairs, so every shape is static (CUDA graphs)."""
+    N = topi_TK.numel()
+    flat = topi_TK.reshape(-1)
+    dev = flat.device
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + BM - 1) // BM * BM
+    pend = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    se = flat[order]
+    rank = torch.arange(N, device=dev) - (counts.cumsum(0) - counts)[se]
+    P = (N + min(N, E) * (BM - 1) + BM - 1) // BM * BM
+    sorted_pairs = torch.full((P,), N, dtype=torch.int32, device=dev)
+    sorted_pairs[(pend - padded)[se] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, P, BM, device=dev)
+    block_expert = torch.searchsorted(pend, starts, right=True).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+def _grouped_config(n_pairs: int) -> tuple[int, int, int]:
+    """(BM, BN, BK): small blocks where experts see few rows each, larger where they see many (the best of
+    benchmarks/moe_kernels.py's sweep on an H200 at 35B-A3B: 64 and 256 rows, 1024, 4096)."""
+    if n_pairs <= 2048:
+        return 16, 64, 128
+    if n_pairs <= 16384:
+        return 64, 64, 64
+    return 64, 128, 64
+
+
+def _moe_grouped(x, w_gu, w_d, topw, topi, config=None):
+    T, H = x.shape
+    k = topi.shape[1]
+    E, I2, _ = w_gu.shape
+    I = I2 // 2
+    N = T * k
+    BM, BN, BK = config or _grouped_config(N)
+    sorted_pairs, block_expert = align(topi, E, BM)
+    P = sorted_pairs.numel()
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    ieee = _fp32_dot(x)
+    _grouped_gate_up_kernel[(P // BM, triton.cdiv(I, BN))](
+        x, w_gu, sorted_pairs, block_expert, h, x.stride(0), N, H, I, E, K=k, BM=BM, BN=BN, BK=BK, IEEE=ieee,
+        num_warps=4)
+    y = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    _grouped_down_kernel[(P // BM, triton.cdiv(H, BN))](
+        h, w_d, sorted_pairs, block_expert, topw, y, N, H, I, E, BM=BM, BN=BN, BK=BK, IEEE=ieee, num_warps=4)
+    return y.view(T, k, H).sum(1)
+
+
+if triton is not None:
+    @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _grouped_gate_up_kernel(x_ptr, w_ptr, sp_ptr, be_ptr, h_ptr, stride_x, N, H, I, E, K: tl.constexpr,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+        """Program (block, tile of I): h[rows, n] = silu(x[rows] W_e[n]^T) * (x[rows] W_e[I + n]^T)."""
+        b = tl.program_id(0)
+        e = tl.load(be_ptr + b)
+        if e >= E:
+            return
+        rows = b * BM + tl.arange(0, BM)
+        pair = tl.load(sp_ptr + rows)
+        valid = pair < N
+        t = pair // K
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < I
+        w_e = w_ptr + e.to(tl.int64) * (2 * I * H)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            xk = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            m2 = km[:, None] & nm[None, :]
+            wg = tl.load(w_e + n[None, :] * H + kk[:, None], mask=m2, other=0.0)       # [BK, BN]
+            wu = tl.load(w_e + (I + n)[None, :] * H + kk[:, None], mask=m2, other=0.0)
+            acc_g = _dot(xk, wg, acc_g, IEEE)
+            acc_u = _dot(xk, wu, acc_u, IEEE)
+        dt = h_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(h_ptr + rows[:, None] * I + n[None, :], (s * u).to(dt), mask=valid[:, None] & nm[None, :])
+
+    @triton.jit
+    def _grouped_down_kernel(h_ptr, w_ptr, sp_ptr, be_ptr, tw_ptr, y_ptr, N, H, I, E, BM: tl.constexpr,
+                             BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+        """Program (block, tile of H): y[pair, n] = w[pair] * (h[rows] Wd_e[n]^T), rounded as the reference."""
+        b = tl.program_id(0)
+        e = tl.load(be_ptr + b)
+        if e >= E:
+            return
+        rows = b * BM + tl.arange(0, BM)
+        pair = tl.load(sp_ptr + rows)
+        valid = pair < N
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < H
+        w_e = w_ptr + e.to(tl.int64) * (H * I)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < I
+            hk = tl.load(h_ptr + rows[:, None] * I + kk[None, :], mask=valid[:, None] & km[None, :], other=0.0)
+            wd = tl.load(w_e + n[None, :] * I + kk[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+            acc = _dot(hk, wd, acc, IEEE)
+        dt = y_ptr.dtype.element_ty
+        tw = tl.load(tw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        y = (acc.to(dt).to(tl.float32) * tw[:, None]).to(dt)
+        tl.store(y_ptr + pair.to(tl.int64)[:, None] * H + n[None, :], y, mask=valid[:, None] & nm[None, :])
