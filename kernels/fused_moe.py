@@ -5,9 +5,10 @@ an expert on a row not routed to it.
 - moe_experts: sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = idx[t, j], as two kernels:
   - few (row, expert) pairs (decode batches): one program per pair and output tile, a matrix-vector product that
     reads each routed expert's weights once where they lie (the gathered path copied them out first: 3x the bytes);
-    the down kernel sums a row's k pairs in registers, so nothing else runs after it;
+    the down kernel sums a row's k pairs in registers, so nothing else runs after it; the shared expert rides
+    along as one more pair per row, its sigmoid gate computed in the down kernel;
   - many pairs (large decode batches, prefill): pairs sorted by expert into blocks of BM rows (every block one
-    expert, padded), a grouped GEMM per block (tl.dot), silu-mul fused into the gate|up GEMM's epilogue and the
+    expert, padded; kernels/moe_align.py), a grouped GEMM per block (tl.dot), silu-mul fused into the gate|up GEMM's epilogue and the
     routing weight into the down GEMM's. Static shapes throughout: a CUDA graph captures it (no host sync).
 
 Rounding follows the torch reference (moe_experts_ref, what layers.MoE runs on CPU): gate|up and down outputs
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from memra_pp.kernels.fused_decode import _triton, triton
+from memra_pp.kernels.moe_align import align, align_ref  # noqa: F401 - align_ref: the reference the tests compare
 
 if triton is not None:
     import triton.language as tl
@@ -229,27 +231,6 @@ if triton is not None:
 
 
 # -- grouped GEMM over pairs sorted by expert -----------------------------------------------------------------------
-def align(topi_TK: torch.Tensor, E: int, BM: int):
-    """Pairs (t*k + j) sorted by expert into blocks of BM rows, each expert's run padded to a whole block.
-    Returns (sorted_pairs [P] int32, N where a row is padding; block_expert [P // BM] int32, E past the last
-    block). P is the worst case for this many pairs, so every shape is static (CUDA graphs)."""
-    N = topi_TK.numel()
-    flat = topi_TK.reshape(-1)
-    dev = flat.device
-    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + BM - 1) // BM * BM
-    pend = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    se = flat[order]
-    rank = torch.arange(N, device=dev) - (counts.cumsum(0) - counts)[se]
-    P = (N + min(N, E) * (BM - 1) + BM - 1) // BM * BM
-    sorted_pairs = torch.full((P,), N, dtype=torch.int32, device=dev)
-    sorted_pairs[(pend - padded)[se] + rank] = order.to(torch.int32)
-    starts = torch.arange(0, P, BM, device=dev)
-    block_expert = torch.searchsorted(pend, starts, right=True).to(torch.int32)
-    return sorted_pairs, block_expert
-
-
 def _grouped_config(n_pairs: int) -> tuple[int, int, int]:
     """(BM, BN, BK): small blocks where experts see few rows each, larger where they see many (the best of
     benchmarks/moe_kernels.py's sweep on an H200 at 35B-A3B: 64 and 256 rows, 1024, 4096)."""

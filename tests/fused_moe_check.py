@@ -36,7 +36,13 @@ def routing(T, E, k):
 for T, E, k in [(1, 16, 4), (5, 16, 4), (70, 16, 2), (3, 256, 8)]:
     routing(T, E, k)
 
-# align: each pair exactly once, each block one expert, padding only at a run's end
+# align: the kernel equals the torch ops (few pairs; many go to the torch ops), at every block size
+for T, k, E_, BM in [(1, 8, 256, 16), (37, 4, 16, 16), (64, 8, 256, 16), (300, 4, 16, 64), (200, 8, 40, 64)]:
+    idx = torch.stack([torch.randperm(E_)[:k] for _ in range(T)])
+    a, b = fm.align(idx, E_, BM), fm.align_ref(idx, E_, BM)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (T, k, E_, BM)
+    ran.add("align")
+# each pair exactly once, each block one expert, padding only at a run's end
 idx = torch.randint(0, 16, (37, 4))
 sp, be = fm.align(idx, 16, 16)
 N = idx.numel()

@@ -3,6 +3,7 @@ split, the meta-built model and the rows run_hf records (the GPU numbers come fr
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -97,3 +98,50 @@ def test_plot_draws_each_system(tmp_path, monkeypatch):
     gpu_decode.plot(rep, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").exists()
     assert labels.count("transformers, device_map over 2 GPUs") == 2 and labels.count("transformers") == 2
+
+
+def test_moe_baseline_builds_the_moe_class_and_generates():
+    """A MoE text_config must build transformers' MoE class (not the dense one with a dense MLP) and run_hf must
+    generate on it, as gpu_decode.py --model preset:qwen3.5-35b-a3b --hf does."""
+    moe_text = tiny_config(num_layers=4, moe=True)["text_config"]
+    model = hf_baseline.hf_on_meta(moe_text)
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    assert any("experts" in n for n, _ in model.named_parameters())
+    rows = hf_baseline.run_hf([2], prompt_len=8, new=3, devices=["cpu"], text_config=moe_text, system="hf moe")
+    assert [r["concurrency"] for r in rows] == [2] and rows[0]["tokens_per_s"] > 0
+
+
+def test_moe_floor_reads_the_routed_experts():
+    """The floor of a MoE step reads the non-expert weights once and, per layer, the experts the step routes to:
+    k of E at one sequence, E (1 - (1 - k/E)^c) at c; a dense model reads every weight at any concurrency."""
+    from memra_pp.model import presets
+    from memra_pp.model.config import parse_config
+    mc = parse_config(presets.get("qwen3.5-35b-a3b"))
+    t = mc.text
+    E, k, H, I, L = t.num_experts, t.num_experts_per_tok, t.hidden_size, t.moe_intermediate_size, \
+        t.num_hidden_layers
+    expert = 2 * 3 * H * I                          # gate, up, down of one expert, bf16
+    w1, w64 = gpu_decode.weight_bytes_per_token(mc, 1), gpu_decode.weight_bytes_per_token(mc, 64)
+    non_expert = w1 - L * k * expert
+    assert 4e9 < w1 < 7e9 and 0 < non_expert < w1                    # ~3B active parameters
+    assert w64 == pytest.approx(non_expert + L * E * expert * (1 - (1 - k / E) ** 64))
+    total = sum(2 * torch.Size(s).numel() for s in _all_shapes(mc))
+    assert gpu_decode.weight_bytes_per_token(mc, 10 ** 6) == pytest.approx(total, rel=1e-6)
+    dense = parse_config(presets.get("qwen3.5-27b"))
+    assert gpu_decode.weight_bytes_per_token(dense, 1) == gpu_decode.weight_bytes_per_token(dense, 256)
+    assert gpu_decode.step_bytes(mc, 64, 100)["weights"] == w64
+
+
+def _all_shapes(mc):
+    """Every weight a decode step can read (no embedding: one row), from the weights table."""
+    from memra_pp.model.weights import expected_shape
+    t = mc.text
+    names = [f"layers.{i}.{n}" for i in range(t.num_hidden_layers) for n in (
+        ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight"]
+        if t.is_full(i) else ["linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight",
+                              "linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight",
+                              "linear_attn.out_proj.weight"])
+        + ["mlp.gate.weight", "mlp.shared_expert_gate.weight", "mlp.shared_expert.gate_proj.weight",
+           "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight", "mlp.experts.gate_up_proj",
+           "mlp.experts.down_proj"]]
+    return [expected_shape(n, t) for n in names] + [(t.vocab_size, t.hidden_size)]
