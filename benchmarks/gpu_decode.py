@@ -116,7 +116,7 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   + ", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us",
                   flush=True)
         if ttft:      # one long prompt alone: time to first token (chunked prefill through every stage)
-            r = run_bench(dep, 1, ttft, 2, seed=1)
+            r = run_bench(dep, 1, ttft, 2, seed=1, timeline=True)   # each stage's chunks against time
             r.update(n_stages=n, devices=devices, model=model, kind="ttft")
             out.append(r)
             print(f"  {n} stage(s), one {ttft}-token prompt: time to first token {r['ttft_p50_s'] * 1e3:.0f} ms",
@@ -206,6 +206,12 @@ def main() -> int:
         hf()
     save()
     plot(rep, os.path.join(a.out, "gpu_decode.png"))
+    ttfts = [r for r in rep["runs"] if r.get("kind") == "ttft" and r.get("timeline")]
+    if ttfts:   # each layout's long prompt: every stage's chunks against time (is the prefill pipelined?)
+        from memra_pp.bench import plot_timelines
+        plot_timelines([(f"{r['n_stages']} stage(s) on cuda {r['devices']}: one {a.ttft}-token prompt in "
+                         f"{a.prefill_chunk}-token chunks", r["timeline"]) for r in ttfts],
+                       os.path.join(a.out, "ttft_timeline.png"), f"{a.model}, {rep['gpu']}")
     return 0
 
 

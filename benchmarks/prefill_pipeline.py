@@ -4,7 +4,7 @@ stages at most 0.6x one, chunked prefill pipelined across stages). Each stage is
 Qwen3.5 written as a config only. Prints the ratio and how many chunks followed their predecessor down the pipeline.
 
     .venv/bin/python benchmarks/prefill_pipeline.py [--prompt 2048] [--chunk 256] [--device cpu] [--json OUT]
-        [--model DIR | preset:NAME]
+        [--model DIR | preset:NAME] [--plot PNG]
 """
 from __future__ import annotations
 
@@ -65,16 +65,20 @@ def parallel_scaling() -> float:
     return 2 * alone / max(both)
 
 
-def ttft(dep, prompt: list[int], n: int) -> list[float]:
+def ttft(dep, prompt: list[int], n: int) -> tuple[list[float], dict]:
+    """n times the time to first token of `prompt`; and the stages' timeline of the last one (bench.timeline_since)."""
+    from memra_pp.bench import timeline_since
     c = dep.client()
     c.generate(prompt[:16], max_new_tokens=2)          # warm
     out = []
     for _ in range(n):
-        t = time.perf_counter()
+        t, tm0 = time.perf_counter(), time.monotonic()
         next(iter(c.stream(prompt, max_new_tokens=1, stop_token_ids=[])))
         out.append(time.perf_counter() - t)
+    wall = time.monotonic() - tm0
+    time.sleep(0.05)            # the primary's last span is summed once its stream is done
     c.close()
-    return out
+    return out, timeline_since(dep.stats(timeline=True)["stages"], tm0, out[-1], wall)
 
 
 def main() -> int:
@@ -85,6 +89,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a model directory or preset:NAME (dummy weights); default MID")
     ap.add_argument("--n", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument("--plot", help="a PNG of both runs' last prompt: each stage's chunks against time")
     a = ap.parse_args()
     import ray
     import memra_pp
@@ -101,11 +106,11 @@ def main() -> int:
                "scheduler": {"max_batch": 2, "max_context": a.prompt + 64, "prefill_chunk": a.chunk}}
         with memra_pp.launch(cfg) as dep:
             prompt = [rng.randrange(4, dep.vocab_size) for _ in range(a.prompt)]
-            ts = ttft(dep, prompt, a.n)
+            ts, tl = ttft(dep, prompt, a.n)
             st = dep.stats()["stages"]
         res["runs"][n] = {"ttft_s": ts, "median_s": statistics.median(ts),
                           "pipelined_chunks": st[0].get("pipelined_chunks"),
-                          "busy": [s["busy"] for s in st]}
+                          "busy": [s["busy"] for s in st], "timeline": tl}
         print(f"{n} stage(s): time to first token of a {a.prompt}-token prompt in {a.chunk}-token chunks: median "
               f"{statistics.median(ts) * 1e3:.0f} ms ({', '.join(f'{t * 1e3:.0f}' for t in ts)}); chunks pipelined "
               f"{st[0].get('pipelined_chunks')}", flush=True)
@@ -121,6 +126,12 @@ def main() -> int:
           f"chunks one at a time: >= 1.0)", flush=True)
     if a.json:
         json.dump(res, open(a.json, "w"), indent=1)
+    if a.plot:
+        from memra_pp.bench import plot_timelines
+        plot_timelines([(f"{n} stage(s), {a.prompt}-token prompt in {a.chunk}-token chunks on {a.device}",
+                         res["runs"][n]["timeline"]) for n in (1, 2)], a.plot,
+                       f"time to first token: two stages / one = {r:.2f} (a perfect pipeline: "
+                       f"{res['ideal_pipelined']:.2f})")
     ray.shutdown()
     return 0
 

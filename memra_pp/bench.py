@@ -43,10 +43,11 @@ def _decode_window(runs: list[tuple[float, list[tuple[float, int]]]]) -> tuple[f
 
 
 def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed: int = 0,
-              warm: bool = True) -> dict:
+              warm: bool = True, timeline: bool = False) -> dict:
     """`concurrency` requests at once, each streamed on its own thread (the public `stream` API), every event's
     arrival time recorded: throughput end to end, time to first token, and the steady-state decode rate. `warm`
-    first runs the same requests for 3 tokens, untimed (lazy decode-graph captures stay out of the figures)."""
+    first runs the same requests for 3 tokens, untimed (lazy decode-graph captures stay out of the figures).
+    `timeline`: also every stage's microbatch spans of the timed run (seconds from its start; plot_timelines)."""
     from concurrent.futures import ThreadPoolExecutor
     c = dep.client()
     rng = random.Random(seed)
@@ -91,7 +92,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         dep.stats(reset=True)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        t0 = time.perf_counter()
+        t0, tm0 = time.perf_counter(), time.monotonic()     # monotonic: the stages' timeline clock
         try:
             out = list(pool.map(one, prompts))
         finally:        # also when a request failed: the watcher must not wait for ever
@@ -99,7 +100,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             first_done.set()
             watcher.join(timeout=30)
         wall = time.perf_counter() - t0
-    st = dep.stats()["stages"]
+    st = dep.stats(timeline=timeline)["stages"]
     toks = sum(k for _, ev in out for _, k in ev)
     lat = [ev[-1][0] - t for t, ev in out if ev]
     ttft = [ev[0][0] - t for t, ev in out if ev]
@@ -116,7 +117,47 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                                               "async_steps", "host_busy")}
                        for s in st],
             "steady_busy": steady.get("busy", []),
-            "steady_window_s": steady.get("window_s", 0.0)}
+            "steady_window_s": steady.get("window_s", 0.0),
+            **({"timeline": timeline_since(st, tm0, _pct(ttft, 0.5), wall)} if timeline else {})}
+
+
+def timeline_since(stages: list[dict], tm0: float, ttft_s: float, wall_s: float) -> dict:
+    """The spans of `dep.stats(timeline=True)["stages"]` that ended after time.monotonic() tm0, in seconds from
+    tm0, with the run's time to first token and wall time (what plot_timelines draws)."""
+    return {"ttft_s": ttft_s, "wall_s": wall_s,
+            "stages": [[[k, n, a - tm0, b - tm0] for k, n, a, b in s["timeline"] if b >= tm0] for s in stages]}
+
+
+def plot_timelines(runs: list[tuple[str, dict]], path: str, title: str = "") -> None:
+    """One panel per run (label, run_bench's "timeline"): a lane per stage, each microbatch a bar from its start
+    to its end (prefill chunks in alternating colours, decode steps grey), the first token a dashed line. Shows
+    whether a long prompt's chunks were pipelined: stage i+1 on chunk k while stage i is on chunk k+1."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.0 + 0.9 * sum(len(t["stages"]) for _, t in runs)),
+                             squeeze=False)
+    for ax, (label, tl) in zip(axes[:, 0], runs):
+        for i, spans in enumerate(tl["stages"]):
+            k = 0
+            for kind, n, a, b in spans:
+                color = ("tab:blue", "tab:orange")[k % 2] if kind == "prefill" else "lightgrey"
+                k += kind == "prefill"
+                ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (i - 0.4, 0.8), facecolors=color, edgecolor="black",
+                               linewidth=0.3)
+        ax.axvline(tl["ttft_s"] * 1e3, ls="--", c="red", lw=1, label=f"first token {tl['ttft_s'] * 1e3:.0f} ms")
+        ax.set_yticks(range(len(tl["stages"])), [f"stage {i}" for i in range(len(tl["stages"]))])
+        ax.invert_yaxis()
+        ax.set_xlim(0, max([tl["ttft_s"]] + [b for sp in tl["stages"] for *_, b in sp[:1] + sp[-1:]]) * 1e3 * 1.03)
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms from the request's submission (prefill chunks alternate colours; grey: decode)")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def format_report(r: dict) -> str:

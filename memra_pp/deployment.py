@@ -244,8 +244,10 @@ class Deployment:
     def stage_actor(self, i: int):
         return self.actors[i]
 
-    def stats(self, reset: bool = False) -> dict:
-        st = _get([a.stats.remote(reset) for a in self.actors], self.placement.timeouts.step_s, "stats")
+    def stats(self, reset: bool = False, timeline: bool = False) -> dict:
+        """Per stage counters; `timeline`: also each stage's most recent microbatch spans, [kind, tokens, start,
+        end] on the node's CLOCK_MONOTONIC (time.monotonic) seconds, device time on a GPU (stages/timeline.py)."""
+        st = _get([a.stats.remote(reset, timeline) for a in self.actors], self.placement.timeouts.step_s, "stats")
         return {"stages": st}
 
     def wait_ready(self, timeout: float = 60.0) -> None:

@@ -72,8 +72,8 @@ class StageActor:
     def describe(self) -> dict:
         return self.runner.describe()
 
-    def stats(self, reset: bool = False) -> dict:
-        return self.runner.stats(reset)
+    def stats(self, reset: bool = False, timeline: bool = False) -> dict:
+        return self.runner.stats(reset, timeline)
 
     def inject_stall(self, seconds: float) -> None:
         return self.runner.inject_stall(seconds)

@@ -27,8 +27,8 @@ class IntakeLoop(_Loop):
         if runner.ring is not None:
             self.ring_thread = threading.Thread(target=self._read_ring, name="memra-ring", daemon=True)
 
-    def stats(self, reset: bool = False) -> dict:
-        out = super().stats(reset)
+    def stats(self, reset: bool = False, timeline: bool = False) -> dict:
+        out = super().stats(reset, timeline)
         out["async_dropped"] = self.sched.dropped
         out["pipelined_chunks"] = self.sched.pipelined
         return out

@@ -19,6 +19,7 @@ from ..model.batch import StepBatch
 from ..model.sampling import PendingTokens, SamplingParams, sample_async
 from ..battery_stage import hash_rx
 from .channel import ChannelClosed
+from .timeline import Timeline, kind_of
 
 
 class Sampler:
@@ -66,7 +67,8 @@ class _Loop:
         # once both have completed (the host's launch-to-done spans say nothing about the device once launches
         # are asynchronous); on a CPU the compute is synchronous and the host spans are the device time
         self._events = getattr(runner.engine, "is_cuda", False)
-        self._ev: collections.deque = collections.deque()    # (start, end) pairs not yet summed
+        self._ev: collections.deque = collections.deque()    # (start, end, span meta) not yet summed
+        self.timeline = Timeline()          # where each microbatch's work lay in time (stats(timeline=True))
         self._ev_lock = threading.Lock()
         self.device_busy_s = 0.0
         self.continued = 0                  # decode steps cut before the previous step's tokens were back
@@ -96,22 +98,25 @@ class _Loop:
         """A timing event recorded on the stage's stream now (None on a CPU stage)."""
         if not self._events:
             return None
+        self.timeline.anchor()
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
 
-    def _span(self, start, end) -> None:
+    def _span(self, start, end, meta: tuple[str, int]) -> None:
         """A microbatch's device work lies between these two events; sum what has completed."""
         with self._ev_lock:
-            self._ev.append((start, end))
+            self._ev.append((start, end, meta))
             self._sum_events()
 
     def _sum_events(self) -> None:
         while self._ev and self._ev[0][1].query():
-            a, b = self._ev.popleft()
-            self.device_busy_s += a.elapsed_time(b) / 1e3
+            a, b, meta = self._ev.popleft()
+            dt = a.elapsed_time(b) / 1e3
+            self.device_busy_s += dt
+            self.timeline.device(*meta, a, dt)
 
-    def stats(self, reset: bool = False) -> dict:
+    def stats(self, reset: bool = False, timeline: bool = False) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
         if self._events:    # stats() arrives on a Ray pool thread: query the events on the stage's own device
             with self._ev_lock, torch.cuda.device(self.r.engine.device):
@@ -128,6 +133,8 @@ class _Loop:
                "loop_error": self.error, "async_steps": self.continued,
                "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
                                            for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys
+        if timeline:
+            out["timeline"] = self.timeline.since()
         if reset:
             self.busy_s, self.t0, self.microbatches, self.continued = 0.0, time.monotonic(), 0, 0
             self.phase_s = {}
@@ -187,14 +194,16 @@ class _Loop:
             if r.stall_s:                              # fault injection (StageRunner.inject_stall)
                 stall, r.stall_s = r.stall_s, 0.0
                 time.sleep(stall)
-            ev = self._mark()
+            ev, t_work, meta = self._mark(), time.monotonic(), (kind_of(b.counts), b.total)
             out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
             t1 = self._phase("model", t)    # on a GPU: launching (a graph replay is one launch)
             if self.sampler is not None:
                 out = self.sampler(out, b)
                 t1 = self._phase("sample", t1)
             if ev is not None:
-                self._span(ev, self._mark())
+                self._span(ev, self._mark(), meta)
+            else:                           # a CPU stage computes synchronously: the host span is the work
+                self.timeline.host(*meta, t_work, t1)
             if self.sampler is not None:
                 if not wait:
                     self.microbatches += 1

@@ -298,10 +298,10 @@ class StageRunner(RecoveryMixin):
         return {"placement": self.placement.to_dict(), "plan": self.plan.to_dict(),
                 "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids)}
 
-    def stats(self, reset: bool = False) -> dict:
+    def stats(self, reset: bool = False, timeline: bool = False) -> dict:
         st = {"index": self.index, "device": self.spec.device, "layers": [self.spec.layer_start,
               self.spec.layer_end], "ctx": str(self.engine.ctx), "load_s": self.load_s}
-        st.update(self.loop.stats(reset) if self.loop else {"busy": 0.0, "microbatches": 0})
+        st.update(self.loop.stats(reset, timeline) if self.loop else {"busy": 0.0, "microbatches": 0})
         link = self.receiver or self.sender
         ls = link.stats() if link is not None else {}
         st["transport"] = getattr(link, "TRANSPORT", None)

@@ -45,3 +45,30 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     ph = r["stages"][0]["phase_us_per_microbatch"]      # the intake loop says where a step's host time goes
     assert {"schedule", "embed", "model", "tokens"} <= set(ph) and all(v >= 0 for v in ph.values())
     assert {"model", "sample"} <= set(r["stages"][1]["phase_us_per_microbatch"])
+
+
+def test_timeline_shows_a_chunked_prefill_moving_down_the_pipeline(ray_cluster, tmp_path):
+    """run_bench(timeline=True) must return each stage's microbatch spans of the timed request on one clock: a
+    100-token prompt in 16-token chunks is 7 prefill spans on each stage carrying all 100 tokens, chunk k reaches
+    stage 1 only after stage 0 finished it, and the one decode step follows on both; plot_timelines draws it."""
+    from memra_pp.bench import plot_timelines
+    _, path = tiny_checkpoint("dense", False)
+    cfg = config(str(path))
+    cfg["scheduler"].update(max_context=128, prefill_chunk=16)
+    with memra_pp.launch(cfg) as dep:
+        r = run_bench(dep, 1, 100, 2, timeline=True)
+        plain = dep.stats()["stages"]
+    assert all("timeline" not in s for s in plain)       # only on request
+    tl = r["timeline"]
+    assert 0 < tl["ttft_s"] <= tl["wall_s"] and len(tl["stages"]) == 2
+    pre = [[s for s in st if s[0] == "prefill"] for st in tl["stages"]]
+    assert [len(p) for p in pre] == [7, 7], tl["stages"]
+    assert [sum(s[1] for s in p) for p in pre] == [100, 100]
+    for a, b in zip(pre[0], pre[1]):              # [kind, tokens, start, end], seconds from the run's start
+        assert a[1] == b[1] and 0 <= a[2] <= a[3] <= b[2] <= b[3], (a, b)
+    dec = [[s for s in st if s[0] == "decode"] for st in tl["stages"]]
+    assert [len(d) for d in dec] == [1, 1] and dec[0][0][2] >= pre[1][-1][3]
+    assert tl["ttft_s"] >= pre[1][-1][3]              # the first token needs the last chunk through stage 1
+    png = tmp_path / "t.png"
+    plot_timelines([("two CPU stages", tl)], str(png), "test")
+    assert png.stat().st_size > 10_000

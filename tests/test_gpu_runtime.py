@@ -22,7 +22,16 @@ def run(path, devices, transport="auto"):
     with memra_pp.launch(cfg) as dep:
         c = dep.client()
         toks = [c.generate(p, max_new_tokens=12, stop_token_ids=[]).token_ids for p in PROMPTS]
-        return toks, dep.stats()["stages"]
+        st = dep.stats(timeline=True)["stages"]
+    # the timeline's device spans (timing events placed on the host clock): both kinds on every stage, each
+    # stage's spans in order and never overlapping (one stream), stage 1's first chunk after stage 0's began
+    for s in st:
+        tl = s["timeline"]
+        assert {k for k, *_ in tl} == {"prefill", "decode"}, tl[:4]
+        assert all(a <= b for _, _, a, b in tl) and all(x[3] <= y[2] + 1e-4 for x, y in zip(tl, tl[1:])), tl[:8]
+    if len(st) > 1:
+        assert st[1]["timeline"][0][2] >= st[0]["timeline"][0][2]
+    return toks, st
 
 
 @pytest.mark.parametrize("transport", ["peer", "host"])
