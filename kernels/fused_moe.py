@@ -32,8 +32,9 @@ CALLS = {"route": 0, "small": 0, "grouped": 0}     # host-side launches by path 
 
 
 def enabled(x: torch.Tensor, k: int) -> bool:
-    """The fused path serves x (CUDA, or CPU under Triton's interpreter) with k experts per row (a power of 2)."""
-    return ENABLED and _triton(x) and k & (k - 1) == 0
+    """The fused path serves x (CUDA, or CPU under Triton's interpreter); route() keeps the torch routing where k
+    is not a power of two."""
+    return ENABLED and _triton(x)
 
 
 # -- routing --------------------------------------------------------------------------------------------------------
@@ -65,16 +66,18 @@ if triton is not None:
         x = tl.load(l_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, 0))
         p = p / tl.sum(p, 0)
-        p = tl.where(offs < E, p, -1.0)
+        # a NaN or inf logit makes the row NaN: its ids must still be k distinct real experts (its output is NaN,
+        # as torch's is; an id past E would read another expert's weights or displace another row's pairs)
+        p = tl.where(offs < E, tl.where(p == p, p, 0.0), -1.0)
         ks = tl.arange(0, K)
         vals = tl.zeros([K], dtype=tl.float32)
         ids = tl.zeros([K], dtype=tl.int32)
         for j in tl.static_range(K):           # k rounds of argmax; ties go to the lowest index
             m = tl.max(p, 0)
-            e = tl.min(tl.where(p == m, offs, BE), 0)
+            e = tl.minimum(tl.min(tl.where(p == m, offs, BE), 0), E - 1)
             vals = tl.where(ks == j, m, vals)
             ids = tl.where(ks == j, e, ids)
-            p = tl.where(offs == e, -1.0, p)
+            p = tl.where(offs == e, -2.0, p)       # taken: below every candidate, masked ones included
         tl.store(w_ptr + t * K + ks, (vals / tl.sum(vals, 0)).to(w_ptr.dtype.element_ty))
         tl.store(i_ptr + t * K + ks, ids.to(tl.int64))
 
@@ -161,7 +164,7 @@ if triton is not None:
         t = r // (K + S)
         j = r % (K + S)
         if j < K:
-            e = tl.load(i_ptr + t * K + j)
+            e = tl.load(i_ptr + t * K + j).to(tl.int64)
             w_e = w_ptr + e * (2 * I * H)
             width = I
         else:
@@ -199,7 +202,7 @@ if triton is not None:
         dt = o_ptr.dtype.element_ty
         total = tl.zeros([BN], dtype=tl.float32)
         for j in tl.static_range(K):
-            e = tl.load(i_ptr + t * K + j)
+            e = tl.load(i_ptr + t * K + j).to(tl.int64)
             w_e = w_ptr + e * (H * I)
             hrow = h_ptr + (t * (K + S) + j) * IH
             acc = tl.zeros([BN], dtype=tl.float32)

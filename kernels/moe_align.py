@@ -63,7 +63,7 @@ if triton is not None:
         for c0 in range(0, N, CH):
             j = c0 + tl.arange(0, CH)
             e = tl.load(i_ptr + j, mask=j < N, other=EB).to(tl.int32)
-            counts += tl.sum((e[:, None] == ex[None, :]).to(tl.int32), 0)
+            counts += tl.sum(((e[:, None] == ex[None, :]) & (ex[None, :] < E)).to(tl.int32), 0)
         padded = (counts + BM - 1) // BM * BM
         pend = tl.cumsum(padded, 0)
         pstart = pend - padded
@@ -75,9 +75,9 @@ if triton is not None:
         for c0 in range(0, N, CH):
             j = c0 + tl.arange(0, CH)
             e = tl.load(i_ptr + j, mask=j < N, other=EB).to(tl.int32)
-            hot = (e[:, None] == ex[None, :]).to(tl.int32)                       # [CH, EB]
+            hot = ((e[:, None] == ex[None, :]) & (ex[None, :] < E)).to(tl.int32)  # [CH, EB]; ids < E only
             before = tl.sum((tl.cumsum(hot, 0) - hot + seen[None, :] + pstart[None, :]) * hot, 1)
-            tl.store(sp_ptr + before, j, mask=j < N)
+            tl.store(sp_ptr + before, j, mask=(j < N) & (e < E))
             seen += tl.sum(hot, 0)
         for b0 in range(0, P // BM, CH):
             b = b0 + tl.arange(0, CH)

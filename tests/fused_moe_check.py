@@ -6,6 +6,7 @@ import sys
 import torch
 
 from memra_pp.kernels import fused_moe as fm
+from memra_pp.kernels.moe_align import ALIGN_KERNEL_PAIRS
 
 torch.manual_seed(0)
 dt = getattr(torch, sys.argv[1])
@@ -37,7 +38,8 @@ for T, E, k in [(1, 16, 4), (5, 16, 4), (70, 16, 2), (3, 256, 8)]:
     routing(T, E, k)
 
 # align: the kernel equals the torch ops (few pairs; many go to the torch ops), at every block size
-for T, k, E_, BM in [(1, 8, 256, 16), (37, 4, 16, 16), (64, 8, 256, 16), (300, 4, 16, 64), (200, 8, 40, 64)]:
+for T, k, E_, BM in [(1, 8, 256, 16), (37, 4, 16, 16), (64, 8, 256, 16), (150, 4, 16, 64), (90, 8, 40, 64)]:
+    assert T * k <= ALIGN_KERNEL_PAIRS        # the kernel, not the torch ops it is compared with
     idx = torch.stack([torch.randperm(E_)[:k] for _ in range(T)])
     a, b = fm.align(idx, E_, BM), fm.align_ref(idx, E_, BM)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (T, k, E_, BM)
@@ -61,9 +63,13 @@ for b in range(be.numel()):
 E, H, I = 16, 80, 48
 w_gu = torch.randn(E, 2 * I, H, dtype=dt) / H ** 0.5
 w_d = torch.randn(E, H, I, dtype=dt) / I ** 0.5
-Is = 40     # the shared expert (another width than the routed ones: the per-pair kernels mask both)
-shared = (torch.randn(2 * Is, H, dtype=dt) / H ** 0.5, torch.randn(H, Is, dtype=dt) / Is ** 0.5,
-          torch.randn(1, H, dtype=dt) / H ** 0.5)
+def shared_expert(Is):
+    return (torch.randn(2 * Is, H, dtype=dt) / H ** 0.5, torch.randn(H, Is, dtype=dt) / Is ** 0.5,
+            torch.randn(1, H, dtype=dt) / H ** 0.5)
+
+
+# the shared expert, narrower and wider than the routed ones (the per-pair kernels mask both; h rows are the wider)
+shared, wide = shared_expert(40), shared_expert(56)
 for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
     if dev == "cpu" and T > 600:
         continue            # the interpreter is slow: the 64-row blocks are checked compiled
@@ -73,8 +79,20 @@ for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
     close(out, fm.moe_experts_ref(x, w_gu, w_d, w, idx))
     ran.add("small" if T * k <= fm.SMALL_PAIRS else "grouped{}x{}".format(*fm._grouped_config(T * k)))
     if T <= 40:
-        close(fm.moe_experts(x, w_gu, w_d, w, idx, shared), fm.moe_ref(x, w_gu, w_d, w, idx, shared))
+        for sh in (shared, wide):
+            close(fm.moe_experts(x, w_gu, w_d, w, idx, sh), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
         ran.add("shared")
+
+# a NaN or inf logit: that row's ids stay k distinct real experts, and every other row's output is unchanged
+for T in (3, 20):           # the per-pair kernels, and the grouped GEMM through the alignment kernel
+    logits = torch.randn(T, E, dtype=dt)
+    logits[0, 3], logits[1, 5] = float("nan"), float("inf")
+    w, idx = fm.route(logits, 4, dt)
+    assert bool(((idx >= 0) & (idx < E)).all()) and all(len(set(r)) == 4 for r in idx.tolist()), idx
+    x = torch.randn(T, H, dtype=dt)
+    out = fm.moe_experts(x, w_gu, w_d, w, idx)
+    close(out[2:], fm.moe_experts_ref(x[2:], w_gu, w_d, w[2:], idx[2:]))
+    ran.add("nan row")
 
 if dev == "cuda":       # captured in a CUDA graph (static shapes, no host sync), replayed on new inputs
     T, k = 64, 4

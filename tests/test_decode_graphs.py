@@ -110,7 +110,7 @@ def test_fused_moe_kernels_in_the_interpreter():
     check = os.path.join(os.path.dirname(__file__), "fused_moe_check.py")
     r = subprocess.run([sys.executable, check, "float32", "cpu"], env=env, capture_output=True, text=True,
                        timeout=300)
-    assert r.returncode == 0 and "moe ok ['align', 'grouped16x64', 'grouped64x64', 'route', 'shared', 'small']" in r.stdout, \
+    assert r.returncode == 0 and "moe ok ['align', 'grouped16x64', 'grouped64x64', 'nan row', 'route', 'shared', 'small']" in r.stdout, \
         r.stdout + r.stderr[-3000:]
 
 
