@@ -79,7 +79,7 @@ def main() -> int:
         if T * k > 16:
             for cfg in [(16, 64, 128), (16, 128, 64), (32, 64, 64), (32, 128, 64), (64, 64, 64), (64, 128, 64),
                         (128, 128, 64)]:
-                cand[f"grouped {cfg}"] = (lambda c: lambda: fm._moe_grouped(x, w_gu, w_d, w, idx, c))(cfg)
+                cand[f"grouped {cfg}"] = (lambda c: lambda: fm.moe_grouped(x, w_gu, w_d, w, idx, c))(cfg)
         ref_shared = fm.moe_ref(x, w_gu, w_d, w, idx, shared) if T * k <= fm.SMALL_PAIRS else None
         for name, fn in cand.items():
             try:

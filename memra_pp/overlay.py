@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 
 from memra_pp.engine import ContextId, Engine, process_counters, residency_of
 from memra_pp.errors import ConfigError, OverlayError, ResidencyError
+from memra_pp.token_overlay import TokenOverlay, TokenOverlaySet  # noqa: F401 - the overlay API, one import
 
 Span = tuple[int, int, int]  # (prompt_pos, row_off, n_rows)
 
@@ -229,103 +229,3 @@ def publish_out(tower: Engine, rows: torch.Tensor, spans, into: torch.Tensor | N
     if host.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
         host = host.clone()                      # CPU rows: a snapshot, never a view the tower may write again
     return PublishedRows(host.reshape(-1).view(torch.uint8).numpy(), dtype, shape, spans, ctx)
-
-
-@dataclass(frozen=True)
-class TokenOverlay:
-    """One adapter slot's trainable-token rows: embedding rows for `embed_ids` and, on untied models, lm_head rows."""
-    vocab_size: int
-    embed_ids: torch.Tensor                   # (K,) int
-    embed_rows: torch.Tensor                  # (K, H)
-    lm_head_ids: torch.Tensor | None = None   # (L,) int, untied models only
-    lm_head_rows: torch.Tensor | None = None  # (L, H)
-
-
-class TokenOverlaySet:
-    """Per-adapter-slot token rows as device tables on one engine. For kind in (embed, lm): `{kind}_map_SV` holds
-    -1 or a row of `{kind}_rows_RH`; `{kind}_counts_S` the rows per slot; `lm_ids_R` / `lm_slot_R` name each lm row.
-    On a tied model the lm tables are the embed tables (the same tensors)."""
-
-    @classmethod
-    def from_slots(cls, engine: Engine, overlays, max_loras: int, tied: bool) -> TokenOverlaySet:
-        items = dict(overlays) if isinstance(overlays, Mapping) else dict(enumerate(overlays))
-        items = {s: o for s, o in items.items() if o is not None}
-        vocab = hidden = dtype = None
-        for s, o in sorted(items.items()):
-            if not 0 <= s < max_loras:
-                raise OverlayError(f"token overlay slot {s} is outside [0, max_loras={max_loras})")
-            if vocab is not None and o.vocab_size != vocab:
-                raise OverlayError(f"token overlay slot {s} has vocab_size {o.vocab_size}, other slots {vocab}")
-            if tied and (o.lm_head_ids is not None or o.lm_head_rows is not None):
-                raise OverlayError(f"token overlay slot {s} carries lm_head rows on a tied model: the lm_head is the "
-                                   f"embedding there, pass embed rows only")
-            vocab = o.vocab_size
-            for ids, rows in ((o.embed_ids, o.embed_rows), (o.lm_head_ids, o.lm_head_rows)):
-                if ids is None and rows is None:
-                    continue
-                hidden = _check_token_rows(s, ids, rows, vocab, hidden)
-                dtype = dtype or rows.dtype
-        self = cls.__new__(cls)
-        self.max_loras, self.tied, self.vocab_size = max_loras, tied, vocab or 0
-        dev = engine.device
-        embed = _tables({s: (o.embed_ids, o.embed_rows) for s, o in items.items()},
-                        max_loras, self.vocab_size, hidden, dtype, dev)
-        lm = embed if tied else _tables({s: (o.lm_head_ids, o.lm_head_rows) for s, o in items.items()
-                                         if o.lm_head_ids is not None}, max_loras, self.vocab_size, hidden, dtype, dev)
-        self.embed_map_SV, self.embed_rows_RH, self.embed_counts_S, _, _ = embed
-        self.lm_map_SV, self.lm_rows_RH, self.lm_counts_S, self.lm_ids_R, self.lm_slot_R = lm
-        self._active = bool(items)
-        return self
-
-    def any_active(self) -> bool:
-        return self._active
-
-    def apply_embedding(self, ids_T, slot_per_token_T, embedded_TD):
-        """Reference: rows of tokens whose slot (>= 0) overrides their id replace `embedded_TD` rows in place."""
-        if not self._active:
-            return embedded_TD
-        sel = (slot_per_token_T >= 0).nonzero().squeeze(1)
-        r = self.embed_map_SV[slot_per_token_T[sel].long(), ids_T[sel].long()].long()
-        hit = r >= 0
-        embedded_TD[sel[hit]] = self.embed_rows_RH[r[hit]].to(embedded_TD.dtype)
-        return embedded_TD
-
-    def apply_lm_head(self, hidden_BD, slot_per_row_B, logits_BV):
-        """Reference: for each row's slot, the overridden ids' logits become hidden . lm_row (f32 accumulate)."""
-        if not self._active or self.lm_rows_RH.shape[0] == 0:
-            return logits_BV
-        dots_BR = hidden_BD.float() @ self.lm_rows_RH.float().T
-        b, r = (slot_per_row_B.long()[:, None] == self.lm_slot_R[None, :]).nonzero(as_tuple=True)
-        logits_BV[b, self.lm_ids_R[r]] = dots_BR[b, r].to(logits_BV.dtype)
-        return logits_BV
-
-
-def _check_token_rows(slot: int, ids, rows, vocab: int, hidden):
-    if ids is None or rows is None or ids.dim() != 1 or rows.dim() != 2 or rows.shape[0] != ids.shape[0]:
-        raise OverlayError(f"token overlay slot {slot}: ids (K,) and rows (K, H) must come together, got "
-                           f"{None if ids is None else tuple(ids.shape)} and {None if rows is None else tuple(rows.shape)}")
-    if hidden is not None and rows.shape[1] != hidden:
-        raise OverlayError(f"token overlay slot {slot} has hidden size {rows.shape[1]}, other slots {hidden}")
-    bad = ids[(ids < 0) | (ids >= vocab)]
-    if bad.numel():
-        raise OverlayError(f"token overlay slot {slot} overrides ids {bad[:5].tolist()} outside [0, vocab={vocab})")
-    if torch.unique(ids).numel() != ids.numel():
-        raise OverlayError(f"token overlay slot {slot} overrides some id more than once")
-    return rows.shape[1]
-
-
-def _tables(per_slot: dict, S: int, V: int, H, dtype, dev):
-    map_SV = torch.full((S, V), -1, dtype=torch.int32)
-    counts_S = torch.zeros(S, dtype=torch.int32)
-    rows, ids, slots, n = [], [], [], 0
-    for s, (i, r) in sorted(per_slot.items()):
-        map_SV[s, i.long()] = torch.arange(n, n + i.numel(), dtype=torch.int32)
-        counts_S[s] = i.numel()
-        rows.append(r.detach().to("cpu", dtype))
-        ids.append(i.long().cpu())
-        slots.append(torch.full((i.numel(),), s, dtype=torch.long))
-        n += i.numel()
-    rows_RH = torch.cat(rows) if rows else torch.zeros(0, H or 0, dtype=dtype or torch.float32)
-    ids_R = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
-    slot_R = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
-    return tuple(t.to(dev) for t in (map_SV, rows_RH, counts_S, ids_R, slot_R))

@@ -3,73 +3,14 @@ chunked prefill), and turns sampled tokens into per-request events. Pure: no thr
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-import time
 from collections import deque
 
-import torch
 
 from .errors import InputError
 from .model.batch import positions_3T
-from .model.sampling import SamplingParams
-
-
-@dataclasses.dataclass
-class Request:
-    rid: str
-    client: str
-    prompt: list[int]
-    max_new_tokens: int
-    params: SamplingParams
-    stop_ids: frozenset[int] = frozenset()
-    positions_3L: torch.Tensor | None = None     # M-RoPE rows for the prompt (None: text positions)
-    rope_delta: int = 0
-    images: object = None                        # overlay payload for the intake (spliced by the runner)
-    adapter: int = -1                            # adapter slot, -1 = base model
-    step0: int = 0                               # sampling steps already drawn (a replay continues at step0)
-    submitted: float = dataclasses.field(default_factory=time.monotonic)
-
-
-@dataclasses.dataclass
-class Seq:
-    req: Request
-    slot: int
-    fed: int = 0                                  # tokens whose cache entries exist on every stage
-    sent: int = 0                                 # tokens dispatched in microbatches (fed + those in flight)
-    out: list[int] = dataclasses.field(default_factory=list)
-    lps: list[float] = dataclasses.field(default_factory=list)
-    in_flight: int = 0                            # microbatches holding it (pipelined chunks, a continuation)
-    admitted: bool = False                        # the primary has its sampling params
-    done: bool = False                            # finished: tokens of a continuation still in flight are dropped
-    last_run: int = 0
-    pages: int = 0                                # KV pages reserved for it at admission (Scheduler.kv_pages)
-
-
-@dataclasses.dataclass
-class Microbatch:
-    mb: int
-    seqs: list[Seq]
-    ids: list[int]
-    starts: list[int]
-    counts: list[int]
-    sample: list[bool]
-    pos_3T: torch.Tensor
-    admit: list[list]                             # [slot, temperature, top_k, top_p, min_p, seed, adapter, step0]
-    release: list[int]
-    feed: list[int] | None = None                 # a continuation: ids are these rows of the previous
-                                                  # microbatch's sampled tokens, still on the device (ids unknown)
-
-
-@dataclasses.dataclass
-class Event:
-    client: str
-    rid: str
-    tokens: list[int]
-    logprobs: list[float]
-    finish: str | None = None                     # "length" | "stop" | "error"
-    error: tuple | None = None                    # (error type name, message[, failed stage index])
+from .sched_types import Event, Microbatch, Request, Seq  # noqa: F401 - Request: the scheduler's API
 
 
 class Scheduler:

@@ -3,28 +3,26 @@ importable and testable without Ray. The Ray actor in actor.py is a thin shell o
 """
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
 
 import torch
 
-from ..errors import InputError, MemraError, StageFailed
+from ..errors import InputError
 from ..model.config import ModelConfig
 from ..model.stage_model import StageModel
 from ..model.weights import open_weights
 from ..placement.planner import Plan
 from ..placement.schema import load_placement
-from ..model.image import DEFAULT_MAX_PATCHES
-from ..multimodal import plan_images
-from ..overlay import EmbedOverlay, must_publish, publish_out, resolve_overlay_publish
+from ..overlay import resolve_overlay_publish
 from ..scheduler import Request, Scheduler
 from ..model.sampling import SamplingParams
 from .events import Mailboxes
 from .intake_loop import IntakeLoop
 from .loops import StageLoop
 from .recovery import RecoveryMixin, rss_bytes
+from .runner_images import ImagesMixin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +42,7 @@ class _LoadProgress:
                   f"[{self.sp.layer_start}, {self.sp.layer_end}) in {now - self.t0:.1f} s", flush=True)
 
 
-class StageRunner(RecoveryMixin):
+class StageRunner(ImagesMixin, RecoveryMixin):
     def __init__(self):
         self.index = -1
         self.loop = None
@@ -175,70 +173,6 @@ class StageRunner(RecoveryMixin):
         if req.get("images"):
             self._attach_images(r, req["images"])
         self.inbox.put(("req", r))
-
-    def _attach_images(self, r: Request, images) -> None:
-        """Rows for the request's images, resident in this (intake) engine: computed here when the tower is this
-        stage, else computed by the tower stage and published by host bounce. NEVER across contexts refuses."""
-        self.here()
-        try:
-            ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES)
-        except (TypeError, ValueError, AttributeError, IndexError) as e:
-            if isinstance(e, MemraError):
-                raise
-            raise InputError(f"malformed images: {type(e).__name__}: {e}") from None
-        self.scheduler.validate(dataclasses.replace(r, prompt=ip.prompt))
-        pixels = [ii.pixel_values for ii in ip.images]
-        grids = [ii.grid_thw for ii in ip.images]
-        if self.tower is not None:
-            try:
-                rows = self._tower_rows(pixels, grids)
-            except MemraError:
-                raise
-            except Exception as e:  # the tower itself broke: this request fails typed, naming the stage
-                raise StageFailed(f"stage {self.index} (vision tower) failed: {type(e).__name__}: {e}",
-                                  stage=self.index) from None
-            ov = EmbedOverlay.new_published(self.engine, self.engine, self.publish_mode, rows, ip.spans)
-        else:
-            if self.remote_encode is None:
-                raise InputError("this deployment has no vision tower engine (the model has no vision_config)")
-            must_publish(self.publish_mode, self.tower_ctx, self.engine.ctx)   # NEVER refuses before any work
-            ov = self._remote_rows(pixels, grids, ip.spans)
-        r.prompt, r.positions_3L, r.rope_delta, r.images = ip.prompt, ip.positions_3L, ip.rope_delta, ov
-
-    def _remote_rows(self, pixels, grids, spans) -> EmbedOverlay:
-        """Rows from the tower stage by host bounce: it writes their bytes into one of this stage's publication
-        slots (Ray carries the request and the rows' description only), and they land here from the slot. The
-        slots were made with the receiving side (relink), which reports their name prefix for clean-up."""
-        nrows = max((off + n for _, off, n in spans), default=0)
-        nbytes = nrows * self.mc.text.hidden_size * self.dtype.itemsize
-        with self.pub_inbox.slot(nbytes, self.placement.timeouts.step_s) as (name, size, buf):
-            pub = self.remote_encode(pixels, grids, spans, (name, size))
-            ov = pub.land(self.engine, host=buf)
-        if pub.data is None:
-            with self._pub_lock:
-                self.pub_inbox.landed += 1
-        return ov
-
-    def _tower_rows(self, pixels, grids) -> torch.Tensor:
-        if self.tower is None:
-            raise InputError("this stage is not the tower engine")
-        pv = torch.cat([torch.as_tensor(p) for p in pixels]).to(self.spec.device, self.dtype)
-        with torch.inference_mode():
-            return self.tower(pv, grids)
-
-    def encode_images(self, pixel_values: list, grids: list, spans: list, inbox: tuple | None = None):
-        """The tower side of a cross-actor publication: compute the rows here, dtoh them (host bounce) into the
-        intake's publication slot `inbox` (name, size), or carried in the answer when none is named."""
-        self.here()
-        rows = self._tower_rows(pixel_values, grids)
-        if inbox is None:
-            return publish_out(self.engine, rows, spans)
-        from .pub_inbox import InboxWriter
-        with self._pub_lock:
-            if self.inbox_writer is None:
-                self.inbox_writer = InboxWriter(self.engine)
-        with self.inbox_writer.lease(*inbox) as into:
-            return publish_out(self.engine, rows, spans, into=into)
 
     # -- adapters ---------------------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, slot: int) -> None:

@@ -77,7 +77,7 @@ for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
     w, idx = routing(T, E, k)
     out = fm.moe_experts(x, w_gu, w_d, w, idx)
     close(out, fm.moe_experts_ref(x, w_gu, w_d, w, idx))
-    ran.add("small" if T * k <= fm.SMALL_PAIRS else "grouped{}x{}".format(*fm._grouped_config(T * k)))
+    ran.add("small" if T * k <= fm.SMALL_PAIRS else "grouped{}x{}".format(*fm.grouped_config(T * k)))
     if T <= 40:
         for sh in (shared, wide):
             close(fm.moe_experts(x, w_gu, w_d, w, idx, sh), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
