@@ -190,10 +190,15 @@ def main(args) -> int:
     dep = memra_pp.launch(args.config)
     try:
         print(f"running {args.concurrency} concurrent requests ...", flush=True)
-        r = run_bench(dep, args.concurrency, args.prompt_len, args.max_new_tokens)
+        r = run_bench(dep, args.concurrency, args.prompt_len, args.max_new_tokens,
+                      timeline=bool(getattr(args, "timeline", None)))
     finally:
         dep.shutdown()
     r["config"] = str(args.config)
+    if r.get("timeline"):
+        plot_timelines([(f"{args.config}: {args.concurrency} concurrent x ({args.prompt_len} in, "
+                         f"{args.max_new_tokens} out)", r["timeline"])], args.timeline)
+        print(f"timeline plot: {args.timeline}", flush=True)
     print(json.dumps(r, indent=1) if args.json else format_report(r))
     if args.out:
         with open(args.out, "w") as f:

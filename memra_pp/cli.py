@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     s.add_argument("--prompt-len", type=int, default=64)
     s.add_argument("--max-new-tokens", type=int, default=32)
     s.add_argument("--out", default=None)
+    s.add_argument("--timeline", default=None, metavar="PNG",
+                   help="also plot every stage's microbatches against time (prefill chunks, decode steps) here")
     s.set_defaults(fn=cmd_bench)
     s = sub.add_parser("make-tiny", help="write a tiny random Qwen3.5 checkpoint")
     s.add_argument("path")

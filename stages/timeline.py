@@ -46,4 +46,4 @@ class Timeline:
 
     def since(self, t0: float = 0.0) -> list[list]:
         """The spans that ended after t0, oldest first, as lists (they travel through Ray and JSON)."""
-        return [list(s) for s in list(self.spans) if s[3] >= t0]
+        return [list(s) for s in self.spans.copy() if s[3] >= t0]     # copy: one C call, atomic under the GIL
