@@ -145,7 +145,7 @@ def plot_timelines(runs: list[tuple[str, dict]], path: str, title: str = "") -> 
                 k += kind == "prefill"
                 ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (i - 0.4, 0.8), facecolors=color, edgecolor="black",
                                linewidth=0.3)
-        ax.axvline(tl["ttft_s"] * 1e3, ls="--", c="red", lw=1, label=f"first token {tl['ttft_s'] * 1e3:.0f} ms")
+        ax.axvline(tl["ttft_s"] * 1e3, ls="--", c="red", lw=1, label=f"first token (p50) {tl['ttft_s'] * 1e3:.0f} ms")
         ax.set_yticks(range(len(tl["stages"])), [f"stage {i}" for i in range(len(tl["stages"]))])
         ax.invert_yaxis()
         ax.set_xlim(0, max([tl["ttft_s"]] + [b for sp in tl["stages"] for *_, b in sp[:1] + sp[-1:]]) * 1e3 * 1.03)
