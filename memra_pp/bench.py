@@ -114,7 +114,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             "ray_actor_call_p50_us": p50, "ray_actor_call_p99_us": p99,
             "stages": [{k: s.get(k) for k in ("index", "device", "layers", "busy", "microbatches", "handoffs",
                                               "handoff_p50_us", "handoff_p99_us", "phase_us_per_microbatch",
-                                              "async_steps", "host_busy")}
+                                              "async_steps", "host_busy", "send_write_us", "send_header_us")}
                        for s in st],
             "steady_busy": steady.get("busy", []),
             "steady_window_s": steady.get("window_s", 0.0),

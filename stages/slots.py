@@ -36,12 +36,17 @@ class _HandoffStats:
         self.handoffs = self.headers = self.bytes = 0
         self.wait_s = 0.0
         self.lat_ns: collections.deque[int] = collections.deque(maxlen=ring)
+        self.write_ns = self.sent_ns = 0     # sender: all handoffs' time, and of it the data path (copy, events)
 
     def as_dict(self) -> dict:
         s = sorted(self.lat_ns)
         pct = (lambda q: s[max(0, math.ceil(q * len(s)) - 1)] / 1e3) if s else (lambda q: None)  # nearest rank
-        return {"handoffs": self.handoffs, "headers": self.headers, "bytes": self.bytes, "wait_s": self.wait_s,
-                "handoff_p50_us": pct(0.50), "handoff_p99_us": pct(0.99), "samples": len(s)}
+        out = {"handoffs": self.handoffs, "headers": self.headers, "bytes": self.bytes, "wait_s": self.wait_s,
+               "handoff_p50_us": pct(0.50), "handoff_p99_us": pct(0.99), "samples": len(s)}
+        if self.write_ns:           # where a sender's handoff goes: the data path, the rest is the header's
+            out["write_us_mean"] = self.write_ns / 1e3 / max(self.handoffs, 1)
+            out["header_us_mean"] = (self.sent_ns - self.write_ns) / 1e3 / max(self.handoffs, 1)
+        return out
 
 
 def _nbytes(dtype: torch.dtype, shape) -> int:
@@ -257,6 +262,7 @@ class SlotSenderBase(_Link):
         t0 = time.perf_counter_ns()   # the handoff proper starts once a slot is ours: waiting is back-pressure
         try:
             self._write(slot, hidden_TD)
+            t1 = time.perf_counter_ns()
             self._headers.send(dict(header, slot=slot, dtype=dname, shape=list(hidden_TD.shape), t_ns=t0))
         except BaseException:
             self._free.appendleft(slot)  # never announced: the receiver does not know of it
@@ -265,7 +271,10 @@ class SlotSenderBase(_Link):
         st = self._stats
         st.handoffs += 1
         st.bytes += nbytes
-        st.lat_ns.append(time.perf_counter_ns() - t0)
+        t2 = time.perf_counter_ns()
+        st.write_ns += t1 - t0
+        st.sent_ns += t2 - t0
+        st.lat_ns.append(t2 - t0)
         return slot
 
     def _acquire(self, deadline: float | None, timeout: float | None) -> int:

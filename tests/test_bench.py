@@ -38,6 +38,9 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     assert 0 < r["ttft_p50_s"] <= r["request_latency_p50_s"]
     assert len(r["stages"]) == 2 and all(s["microbatches"] > 0 for s in r["stages"])
     assert r["stages"][1]["handoffs"] > 0
+    # stage 0's sends split into the data path and the header's (the last stage sends nothing downstream)
+    assert r["stages"][0]["send_write_us"] > 0 and r["stages"][0]["send_header_us"] > 0
+    assert r["stages"][1]["send_write_us"] is None
     assert "steady decode" in format_report(r)
     # the steady window (all four decoding) has its own stats: one busy fraction per stage
     assert r["steady_window_s"] > 0 and len(r["steady_busy"]) == 2 and all(0 < b <= 1 for b in r["steady_busy"])
