@@ -47,7 +47,8 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     """`concurrency` requests at once, each streamed on its own thread (the public `stream` API), every event's
     arrival time recorded: throughput end to end, time to first token, and the steady-state decode rate. `warm`
     first runs the same requests for 3 tokens, untimed (lazy decode-graph captures stay out of the figures).
-    `timeline`: also every stage's microbatch spans of the timed run (seconds from its start; plot_timelines)."""
+    `timeline`: also every stage's microbatch spans of the timed run (seconds from its start; plot_timelines), and
+    the p50 first token on that axis."""
     from concurrent.futures import ThreadPoolExecutor
     c = dep.client()
     rng = random.Random(seed)
@@ -118,20 +119,25 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                        for s in st],
             "steady_busy": steady.get("busy", []),
             "steady_window_s": steady.get("window_s", 0.0),
-            **({"timeline": timeline_since(st, tm0, _pct(ttft, 0.5), wall)} if timeline else {})}
+            **({"timeline": timeline_since(st, tm0, _pct([ev[0][0] - t0 for _, ev in out if ev], 0.5), wall)}
+               if timeline else {})}
 
 
 def timeline_since(stages: list[dict], tm0: float, ttft_s: float, wall_s: float) -> dict:
     """The spans of `dep.stats(timeline=True)["stages"]` that ended after time.monotonic() tm0, in seconds from
     tm0, with the run's time to first token and wall time (what plot_timelines draws)."""
     return {"ttft_s": ttft_s, "wall_s": wall_s,
-            "stages": [[[k, n, a - tm0, b - tm0] for k, n, a, b in s["timeline"] if b >= tm0] for s in stages]}
+            "complete": all(s.get("timeline_complete", True) for s in stages),
+            "stages": [[[k, n, a - tm0, b - tm0] for k, n, a, b in s.get("timeline", []) if b >= tm0]
+                       for s in stages]}
 
 
 def plot_timelines(runs: list[tuple[str, dict]], path: str, title: str = "") -> None:
     """One panel per run (label, run_bench's "timeline"): a lane per stage, each microbatch a bar from its start
     to its end (prefill chunks in alternating colours, decode steps grey), the first token a dashed line. Shows
     whether a long prompt's chunks were pipelined: stage i+1 on chunk k while stage i is on chunk k+1."""
+    if not runs:
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

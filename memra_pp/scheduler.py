@@ -7,10 +7,9 @@ import itertools
 import math
 from collections import deque
 
-
 from .errors import InputError
 from .model.batch import positions_3T
-from .sched_types import Event, Microbatch, Request, Seq  # noqa: F401 - Request: the scheduler's API
+from .sched_types import Event, Microbatch, Request, Seq
 
 
 class Scheduler:

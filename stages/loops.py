@@ -114,7 +114,7 @@ class _Loop:
             a, b, meta = self._ev.popleft()
             dt = a.elapsed_time(b) / 1e3
             self.device_busy_s += dt
-            self.timeline.device(*meta, a, dt)
+            self.timeline.device(*meta, a, b, dt)
 
     def stats(self, reset: bool = False, timeline: bool = False) -> dict:
         wall = max(time.monotonic() - self.t0, 1e-9)
@@ -133,8 +133,9 @@ class _Loop:
                "loop_error": self.error, "async_steps": self.continued,
                "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
                                            for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys
-        if timeline:
-            out["timeline"] = self.timeline.since()
+        if timeline:     # (a reset drops the spans of microbatches still in flight from the timeline too)
+            tl = self.timeline.since()
+            out["timeline"], out["timeline_complete"] = tl["spans"], tl["complete"]
         if reset:
             self.busy_s, self.t0, self.microbatches, self.continued = 0.0, time.monotonic(), 0, 0
             self.phase_s = {}
@@ -194,7 +195,7 @@ class _Loop:
             if r.stall_s:                              # fault injection (StageRunner.inject_stall)
                 stall, r.stall_s = r.stall_s, 0.0
                 time.sleep(stall)
-            ev, t_work, meta = self._mark(), time.monotonic(), (kind_of(b.counts), b.total)
+            ev, t_work, meta = self._mark(), time.monotonic(), (kind_of(b.counts, b.starts), b.total)
             out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
             t1 = self._phase("model", t)    # on a GPU: launching (a graph replay is one launch)
             if self.sampler is not None:

@@ -235,7 +235,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
     def stats(self, reset: bool = False, timeline: bool = False) -> dict:
         st = {"index": self.index, "device": self.spec.device, "layers": [self.spec.layer_start,
               self.spec.layer_end], "ctx": str(self.engine.ctx), "load_s": self.load_s}
-        st.update(self.loop.stats(reset, timeline) if self.loop else {"busy": 0.0, "microbatches": 0})
+        st.update(self.loop.stats(reset, timeline) if self.loop else   # no loop: recovering
+                  {"busy": 0.0, "microbatches": 0, **({"timeline": []} if timeline else {})})
         link = self.receiver or self.sender
         ls = link.stats() if link is not None else {}
         st["transport"] = getattr(link, "TRANSPORT", None)

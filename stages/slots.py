@@ -36,7 +36,7 @@ class _HandoffStats:
         self.handoffs = self.headers = self.bytes = 0
         self.wait_s = 0.0
         self.lat_ns: collections.deque[int] = collections.deque(maxlen=ring)
-        self.write_ns = self.sent_ns = 0     # sender: all handoffs' time, and of it the data path (copy, events)
+        self.write_ns = self.sent_ns = 0     # sender: of all handoffs' time (sent), the data path's (write)
 
     def as_dict(self) -> dict:
         s = sorted(self.lat_ns)

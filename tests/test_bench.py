@@ -90,3 +90,44 @@ def test_bench_command_plots_the_timeline(ray_cluster, tmp_path, capsys):
     assert "timeline plot" in capsys.readouterr().out and png.stat().st_size > 10_000
     tl = json.loads(out.read_text())["timeline"]
     assert len(tl["stages"]) == 2 and all(any(s[0] == "decode" for s in st) for st in tl["stages"])
+
+
+def test_device_spans_stay_precise_an_hour_after_the_anchor():
+    """GPU spans are placed through timing events whose offsets are float32 milliseconds: an hour after a fixed
+    anchor they would be quantised to 0.25 ms, and back-to-back steps would seem to overlap. Each placed span's end
+    event anchors the next, so consecutive 1.1 ms steps an hour in keep their exact gaps (fake events, CPU)."""
+    import numpy as np
+    from memra_pp.stages.timeline import Timeline, kind_of
+
+    class Ev:
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):          # as torch.cuda.Event: float32 milliseconds
+            return float(np.float32((other.t - self.t) * 1e3))
+
+    tl = Timeline()
+    tl._anchor = (Ev(0.0), 100.0)                 # device time 0 is host time 100 s
+    t = 3600.0
+    for _ in range(50):
+        a, b = Ev(t), Ev(t + 1.1e-3)
+        tl.device("decode", 64, a, b, b.t - a.t)
+        t += 1.1e-3 + 20e-6                       # a 20 us gap between steps
+    sp = tl.since()["spans"]
+    assert len(sp) == 50 and abs(sp[0][2] - 3700.0) < 1e-3
+    gaps = [y[2] - x[3] for x, y in zip(sp, sp[1:])]
+    assert all(abs(g - 20e-6) < 1e-6 for g in gaps), gaps[:5]
+    assert tl.since(sp[-1][3] + 1)["spans"] == [] and tl.since()["complete"]
+    assert kind_of([1, 1], [5, 9]) == "decode" and kind_of([1, 1], [5, 0]) == "prefill"
+    assert kind_of([1, 16], [5, 9]) == "prefill"
+
+
+def test_a_timeline_that_lost_its_start_says_so():
+    """Only the newest spans are kept: a window whose first spans were pushed out is flagged incomplete."""
+    from memra_pp.stages.timeline import Timeline
+    tl = Timeline(maxlen=3)
+    for i in range(5):
+        tl.host("decode", 1, float(i), i + 0.5)
+    assert tl.dropped == 2
+    assert tl.since(0.0) == {"spans": [["decode", 1, float(i), i + 0.5] for i in (2, 3, 4)], "complete": False}
+    assert tl.since(3.0)["complete"]            # the window starts after what was dropped
