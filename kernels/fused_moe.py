@@ -188,6 +188,18 @@ if triton is not None:
         tl.store(h_ptr + r * IH + n, (s * u).to(dt), mask=nm)
 
     @triton.jit
+    def _row_dot(hrow, w, n, nm, width, BN: tl.constexpr, BK: tl.constexpr):
+        """[BN] float32: rows n of the [*, width] matrix w dotted with the h row `hrow` (width entries)."""
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for k0 in range(0, width, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < width
+            hk = tl.load(hrow + kk, mask=km, other=0.0).to(tl.float32)
+            wd = tl.load(w + n[:, None] * width + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(wd.to(tl.float32) * hk[None, :], 1)
+        return acc
+
+    @triton.jit
     def _small_down_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is, IH,
                            K: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                            BH: tl.constexpr):
@@ -202,25 +214,11 @@ if triton is not None:
         for j in tl.static_range(K):
             e = tl.load(i_ptr + t * K + j).to(tl.int64)
             w_e = w_ptr + e * (H * I)
-            hrow = h_ptr + (t * (K + S) + j) * IH
-            acc = tl.zeros([BN], dtype=tl.float32)
-            for k0 in range(0, I, BK):
-                kk = k0 + tl.arange(0, BK)
-                km = kk < I
-                hk = tl.load(hrow + kk, mask=km, other=0.0).to(tl.float32)
-                wd = tl.load(w_e + n[:, None] * I + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                acc += tl.sum(wd.to(tl.float32) * hk[None, :], 1)
+            acc = _row_dot(h_ptr + (t * (K + S) + j) * IH, w_e, n, nm, I, BN, BK)
             tw = tl.load(tw_ptr + t * K + j).to(tl.float32)
             total += (acc.to(dt).to(tl.float32) * tw).to(dt).to(tl.float32)
         if S:
-            hrow = h_ptr + (t * (K + S) + K) * IH
-            acc = tl.zeros([BN], dtype=tl.float32)
-            for k0 in range(0, Is, BK):
-                kk = k0 + tl.arange(0, BK)
-                km = kk < Is
-                hk = tl.load(hrow + kk, mask=km, other=0.0).to(tl.float32)
-                wd = tl.load(ws_ptr + n[:, None] * Is + kk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-                acc += tl.sum(wd.to(tl.float32) * hk[None, :], 1)
+            acc = _row_dot(h_ptr + (t * (K + S) + K) * IH, ws_ptr, n, nm, Is, BN, BK)
             hh = tl.arange(0, BH)
             xr = tl.load(x_ptr + t * stride_x + hh, mask=hh < H, other=0.0).to(tl.float32)
             gw = tl.load(wsg_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
