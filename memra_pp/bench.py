@@ -145,12 +145,15 @@ def plot_timelines(runs: list[tuple[str, dict]], path: str, title: str = "") -> 
                              squeeze=False)
     for ax, (label, tl) in zip(axes[:, 0], runs):
         for i, spans in enumerate(tl["stages"]):
+            bars: dict[str, list] = {"tab:blue": [], "tab:orange": [], "lightgrey": []}   # one artist per colour
             k = 0
             for kind, n, a, b in spans:
-                color = ("tab:blue", "tab:orange")[k % 2] if kind == "prefill" else "lightgrey"
+                bars[("tab:blue", "tab:orange")[k % 2] if kind == "prefill" else "lightgrey"].append(
+                    (a * 1e3, (b - a) * 1e3))
                 k += kind == "prefill"
-                ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (i - 0.4, 0.8), facecolors=color, edgecolor="black",
-                               linewidth=0.3)
+            for color, xs in bars.items():
+                if xs:
+                    ax.broken_barh(xs, (i - 0.4, 0.8), facecolors=color, edgecolor="black", linewidth=0.3)
         ax.axvline(tl["ttft_s"] * 1e3, ls="--", c="red", lw=1, label=f"first token (p50) {tl['ttft_s'] * 1e3:.0f} ms")
         ax.set_yticks(range(len(tl["stages"])), [f"stage {i}" for i in range(len(tl["stages"]))])
         ax.invert_yaxis()
