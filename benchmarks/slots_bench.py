@@ -69,7 +69,9 @@ def _child(n, threads, ping_r, pong_w, chan_addr, endpoints, results):
             if i >= WARMUP:
                 cycle.append(time.perf_counter_ns() - t0)
         s.send({"kind": "done", "mb": -1})
-        rows.append(_row(f"{name} sender enqueue", enq))
+        st = s.stats()
+        rows.append({**_row(f"{name} sender enqueue", enq), "write_us_mean": round(st["write_us_mean"], 1),
+                     "header_us_mean": round(st["header_us_mean"], 1)})
         rows.append(_row(f"{name} full cycle (send -> credit back)", cycle))
         s.close()
     results.send(rows)
@@ -129,7 +131,9 @@ def main() -> None:
         return
     print(f"{'path':<72}{'p50 us':>10}{'p99 us':>10}")
     for r in rows:
-        print(f"{r['path']:<72}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}")
+        split = (f"   (mean: data path {r['write_us_mean']:.1f} us, header {r['header_us_mean']:.1f} us)"
+                 if "write_us_mean" in r else "")
+        print(f"{r['path']:<72}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{split}")
 
 
 if __name__ == "__main__":
