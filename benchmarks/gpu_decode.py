@@ -155,8 +155,8 @@ def main() -> int:
     conc = [int(x) for x in a.concurrency.split(",")]
     from memra_pp.model.config import parse_config
     from memra_pp.model import presets
-    text_config = presets.get(a.model.removeprefix("preset:"))["text_config"]
-    mc = parse_config(presets.get(a.model.removeprefix("preset:")))
+    preset = presets.get(a.model.removeprefix("preset:"))
+    text_config, mc = preset["text_config"], parse_config(preset)
     bw = copy_bandwidth()
     wb = weight_bytes_per_token(mc)
     ctx = a.prompt_len + a.new // 2

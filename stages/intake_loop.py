@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..errors import MemraError
-from ..model.batch import StepBatch
+from ..model.batch import StepBatch, h2d
 from .channel import ChannelClosed
 from .loops import _Loop
 
@@ -131,8 +131,7 @@ class IntakeLoop(_Loop):
             return torch.tensor(mb.ids)
         if mb.feed == list(range(fed_from.shape[0])):
             return fed_from
-        idx = torch.tensor(mb.feed)          # pinned, so the copy does not wait for the step on the device
-        return fed_from[idx.pin_memory().to(fed_from.device, non_blocking=True) if fed_from.is_cuda else idx]
+        return fed_from[h2d(torch.tensor(mb.feed), fed_from.device)]   # the copy does not wait for the step
 
     def _launch(self, mb, fed_from=None):
         """Embed and run one microbatch (raises if it fails). One stage: returns (mb, PendingTokens, launch

@@ -251,7 +251,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
         st["mailbox_headers"] = ls.get("mailbox_headers", 0)
-        snd = self.sender.stats() if self.sender is not None else {}
+        snd = ls if link is self.sender else self.sender.stats() if self.sender is not None else {}
         if "write_us_mean" in snd:      # where this stage's sends go: the data path, and the header's path
             st["send_write_us"], st["send_header_us"] = snd["write_us_mean"], snd["header_us_mean"]
         st["kv_pages_free"] = len(self.cache.free_blocks)
