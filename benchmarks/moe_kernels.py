@@ -71,7 +71,14 @@ def main() -> int:
             for tiles in [(16, 256, 4, 16, 128, 4), (8, 2048, 8, 8, 512, 4), (4, 2048, 4, 8, 512, 8),
                           (8, 1024, 4, 16, 512, 4), (16, 512, 4, 4, 512, 4), (8, 512, 4, 8, 256, 4),
                           (4, 1024, 4, 16, 256, 4), (8, 2048, 4, 32, 128, 4)]:
-                cand[f"small {tiles}"] = (lambda t: lambda: fm._moe_small(x, w_gu, w_d, w, idx, tiles=t))(tiles)
+                cand[f"small {tiles}"] = (lambda t: lambda: fm._moe_small(x, w_gu, w_d, w, idx, tiles=t,
+                                                                          down="loop"))(tiles)
+            for tiles in [(16, 512, 4, 1, 512, 4), (16, 512, 4, 2, 512, 4), (16, 512, 4, 4, 512, 4),
+                          (16, 512, 4, 2, 512, 8), (16, 512, 4, 4, 512, 8), (16, 512, 4, 8, 512, 8)]:
+                cand[f"small tile {tiles}"] = (lambda t: lambda: fm._moe_small(x, w_gu, w_d, w, idx, tiles=t,
+                                                                               down="tile"))(tiles)
+                cand[f"small tile {tiles} + shared expert"] = (lambda t: lambda: fm._moe_small(
+                    x, w_gu, w_d, w, idx, shared, tiles=t, down="tile"))(tiles)
         else:
             cand["torch all experts"] = lambda: moe._all_experts(x, w, idx)
             if T >= 256:
@@ -96,8 +103,18 @@ def main() -> int:
             print(f"  T={T:5d} {name:32s} {us:9.1f} us  floor {floor_us:7.1f} us ({floor_us / us:5.1%})  "
                   f"err {err:.1e}", flush=True)
         T1 = torch.randn(T, E, device="cuda", dtype=bf)
-        for name, fn in {"route fused": lambda: fm.route(T1, k, bf), "route torch": lambda: fm.route_ref(T1, k, bf)}\
-                .items():
+        gate = torch.randn(E, H, device="cuda", dtype=bf) * 0.02
+        routes = {"route fused": lambda: fm.route(T1, k, bf), "route torch": lambda: fm.route_ref(T1, k, bf),
+                  "router GEMV + route kernel": lambda: fm.route(torch.nn.functional.linear(x, gate), k, bf)}
+        if T <= fm.ROUTER_ROWS:
+            routes["router+route one kernel"] = lambda: fm.router_route(x, gate, k, bf)
+            for rc in [(2, 2048, 1), (2, 2048, 2), (1, 2048, 1), (4, 2048, 2), (2, 1024, 2), (8, 2048, 4)]:
+                routes[f"router+route one kernel {rc}"] = (lambda c: lambda: fm.router_route(x, gate, k, bf, c))(rc)
+        if T * k > fm.SMALL_PAIRS:      # the grouped path's sort: the kernel (up to its bound) and the torch ops
+            BM = fm.grouped_config(T * k)[0]
+            routes[f"align kernel BM={BM}"] = lambda: fm.align(idx, E, BM)
+            routes[f"align torch BM={BM}"] = lambda: fm.align_ref(idx, E, BM)
+        for name, fn in routes.items():
             us = time_graph_us(fn)
             rows.append({"rows": T, "path": name, "us": us})
             print(f"  T={T:5d} {name:32s} {us:9.1f} us", flush=True)

@@ -163,6 +163,31 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
                              nk, tile, raw_gates=(A_log, dt_bias))
 
 
+# -- the new key and value into their pages -------------------------------------------------------------------------
+def kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
+    kvb = kp.shape[2]
+    blk, off = table[slots_B, pos_B // kvb], pos_B % kvb
+    kp[blk, :, off] = k_BHD
+    vp[blk, :, off] = v_BHD
+    return pos_B + 1
+
+
+def kv_write(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
+    """kp[blk, :, off] = k and vp[blk, :, off] = v, (blk, off) the page and offset of position pos_B[b] of slot
+    slots_B[b] (cache.locate); returns lens = pos + 1 for decode_attention. One kernel for the six of the torch
+    ops (the page lookup, a division, a remainder, two indexed writes, the add): ~13 us an attention layer."""
+    if not _triton(k_BHD):
+        return kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B)
+    B, nkv, D = k_BHD.shape
+    assert k_BHD.stride(2) == 1 and v_BHD.stride(2) == 1 and kp.stride(3) == 1 and kp.stride() == vp.stride()
+    assert table.stride(1) == 1
+    lens = torch.empty_like(pos_B)
+    _kv_write_kernel[(B, nkv)](k_BHD, v_BHD, kp, vp, table, slots_B, pos_B, lens, k_BHD.stride(0), k_BHD.stride(1),
+                               v_BHD.stride(0), v_BHD.stride(1), kp.stride(0), kp.stride(1), kp.stride(2),
+                               table.stride(0), D, KVB=kp.shape[2], BD=triton.next_power_of_2(D), num_warps=1)
+    return lens
+
+
 # -- decode attention over the slot pools -------------------------------------------------------------------------
 def decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int):
     """attention.attend_decode over the slots' first S positions (gathered from their pages), times
@@ -362,6 +387,22 @@ if triton is not None:
         gf = gv.to(tl.float32)
         sv = (gf / (1.0 + tl.exp(-gf))).to(gv.dtype)
         tl.store(out + n * I + o, (sv.to(tl.float32) * uv.to(tl.float32)).to(gv.dtype), mask=m)
+
+    @triton.jit
+    def _kv_write_kernel(k, v, kp, vp, table, slots, pos, lens, skb, skh, svb, svh, spn, sph, sps, stt, D,
+                         KVB: tl.constexpr, BD: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1).to(tl.int64)
+        p = tl.load(pos + b).to(tl.int64)
+        slot = tl.load(slots + b).to(tl.int64)
+        blk = tl.load(table + slot * stt + p // KVB).to(tl.int64)
+        d = tl.arange(0, BD)
+        m = d < D
+        dst = blk * spn + h * sph + (p % KVB) * sps + d
+        tl.store(kp + dst, tl.load(k + b * skb + h * skh + d, mask=m), mask=m)
+        tl.store(vp + dst, tl.load(v + b * svb + h * svh + d, mask=m), mask=m)
+        if h == 0:
+            tl.store(lens + b, (p + 1).to(lens.dtype.element_ty))
 
     @triton.jit
     def _conv_step_kernel(u, state, w, slots, y, su, C, K: tl.constexpr, BC: tl.constexpr):

@@ -30,7 +30,8 @@ if triton is not None:
 
 SMALL_PAIRS = 64       # at most this many (row, expert) pairs: the per-pair kernels, else the grouped GEMM
 ENABLED = True         # False: layers.MoE's torch paths on CUDA too (benchmarks compare the two in one run)
-CALLS = {"route": 0, "small": 0, "grouped": 0}     # host-side launches by path (a captured graph counts once)
+# host-side launches by path (a captured graph counts once)
+CALLS = {"route": 0, "router": 0, "small": 0, "grouped": 0, "down_tile": 0}
 
 
 def enabled(x: torch.Tensor, k: int) -> bool:
@@ -66,22 +67,106 @@ if triton is not None:
         t = tl.program_id(0)
         offs = tl.arange(0, BE)
         x = tl.load(l_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, 0))
+        _route_row(x, w_ptr + t * K, i_ptr + t * K, offs, E, K, BE)
+
+
+# -- the router GEMV and the routing in one kernel (few rows) -----------------------------------------------------
+# up to this many rows router_route's one kernel, else F.linear and route. H200, 35B-A3B, 2026-12-01 (moe_kernels.py,
+# device time in a CUDA graph): 1 row 7.1 us against 8.4 us for the two; 2 rows 10.0 against 8.4, 8 rows 27.8: the
+# last program routes the rows one after another, where route() has a program a row
+ROUTER_ROWS = 1
+# device -> int32 [1]: router_route's programs done, reset by the last. One per device: a stage runs its model on one
+# stream at a time (two router kernels at once on one device would share it)
+_COUNTERS: dict = {}
+
+
+# (experts a program, hidden a step, warps): one warp a program, 256 programs, the whole hidden in one load (H200,
+# 35B-A3B, one row: 5.0 us; (2, 512, 4) 7.2 us, the router GEMV and route() as two kernels 8.3 us)
+ROUTER_CFG = (1, 2048, 1)
+
+
+def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch.dtype, cfg=None):
+    """route(F.linear(x, gate), k, dtype). For few rows one kernel: each program computes a few experts' logits for
+    every row (rounded to x's dtype as F.linear's output is), and the last program to finish routes every row (a
+    counter in memory, reset by that program, so a CUDA graph replays it). cuBLAS gave the [T, 256] x [256, 2048]
+    router four thread blocks (5.3 us at batch 1, the bytes' time is 0.25 us) and the routing was a second launch."""
+    T, H = x_TH.shape
+    E = gate_EH.shape[0]
+    if not (_triton(x_TH) and T <= ROUTER_ROWS and E <= 1024 and not k & (k - 1) and x_TH.stride(1) == 1
+            and gate_EH.is_contiguous()):
+        return route(F.linear(x_TH, gate_EH), k, dtype)
+    CALLS["route"] += 1
+    CALLS["router"] += 1
+    dev = x_TH.device
+    logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+    w = torch.empty(T, k, dtype=dtype, device=dev)
+    idx = torch.empty(T, k, dtype=torch.int64, device=dev)
+    BR, BK, warps = cfg or ROUTER_CFG
+    _router_route_kernel[(triton.cdiv(E, BR),)](
+        x_TH, gate_EH, logits, w, idx, _counter(dev), x_TH.stride(0), T, H, E, K=k, TP=triton.next_power_of_2(T),
+        BR=BR, BK=min(BK, triton.next_power_of_2(H)), BE=triton.next_power_of_2(E), num_warps=warps)
+    return w, idx
+
+
+def _counter(dev) -> torch.Tensor:
+    key = str(dev)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = torch.zeros(1, dtype=torch.int32, device=dev)
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return c        # the graph's pool owns it (its zeroing is captured too): not kept. Decode graphs warm
+            #                 up eagerly first, so they find one kept
+        _COUNTERS[key] = c
+    return c
+
+
+if triton is not None:
+    @triton.jit
+    def _route_row(p, w_ptr, i_ptr, offs, E, K: tl.constexpr, BE: tl.constexpr):
+        """One row's routing from its float32 logits p [BE] (masked ones -inf): softmax, k rounds of argmax (ties
+        to the lowest index), renormalised; a NaN or inf logit makes the row NaN, yet its ids stay k distinct real
+        experts (as torch's output is NaN; an id past E would read another expert's weights)."""
+        p = tl.exp(p - tl.max(p, 0))
         p = p / tl.sum(p, 0)
-        # a NaN or inf logit makes the row NaN: its ids must still be k distinct real experts (its output is NaN,
-        # as torch's is; an id past E would read another expert's weights or displace another row's pairs)
         p = tl.where(offs < E, tl.where(p == p, p, 0.0), -1.0)
         ks = tl.arange(0, K)
         vals = tl.zeros([K], dtype=tl.float32)
         ids = tl.zeros([K], dtype=tl.int32)
-        for j in tl.static_range(K):           # k rounds of argmax; ties go to the lowest index
+        for j in tl.static_range(K):
             m = tl.max(p, 0)
             e = tl.minimum(tl.min(tl.where(p == m, offs, BE), 0), E - 1)
             vals = tl.where(ks == j, m, vals)
             ids = tl.where(ks == j, e, ids)
             p = tl.where(offs == e, -2.0, p)       # taken: below every candidate, masked ones included
-        tl.store(w_ptr + t * K + ks, (vals / tl.sum(vals, 0)).to(w_ptr.dtype.element_ty))
-        tl.store(i_ptr + t * K + ks, ids.to(tl.int64))
+        tl.store(w_ptr + ks, (vals / tl.sum(vals, 0)).to(w_ptr.dtype.element_ty))
+        tl.store(i_ptr + ks, ids.to(tl.int64))
+
+    @triton.jit
+    def _router_route_kernel(x_ptr, g_ptr, l_ptr, w_ptr, i_ptr, cnt_ptr, stride_x, T, H, E, K: tl.constexpr,
+                             TP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        rm = r < E
+        ts = tl.arange(0, TP)
+        tm = ts < T
+        acc = tl.zeros([TP, BR], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            km = kk < H
+            g = tl.load(g_ptr + r[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            xk = tl.load(x_ptr + ts[:, None] * stride_x + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+            acc += tl.sum(xk.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], 2)
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)           # F.linear's output dtype
+        tl.store(l_ptr + ts[:, None] * E + r[None, :], acc, mask=tm[:, None] & rm[None, :])
+        # CUTLASS's semaphore: the block's stores, a barrier, then one release (acq_rel) at GPU scope; the program
+        # that counts last acquires them all, and reads them past L1
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+        if done == tl.num_programs(0) - 1:
+            offs = tl.arange(0, BE)
+            for t in range(T):
+                p = tl.load(l_ptr + t * E + offs, mask=offs < E, other=float("-inf"), volatile=True)
+                _route_row(p, w_ptr + t * K, i_ptr + t * K, offs, E, K, BE)
+            tl.atomic_xchg(cnt_ptr, 0)
 
 
 # -- the routed experts ---------------------------------------------------------------------------------------------
@@ -126,12 +211,18 @@ def moe_experts(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared=None):
     return out if shared is None else out + shared_ref(x_TH, shared)
 
 
-# per-pair kernels: gate|up (BN, BK, warps), down (BN, BK, warps); picked by benchmarks/moe_kernels.py
-# (H200, 35B-A3B, 2026-12-01: 20 us for one row's 8 experts, 58 us for 4 rows, 101 us for 8; 55, 70, 110 before)
-SMALL_TILES = (16, 512, 4, 4, 512, 4)
+# per-pair kernels: gate|up (BN, BK, warps), down (BN, BK, warps); picked by benchmarks/moe_kernels.py (H200,
+# 35B-A3B, 2026-12-01, one row's 8 experts, 4 rows, 8: 20.1, 57.2, 101 us with the "loop" down kernel (55, 70, 110
+# before these kernels); with the "tile" down kernel and BN 2: 16.8, 51.1, 90.1 us, with the shared expert riding
+# along 20.2 us at one row against 23.9)
+SMALL_TILES = (16, 512, 4, 2, 512, 4)
+# the down kernel: "loop" reads a row's pairs one after another (each pair a dependent round trip to memory: 12.9
+# us for 19 MB a layer at batch 1, 34% of its bytes' time); "tile" loads every routed pair's slice as one
+# [K, BN, I] tile, so all K loads are in flight at once (BK is then the widest expert it takes; wider: "loop")
+SMALL_DOWN = "tile"
 
 
-def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None):
+def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
     T, H = x.shape
     k = topi.shape[1]
     E, I2, _ = w_gu.shape
@@ -146,6 +237,13 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None):
     _small_gate_up_kernel[(T * (k + S), triton.cdiv(IH, BN))](
         x, w_gu, w_sgu, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN, BK=BK, num_warps=warps)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    BI, BIs = triton.next_power_of_2(I), triton.next_power_of_2(Is)
+    if (down or SMALL_DOWN) == "tile" and max(BI, BIs) <= BK2:
+        CALLS["down_tile"] += 1
+        _small_down_tile_kernel[(T, triton.cdiv(H, BN2))](
+            h, w_d, w_sd, x, w_sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, KP=triton.next_power_of_2(k),
+            S=S, BN=BN2, BI=BI, BIS=BIs, BH=triton.next_power_of_2(H), num_warps=warps2)
+        return out
     _small_down_kernel[(T, triton.cdiv(H, BN2))](
         h, w_d, w_sd, x, w_sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN2, BK=BK2,
         BH=triton.next_power_of_2(H), num_warps=warps2)
@@ -219,11 +317,50 @@ if triton is not None:
             total += (acc.to(dt).to(tl.float32) * tw).to(dt).to(tl.float32)
         if S:
             acc = _row_dot(h_ptr + (t * (K + S) + K) * IH, ws_ptr, n, nm, Is, BN, BK)
-            hh = tl.arange(0, BH)
-            xr = tl.load(x_ptr + t * stride_x + hh, mask=hh < H, other=0.0).to(tl.float32)
-            gw = tl.load(wsg_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
-            gate = tl.sum(xr * gw, 0).to(dt).to(tl.float32)
-            sig = (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-            term = (sig * acc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            total = total.to(dt).to(tl.float32) + term
+            total = _plus_shared(total, acc, x_ptr + t * stride_x, wsg_ptr, H, dt, BH)
+        tl.store(o_ptr + t * H + n, total.to(dt), mask=nm)
+
+    @triton.jit
+    def _plus_shared(total, acc, xrow, wsg_ptr, H, dt: tl.constexpr, BH: tl.constexpr):
+        """total (the routed pairs' float32 sum) rounded, plus sigmoid(x . w_gate) * acc (the shared expert's
+        down product), rounded as shared_ref's torch ops round."""
+        hh = tl.arange(0, BH)
+        xr = tl.load(xrow + hh, mask=hh < H, other=0.0).to(tl.float32)
+        gw = tl.load(wsg_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
+        gate = tl.sum(xr * gw, 0).to(dt).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        term = (sig * acc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        return total.to(dt).to(tl.float32) + term
+
+    @triton.jit
+    def _small_down_tile_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is,
+                                IH, K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, BN: tl.constexpr,
+                                BI: tl.constexpr, BIS: tl.constexpr, BH: tl.constexpr):
+        """_small_down_kernel's sum with every routed pair's [BN, I] slice of its expert loaded as one [KP, BN, BI]
+        tile (and the shared expert's beside it) before any is reduced: the loads are in flight together."""
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < H
+        dt = o_ptr.dtype.element_ty
+        ks = tl.arange(0, KP)
+        kv = ks < K
+        e = tl.load(i_ptr + t * K + ks, mask=kv, other=0).to(tl.int64)
+        tw = tl.load(tw_ptr + t * K + ks, mask=kv, other=0.0).to(tl.float32)
+        ii = tl.arange(0, BI)
+        im = ii < I
+        w = tl.load(w_ptr + e[:, None, None] * (H * I) + n[None, :, None] * I + ii[None, None, :],
+                    mask=kv[:, None, None] & nm[None, :, None] & im[None, None, :], other=0.0)
+        if S:
+            jj = tl.arange(0, BIS)
+            jm = jj < Is
+            ws = tl.load(ws_ptr + n[:, None] * Is + jj[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
+        hp = tl.load(h_ptr + (t * (K + S) + ks)[:, None] * IH + ii[None, :], mask=kv[:, None] & im[None, :],
+                     other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * hp[:, None, :], 2)                                   # [KP, BN]
+        y = (acc.to(dt).to(tl.float32) * tw[:, None]).to(dt).to(tl.float32)
+        total = tl.sum(tl.where(kv[:, None], y, 0.0), 0)
+        if S:
+            hs = tl.load(h_ptr + (t * (K + S) + K) * IH + jj, mask=jm, other=0.0).to(tl.float32)
+            acc_s = tl.sum(ws.to(tl.float32) * hs[None, :], 1)
+            total = _plus_shared(total, acc_s, x_ptr + t * stride_x, wsg_ptr, H, dt, BH)
         tl.store(o_ptr + t * H + n, total.to(dt), mask=nm)

@@ -1,6 +1,9 @@
 """Pairs (row, routed expert) sorted by expert into blocks of BM rows for kernels/fused_moe.py's grouped GEMM:
-one Triton program for decode batches, torch ops (the reference) beyond. Runs in stage processes."""
+one kernel of E + 1 programs for decode batches and short prefills, torch ops (the reference) beyond. Runs in stage
+processes."""
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -9,25 +12,36 @@ from memra_pp.kernels.fused_decode import _triton, triton
 if triton is not None:
     import triton.language as tl
 
-# Up to this many pairs one kernel (one program) aligns them, beyond it the torch ops. H200, 35B-A3B, 2026-12-01: at
-# 64 rows (512 pairs) the kernel took a step from 22.2 to 21.0 ms; at 256 rows (2,048 pairs) from 32.4 to 34.3 ms.
-ALIGN_KERNEL_PAIRS = 768
+# Up to this many pairs the kernel aligns them, beyond it the torch ops. Each of its E + 1 programs counts all N ids
+# itself, CH at a time (registers do not grow with N), then walks them again for its expert's ranks: 2 * N / CH steps
+# of a load, a histogram and a scan, so its time grows with N while the torch ops' (a dozen launches, an argsort
+# among them) barely do until far beyond. Not yet measured on a GPU; the guess: a few us at 512 and 2,048 pairs,
+# tens of us at 16,384, where the torch ops cost as much (and the prefill GEMMs dwarf both). The one-program kernel
+# this replaced (H200, 35B-A3B, 2026-12-01): 41 us a layer at 64 rows (512 pairs), a step from 22.2 to 21.0 ms;
+# at 256 rows (2,048 pairs) slower than the torch ops, 32.4 to 34.3 ms, hence its limit of 768.
+ALIGN_KERNEL_PAIRS = 16384
+
+# tl.histogram takes a mask from Triton 3.4 on; before, the kernel sends ids outside [0, E) to bin 0 and takes them out
+_HIST_MASK = triton is not None and "mask" in inspect.signature(tl.histogram).parameters
 
 
 def align(topi_TK: torch.Tensor, E: int, BM: int):
     """Pairs (t*k + j) sorted by expert into blocks of BM rows, each expert's run padded to a whole block, pairs of
     one expert in their order. Returns (sorted_pairs [P] int32, N where a row is padding; block_expert [P // BM]
     int32, E past the last block). P is the worst case for this many pairs, so every shape is static (CUDA graphs).
-    Few pairs: one kernel (align_ref's dozen torch ops cost ~50 us a layer at 64 rows); align_ref is the reference
-    and serves prefill."""
+    Up to ALIGN_KERNEL_PAIRS: one kernel (align_ref's dozen torch ops cost ~50 us a layer at 64 rows), which skips
+    ids outside [0, E); align_ref is the reference and serves long prefills."""
     N = topi_TK.numel()
     if not (_triton(topi_TK) and N <= ALIGN_KERNEL_PAIRS and E <= 1024):
         return align_ref(topi_TK, E, BM)
     P = _padded_rows(N, E, BM)
     sorted_pairs = torch.empty(P, dtype=torch.int32, device=topi_TK.device)
     block_expert = torch.empty(P // BM, dtype=torch.int32, device=topi_TK.device)
-    _align_kernel[(1,)](topi_TK.reshape(-1), sorted_pairs, block_expert, N, P, E, BM=BM,
-                        EB=triton.next_power_of_2(E), CH=32, num_warps=8)
+    CH = 512 if N <= 512 else 1024          # ids a step: few steps (each one a load's latency), two compiled sizes
+    # EB: at least a warp's 32 bins, as tl.histogram's GPU lowering has each lane own whole bins
+    _align_kernel[(E + 1,)](topi_TK.reshape(-1), sorted_pairs, block_expert, N, P, E, BM=BM,
+                            EB=max(32, triton.next_power_of_2(E)), CH=CH, HIST_MASK=_HIST_MASK,
+                            num_warps=4 if CH == 512 else 8)
     return sorted_pairs, block_expert
 
 
@@ -54,34 +68,50 @@ def align_ref(topi_TK: torch.Tensor, E: int, BM: int):
 
 
 if triton is not None:
-    @triton.jit
-    def _align_kernel(i_ptr, sp_ptr, be_ptr, N, P, E, BM: tl.constexpr, EB: tl.constexpr, CH: tl.constexpr):
-        """One program: expert counts, padded offsets (exclusive cumsum), each pair's place (its expert's offset +
-        the pairs of that expert before it, chunk by chunk), and each block's expert."""
+    # N and P unspecialised: prefill batches of every size share one binary (Triton compiles a variant per
+    # divisibility of an int argument; compiled mid-run, a new variant cost a deployment's first tokens ~0.7 s)
+    @triton.jit(do_not_specialize=["N", "P"])
+    def _align_kernel(i_ptr, sp_ptr, be_ptr, N, P, E, BM: tl.constexpr, EB: tl.constexpr, CH: tl.constexpr,
+                      HIST_MASK: tl.constexpr):
+        """Program e < E: expert e's rows (its pairs in their order, then padding to a whole block) and blocks;
+        program E: the rows and blocks past the last run. Each program counts every expert's pairs itself (the
+        runs' offsets), so the programs write disjoint rows without atomics or waiting on each other."""
+        pid = tl.program_id(0)
         ex = tl.arange(0, EB)
         counts = tl.zeros([EB], dtype=tl.int32)
         for c0 in range(0, N, CH):
             j = c0 + tl.arange(0, CH)
-            e = tl.load(i_ptr + j, mask=j < N, other=EB).to(tl.int32)
-            counts += tl.sum(((e[:, None] == ex[None, :]) & (ex[None, :] < E)).to(tl.int32), 0)
+            e = tl.load(i_ptr + j, mask=j < N, other=-1)
+            ok = (e >= 0) & (e < E)         # before the cast: no id wraps into [0, E)
+            e = e.to(tl.int32)
+            if HIST_MASK:
+                counts += tl.histogram(e, EB, mask=ok)
+            else:                           # the histogram takes an id's low bits: out of range must not reach it
+                counts += tl.histogram(tl.where(ok, e, 0), EB)
+                counts -= tl.where(ex == 0, tl.sum(1 - ok.to(tl.int32), 0), 0)
         padded = (counts + BM - 1) // BM * BM
         pend = tl.cumsum(padded, 0)
-        pstart = pend - padded
-        for r0 in range(0, P, CH):                      # every row padding first
-            r = r0 + tl.arange(0, CH)
-            tl.store(sp_ptr + r, tl.zeros([CH], dtype=tl.int32) + N, mask=r < P)
-        tl.debug_barrier()
-        seen = tl.zeros([EB], dtype=tl.int32)
-        for c0 in range(0, N, CH):
-            j = c0 + tl.arange(0, CH)
-            e = tl.load(i_ptr + j, mask=j < N, other=EB).to(tl.int32)
-            hot = ((e[:, None] == ex[None, :]) & (ex[None, :] < E)).to(tl.int32)  # [CH, EB]; ids < E only
-            before = tl.sum((tl.cumsum(hot, 0) - hot + seen[None, :] + pstart[None, :]) * hot, 1)
-            tl.store(sp_ptr + before, j, mask=(j < N) & (e < E))
-            seen += tl.sum(hot, 0)
-        for b0 in range(0, P // BM, CH):
-            b = b0 + tl.arange(0, CH)
-            start = b * BM
-            inside = (pstart[None, :] <= start[:, None]) & (start[:, None] < pend[None, :])   # empty runs: never
-            owner = tl.sum(tl.where(inside, ex[None, :] + 1, 0), 1)
-            tl.store(be_ptr + b, tl.where(owner > 0, owner - 1, E), mask=b < P // BM)
+        if pid < E:
+            cnt = tl.sum(tl.where(ex == pid, counts, 0), 0)
+            end = tl.sum(tl.where(ex == pid, pend, 0), 0)
+            start = end - tl.sum(tl.where(ex == pid, padded, 0), 0)
+            if cnt > 0:
+                seen = cnt * 0
+                for c0 in range(0, N, CH):
+                    j = c0 + tl.arange(0, CH)
+                    hot = (tl.load(i_ptr + j, mask=j < N, other=-1) == pid).to(tl.int32)
+                    tl.store(sp_ptr + start + seen + tl.cumsum(hot, 0) - 1, j, mask=hot > 0)
+                    seen += tl.sum(hot, 0)
+                r = start + cnt + tl.arange(0, BM)          # padding: fewer than BM rows
+                tl.store(sp_ptr + r, tl.zeros([BM], dtype=tl.int32) + N, mask=r < end)
+                for b0 in range(start // BM, end // BM, CH):
+                    b = b0 + tl.arange(0, CH)
+                    tl.store(be_ptr + b, tl.zeros([CH], dtype=tl.int32) + pid, mask=b < end // BM)
+        else:
+            total = tl.sum(padded, 0)       # ids outside [0, E) counted nowhere: total <= P
+            for r0 in range(total, P, CH):
+                r = r0 + tl.arange(0, CH)
+                tl.store(sp_ptr + r, tl.zeros([CH], dtype=tl.int32) + N, mask=r < P)
+            for b0 in range(total // BM, P // BM, CH):
+                b = b0 + tl.arange(0, CH)
+                tl.store(be_ptr + b, tl.zeros([CH], dtype=tl.int32) + E, mask=b < P // BM)

@@ -51,7 +51,9 @@ if triton is not None:
             return tl.dot(a, b, acc, input_precision="ieee")
         return tl.dot(a, b, acc)
 
-    @triton.jit
+    # N (the pairs) unspecialised: every prefill size shares one binary per config (a variant compiled mid-run holds
+    # up every request waiting on that step)
+    @triton.jit(do_not_specialize=["N"])
     def _grouped_gate_up_kernel(x_ptr, w_ptr, sp_ptr, be_ptr, h_ptr, stride_x, N, H, I, E, K: tl.constexpr,
                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
         """Program (block, tile of I): h[rows, n] = silu(x[rows] W_e[n]^T) * (x[rows] W_e[I + n]^T)."""
@@ -83,7 +85,7 @@ if triton is not None:
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(h_ptr + rows[:, None] * I + n[None, :], (s * u).to(dt), mask=valid[:, None] & nm[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N"])
     def _grouped_down_kernel(h_ptr, w_ptr, sp_ptr, be_ptr, tw_ptr, y_ptr, N, H, I, E, BM: tl.constexpr,
                              BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
         """Program (block, tile of H): y[pair, n] = w[pair] * (h[rows] Wd_e[n]^T), rounded as the reference."""

@@ -109,4 +109,20 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
             lns = ln.clamp(max=s_)
             close(fd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
                   ref(fd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
+# the new key and value into their pages: slots out of order, one the scratch slot (the null page), positions at a
+# page's first and last offset and inside; k a contiguous [B, nkv, D], v a strided view into a projection; lens = pos + 1
+for kvb in (32, 64):
+    npg = -(-192 // kvb)
+    pools = [torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt) for _ in range(2)]
+    pools += [p.clone() for p in pools]
+    table = torch.zeros(N + 1, npg, dtype=torch.long)
+    table[:N] = (torch.randperm(N * npg) + 1).view(N, npg)
+    sl, pos = torch.tensor([4, N, 5, 0]), torch.tensor([kvb, 3, kvb - 1, 191])
+    kn = torch.randn(4, nkv, Dh, dtype=dt)
+    vn = torch.randn(4, nkv * 3 * Dh, dtype=dt).view(4, nkv, 3 * Dh)[..., Dh:2 * Dh]
+    lens = fd.kv_write(kn, vn, pools[0], pools[1], table, sl, pos)
+    want = ref(fd.kv_write, kn, vn, pools[2], pools[3], table, sl, pos)
+    assert torch.equal(lens, want) and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
+    assert torch.equal(pools[0][table[4, 1], :, 0], kn[0]) and torch.equal(pools[1][table[0, 191 // kvb], :,
+                                                                                     191 % kvb], vn[3])
 print("fused ok", dt, sys.argv[2])

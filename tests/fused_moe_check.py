@@ -6,6 +6,7 @@ import sys
 import torch
 
 from memra_pp.kernels import fused_moe as fm
+from memra_pp.kernels import moe_align
 from memra_pp.kernels.moe_align import ALIGN_KERNEL_PAIRS
 
 torch.manual_seed(0)
@@ -37,13 +38,63 @@ def routing(T, E, k):
 for T, E, k in [(1, 16, 4), (5, 16, 4), (70, 16, 2), (3, 256, 8)]:
     routing(T, E, k)
 
-# align: the kernel equals the torch ops (few pairs; many go to the torch ops), at every block size
-for T, k, E_, BM in [(1, 8, 256, 16), (37, 4, 16, 16), (64, 8, 256, 16), (150, 4, 16, 64), (90, 8, 40, 64)]:
-    assert T * k <= ALIGN_KERNEL_PAIRS        # the kernel, not the torch ops it is compared with
-    idx = torch.stack([torch.randperm(E_)[:k] for _ in range(T)])
+# the router GEMV and the routing in one kernel (up to ROUTER_ROWS rows; beyond, F.linear and route): the experts
+# route() picks from F.linear's logits, and the counter left at zero for the next call; the kernel at up to 8 rows
+def routed(T, E_, H_, k):
+    x, g = torch.randn(T, H_, dtype=dt), torch.randn(E_, H_, dtype=dt) / H_ ** 0.5
+    before = fm.CALLS["router"]
+    w, idx = fm.router_route(x, g, k, dt)
+    assert (fm.CALLS["router"] - before == 1) == (T <= fm.ROUTER_ROWS), fm.CALLS
+    logits = torch.nn.functional.linear(x, g)
+    rw, ridx = fm.route(logits, k, dt)
+    p = logits.float().softmax(-1)
+    assert torch.equal(p.gather(1, idx), p.gather(1, ridx)), (idx, ridx)
+    close(w, rw)
+    assert int(fm._counter(x.device)) == 0
+    ran.add("router")
+
+
+router_rows = fm.ROUTER_ROWS
+for rows in sorted({router_rows, 8}):
+    fm.ROUTER_ROWS = rows
+    for T, E_, H_, k in [(1, 256, 2048, 8), (3, 16, 80, 4), (8, 60, 100, 4), (5, 7, 33, 2), (9, 16, 80, 4)]:
+        routed(T, E_, H_, k)
+fm.ROUTER_ROWS = router_rows
+
+# align: the kernel equals the torch ops (up to ALIGN_KERNEL_PAIRS; beyond, the torch ops), at both block sizes: one
+# row, 512 and 2,048 pairs, 256 experts and a few (not a power of two), distinct experts a row, experts with no pair,
+# every pair on one expert; both ways of counting (tl.histogram's mask, or bin 0 and a correction on older Tritons)
+def aligned(idx, E_, BM):
+    assert idx.numel() <= ALIGN_KERNEL_PAIRS        # the kernel, not the torch ops it is compared with
     a, b = fm.align(idx, E_, BM), fm.align_ref(idx, E_, BM)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (T, k, E_, BM)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (tuple(idx.shape), E_, BM)
     ran.add("align")
+
+
+hist_mask = moe_align._HIST_MASK
+for hm in sorted({hist_mask, False}):
+    moe_align._HIST_MASK = hm
+    for T, k, E_, BM in [(1, 8, 256, 16), (37, 4, 16, 16), (64, 8, 256, 16), (64, 8, 256, 64), (256, 8, 256, 16),
+                         (150, 4, 16, 64), (90, 8, 40, 64), (256, 8, 60, 64), (200, 8, 8, 16)]:
+        aligned(torch.stack([torch.randperm(E_)[:k] for _ in range(T)]), E_, BM)
+    for E_, BM in [(256, 16), (60, 64)]:
+        aligned(torch.randint(0, 5, (64, 8)), E_, BM)               # most experts without a pair
+        aligned(torch.full((256, 8), E_ - 1), E_, BM)               # all on the last expert
+        aligned(torch.zeros(1, 8, dtype=torch.long), E_, BM)       # one row, all on the first
+moe_align._HIST_MASK = hist_mask
+# ids outside [0, E) (route makes none): skipped, nothing written outside the rows, the rest where align_ref puts
+# them without those pairs, then padding
+for E_, BM in [(60, 16), (256, 64)]:
+    idx = torch.randint(0, E_, (40, 8))
+    idx[0, 0], idx[3, 2], idx[5, 1], idx[7, 7] = E_, -1, 2 ** 32 + 1, E_ + 100
+    sp, be = fm.align(idx, E_, BM)
+    flat, N = idx.reshape(-1), idx.numel()
+    good = torch.nonzero((flat >= 0) & (flat < E_)).reshape(-1)
+    rsp, rbe = fm.align_ref(flat[good], E_, BM)
+    n = rsp.numel()
+    assert sp.numel() == moe_align._padded_rows(N, E_, BM) and be.numel() == sp.numel() // BM
+    assert torch.equal(sp[:n], torch.where(rsp < good.numel(), good[rsp.clamp(max=good.numel() - 1)], N).int())
+    assert bool((sp[n:] == N).all()) and torch.equal(be[:n // BM], rbe) and bool((be[n // BM:] == E_).all())
 # each pair exactly once, each block one expert, padding only at a run's end
 idx = torch.randint(0, 16, (37, 4))
 sp, be = fm.align(idx, 16, 16)
@@ -83,6 +134,18 @@ for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
             close(fm.moe_experts(x, w_gu, w_d, w, idx, sh), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
         ran.add("shared")
 
+# the per-pair down kernel both ways ("loop": a row's pairs one after another; "tile": every pair's slice in one
+# tile), k not a power of two (the tile's masked pair rows), without the shared expert and with both widths
+for down in ("loop", "tile"):
+    before = fm.CALLS["down_tile"]
+    for T, k in [(1, 4), (5, 4), (3, 3), (16, 4)]:
+        x = torch.randn(T, H, dtype=dt)
+        w, idx = fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
+        for sh in (None, shared, wide):
+            close(fm._moe_small(x, w_gu, w_d, w, idx, sh, down=down), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
+    assert (fm.CALLS["down_tile"] - before == 12) == (down == "tile"), fm.CALLS
+    ran.add(f"down {down}")
+
 # a NaN or inf logit: that row's ids stay k distinct real experts, and every other row's output is unchanged
 for T in (3, 20):           # the per-pair kernels, and the grouped GEMM through the alignment kernel
     logits = torch.randn(T, E, dtype=dt)
@@ -99,20 +162,44 @@ if dev == "cuda":       # captured in a CUDA graph (static shapes, no host sync)
     x = torch.randn(T, H, dtype=dt)
     logits = torch.randn(T, E, dtype=dt)
     x1, l1 = x[:2], logits[:2]      # and two rows (the per-pair kernels, with the shared expert)
+    gate = torch.randn(E, H, dtype=dt) / H ** 0.5       # and the router kernel, twice a graph (its counter resets)
+    x2 = x[:fm.ROUTER_ROWS]
     for _ in range(2):
         fm.moe_experts(x, w_gu, w_d, *fm.route(logits, k, dt))
         fm.moe_experts(x1, w_gu, w_d, *fm.route(l1, k, dt), shared)
+        fm.router_route(x2, gate, k, dt)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = fm.moe_experts(x, w_gu, w_d, *fm.route(logits, k, dt))
         out1 = fm.moe_experts(x1, w_gu, w_d, *fm.route(l1, k, dt), shared)
-    x.copy_(torch.randn(T, H, dtype=dt))
-    logits.copy_(torch.randn(T, E, dtype=dt))
-    g.replay()
-    torch.cuda.synchronize()
-    close(out, fm.moe_experts_ref(x, w_gu, w_d, *fm.route_ref(logits, k, dt)))
-    close(out1, fm.moe_ref(x1, w_gu, w_d, *fm.route_ref(l1, k, dt), shared))
+        r1 = fm.router_route(x2, gate, k, dt)
+        r2 = fm.router_route(x2 * 2, gate, k, dt)
+    for _ in range(3):
+        x.copy_(torch.randn(T, H, dtype=dt))
+        logits.copy_(torch.randn(T, E, dtype=dt))
+        g.replay()
+        torch.cuda.synchronize()
+        close(out, fm.moe_experts_ref(x, w_gu, w_d, *fm.route_ref(logits, k, dt)))
+        close(out1, fm.moe_ref(x1, w_gu, w_d, *fm.route_ref(l1, k, dt), shared))
+        for (rw, ri), xx in ((r1, x2), (r2, x2 * 2)):
+            lg = torch.nn.functional.linear(xx, gate)
+            p = lg.float().softmax(-1)
+            assert torch.equal(p.gather(1, ri), p.gather(1, fm.route_ref(lg, k, dt)[1])), ri
+        assert int(fm._counter(x.device)) == 0
     ran.add("graph")
+
+# MoE.warm_up (at load on a GPU): every path a step can pick ran once, so Triton compiles them then, not mid-step
+from memra_pp.model.layers import MoE  # noqa: E402
+moe = MoE(4)
+moe.gate_weight = torch.randn(E, H, dtype=dt) / H ** 0.5
+moe.experts_gate_up_proj, moe.experts_down_proj = w_gu, w_d
+moe.shared_gate_up, moe.shared_expert_down_proj_weight, moe.shared_expert_gate_weight = shared
+before = dict(fm.CALLS)
+if dev == "cpu":
+    moe.WARM_ROWS = (1, 3, 40)      # the interpreter is slow; compiled, every size the GPU warms
+moe.warm_up()
+assert all(fm.CALLS[p] > before[p] for p in ("router", "small", "down_tile", "grouped")), (before, fm.CALLS)
+ran.add("warm up")
 
 print("moe ok", sorted(ran))

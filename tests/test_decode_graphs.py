@@ -103,16 +103,18 @@ def test_fused_decode_kernels_in_the_interpreter(dtype):
 
 
 def test_fused_moe_kernels_in_the_interpreter():
-    """The fused MoE routing and experts (kernels/fused_moe.py: the per-pair kernels, with and without the shared
-    expert riding in them, and the grouped GEMM over pairs sorted by expert, with its alignment) against their torch references, by Triton's CPU interpreter, in
+    """The fused MoE routing and experts (kernels/fused_moe.py: the router kernel, the per-pair kernels with both
+    down kernels, with and without the shared expert riding in them, and the grouped GEMM over pairs sorted by
+    expert, with its alignment) against their torch references, by Triton's CPU interpreter, in
     float32 (the interpreter's bfloat16 tl.dot is wrong); tests/test_gpu_decode_graphs.py runs it compiled in both
     dtypes and inside a CUDA graph."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     check = os.path.join(os.path.dirname(__file__), "fused_moe_check.py")
     r = subprocess.run([sys.executable, check, "float32", "cpu"], env=env, capture_output=True, text=True,
                        timeout=300)
-    assert r.returncode == 0 and "moe ok ['align', 'grouped16x64', 'grouped64x64', 'nan row', 'route', 'shared', 'small']" in r.stdout, \
-        r.stdout + r.stderr[-3000:]
+    paths = "['align', 'down loop', 'down tile', 'grouped16x64', 'grouped64x64', 'nan row', 'route', 'router', " \
+            "'shared', 'small', 'warm up']"
+    assert r.returncode == 0 and f"moe ok {paths}" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
 def test_moe_model_through_the_fused_moe_kernels_matches_transformers():

@@ -91,7 +91,9 @@ def test_fused_moe_kernels_compiled(cuda, dtype):
     check = os.path.join(os.path.dirname(__file__), "fused_moe_check.py")
     r = subprocess.run([sys.executable, check, dtype, "cuda"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "moe ok" in r.stdout, r.stderr[-3000:]
-    assert "['align', 'graph', 'grouped16x64', 'grouped64x128', 'grouped64x64', 'nan row', 'route', 'shared', 'small']" in r.stdout, r.stdout
+    paths = "['align', 'down loop', 'down tile', 'graph', 'grouped16x64', 'grouped64x128', 'grouped64x64', " \
+            "'nan row', 'route', 'router', 'shared', 'small', 'warm up']"
+    assert paths in r.stdout, r.stdout
 
 
 def test_fused_gdn_step_equals_the_inplace_kernel_at_27b_shapes(cuda):

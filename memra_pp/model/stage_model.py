@@ -67,13 +67,10 @@ class Layer(nn.Module):
     def _attend_decode(self, q, gate, k, v, slots_B, pos_B, S: int, cache: StageCache, lora=None):
         """Write one new key/value per sequence at its slot and position, attend over the first S positions (on a
         GPU one kernel reads the slots' pages in place and applies the output gate)."""
-        from memra_pp.kernels.fused_decode import decode_attention
+        from memra_pp.kernels.fused_decode import decode_attention, kv_write
         kp, vp = cache.k[self.i], cache.v[self.i]
-        blk, off = cache.locate(slots_B, pos_B)
-        kp[blk, :, off] = k
-        vp[blk, :, off] = v
-        return self.mixer.lin(decode_attention(q, gate, kp, vp, cache.table, slots_B, pos_B + 1, S), "o_proj",
-                              lora)
+        lens = kv_write(k, v, kp, vp, cache.table, slots_B, pos_B)
+        return self.mixer.lin(decode_attention(q, gate, kp, vp, cache.table, slots_B, lens, S), "o_proj", lora)
 
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
@@ -125,6 +122,9 @@ class StageModel(nn.Module):
         self.rope = Rope(self.mc.text, device)
         self.gdn_backend = "torch"
         if self.device.type == "cuda":
+            moe = next((layer.ffn for layer in self.layers if isinstance(layer.ffn, MoE)), None)
+            if moe is not None:         # the MoE kernels compile now (they are shared by every layer)
+                moe.warm_up()
             from . import fla_rule
             if fla_rule.available():
                 rule = fla_rule.FlaRule()
