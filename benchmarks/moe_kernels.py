@@ -45,6 +45,7 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     from gpu_decode import copy_bandwidth
     from memra_pp.kernels import fused_moe as fm
+    from memra_pp.kernels import moe_route as mr
     from memra_pp.model.layers import MoE
     bw = copy_bandwidth()
     E, k, H, I, bf = 256, 8, 2048, 512, torch.bfloat16
@@ -106,7 +107,7 @@ def main() -> int:
         gate = torch.randn(E, H, device="cuda", dtype=bf) * 0.02
         routes = {"route fused": lambda: fm.route(T1, k, bf), "route torch": lambda: fm.route_ref(T1, k, bf),
                   "router GEMV + route kernel": lambda: fm.route(torch.nn.functional.linear(x, gate), k, bf)}
-        if T <= fm.ROUTER_ROWS:
+        if T <= mr.ROUTER_ROWS:
             routes["router+route one kernel"] = lambda: fm.router_route(x, gate, k, bf)
             for rc in [(2, 2048, 1), (2, 2048, 2), (1, 2048, 1), (4, 2048, 2), (2, 1024, 2), (8, 2048, 4)]:
                 routes[f"router+route one kernel {rc}"] = (lambda c: lambda: fm.router_route(x, gate, k, bf, c))(rc)

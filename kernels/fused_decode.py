@@ -5,7 +5,8 @@ step of 64 layers was ~4,300 kernels, two thirds of them a few microseconds of e
 - gated_rms_norm: the linear-attention output norm gated by silu(z), z read in place from the projection.
 - silu_mul: silu(gate) * up from the merged gate/up projection.
 - conv_step: the causal depthwise conv of one decode token, its window state shifted in place at the slots.
-- decode_attention: one query per sequence against its slot of the KV pools, read in place (no gather), gated.
+- decode_attention, kv_write (kernels/paged_attention.py): one query per sequence against its slot of the KV
+  pools, read in place (no gather), gated; the new key and value written into their pages.
 - gdn_decode_fused: the Gated DeltaNet step of kernels/gdn_decode.py reading q, k, v from the conv output and the
   raw b / a projections (beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) computed in the kernel).
 
@@ -163,166 +164,7 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
                              nk, tile, raw_gates=(A_log, dt_bias))
 
 
-# -- the new key and value into their pages -------------------------------------------------------------------------
-def kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
-    kvb = kp.shape[2]
-    blk, off = table[slots_B, pos_B // kvb], pos_B % kvb
-    kp[blk, :, off] = k_BHD
-    vp[blk, :, off] = v_BHD
-    return pos_B + 1
-
-
-def kv_write(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
-    """kp[blk, :, off] = k and vp[blk, :, off] = v, (blk, off) the page and offset of position pos_B[b] of slot
-    slots_B[b] (cache.locate); returns lens = pos + 1 for decode_attention. One kernel for the six of the torch
-    ops (the page lookup, a division, a remainder, two indexed writes, the add): ~13 us an attention layer."""
-    if not _triton(k_BHD):
-        return kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B)
-    B, nkv, D = k_BHD.shape
-    assert k_BHD.stride(2) == 1 and v_BHD.stride(2) == 1 and kp.stride(3) == 1 and kp.stride() == vp.stride()
-    assert table.stride(1) == 1
-    lens = torch.empty_like(pos_B)
-    _kv_write_kernel[(B, nkv)](k_BHD, v_BHD, kp, vp, table, slots_B, pos_B, lens, k_BHD.stride(0), k_BHD.stride(1),
-                               v_BHD.stride(0), v_BHD.stride(1), kp.stride(0), kp.stride(1), kp.stride(2),
-                               table.stride(0), D, KVB=kp.shape[2], BD=triton.next_power_of_2(D), num_warps=1)
-    return lens
-
-
-# -- decode attention over the slot pools -------------------------------------------------------------------------
-def decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int):
-    """attention.attend_decode over the slots' first S positions (gathered from their pages), times
-    sigmoid(gate)."""
-    from memra_pp.model.attention import attend_decode
-    from memra_pp.model.cache import gather_pages
-    B = q_BHD.shape[0]
-    o = attend_decode(q_BHD, gather_pages(kp, table, slots_B, S), gather_pages(vp, table, slots_B, S), lens_B)
-    return o * torch.sigmoid(gate.reshape(B, -1))
-
-
-def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block: int = 64):
-    """One query per sequence against its pages of the paged KV pools [n_blocks, nkv, kv_block, D] (table[slot, j]:
-    the block of positions [j * kv_block, (j + 1) * kv_block)), keys s < lens_B[b] visible (lens <= S), output gated
-    by sigmoid(gate) ([B, nh * D] or a [B, nh, D] view): [B, nh * D]. The pages are read in place (no gather); a
-    long cache is split over programs (flash decoding) when the batch alone would leave the GPU idle, and the
-    splits are combined in a second kernel."""
-    B, nh, D = q_BHD.shape
-    kvb = kp.shape[2]
-    block = min(block, kvb)
-    if not _triton(q_BHD) or D < 16 or D & (D - 1) or kvb % block or block < 16:
-        return decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S)   # tl.dot: pow2 dims >= 16
-    nkv = kp.shape[1]
-    g3 = gate.view(B, nh, D) if gate.dim() == 2 else gate
-    assert q_BHD.stride(2) == 1 and g3.stride(2) == 1 and kp.stride(3) == 1 and vp.stride(3) == 1
-    assert kp.stride() == vp.stride() and table.stride(1) == 1
-    group = nh // nkv
-    blocks = triton.cdiv(S, block)
-    splits = max(1, min(blocks, triton.cdiv(2 * _sms(q_BHD.device), B * nkv)))
-    chunk = triton.cdiv(blocks, splits) * block
-    splits = triton.cdiv(S, chunk)
-    out = torch.empty(B, nh * D, dtype=q_BHD.dtype, device=q_BHD.device)
-    mid = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
-    lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
-    args = (q_BHD, kp, vp, table, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1),
-            kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
-    meta = dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, KVB=kvb, SPLITS=splits,
-                IEEE=q_BHD.dtype == torch.float32, num_warps=4)
-    stages = _ATTN_STAGES.get(q_BHD.device, 2)
-    try:
-        _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=stages)
-    except triton.runtime.errors.OutOfResources:
-        if stages == 1:          # even single-buffered K/V tiles do not fit this GPU's shared memory
-            raise
-        _ATTN_STAGES[q_BHD.device] = 1   # double-buffered [64, D] K and V tiles: ~4 x 64 x D x 2 B (64 KiB at 256)
-        _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=1)
-    if splits > 1:
-        _attn_combine_kernel[(B, nh)](mid, lse, g3, out, g3.stride(0), g3.stride(1), D=D, SPLITS=splits,
-                                      SP=triton.next_power_of_2(splits), num_warps=4)
-    return out
-
-
-_SMS: dict = {}
-_ATTN_STAGES: dict = {}   # device -> software pipelining of the K/V tiles (2; 1 where shared memory is short)
-
-
-def _sms(device) -> int:
-    if device.type != "cuda":
-        return 4
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
-
-
 if triton is not None:
-    @triton.jit
-    def _decode_attn_kernel(Q, K, V, TABLE, SLOTS, LENS, G, O, MID, LSE, sqb, sqh, skn, skh, sks, stt, sgb, sgh,
-                            scale, CHUNK, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                            KVB: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        kh = tl.program_id(1).to(tl.int64)
-        sp = tl.program_id(2)
-        slot = tl.load(SLOTS + b).to(tl.int64)
-        L = tl.load(LENS + b).to(tl.int32)
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        gm = g < GROUP
-        h = kh * GROUP + g
-        q = tl.load(Q + b * sqb + h[:, None] * sqh + d[None, :], mask=gm[:, None], other=0)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
-        start = sp * CHUNK
-        end = tl.minimum(start + CHUNK, L)
-        for s0 in range(start, end, BS):       # a tile lies in one page: BS divides KVB, tiles start at BS multiples
-            blk = tl.load(TABLE + slot * stt + s0 // KVB).to(tl.int64)
-            s = s0 + tl.arange(0, BS)
-            sm = s < end
-            off = blk * skn + kh * skh + (s[:, None] % KVB).to(tl.int64) * sks + d[None, :]
-            k = tl.load(K + off, mask=sm[:, None], other=0)
-            if IEEE:
-                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            qk = tl.where(sm[None, :], qk * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + off, mask=sm[:, None], other=0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        if SPLITS == 1:
-            o = acc / l_i[:, None]
-            gt = tl.load(G + b * sgb + h[:, None] * sgh + d[None, :], mask=gm[:, None], other=0).to(tl.float32)
-            o = o * (1.0 / (1.0 + tl.exp(-gt)))
-            tl.store(O + b * (GROUP * D) * tl.num_programs(1) + h[:, None] * D + d[None, :],
-                     o.to(q.dtype), mask=gm[:, None])
-        else:
-            nh = GROUP * tl.num_programs(1)
-            row = (b * nh + h) * SPLITS + sp
-            safe = tl.where(l_i > 0, l_i, 1.0)
-            tl.store(MID + row[:, None] * D + d[None, :], acc / safe[:, None], mask=gm[:, None])
-            tl.store(LSE + row, tl.where(l_i > 0, m_i + tl.log(safe), float("-inf")), mask=gm)
-
-    @triton.jit
-    def _attn_combine_kernel(MID, LSE, G, O, sgb, sgh, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        nh = tl.num_programs(1)
-        i = tl.arange(0, SP)
-        d = tl.arange(0, D)
-        row = (b * nh + h) * SPLITS
-        lse = tl.load(LSE + row + i, mask=i < SPLITS, other=float("-inf"))
-        w = tl.exp(lse - tl.max(lse, 0))
-        mid = tl.load(MID + (row + i)[:, None] * D + d[None, :], mask=(i < SPLITS)[:, None], other=0)
-        o = tl.sum(mid * w[:, None], 0) / tl.sum(w, 0)
-        gt = tl.load(G + b * sgb + h * sgh + d).to(tl.float32)
-        o = o * (1.0 / (1.0 + tl.exp(-gt)))
-        tl.store(O + (b * nh + h) * D + d, o.to(O.dtype.element_ty))
-
     @triton.jit
     def _add_rms_norm_kernel(x, r, w, s, out, cos, sin, eps, R1, sx0, sx1, sr0, sr1, D: tl.constexpr,
                              BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PLUS_ONE: tl.constexpr, ROPE: tl.constexpr):
@@ -387,22 +229,6 @@ if triton is not None:
         gf = gv.to(tl.float32)
         sv = (gf / (1.0 + tl.exp(-gf))).to(gv.dtype)
         tl.store(out + n * I + o, (sv.to(tl.float32) * uv.to(tl.float32)).to(gv.dtype), mask=m)
-
-    @triton.jit
-    def _kv_write_kernel(k, v, kp, vp, table, slots, pos, lens, skb, skh, svb, svh, spn, sph, sps, stt, D,
-                         KVB: tl.constexpr, BD: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        p = tl.load(pos + b).to(tl.int64)
-        slot = tl.load(slots + b).to(tl.int64)
-        blk = tl.load(table + slot * stt + p // KVB).to(tl.int64)
-        d = tl.arange(0, BD)
-        m = d < D
-        dst = blk * spn + h * sph + (p % KVB) * sps + d
-        tl.store(kp + dst, tl.load(k + b * skb + h * skh + d, mask=m), mask=m)
-        tl.store(vp + dst, tl.load(v + b * svb + h * svh + d, mask=m), mask=m)
-        if h == 0:
-            tl.store(lens + b, (p + 1).to(lens.dtype.element_ty))
 
     @triton.jit
     def _conv_step_kernel(u, state, w, slots, y, su, C, K: tl.constexpr, BC: tl.constexpr):

@@ -1,7 +1,7 @@
 """Fused MoE kernels: the routed experts of a MoE layer without copying any expert's weights and without running
 an expert on a row not routed to it.
 
-- route: softmax over the router logits, top-k, weights renormalised; one program per row.
+- route, router_route (kernels/moe_route.py): softmax over the router logits, top-k, weights renormalised.
 - moe_experts: sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = idx[t, j], as two kernels:
   - few (row, expert) pairs (decode batches): one program per pair and output tile, a matrix-vector product that
     reads each routed expert's weights once where they lie (the gathered path copied them out first: 3x the bytes);
@@ -24,149 +24,19 @@ import torch.nn.functional as F
 from memra_pp.kernels.fused_decode import _triton, triton
 from memra_pp.kernels.moe_align import align, align_ref  # noqa: F401 - the alignment and its reference (tests)
 from memra_pp.kernels.moe_grouped import grouped_config, moe_grouped  # noqa: F401 - many pairs
+from memra_pp.kernels.moe_route import CALLS, route, route_ref, router_route  # noqa: F401 - the routing
 
 if triton is not None:
     import triton.language as tl
 
 SMALL_PAIRS = 64       # at most this many (row, expert) pairs: the per-pair kernels, else the grouped GEMM
 ENABLED = True         # False: layers.MoE's torch paths on CUDA too (benchmarks compare the two in one run)
-# host-side launches by path (a captured graph counts once)
-CALLS = {"route": 0, "router": 0, "small": 0, "grouped": 0, "down_tile": 0}
 
 
 def enabled(x: torch.Tensor, k: int) -> bool:
     """The fused path serves x (CUDA, or CPU under Triton's interpreter); route() keeps the torch routing where k
     is not a power of two."""
     return ENABLED and _triton(x)
-
-
-# -- routing --------------------------------------------------------------------------------------------------------
-def route_ref(logits_TE: torch.Tensor, k: int, dtype: torch.dtype):
-    """(weights [T, k] in dtype, expert ids [T, k] int64): softmax in float32, top-k, renormalised (layers.MoE)."""
-    p = logits_TE.float().softmax(-1)
-    w, idx = p.topk(k, dim=-1)
-    return (w / w.sum(-1, keepdim=True)).to(dtype), idx
-
-
-def route(logits_TE: torch.Tensor, k: int, dtype: torch.dtype):
-    if not _triton(logits_TE) or logits_TE.shape[1] > 1024 or k & (k - 1):
-        return route_ref(logits_TE, k, dtype)
-    T, E = logits_TE.shape
-    assert logits_TE.stride(1) == 1
-    CALLS["route"] += 1
-    w = torch.empty(T, k, dtype=dtype, device=logits_TE.device)
-    idx = torch.empty(T, k, dtype=torch.int64, device=logits_TE.device)
-    _route_kernel[(T,)](logits_TE, w, idx, logits_TE.stride(0), E, K=k, BE=triton.next_power_of_2(E),
-                        num_warps=2)
-    return w, idx
-
-
-if triton is not None:
-    @triton.jit
-    def _route_kernel(l_ptr, w_ptr, i_ptr, stride_l, E, K: tl.constexpr, BE: tl.constexpr):
-        t = tl.program_id(0)
-        offs = tl.arange(0, BE)
-        x = tl.load(l_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
-        _route_row(x, w_ptr + t * K, i_ptr + t * K, offs, E, K, BE)
-
-
-# -- the router GEMV and the routing in one kernel (few rows) -----------------------------------------------------
-# up to this many rows router_route's one kernel, else F.linear and route. H200, 35B-A3B, 2026-12-01 (moe_kernels.py,
-# device time in a CUDA graph): 1 row 7.1 us against 8.4 us for the two; 2 rows 10.0 against 8.4, 8 rows 27.8: the
-# last program routes the rows one after another, where route() has a program a row
-ROUTER_ROWS = 1
-# device -> int32 [1]: router_route's programs done, reset by the last. One per device: a stage runs its model on one
-# stream at a time (two router kernels at once on one device would share it)
-_COUNTERS: dict = {}
-
-
-# (experts a program, hidden a step, warps): one warp a program, 256 programs, the whole hidden in one load (H200,
-# 35B-A3B, one row: 5.0 us; (2, 512, 4) 7.2 us, the router GEMV and route() as two kernels 8.3 us)
-ROUTER_CFG = (1, 2048, 1)
-
-
-def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch.dtype, cfg=None):
-    """route(F.linear(x, gate), k, dtype). For few rows one kernel: each program computes a few experts' logits for
-    every row (rounded to x's dtype as F.linear's output is), and the last program to finish routes every row (a
-    counter in memory, reset by that program, so a CUDA graph replays it). cuBLAS gave the [T, 256] x [256, 2048]
-    router four thread blocks (5.3 us at batch 1, the bytes' time is 0.25 us) and the routing was a second launch."""
-    T, H = x_TH.shape
-    E = gate_EH.shape[0]
-    if not (_triton(x_TH) and T <= ROUTER_ROWS and E <= 1024 and not k & (k - 1) and x_TH.stride(1) == 1
-            and gate_EH.is_contiguous()):
-        return route(F.linear(x_TH, gate_EH), k, dtype)
-    CALLS["route"] += 1
-    CALLS["router"] += 1
-    dev = x_TH.device
-    logits = torch.empty(T, E, dtype=torch.float32, device=dev)
-    w = torch.empty(T, k, dtype=dtype, device=dev)
-    idx = torch.empty(T, k, dtype=torch.int64, device=dev)
-    BR, BK, warps = cfg or ROUTER_CFG
-    _router_route_kernel[(triton.cdiv(E, BR),)](
-        x_TH, gate_EH, logits, w, idx, _counter(dev), x_TH.stride(0), T, H, E, K=k, TP=triton.next_power_of_2(T),
-        BR=BR, BK=min(BK, triton.next_power_of_2(H)), BE=triton.next_power_of_2(E), num_warps=warps)
-    return w, idx
-
-
-def _counter(dev) -> torch.Tensor:
-    key = str(dev)
-    c = _COUNTERS.get(key)
-    if c is None:
-        c = torch.zeros(1, dtype=torch.int32, device=dev)
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return c        # the graph's pool owns it (its zeroing is captured too): not kept. Decode graphs warm
-            #                 up eagerly first, so they find one kept
-        _COUNTERS[key] = c
-    return c
-
-
-if triton is not None:
-    @triton.jit
-    def _route_row(p, w_ptr, i_ptr, offs, E, K: tl.constexpr, BE: tl.constexpr):
-        """One row's routing from its float32 logits p [BE] (masked ones -inf): softmax, k rounds of argmax (ties
-        to the lowest index), renormalised; a NaN or inf logit makes the row NaN, yet its ids stay k distinct real
-        experts (as torch's output is NaN; an id past E would read another expert's weights)."""
-        p = tl.exp(p - tl.max(p, 0))
-        p = p / tl.sum(p, 0)
-        p = tl.where(offs < E, tl.where(p == p, p, 0.0), -1.0)
-        ks = tl.arange(0, K)
-        vals = tl.zeros([K], dtype=tl.float32)
-        ids = tl.zeros([K], dtype=tl.int32)
-        for j in tl.static_range(K):
-            m = tl.max(p, 0)
-            e = tl.minimum(tl.min(tl.where(p == m, offs, BE), 0), E - 1)
-            vals = tl.where(ks == j, m, vals)
-            ids = tl.where(ks == j, e, ids)
-            p = tl.where(offs == e, -2.0, p)       # taken: below every candidate, masked ones included
-        tl.store(w_ptr + ks, (vals / tl.sum(vals, 0)).to(w_ptr.dtype.element_ty))
-        tl.store(i_ptr + ks, ids.to(tl.int64))
-
-    @triton.jit
-    def _router_route_kernel(x_ptr, g_ptr, l_ptr, w_ptr, i_ptr, cnt_ptr, stride_x, T, H, E, K: tl.constexpr,
-                             TP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
-        r = tl.program_id(0) * BR + tl.arange(0, BR)
-        rm = r < E
-        ts = tl.arange(0, TP)
-        tm = ts < T
-        acc = tl.zeros([TP, BR], dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            kk = k0 + tl.arange(0, BK)
-            km = kk < H
-            g = tl.load(g_ptr + r[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            xk = tl.load(x_ptr + ts[:, None] * stride_x + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-            acc += tl.sum(xk.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], 2)
-        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)           # F.linear's output dtype
-        tl.store(l_ptr + ts[:, None] * E + r[None, :], acc, mask=tm[:, None] & rm[None, :])
-        # CUTLASS's semaphore: the block's stores, a barrier, then one release (acq_rel) at GPU scope; the program
-        # that counts last acquires them all, and reads them past L1
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if done == tl.num_programs(0) - 1:
-            offs = tl.arange(0, BE)
-            for t in range(T):
-                p = tl.load(l_ptr + t * E + offs, mask=offs < E, other=float("-inf"), volatile=True)
-                _route_row(p, w_ptr + t * K, i_ptr + t * K, offs, E, K, BE)
-            tl.atomic_xchg(cnt_ptr, 0)
 
 
 # -- the routed experts ---------------------------------------------------------------------------------------------

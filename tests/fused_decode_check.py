@@ -1,10 +1,12 @@
-"""The fused decode kernels (kernels/fused_decode.py) against their torch references, on one device: run as
-`python fused_decode_check.py DTYPE DEVICE` (CPU under TRITON_INTERPRET=1, or cuda compiled). Prints "fused ok"."""
+"""The fused decode kernels (kernels/fused_decode.py, kernels/paged_attention.py) against their torch references,
+on one device: run as `python fused_decode_check.py DTYPE DEVICE` (CPU under TRITON_INTERPRET=1, or cuda
+compiled). Prints "fused ok"."""
 import sys
 
 import torch
 
 from memra_pp.kernels import fused_decode as fd
+from memra_pp.kernels import paged_attention as pgd
 
 torch.manual_seed(0)
 dt = getattr(torch, sys.argv[1])
@@ -107,8 +109,8 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
         # on the CPU (4 "SMs"): the 160 keys split over programs and combined; at S=kvb one tile, no split
         for s_ in (S, kvb):
             lns = ln.clamp(max=s_)
-            close(fd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
-                  ref(fd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
+            close(pgd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
+                  ref(pgd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
 # the new key and value into their pages: slots out of order, one the scratch slot (the null page), positions at a
 # page's first and last offset and inside; k a contiguous [B, nkv, D], v a strided view into a projection; lens = pos + 1
 for kvb in (32, 64):
@@ -120,8 +122,8 @@ for kvb in (32, 64):
     sl, pos = torch.tensor([4, N, 5, 0]), torch.tensor([kvb, 3, kvb - 1, 191])
     kn = torch.randn(4, nkv, Dh, dtype=dt)
     vn = torch.randn(4, nkv * 3 * Dh, dtype=dt).view(4, nkv, 3 * Dh)[..., Dh:2 * Dh]
-    lens = fd.kv_write(kn, vn, pools[0], pools[1], table, sl, pos)
-    want = ref(fd.kv_write, kn, vn, pools[2], pools[3], table, sl, pos)
+    lens = pgd.kv_write(kn, vn, pools[0], pools[1], table, sl, pos)
+    want = ref(pgd.kv_write, kn, vn, pools[2], pools[3], table, sl, pos)
     assert torch.equal(lens, want) and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
     assert torch.equal(pools[0][table[4, 1], :, 0], kn[0]) and torch.equal(pools[1][table[0, 191 // kvb], :,
                                                                                      191 % kvb], vn[3])

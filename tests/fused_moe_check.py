@@ -7,6 +7,7 @@ import torch
 
 from memra_pp.kernels import fused_moe as fm
 from memra_pp.kernels import moe_align
+from memra_pp.kernels import moe_route as mr
 from memra_pp.kernels.moe_align import ALIGN_KERNEL_PAIRS
 
 torch.manual_seed(0)
@@ -44,22 +45,22 @@ def routed(T, E_, H_, k):
     x, g = torch.randn(T, H_, dtype=dt), torch.randn(E_, H_, dtype=dt) / H_ ** 0.5
     before = fm.CALLS["router"]
     w, idx = fm.router_route(x, g, k, dt)
-    assert (fm.CALLS["router"] - before == 1) == (T <= fm.ROUTER_ROWS), fm.CALLS
+    assert (fm.CALLS["router"] - before == 1) == (T <= mr.ROUTER_ROWS), fm.CALLS
     logits = torch.nn.functional.linear(x, g)
     rw, ridx = fm.route(logits, k, dt)
     p = logits.float().softmax(-1)
     assert torch.equal(p.gather(1, idx), p.gather(1, ridx)), (idx, ridx)
     close(w, rw)
-    assert int(fm._counter(x.device)) == 0
+    assert int(mr._counter(x.device)) == 0
     ran.add("router")
 
 
-router_rows = fm.ROUTER_ROWS
+router_rows = mr.ROUTER_ROWS
 for rows in sorted({router_rows, 8}):
-    fm.ROUTER_ROWS = rows
+    mr.ROUTER_ROWS = rows
     for T, E_, H_, k in [(1, 256, 2048, 8), (3, 16, 80, 4), (8, 60, 100, 4), (5, 7, 33, 2), (9, 16, 80, 4)]:
         routed(T, E_, H_, k)
-fm.ROUTER_ROWS = router_rows
+mr.ROUTER_ROWS = router_rows
 
 # align: the kernel equals the torch ops (up to ALIGN_KERNEL_PAIRS; beyond, the torch ops), at both block sizes: one
 # row, 512 and 2,048 pairs, 256 experts and a few (not a power of two), distinct experts a row, experts with no pair,
@@ -163,7 +164,7 @@ if dev == "cuda":       # captured in a CUDA graph (static shapes, no host sync)
     logits = torch.randn(T, E, dtype=dt)
     x1, l1 = x[:2], logits[:2]      # and two rows (the per-pair kernels, with the shared expert)
     gate = torch.randn(E, H, dtype=dt) / H ** 0.5       # and the router kernel, twice a graph (its counter resets)
-    x2 = x[:fm.ROUTER_ROWS]
+    x2 = x[:mr.ROUTER_ROWS]
     for _ in range(2):
         fm.moe_experts(x, w_gu, w_d, *fm.route(logits, k, dt))
         fm.moe_experts(x1, w_gu, w_d, *fm.route(l1, k, dt), shared)
@@ -186,7 +187,7 @@ if dev == "cuda":       # captured in a CUDA graph (static shapes, no host sync)
             lg = torch.nn.functional.linear(xx, gate)
             p = lg.float().softmax(-1)
             assert torch.equal(p.gather(1, ri), p.gather(1, fm.route_ref(lg, k, dt)[1])), ri
-        assert int(fm._counter(x.device)) == 0
+        assert int(mr._counter(x.device)) == 0
     ran.add("graph")
 
 # MoE.warm_up (at load on a GPU): every path a step can pick ran once, so Triton compiles them then, not mid-step

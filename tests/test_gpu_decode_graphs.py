@@ -125,7 +125,7 @@ def test_decode_attention_at_27b_shapes(cuda, B, S, lens):
     """The paged decode attention kernel (GQA 6:1, head dim 256, 64-position pages scattered over the pool, the gate
     a view into the projection) against the gathered SDPA reference: a batch of 64 at one program per head, and one
     8k-token sequence split over programs and combined."""
-    from memra_pp.kernels.fused_decode import decode_attention, decode_attention_ref
+    from memra_pp.kernels.paged_attention import decode_attention, decode_attention_ref
     torch.manual_seed(0)
     nh, nkv, D, N, kvb = 24, 4, 256, B + 3, 64
     bf = torch.bfloat16

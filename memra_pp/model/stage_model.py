@@ -67,7 +67,7 @@ class Layer(nn.Module):
     def _attend_decode(self, q, gate, k, v, slots_B, pos_B, S: int, cache: StageCache, lora=None):
         """Write one new key/value per sequence at its slot and position, attend over the first S positions (on a
         GPU one kernel reads the slots' pages in place and applies the output gate)."""
-        from memra_pp.kernels.fused_decode import decode_attention, kv_write
+        from memra_pp.kernels.paged_attention import decode_attention, kv_write
         kp, vp = cache.k[self.i], cache.v[self.i]
         lens = kv_write(k, v, kp, vp, cache.table, slots_B, pos_B)
         return self.mixer.lin(decode_attention(q, gate, kp, vp, cache.table, slots_B, lens, S), "o_proj", lora)
