@@ -15,10 +15,9 @@ if triton is not None:
 # Up to this many pairs the kernel aligns them, beyond it the torch ops. Each of its E + 1 programs counts all N ids
 # itself, CH at a time (registers do not grow with N), then walks them again for its expert's ranks: 2 * N / CH steps
 # of a load, a histogram and a scan, so its time grows with N while the torch ops' (a dozen launches, an argsort
-# among them) barely do until far beyond. Not yet measured on a GPU; the guess: a few us at 512 and 2,048 pairs,
-# tens of us at 16,384, where the torch ops cost as much (and the prefill GEMMs dwarf both). The one-program kernel
-# this replaced (H200, 35B-A3B, 2026-12-01): 41 us a layer at 64 rows (512 pairs), a step from 22.2 to 21.0 ms;
-# at 256 rows (2,048 pairs) slower than the torch ops, 32.4 to 34.3 ms, hence its limit of 768.
+# among them) barely do until far beyond. H200, 35B-A3B, 2026-12-01 (benchmarks/moe_kernels.py, device time in a
+# CUDA graph): 3.2 us at 512 pairs, 7.0 at 2,048, 40.7 at 16,384, against the torch ops' 73, 78 and 125 us. The
+# one-program kernel it replaced took 41 us at 512 pairs and lost to the torch ops at 2,048 (its bound was 768).
 ALIGN_KERNEL_PAIRS = 16384
 
 # tl.histogram takes a mask from Triton 3.4 on; before, the kernel sends ids outside [0, E) to bin 0 and takes them out

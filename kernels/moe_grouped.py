@@ -61,10 +61,10 @@ if triton is not None:
         e = tl.load(be_ptr + b)
         if e >= E:
             return
-        rows = b * BM + tl.arange(0, BM)
+        rows = (b * BM + tl.arange(0, BM)).to(tl.int64)     # int64: rows x I passes 2^31 in long prefills
         pair = tl.load(sp_ptr + rows)
         valid = pair < N
-        t = pair // K
+        t = (pair // K).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < I
         w_e = w_ptr + e.to(tl.int64) * (2 * I * H)
@@ -93,7 +93,7 @@ if triton is not None:
         e = tl.load(be_ptr + b)
         if e >= E:
             return
-        rows = b * BM + tl.arange(0, BM)
+        rows = (b * BM + tl.arange(0, BM)).to(tl.int64)     # int64: rows x I passes 2^31 in long prefills
         pair = tl.load(sp_ptr + rows)
         valid = pair < N
         n = tl.program_id(1) * BN + tl.arange(0, BN)

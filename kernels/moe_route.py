@@ -50,8 +50,9 @@ if triton is not None:
 # device time in a CUDA graph): 1 row 7.1 us against 8.4 us for the two; 2 rows 10.0 against 8.4, 8 rows 27.8: the
 # last program routes the rows one after another, where route() has a program a row
 ROUTER_ROWS = 1
-# device -> int32 [1]: router_route's programs done, reset by the last. One per device: a stage runs its model on one
-# stream at a time (two router kernels at once on one device would share it)
+# device -> int32 [1]: router_route's programs done, reset by the last, for callers that bring none (tests,
+# benchmarks). layers.MoE brings its own per layer. Two router kernels must never run at once on one counter: the
+# count of one would end the other early, and the counter would stay off zero for good
 _COUNTERS: dict = {}
 
 
@@ -60,14 +61,17 @@ _COUNTERS: dict = {}
 ROUTER_CFG = (1, 2048, 1)
 
 
-def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch.dtype, cfg=None):
+def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch.dtype, cfg=None,
+                 counter: torch.Tensor | None = None):
     """route(F.linear(x, gate), k, dtype). For few rows one kernel: each program computes a few experts' logits for
     every row (rounded to x's dtype as F.linear's output is), and the last program to finish routes every row (a
     counter in memory, reset by that program, so a CUDA graph replays it). cuBLAS gave the [T, 256] x [256, 2048]
-    router four thread blocks (5.3 us at batch 1, the bytes' time is 0.25 us) and the routing was a second launch."""
+    router four thread blocks (5.3 us at batch 1, the bytes' time is 0.25 us) and the routing was a second launch.
+    `counter`: a zeroed int32 [1] on x's device that no other router kernel uses at the same time (None: one per
+    device)."""
     T, H = x_TH.shape
     E = gate_EH.shape[0]
-    if not (_triton(x_TH) and T <= ROUTER_ROWS and E <= 1024 and not k & (k - 1) and x_TH.stride(1) == 1
+    if not (_triton(x_TH) and 0 < T <= ROUTER_ROWS and E <= 1024 and not k & (k - 1) and x_TH.stride(1) == 1
             and gate_EH.is_contiguous()):
         return route(F.linear(x_TH, gate_EH), k, dtype)
     CALLS["route"] += 1
@@ -78,7 +82,7 @@ def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
     BR, BK, warps = cfg or ROUTER_CFG
     _router_route_kernel[(triton.cdiv(E, BR),)](
-        x_TH, gate_EH, logits, w, idx, _counter(dev), x_TH.stride(0), T, H, E, K=k, TP=triton.next_power_of_2(T),
+        x_TH, gate_EH, logits, w, idx, _counter(dev) if counter is None else counter, x_TH.stride(0), T, H, E, K=k, TP=triton.next_power_of_2(T),
         BR=BR, BK=min(BK, triton.next_power_of_2(H)), BE=triton.next_power_of_2(E), num_warps=warps)
     return w, idx
 

@@ -1,4 +1,4 @@
-"""Paged attention of the decode step (kernels/fused_decode.py re-exports it): the new key and value written into
+"""Paged attention of the decode step (beside kernels/fused_decode.py, whose _triton it uses): the new key and value written into
 their pages, and one query per sequence against its pages of the KV pools, read in place (no gather), gated. Each
 with its torch reference. Runs in stage processes."""
 from __future__ import annotations

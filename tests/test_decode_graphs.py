@@ -117,6 +117,27 @@ def test_fused_moe_kernels_in_the_interpreter():
     assert r.returncode == 0 and f"moe ok {paths}" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
+def test_moe_warm_up_rows_reach_every_variant():
+    """MoE.warm_rows: for any top_k, its row counts reach every variant a step can pick, so MoE.warm_up compiles
+    them all at load: the per-pair kernels, the grouped GEMM at each block config, its alignment by kernel at both
+    chunk sizes (moe_align.align's choice, restated here) and by the torch ops."""
+    from memra_pp.kernels import fused_moe as fm
+    from memra_pp.kernels.moe_align import ALIGN_KERNEL_PAIRS
+    from memra_pp.model.layers import MoE
+
+    def variant(n):
+        if n <= fm.SMALL_PAIRS:
+            return "small"
+        if n > ALIGN_KERNEL_PAIRS:
+            return fm.grouped_config(n), "torch"
+        return fm.grouped_config(n), 512 if n <= 512 else 1024
+
+    every = {variant(n) for n in range(1, 2 * ALIGN_KERNEL_PAIRS)}
+    assert len(every) == 5, every
+    for k in (1, 2, 4, 8, 10, 16):
+        assert {variant(T * k) for T in MoE(k).warm_rows()} == every, k
+
+
 def test_moe_model_through_the_fused_moe_kernels_matches_transformers():
     """The whole MoE model (two stages, prompts of 1 to 130 tokens prefilled together, then decoded as one batch)
     with every MoE layer through the fused routing and expert kernels, in Triton's interpreter in float32: the same

@@ -76,30 +76,42 @@ class MoE(Param):
                           "shared_expert.up_proj.weight", "shared_expert.down_proj.weight",
                           "experts.gate_up_proj", "experts.down_proj"])
         self.top_k = top_k
+        self.route_counter = None   # the router kernel's own counter (kernels/moe_route.py), made at load
 
     def load(self, prefix: str, src, dtype, device):
         super().load(prefix, src, dtype, device)
         self.shared_gate_up = self.fuse(["shared_expert.gate_proj", "shared_expert.up_proj"])
+        self.route_counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def decode_fused(self, x_BH):
         return self(x_BH, None, True)
 
-    WARM_ROWS = (1, 64, 128, 1024, 4096)
+    WARM_ROWS = None    # rows warm_up runs (None: warm_rows(), every variant for this top_k)
+
+    def warm_rows(self) -> list[int]:
+        """Row counts whose pairs (rows x top_k) land in each variant of the fused path: per-pair kernels (one row),
+        the grouped GEMM with its alignment kernel at 512 ids a step (up to 512 pairs), at 1,024 with blocks of 16
+        (up to 2,048), with blocks of 64 (up to the kernel's bound), then the torch alignment and the largest
+        blocks (moe_align.align, moe_grouped.grouped_config)."""
+        from memra_pp.kernels.moe_align import ALIGN_KERNEL_PAIRS
+        k = self.top_k
+        return sorted({1} | {max(1, n // k) for n in (512, 2048, ALIGN_KERNEL_PAIRS)} | {ALIGN_KERNEL_PAIRS // k + 1})
 
     def warm_up(self):
-        """Run the fused kernels once at every variant a step can pick (per-pair kernels and the router kernel; the
-        grouped GEMM at each block config, its alignment by kernel at both chunk sizes and by torch ops), so
-        Triton compiles them at load, not inside a running step where every waiting request would pay for it
-        (seen: p50 time to first token at 64 concurrent 1,015 ms with compiles mid-run, 425 ms without)."""
+        """Run the fused kernels once at every variant a step can pick (the router kernel, the per-pair kernels with
+        and without the shared expert riding along (adapter steps add it apart), the grouped GEMM at each block
+        config with each alignment), so Triton compiles them at load, not inside a running step where every
+        waiting request would pay for it."""
         from memra_pp.kernels import fused_moe
         x = self.gate_weight
         if not fused_moe.enabled(x, self.top_k):
             return
         g = torch.Generator(device=x.device).manual_seed(0)
-        for T in self.WARM_ROWS:
+        for T in self.WARM_ROWS or self.warm_rows():
             self(torch.randn(T, x.shape[1], generator=g, device=x.device, dtype=x.dtype))
-        if x.is_cuda:
-            torch.cuda.empty_cache()    # its temporaries must not count against the KV budget measured next
+        x1 = torch.randn(1, x.shape[1], generator=g, device=x.device, dtype=x.dtype)
+        fused_moe.moe_experts(x1, self.experts_gate_up_proj, self.experts_down_proj,
+                              *fused_moe.router_route(x1, x, self.top_k, x.dtype, counter=self.route_counter))
 
     def forward(self, x_TH, lora=None, static: bool = False):
         """On CUDA the fused routing and experts (kernels/fused_moe.py), eager and captured alike. Otherwise
@@ -108,7 +120,8 @@ class MoE(Param):
         weights (zero where unrouted); not static: each routed expert on its rows (_routed)."""
         from memra_pp.kernels import fused_moe
         if fused_moe.enabled(x_TH, self.top_k):
-            w, idx = fused_moe.router_route(x_TH, self.gate_weight, self.top_k, x_TH.dtype)
+            w, idx = fused_moe.router_route(x_TH, self.gate_weight, self.top_k, x_TH.dtype,
+                                            counter=self.route_counter)
             if lora is None:     # the shared expert rides in the experts' kernels (few rows) or is added there
                 shared = (self.shared_gate_up, self.shared_expert_down_proj_weight, self.shared_expert_gate_weight)
                 return fused_moe.moe_experts(x_TH, self.experts_gate_up_proj, self.experts_down_proj, w, idx,
