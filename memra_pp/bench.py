@@ -90,6 +90,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         if warm:   # the same load, untimed: decode graphs of this batch size are captured, KV pools grown
             list(pool.map(lambda p: one(p, min(3, max_new_tokens), False), prompts))
+        captures0 = _graph_captures(dep.stats()["stages"])
         dep.stats(reset=True)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -118,9 +119,16 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                                               "async_steps", "host_busy", "send_write_us", "send_header_us")}
                        for s in st],
             "steady_busy": steady.get("busy", []),
+            # decode graphs captured inside the timed run (a bucket the warm-up did not reach): each one stalls its
+            # stage for the capture, so time to first token and the end-to-end rate carry it
+            "graph_captures_in_run": _graph_captures(st) - captures0,
             "steady_window_s": steady.get("window_s", 0.0),
             **({"timeline": timeline_since(st, tm0, _pct([ev[0][0] - t0 for _, ev in out if ev], 0.5), wall)}
                if timeline else {})}
+
+
+def _graph_captures(stages: list[dict]) -> int:
+    return sum((s.get("decode_graphs") or {}).get("captures", 0) for s in stages)
 
 
 def timeline_since(stages: list[dict], tm0: float, ttft_s: float, wall_s: float) -> dict:

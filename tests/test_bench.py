@@ -48,6 +48,15 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     ph = r["stages"][0]["phase_us_per_microbatch"]      # the intake loop says where a step's host time goes
     assert {"schedule", "embed", "model", "tokens"} <= set(ph) and all(v >= 0 for v in ph.values())
     assert {"model", "sample"} <= set(r["stages"][1]["phase_us_per_microbatch"])
+    assert r["graph_captures_in_run"] == 0          # CPU stages decode eagerly
+
+
+def test_graph_captures_counts_every_stage_that_captures():
+    """run_bench's graph_captures_in_run: the stages' decode-graph captures summed, eager stages counting none."""
+    from memra_pp.bench import _graph_captures
+    st = [{"decode_graphs": {"captures": 3, "replays": 9, "graphs": []}}, {"decode_graphs": {"off": "eager"}},
+          {"decode_graphs": None}, {}, {"decode_graphs": {"captures": 2}}]
+    assert _graph_captures(st) == 5
 
 
 def test_timeline_shows_a_chunked_prefill_moving_down_the_pipeline(ray_cluster, tmp_path):
