@@ -74,8 +74,12 @@ def main() -> int:
                           (4, 1024, 4, 16, 256, 4), (8, 2048, 4, 32, 128, 4)]:
                 cand[f"small {tiles}"] = (lambda t: lambda: fm._moe_small(x, w_gu, w_d, w, idx, tiles=t,
                                                                           down="loop"))(tiles)
+            # the down kernel's tiles, then the gate|up kernel's (63% of its bytes' time at one row: 288 programs
+            # of 16 rows fill 132 SMs 2.2 times over, so the last wave runs a fifth full)
             for tiles in [(16, 512, 4, 1, 512, 4), (16, 512, 4, 2, 512, 4), (16, 512, 4, 4, 512, 4),
-                          (16, 512, 4, 2, 512, 8), (16, 512, 4, 4, 512, 8), (16, 512, 4, 8, 512, 8)]:
+                          (16, 512, 4, 2, 512, 8), (16, 512, 4, 4, 512, 8), (16, 512, 4, 8, 512, 8),
+                          (8, 512, 2, 2, 512, 4), (8, 1024, 4, 2, 512, 4), (4, 2048, 2, 2, 512, 4),
+                          (4, 1024, 2, 2, 512, 4), (32, 256, 8, 2, 512, 4), (8, 256, 2, 2, 512, 4)]:
                 cand[f"small tile {tiles}"] = (lambda t: lambda: fm._moe_small(x, w_gu, w_d, w, idx, tiles=t,
                                                                                down="tile"))(tiles)
                 cand[f"small tile {tiles} + shared expert"] = (lambda t: lambda: fm._moe_small(
