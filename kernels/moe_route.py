@@ -47,8 +47,9 @@ if triton is not None:
 
 # -- the router GEMV and the routing in one kernel (few rows) -----------------------------------------------------
 # up to this many rows router_route's one kernel, else F.linear and route. H200, 35B-A3B, 2026-12-01 (moe_kernels.py,
-# device time in a CUDA graph): 1 row 7.1 us against 8.4 us for the two; 2 rows 10.0 against 8.4, 8 rows 27.8: the
-# last program routes the rows one after another, where route() has a program a row
+# device time in a CUDA graph, the first ROUTER_CFG, (2, 512, 4)): 1 row 7.1 us against 8.4 us for the two; 2 rows
+# 10.0 against 8.4, 8 rows 27.8: the last program routes the rows one after another, where route() has a program a
+# row. The committed ROUTER_CFG took one row to 5.0 us; more rows were not re-measured with it
 ROUTER_ROWS = 1
 # device -> int32 [1]: router_route's programs done, reset by the last, for callers that bring none (tests,
 # benchmarks). layers.MoE brings its own per layer. Two router kernels must never run at once on one counter: the
