@@ -13,8 +13,8 @@ if triton is not None:
 
 # -- the new key and value into their pages -------------------------------------------------------------------------
 def kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
-    kvb = kp.shape[2]
-    blk, off = table[slots_B, pos_B // kvb], pos_B % kvb
+    from memra_pp.model.cache import locate
+    blk, off = locate(table, slots_B, pos_B, kp.shape[2])
     kp[blk, :, off] = k_BHD
     vp[blk, :, off] = v_BHD
     return pos_B + 1
@@ -22,7 +22,8 @@ def kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
 
 def kv_write(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
     """kp[blk, :, off] = k and vp[blk, :, off] = v, (blk, off) the page and offset of position pos_B[b] of slot
-    slots_B[b] (cache.locate); returns lens = pos + 1 for decode_attention. One kernel for the six of the torch
+    slots_B[b] (cache.locate), for decode rows and prefill tokens alike; returns lens = pos + 1 for
+    decode_attention. One kernel for the six of the torch
     ops (the page lookup, a division, a remainder, two indexed writes, the add): ~13 us an attention layer."""
     if not _triton(k_BHD):
         return kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B)

@@ -90,8 +90,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         if warm:   # the same load, untimed: decode graphs of this batch size are captured, KV pools grown
             list(pool.map(lambda p: one(p, min(3, max_new_tokens), False), prompts))
-        captures0 = _graph_captures(dep.stats()["stages"])
-        dep.stats(reset=True)
+        captures0 = _graph_captures(dep.stats(reset=True)["stages"])     # graph counts are never reset
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         t0, tm0 = time.perf_counter(), time.monotonic()     # monotonic: the stages' timeline clock

@@ -232,8 +232,7 @@ class StageCache:
             f"scheduler.max_context, or split the model over more stages")
 
     def locate(self, slots: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of position pos[i] of slot slots[i] (device tensors; one gather)."""
-        return self.table[slots, pos // self.kv_block], pos % self.kv_block
+        return locate(self.table, slots, pos, self.kv_block)
 
     def gather(self, pool: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
         return gather_pages(pool, self.table, slots, S)
@@ -257,6 +256,11 @@ class StageCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.conv, self.rec, self.k, self.v) for t in d.values())
+
+
+def locate(table: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, kv_block: int):
+    """(block, offset) of position pos[i] of slot slots[i] (device tensors; one gather)."""
+    return table[slots, pos // kv_block], pos % kv_block
 
 
 def gather_pages(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:

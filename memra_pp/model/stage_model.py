@@ -75,10 +75,9 @@ class Layer(nn.Module):
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
+        from memra_pp.kernels.paged_attention import kv_write
         kp, vp = cache.k[self.i], cache.v[self.i]
-        blk, off = cache.locate(*b.token_index(x_TH.device))        # every new token's page and offset
-        kp[blk, :, off] = k
-        vp[blk, :, off] = v
+        kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
         o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         # sequences with the same (start, length) attend in one batched call over their pages, gathered
         for idx, rows, slots in b.groups("start", x_TH.device):
