@@ -2,7 +2,7 @@
 memory floor, eager against CUDA graphs, side by side in one run (and a profile of one step).
 
     python -u benchmarks/gpu_engine_step.py --out DIR [--model preset:qwen3.5-27b] [--batches 1,64]
-        [--modes eager,graph,graph-torchmoe] [--ctx 192] [--profile]
+        [--modes eager,graph,graph-cublas,graph-torchmoe] [--ctx 192] [--profile]
 
 The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
 work of a step). The floor of a step: every weight once + each sequence's fp32 recurrent state read and written +
@@ -89,9 +89,13 @@ def main() -> int:
     cache = model.new_cache(max(batches), a.ctx + 64)
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
-    from memra_pp.kernels import fused_moe
+    from memra_pp.kernels import fused_moe, gemv, moe_route
+    rows0 = gemv.GEMV_ROWS
     for mode in a.modes.split(","):
         fused_moe.ENABLED = not mode.endswith("-torchmoe")   # MoE: layers.MoE's torch paths instead of the kernels
+        # -cublas: cuBLAS for every projection and the norms as their own kernels (the sixth session's step)
+        gemv.GEMV_ROWS = 0 if mode.endswith("-cublas") else rows0
+        moe_route.NORM_ROUTER = not mode.endswith("-cublas")
         graph = mode.startswith("graph")
         model.set_decode_graphs(False, cache)      # drop graphs captured under the previous mode
         model.set_decode_graphs(graph, cache)

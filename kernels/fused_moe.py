@@ -1,7 +1,8 @@
 """Fused MoE kernels: the routed experts of a MoE layer without copying any expert's weights and without running
 an expert on a row not routed to it.
 
-- route, router_route (kernels/moe_route.py): softmax over the router logits, top-k, weights renormalised.
+- route, router_route, norm_router_route (kernels/moe_route.py): softmax over the router logits, top-k, weights
+  renormalised (the router GEMV, and the MoE's input norm, in the same kernel for one row).
 - moe_experts: sum_j w[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = idx[t, j], as two kernels:
   - few (row, expert) pairs (decode batches): one program per pair and output tile, a matrix-vector product that
     reads each routed expert's weights once where they lie (the gathered path copied them out first: 3x the bytes);
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from memra_pp.kernels.fused_decode import _triton, triton
 from memra_pp.kernels.moe_align import align, align_ref  # noqa: F401 - the alignment and its reference (tests)
 from memra_pp.kernels.moe_grouped import grouped_config, moe_grouped  # noqa: F401 - many pairs
-from memra_pp.kernels.moe_route import CALLS, route, route_ref, router_route  # noqa: F401 - the routing
+from memra_pp.kernels.moe_route import CALLS, norm_router_route, route, route_ref, router_route  # noqa: F401
 
 if triton is not None:
     import triton.language as tl
@@ -84,8 +85,10 @@ def moe_experts(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared=None):
 # per-pair kernels: gate|up (BN, BK, warps), down (BN, BK, warps); picked by benchmarks/moe_kernels.py (H200,
 # 35B-A3B, 2026-12-01, one row's 8 experts, 4 rows, 8: 20.1, 57.2, 101 us with the "loop" down kernel (55, 70, 110
 # before these kernels); with the "tile" down kernel and BN 2: 16.8, 51.1, 90.1 us, with the shared expert riding
-# along 20.2 us at one row against 23.9)
-SMALL_TILES = (16, 512, 4, 2, 512, 4)
+# along 20.2 us at one row against 23.9). Seventh session: gate|up 4 rows a program, 2 warps, 1,024 wide steps
+# (1,152 programs where 288 filled 132 SMs 2.2 times): one row 13.0 us against 16.6, with the shared expert 17.5
+# against 20.5
+SMALL_TILES = (4, 1024, 2, 2, 512, 4)
 # the down kernel: "loop" reads a row's pairs one after another (each pair a dependent round trip to memory: 12.9
 # us for 19 MB a layer at batch 1, 34% of its bytes' time); "tile" loads every routed pair's slice as one
 # [K, BN, I] tile, so all K loads are in flight at once (BK is then the widest expert it takes; wider: "loop")

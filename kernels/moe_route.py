@@ -12,7 +12,7 @@ if triton is not None:
     import triton.language as tl
 
 # host-side launches by path (a captured graph counts once)
-CALLS = {"route": 0, "router": 0, "small": 0, "grouped": 0, "down_tile": 0}
+CALLS = {"route": 0, "router": 0, "norm_router": 0, "small": 0, "grouped": 0, "down_tile": 0}
 
 
 # -- routing --------------------------------------------------------------------------------------------------------
@@ -60,6 +60,7 @@ _COUNTERS: dict = {}
 # (experts a program, hidden a step, warps): one warp a program, 256 programs, the whole hidden in one load (H200,
 # 35B-A3B, one row: 5.0 us; (2, 512, 4) 7.2 us, the router GEMV and route() as two kernels 8.3 us)
 ROUTER_CFG = (1, 2048, 1)
+NORM_ROUTER = True    # False: norm_router_route as add_rms_norm then router_route (benchmarks compare the two)
 
 
 def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch.dtype, cfg=None,
@@ -70,22 +71,52 @@ def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch
     router four thread blocks (5.3 us at batch 1, the bytes' time is 0.25 us) and the routing was a second launch.
     `counter`: a zeroed int32 [1] on x's device that no other router kernel uses at the same time (None: one per
     device)."""
+    if not _takes(x_TH, gate_EH, k, cfg):
+        return route(F.linear(x_TH, gate_EH), k, dtype)
+    return _launch(x_TH, None, None, 0.0, gate_EH, k, dtype, cfg, counter)[2:]
+
+
+def norm_router_route(h_TH, res_TH, w_norm, eps: float, gate_EH, k: int, dtype, cfg=None, counter=None):
+    """(s, x, weights, ids) with s = h + res, x = rms_norm(s) (as fused_decode.add_rms_norm rounds both) and the
+    routing of x (router_route): the MoE's input norm inside the router kernel, where the row fits one step of it;
+    program 0 writes s and x for the expert kernels. Else add_rms_norm, then router_route."""
+    from memra_pp.kernels.fused_decode import add_rms_norm
+    H = h_TH.shape[1]
+    BK = (cfg or ROUTER_CFG)[1]
+    if not (NORM_ROUTER and _takes(h_TH, gate_EH, k, cfg) and triton.next_power_of_2(H) <= BK
+            and res_TH.stride(1) == 1):
+        s, x = add_rms_norm(h_TH, res_TH, w_norm, eps)
+        return (s, x, *router_route(x, gate_EH, k, dtype, cfg, counter))
+    CALLS["norm_router"] += 1
+    return _launch(h_TH, res_TH, w_norm, eps, gate_EH, k, dtype, cfg, counter)
+
+
+def _takes(x_TH, gate_EH, k, cfg) -> bool:
+    return (_triton(x_TH) and 0 < x_TH.shape[0] <= ROUTER_ROWS and gate_EH.shape[0] <= 1024 and not k & (k - 1)
+            and x_TH.stride(1) == 1 and gate_EH.is_contiguous())
+
+
+def _launch(x_TH, res_TH, w_norm, eps, gate_EH, k, dtype, cfg, counter):
+    """The router kernel; with w_norm its input is rms_norm(x + res), written out with x + res: (s, x, w, idx)."""
     T, H = x_TH.shape
     E = gate_EH.shape[0]
-    if not (_triton(x_TH) and 0 < T <= ROUTER_ROWS and E <= 1024 and not k & (k - 1) and x_TH.stride(1) == 1
-            and gate_EH.is_contiguous()):
-        return route(F.linear(x_TH, gate_EH), k, dtype)
     CALLS["route"] += 1
     CALLS["router"] += 1
     dev = x_TH.device
     logits = torch.empty(T, E, dtype=torch.float32, device=dev)
     w = torch.empty(T, k, dtype=dtype, device=dev)
     idx = torch.empty(T, k, dtype=torch.int64, device=dev)
+    norm = w_norm is not None
+    s = torch.empty(T, H, dtype=x_TH.dtype, device=dev) if norm else x_TH
+    xn = torch.empty(T, H, dtype=x_TH.dtype, device=dev) if norm else x_TH
+    r = res_TH if norm else x_TH
     BR, BK, warps = cfg or ROUTER_CFG
     _router_route_kernel[(triton.cdiv(E, BR),)](
-        x_TH, gate_EH, logits, w, idx, _counter(dev) if counter is None else counter, x_TH.stride(0), T, H, E, K=k, TP=triton.next_power_of_2(T),
-        BR=BR, BK=min(BK, triton.next_power_of_2(H)), BE=triton.next_power_of_2(E), num_warps=warps)
-    return w, idx
+        x_TH, r, w_norm if norm else gate_EH, s, xn, gate_EH, logits, w, idx,
+        _counter(dev) if counter is None else counter, x_TH.stride(0), r.stride(0), eps, T, H, E, K=k,
+        TP=triton.next_power_of_2(T), BR=BR, BK=min(BK, triton.next_power_of_2(H)), BE=triton.next_power_of_2(E),
+        NORM=norm, num_warps=warps)
+    return s, xn, w, idx
 
 
 def _counter(dev) -> torch.Tensor:
@@ -122,19 +153,41 @@ if triton is not None:
         tl.store(i_ptr + ks, ids.to(tl.int64))
 
     @triton.jit
-    def _router_route_kernel(x_ptr, g_ptr, l_ptr, w_ptr, i_ptr, cnt_ptr, stride_x, T, H, E, K: tl.constexpr,
-                             TP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+    def _router_route_kernel(x_ptr, r_ptr, lw_ptr, s_ptr, xn_ptr, g_ptr, l_ptr, w_ptr, i_ptr, cnt_ptr, stride_x,
+                             stride_r, eps, T, H, E, K: tl.constexpr, TP: tl.constexpr, BR: tl.constexpr,
+                             BK: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr):
+        """NORM: the input rows are rms_norm(x + r), each program norming them itself (one step: BK >= H) and
+        program 0 writing x + r to s and the normed rows to xn."""
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = r < E
         ts = tl.arange(0, TP)
         tm = ts < T
         acc = tl.zeros([TP, BR], dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            kk = k0 + tl.arange(0, BK)
+        if NORM:
+            kk = tl.arange(0, BK)
             km = kk < H
+            m2 = tm[:, None] & km[None, :]
+            # the gate rows first: their load is in flight while the input row is summed and normed
             g = tl.load(g_ptr + r[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            xk = tl.load(x_ptr + ts[:, None] * stride_x + kk[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-            acc += tl.sum(xk.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], 2)
+            xv = tl.load(x_ptr + ts[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
+            rv = tl.load(r_ptr + ts[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
+            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
+            xf = xv.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / H + eps)
+            wf = 1.0 + tl.load(lw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            xn = (xf * inv[:, None] * wf[None, :]).to(xv.dtype)
+            first = m2 & (ts[:, None] * 0 + tl.program_id(0) == 0)
+            tl.store(s_ptr + ts[:, None] * H + kk[None, :], xv, mask=first)
+            tl.store(xn_ptr + ts[:, None] * H + kk[None, :], xn, mask=first)
+            acc += tl.sum(xn.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], 2)
+        else:
+            for k0 in range(0, H, BK):
+                kk = k0 + tl.arange(0, BK)
+                km = kk < H
+                g = tl.load(g_ptr + r[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+                xk = tl.load(x_ptr + ts[:, None] * stride_x + kk[None, :], mask=tm[:, None] & km[None, :],
+                             other=0.0)
+                acc += tl.sum(xk.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], 2)
         acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)           # F.linear's output dtype
         tl.store(l_ptr + ts[:, None] * E + r[None, :], acc, mask=tm[:, None] & rm[None, :])
         # CUTLASS's semaphore: the block's stores, a barrier, then one release (acq_rel) at GPU scope; the program

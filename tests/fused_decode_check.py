@@ -127,4 +127,25 @@ for kvb in (32, 64):
     assert torch.equal(lens, want) and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
     assert torch.equal(pools[0][table[4, 1], :, 0], kn[0]) and torch.equal(pools[1][table[0, 191 // kvb], :,
                                                                                      191 % kvb], vn[3])
+# kernels/gemv.py (forced onto every shape): the products of few rows (1 to 3: padded to 4 inside), plain and with
+# the residual add + norm in their prologue (with and without a residual), against add_rms_norm's reference then
+# F.linear; K over several steps and a ragged last one, N not a multiple of the tile; the new residual bit for bit
+from memra_pp.kernels import gemv  # noqa: E402
+gemv.GEMV_ROWS, gemv.FORCE, calls = 4, True, dict(gemv.CALLS)
+for T in (1, 3):
+    Kg, Ng = 200, 37
+    hg, rg = torch.randn(T, Kg, dtype=dt), torch.randn(T + 2, Kg, dtype=dt)[1:T + 1]
+    lwg, Wg = torch.randn(Kg, dtype=dt) * 0.1, torch.randn(Ng, Kg, dtype=dt) * 0.1
+    # tiles: the default (the whole row in one step), K in steps, persistent programs over several row blocks
+    for t in (None, (8, 64, 4, 0), (4, 256, 2, 3), (8, 64, 4, 2)):
+        close(gemv.linear(hg, Wg, t), ref(gemv.linear, hg, Wg), tol)
+        sa_, ya_ = gemv.norm_linear(hg, rg, lwg, 1e-6, Wg, t)
+        sb_, yb_ = ref(gemv.norm_linear, hg, rg, lwg, 1e-6, Wg)
+        # (the interpreter rounds float32 to bfloat16 its own way: the new residual is bit-equal compiled only)
+        assert torch.equal(sa_, sb_) if dt == torch.float32 or sys.argv[2] == "cuda" else close(sa_, sb_, tol)
+        close(ya_, yb_, tol)
+        s0, y0 = gemv.norm_linear(hg, None, lwg, 1e-6, Wg, t)
+        assert s0 is hg; close(y0, ref(gemv.norm_linear, hg, None, lwg, 1e-6, Wg)[1], tol)
+assert gemv.CALLS["gemv"] - calls["gemv"] == 8 and gemv.CALLS["norm_gemv"] - calls["norm_gemv"] == 16, gemv.CALLS
+gemv.GEMV_ROWS, gemv.FORCE = 1, False
 print("fused ok", dt, sys.argv[2])

@@ -62,6 +62,32 @@ for rows in sorted({router_rows, 8}):
         routed(T, E_, H_, k)
 mr.ROUTER_ROWS = router_rows
 
+
+# the MoE's input norm inside the router kernel (one row whose hidden fits one step of it; else add_rms_norm, then
+# router_route): the new residual and the normed row as add_rms_norm gives them, the routing of that row
+def norm_routed(T, E_, H_, k, taken):
+    from memra_pp.kernels.fused_decode import add_rms_norm_ref
+    h, r = torch.randn(T, H_, dtype=dt), torch.randn(T, H_, dtype=dt)
+    lw, g = torch.randn(H_, dtype=dt) * 0.1, torch.randn(E_, H_, dtype=dt) / H_ ** 0.5
+    before = fm.CALLS["norm_router"]
+    s_, x_, w, idx = fm.norm_router_route(h, r, lw, 1e-6, g, k, dt)
+    assert (fm.CALLS["norm_router"] - before == 1) == taken, fm.CALLS
+    s0, x0 = add_rms_norm_ref(h, r, lw, 1e-6)
+    # the new residual bit for bit (the interpreter rounds to bfloat16 its own way); the normed row within rounding
+    assert torch.equal(s_, s0) if dt == torch.float32 or dev == "cuda" else close(s_, s0) is None
+    close(x_, x0)
+    logits = torch.nn.functional.linear(x_, g)
+    p = logits.float().softmax(-1)
+    assert torch.equal(p.gather(1, idx), p.gather(1, fm.route_ref(logits, k, dt)[1])), idx
+    close(w, fm.route_ref(logits, k, dt)[0])
+    assert int(mr._counter(h.device)) == 0
+    ran.add("norm router")
+
+
+for T, E_, H_, k, taken in [(1, 256, 2048, 8, True), (1, 60, 100, 4, True), (2, 16, 80, 4, False),
+                            (1, 16, 4100, 4, False)]:
+    norm_routed(T, E_, H_, k, taken)
+
 # align: the kernel equals the torch ops (up to ALIGN_KERNEL_PAIRS; beyond, the torch ops), at both block sizes: one
 # row, 512 and 2,048 pairs, 256 experts and a few (not a power of two), distinct experts a row, experts with no pair,
 # every pair on one expert; both ways of counting (tl.histogram's mask, or bin 0 and a correction on older Tritons)
@@ -200,7 +226,8 @@ before = dict(fm.CALLS)
 if dev == "cpu":
     moe.WARM_ROWS = (1, 3, 40)      # the interpreter is slow; compiled, every size the GPU warms
 moe.warm_up()
-assert all(fm.CALLS[p] > before[p] for p in ("router", "small", "down_tile", "grouped")), (before, fm.CALLS)
+assert all(fm.CALLS[p] > before[p] for p in ("router", "norm_router", "small", "down_tile", "grouped")), \
+    (before, fm.CALLS)
 ran.add("warm up")
 
 print("moe ok", sorted(ran))

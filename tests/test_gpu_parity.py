@@ -44,7 +44,7 @@ def hf_greedy_bf16(model, prompt, n):
 @pytest.mark.parametrize("size", ["tiny", "mid", "moe"])
 def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
     """moe: the fused routing and expert kernels (kernels/fused_moe.py), in prefill and in the captured decode."""
-    from memra_pp.kernels import fused_moe
+    from memra_pp.kernels import fused_moe, gemv
     over = MID if size == "mid" else {}
     m = build("moe" if size == "moe" else "dense", tied=False, seed=3, **over)
     m.save_pretrained(tmp_path)
@@ -58,6 +58,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
     for s, c in zip(lp.stages, lp.caches):
         s.set_decode_graphs(True, c)
     calls = dict(fused_moe.CALLS)      # module-wide, and loading ran them (MoE.warm_up): count the run's calls only
+    gemv_calls = dict(gemv.CALLS)
     toks, lps = [], []
     for p in prompts:
         t, lg = lp.greedy([p], 16)
@@ -84,10 +85,13 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
         ours, self_ = [max(a, b) for a, b in zip(ours, o)], [max(a, b) for a, b in zip(self_, h)]
         print(f"prompt {len(p):4d}: identical to generate {t == ht}; greedy gap / logprob diff: ours "
               f"{o[0]:.4f} / {o[1]:.4f}, transformers' generate against itself {h[0]:.4f} / {h[1]:.4f}")
-    if size == "moe":   # prefill (many pairs: grouped GEMM) and decode (one row: router kernel, per-pair kernels,
-        #                 the tile down kernel) all ran fused
-        assert all(fused_moe.CALLS[k] > calls[k] for k in ("route", "router", "small", "down_tile", "grouped")), \
-            (calls, fused_moe.CALLS)
+    if size == "moe":   # prefill (many pairs: grouped GEMM) and decode (one row: router kernel with the input norm,
+        #                 per-pair kernels, the tile down kernel) all ran fused
+        assert all(fused_moe.CALLS[k] > calls[k] for k in ("route", "router", "norm_router", "small", "down_tile",
+                                                          "grouped")), (calls, fused_moe.CALLS)
+    # one-row decode graphs: out_proj / o_proj / down through kernels/gemv.py, the input projections (and the dense
+    # gate|up) with their norm in its prologue (hidden <= 2,048)
+    assert all(gemv.CALLS[k] > gemv_calls[k] for k in ("gemv", "norm_gemv")), (gemv_calls, gemv.CALLS)
     print(f"{size}: {same}/10 prompts identical to generate; worst greedy gap {ours[0]:.3e} (transformers against "
           f"itself {self_[0]:.3e}), worst logprob diff {ours[1]:.3e} (itself {self_[1]:.3e})")
     assert ours[0] <= 2 * self_[0] + 0.05, "one of our tokens is neither transformers' greedy token nor a near tie"

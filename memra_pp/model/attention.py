@@ -55,15 +55,15 @@ class GatedAttention(Param):
     def load(self, prefix: str, src, dtype, device):
         super().load(prefix, src, dtype, device)
         self.qkv = self.fuse(["q_proj", "k_proj", "v_proj"])
+        self.w_in = self.qkv           # the decode graphs' merged input projection (Layer.decode_fused)
 
-    def project_fused(self, x_BH, cos, sin):
-        """project() for the decode graphs: one GEMV for q|gate|k|v, the q and k norms (with their rotary
-        embedding) one kernel each."""
+    def project_fused(self, P, cos, sin):
+        """project() for the decode graphs from the merged projection P = x @ qkv^T (q|gate|k|v; the layer computes
+        it with its input norm): the q and k norms (with their rotary embedding) one kernel each."""
         from memra_pp.kernels.fused_decode import add_rms_norm
         c = self.cfg
-        B, D = x_BH.shape[0], c.head_dim
+        B, D = P.shape[0], c.head_dim
         nq, nkv = c.num_attention_heads * 2 * D, c.num_key_value_heads * D
-        P = F.linear(x_BH, self.qkv)
         qg = P[:, :nq].view(B, c.num_attention_heads, 2 * D)
         k = P[:, nq:nq + nkv].view(B, c.num_key_value_heads, D)
         v = P[:, nq + nkv:].view(B, c.num_key_value_heads, D)

@@ -59,10 +59,13 @@ class DenseMLP(Param):
         super().load(prefix, src, dtype, device)
         self.gate_up = self.fuse(["gate_proj", "up_proj"])
 
-    def decode_fused(self, x_BH):
-        """The decode graphs' MLP: one gate|up GEMV, one silu-mul kernel, the down GEMV."""
+    def decode_fused(self, h_BH, m_BH, w_norm, eps: float):
+        """The decode graphs' MLP on rms_norm(h + m): the residual add and norm with the gate|up GEMV, one silu-mul
+        kernel, the down GEMV (kernels/gemv.py at few rows). Returns (h + m, the MLP's output)."""
         from memra_pp.kernels.fused_decode import silu_mul
-        return F.linear(silu_mul(F.linear(x_BH, self.gate_up)), self.down_proj_weight)
+        from memra_pp.kernels.gemv import linear, norm_linear
+        h_BH, gu = norm_linear(h_BH, m_BH, w_norm, eps, self.gate_up)
+        return h_BH, linear(silu_mul(gu), self.down_proj_weight)
 
     def forward(self, x, lora=None):
         return self.lin(F.silu(self.lin(x, "gate_proj", lora)) * self.lin(x, "up_proj", lora), "down_proj", lora)
@@ -83,8 +86,22 @@ class MoE(Param):
         self.shared_gate_up = self.fuse(["shared_expert.gate_proj", "shared_expert.up_proj"])
         self.route_counter = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def decode_fused(self, x_BH):
-        return self(x_BH, None, True)
+    def decode_fused(self, h_BH, m_BH, w_norm, eps: float):
+        """The decode graphs' MoE on rms_norm(h + m): on the fused path the add and norm inside the router kernel
+        (one row; kernels/moe_route.py). Returns (h + m, the MoE's output)."""
+        from memra_pp.kernels import fused_moe
+        from memra_pp.kernels.fused_decode import add_rms_norm
+        if fused_moe.enabled(h_BH, self.top_k):
+            h_BH, x, w, idx = fused_moe.norm_router_route(h_BH, m_BH, w_norm, eps, self.gate_weight, self.top_k,
+                                                          h_BH.dtype, counter=self.route_counter)
+            return h_BH, fused_moe.moe_experts(x, self.experts_gate_up_proj, self.experts_down_proj, w, idx,
+                                               self._shared())
+        h_BH, x = add_rms_norm(h_BH, m_BH, w_norm, eps)
+        return h_BH, self(x, None, True)
+
+    def _shared(self):
+        """The shared expert's weights as the fused kernels take them (fused_moe.shared_ref)."""
+        return self.shared_gate_up, self.shared_expert_down_proj_weight, self.shared_expert_gate_weight
 
     WARM_ROWS = None    # rows warm_up runs (None: warm_rows(), every variant for this top_k)
 
@@ -98,10 +115,10 @@ class MoE(Param):
         return sorted({1} | {max(1, n // k) for n in (512, 2048, ALIGN_KERNEL_PAIRS)} | {ALIGN_KERNEL_PAIRS // k + 1})
 
     def warm_up(self):
-        """Run the fused kernels once at every variant a step can pick (the router kernel, the per-pair kernels with
-        and without the shared expert riding along (adapter steps add it apart), the grouped GEMM at each block
-        config with each alignment), so Triton compiles them at load, not inside a running step where every
-        waiting request would pay for it."""
+        """Run the fused kernels once at every variant a step can pick (the router kernel, with and without the
+        input norm, the per-pair kernels with and without the shared expert riding along (adapter steps add it
+        apart), the grouped GEMM at each block config with each alignment), so Triton compiles them at load, not
+        inside a running step where every waiting request would pay for it."""
         from memra_pp.kernels import fused_moe
         x = self.gate_weight
         if not fused_moe.enabled(x, self.top_k):
@@ -112,6 +129,7 @@ class MoE(Param):
         x1 = torch.randn(1, x.shape[1], generator=g, device=x.device, dtype=x.dtype)
         fused_moe.moe_experts(x1, self.experts_gate_up_proj, self.experts_down_proj,
                               *fused_moe.router_route(x1, x, self.top_k, x.dtype, counter=self.route_counter))
+        self.decode_fused(x1, x1, x[0], 1e-6)      # the router kernel with the input norm in its prologue
 
     def forward(self, x_TH, lora=None, static: bool = False):
         """On CUDA the fused routing and experts (kernels/fused_moe.py), eager and captured alike. Otherwise
@@ -123,9 +141,8 @@ class MoE(Param):
             w, idx = fused_moe.router_route(x_TH, self.gate_weight, self.top_k, x_TH.dtype,
                                             counter=self.route_counter)
             if lora is None:     # the shared expert rides in the experts' kernels (few rows) or is added there
-                shared = (self.shared_gate_up, self.shared_expert_down_proj_weight, self.shared_expert_gate_weight)
                 return fused_moe.moe_experts(x_TH, self.experts_gate_up_proj, self.experts_down_proj, w, idx,
-                                             shared)
+                                             self._shared())
             out = fused_moe.moe_experts(x_TH, self.experts_gate_up_proj, self.experts_down_proj, w, idx)
         else:
             w, idx = fused_moe.route_ref(F.linear(x_TH, self.gate_weight), self.top_k, x_TH.dtype)

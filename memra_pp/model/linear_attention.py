@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .batch import StepBatch
 from .cache import StageCache
@@ -22,22 +21,24 @@ class GatedDeltaNet(Param):
     def load(self, prefix: str, src, dtype, device):
         super().load(prefix, src, dtype, device)
         self.in_proj = self.fuse(["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
+        self.w_in = self.in_proj       # the decode graphs' merged input projection (Layer.decode_fused)
 
-    def decode_fused(self, x_BH: torch.Tensor, slots_B: torch.Tensor, cache: StageCache) -> torch.Tensor:
-        """The decode graphs' step: one GEMV for qkv|z|b|a, the conv step in place, the recurrent step with its
-        gates computed in the kernel, the gated norm reading z in place, out_proj (kernels/fused_decode.py)."""
+    def decode_fused(self, P: torch.Tensor, slots_B: torch.Tensor, cache: StageCache) -> torch.Tensor:
+        """The decode graphs' step from the merged projection P = x @ in_proj^T (qkv|z|b|a; the layer computes it
+        with its input norm): the conv step in place, the recurrent step with its gates computed in the kernel, the
+        gated norm reading z in place, out_proj (kernels/fused_decode.py, kernels/gemv.py)."""
         from memra_pp.kernels import fused_decode as fd
+        from memra_pp.kernels.gemv import linear
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
-        B = x_BH.shape[0]
+        B = P.shape[0]
         C, Z = c.conv_dim, nv * dv
-        P = F.linear(x_BH, self.in_proj)
         y = fd.conv_step(P[:, :C], cache.conv[self.layer], self.conv1d_weight[:, 0, :], slots_B)
         o = fd.gdn_decode_fused(y, P[:, C + Z:C + Z + nv], P[:, C + Z + nv:], self.A_log, self.dt_bias,
                                 cache.rec[self.layer], slots_B, nk, dk ** -0.5)
         o = fd.gated_rms_norm(o, P[:, C:C + Z].view(B, nv, dv), self.norm_weight, c.rms_norm_eps)
-        return F.linear(o, self.out_proj_weight)
+        return linear(o, self.out_proj_weight)
 
     def forward(self, x_TH: torch.Tensor, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
         if b.decode_only():

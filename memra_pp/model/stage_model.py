@@ -53,24 +53,26 @@ class Layer(nn.Module):
 
     def decode_fused(self, h_BH, pending, slots_B, pos_B, S: int, cache: StageCache, cos, sin):
         """Layer.decode for the decode graphs through fused kernels: the previous layer's last residual add
-        (`pending`, None for the first layer) fused with this layer's input norm. Returns (h, this layer's pending
-        FFN output); the caller adds the last one."""
-        from memra_pp.kernels.fused_decode import add_rms_norm
-        h_BH, x = add_rms_norm(h_BH, pending, self.ln1, self.eps)
+        (`pending`, None for the first layer) fused with this layer's input norm and its merged input projection
+        (one GEMV kernel at few rows, kernels/gemv.py), this layer's mixer output added and normed inside the
+        FFN's first kernel. Returns (h, this layer's pending FFN output); the caller adds the last one."""
+        from memra_pp.kernels.gemv import norm_linear
+        h_BH, P = norm_linear(h_BH, pending, self.ln1, self.eps, self.mixer.w_in)
         if self.full:
-            m = self._attend_decode(*self.mixer.project_fused(x, cos, sin), slots_B, pos_B, S, cache)
+            m = self._attend_decode(*self.mixer.project_fused(P, cos, sin), slots_B, pos_B, S, cache)
         else:
-            m = self.mixer.decode_fused(x, slots_B, cache)
-        h_BH, x = add_rms_norm(h_BH, m, self.ln2, self.eps)
-        return h_BH, self.ffn.decode_fused(x)
+            m = self.mixer.decode_fused(P, slots_B, cache)
+        return self.ffn.decode_fused(h_BH, m, self.ln2, self.eps)
 
     def _attend_decode(self, q, gate, k, v, slots_B, pos_B, S: int, cache: StageCache, lora=None):
         """Write one new key/value per sequence at its slot and position, attend over the first S positions (on a
         GPU one kernel reads the slots' pages in place and applies the output gate)."""
+        from memra_pp.kernels.gemv import linear
         from memra_pp.kernels.paged_attention import decode_attention, kv_write
         kp, vp = cache.k[self.i], cache.v[self.i]
         lens = kv_write(k, v, kp, vp, cache.table, slots_B, pos_B)
-        return self.mixer.lin(decode_attention(q, gate, kp, vp, cache.table, slots_B, lens, S), "o_proj", lora)
+        o = decode_attention(q, gate, kp, vp, cache.table, slots_B, lens, S)
+        return linear(o, self.mixer.o_proj_weight) if lora is None else self.mixer.lin(o, "o_proj", lora)
 
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
         at: GatedAttention = self.mixer
@@ -159,10 +161,10 @@ class StageModel(nn.Module):
         pending = None
         for layer in self.layers:
             h_BH, pending = layer.decode_fused(h_BH, pending, slots_B, pos_B, S, cache, cos, sin)
-        h_BH = h_BH + pending
         if not self.primary:
-            return h_BH
-        return F.linear(rms_norm(h_BH, self.norm, self.mc.text.rms_norm_eps), self.lm_head).float()
+            return h_BH + pending
+        from memra_pp.kernels.fused_decode import add_rms_norm
+        return F.linear(add_rms_norm(h_BH, pending, self.norm, self.mc.text.rms_norm_eps)[1], self.lm_head).float()
 
     def embed_ids(self, ids_T: torch.Tensor, b: StepBatch | None = None, token_overlay=None) -> torch.Tensor:
         """ids [T] -> embeddings [T, H]; with a TokenOverlaySet and b.adapter_slots, each token's adapter slot
