@@ -3,7 +3,8 @@ sweep of others) against cuBLAS (F.linear), and with the norm in the prologue ag
 at the 35B-A3B and 27B dimensions. Device time per call inside a CUDA graph (as a decode step runs them), against
 the floor: the weight's bytes over the copy bandwidth measured in this run.
 
-    python -u benchmarks/gemv_kernels.py --out DIR [--rows 1] [--models qwen3.5-35b-a3b,qwen3.5-27b]
+    python -u benchmarks/gemv_kernels.py --out DIR [--rows 1] [--models qwen3.5-35b-a3b,qwen3.5-27b] [--plot PNG]
+    python benchmarks/gemv_kernels.py --from JSON --plot PNG      (the plot of an earlier run)
 """
 from __future__ import annotations
 
@@ -39,12 +40,51 @@ def shapes(name: str) -> list[tuple[str, int, int, bool]]:
     return out
 
 
+def plot(rep: dict, png: str) -> None:
+    """One pair of bars per projection (one row): cuBLAS (after add_rms_norm where the Triton kernel fuses the norm)
+    and the Triton GEMV's best tile, in percent of the bytes' time (the floor); a star marks the one the committed
+    rule (gemv.wins) picks."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from memra_pp.kernels.gemv import wins
+    groups: dict = {}
+    for r in rep["rows"]:
+        if r["rows"] == 1:
+            groups.setdefault((r["model"].replace("qwen3.5-", ""), r["what"]), []).append(r)
+    names, cub, tri = [], [], []
+    for (model, what), rs in groups.items():
+        base = [r for r in rs if r["path"] in ("cuBLAS", "add_rms_norm + cuBLAS")]
+        best = max((r["of_floor"] for r in rs if r["path"].startswith("gemv")), default=0.0)
+        pick = "Triton" if wins(rs[0]["N"], rs[0]["K"], base[0]["path"] != "cuBLAS") else "cuBLAS"
+        names.append(f"{model}\n{what}\n* {pick}")
+        cub.append(100 * base[0]["of_floor"])
+        tri.append(100 * best)
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(names)), 4.8))
+    w = 0.38
+    ax.bar([x - w / 2 for x in range(len(names))], cub, w, label="cuBLAS (after add_rms_norm where the norm is fused)")
+    ax.bar([x + w / 2 for x in range(len(names))], tri, w, label="Triton GEMV (kernels/gemv.py), best tile")
+    ax.set_xticks(range(len(names)), names, fontsize=7)
+    ax.set_ylabel("% of the bytes' time (copy bandwidth)")
+    ax.set_title(f"One-row projections on {rep.get('gpu', 'GPU')}, device time in a CUDA graph (* the one used)")
+    ax.axhline(100, color="gray", lw=0.8)
+    ax.set_ylim(0, 110)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--plot", help="a PNG of the one-row results")
+    ap.add_argument("--from", dest="src", help="plot this earlier run's JSON instead of running")
     ap.add_argument("--rows", default="1")
     ap.add_argument("--models", default="qwen3.5-35b-a3b,qwen3.5-27b")
     a = ap.parse_args()
+    if a.src:
+        plot(json.load(open(a.src)), a.plot)
+        return 0
     os.makedirs(a.out, exist_ok=True)
     from gpu_decode import copy_bandwidth
     from memra_pp.kernels import fused_decode as fd
@@ -85,6 +125,8 @@ def main() -> int:
                           f"({floor_us / us:5.1%})  err {err:.1e}", flush=True)
             json.dump({"copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "rows": rows},
                       open(os.path.join(a.out, "gemv_kernels.json"), "w"), indent=1)
+    if a.plot:
+        plot({"gpu": torch.cuda.get_device_name(0), "rows": rows}, a.plot)
     return 0
 
 

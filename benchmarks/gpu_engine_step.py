@@ -2,7 +2,7 @@
 memory floor, eager against CUDA graphs, side by side in one run (and a profile of one step).
 
     python -u benchmarks/gpu_engine_step.py --out DIR [--model preset:qwen3.5-27b] [--batches 1,64]
-        [--modes eager,graph,graph-cublas,graph-torchmoe] [--ctx 192] [--profile]
+        [--modes eager,graph,graph-cublas,graph-torchmoe] [--ctx 192] [--profile] [--prefill 64x128,32x128]
 
 The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
 work of a step). The floor of a step: every weight once + each sequence's fp32 recurrent state read and written +
@@ -73,6 +73,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=192)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prefill", default="", help="also time prefill steps: comma-separated SEQSxTOKENS (e.g. "
+                    "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from memra_pp.model.batch import StepBatch
@@ -86,7 +88,8 @@ def main() -> int:
     model = StageModel(mc, 0, mc.text.num_hidden_layers, True, True).load(src, torch.bfloat16, "cuda")
     print(f"{a.model}: {mc.text.num_hidden_layers} layers loaded in {time.time() - t0:.0f} s, copy "
           f"{bw / 1e12:.2f} TB/s, gdn backend {model.gdn_backend}", flush=True)
-    cache = model.new_cache(max(batches), a.ctx + 64)
+    shapes = [tuple(int(v) for v in p.split("x")) for p in a.prefill.split(",") if p]
+    cache = model.new_cache(max(batches + [b for b, _ in shapes]), max([a.ctx + 64] + [n + 8 for _, n in shapes]))
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
     from memra_pp.kernels import fused_moe, gemv, moe_route
@@ -137,6 +140,20 @@ def main() -> int:
                 ks = kernel_summary(prof)
                 open(os.path.join(a.out, f"profile-{mode}-{B}.txt"), "w").write(ks + "\n\n" + table)
                 print(ks, flush=True)
+            json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
+        for B, n in shapes:     # prefill: B fresh prompts of n tokens as one step (chunk = B * n tokens)
+            b = StepBatch(list(range(B)), [0] * B, [n] * B, StepBatch.text_positions([0] * B, [n] * B), [True] * B)
+            ids = torch.randint(4, mc.text.vocab_size, (B * n,), device="cuda")
+            times = []
+            for i in range(6):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                model(b, model.embed_ids(ids), cache)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t) * 1e3)
+            rep["rows"].append({"mode": mode, "prefill": [B, n], "step_ms": times})
+            print(f"  {mode:5s} prefill {B} x {n} tokens: " + ", ".join(f"{x:.1f}" for x in times) + " ms/step "
+                  f"({B * n / min(times) * 1e3:,.0f} tokens/s at the fastest)", flush=True)
             json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
     return 0
 
