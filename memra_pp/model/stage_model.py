@@ -133,10 +133,6 @@ class StageModel(nn.Module):
                     if not layer.full:
                         layer.mixer.rule = rule
                 self.gdn_backend = "fla"
-                c = self.mc.text
-                if any(not layer.full for layer in self.layers):    # fla autotunes now, not in the first prefill
-                    rule.warm_up(c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, dtype,
-                                 self.device)
         return self
 
     def new_cache(self, max_seqs: int, max_context: int) -> StageCache:
