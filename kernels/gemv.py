@@ -53,14 +53,19 @@ TILE = None    # (BN, BK, warps, programs) for every shape (benchmarks set it); 
 FORCE = False  # True: the Triton GEMV wherever it can run (benchmarks, tests), not only where it wins
 
 
+def runs(x: torch.Tensor, W: torch.Tensor) -> bool:
+    """The kernel can run on these operands (a tile given by a benchmark or test skips only the choice)."""
+    return _triton(x) and 0 < x.shape[0] <= GEMV_ROWS and x.stride(-1) == 1 and W.is_contiguous() \
+        and W.shape[1] == x.shape[1]
+
+
 def takes(x: torch.Tensor, W: torch.Tensor, norm: bool = False) -> bool:
-    return (_triton(x) and 0 < x.shape[0] <= GEMV_ROWS and x.stride(-1) == 1 and W.is_contiguous()
-            and W.shape[1] == x.shape[1] and (FORCE or wins(W.shape[0], W.shape[1], norm)))
+    return runs(x, W) and (FORCE or wins(W.shape[0], W.shape[1], norm))
 
 
 def linear(x_TK: torch.Tensor, W_NK: torch.Tensor, tile_=None) -> torch.Tensor:
     """F.linear(x, W) (no bias): the Triton GEMV for few rows where it wins, else cuBLAS."""
-    if not (takes(x_TK, W_NK) or tile_):
+    if not (takes(x_TK, W_NK) or (tile_ and runs(x_TK, W_NK))):
         return F.linear(x_TK, W_NK)
     CALLS["gemv"] += 1
     return _launch(x_TK, None, None, 0.0, None, W_NK, tile_)
@@ -69,7 +74,8 @@ def linear(x_TK: torch.Tensor, W_NK: torch.Tensor, tile_=None) -> torch.Tensor:
 def norm_linear(h_TK, res_TK, w_norm, eps: float, W_NK, tile_=None):
     """(s, F.linear(rms_norm(s), W)) with s = h + res (h when res is None): add_rms_norm then the product, in one
     kernel for few rows where that wins."""
-    if not (takes(h_TK, W_NK, True) or tile_) or (res_TK is not None and res_TK.stride(-1) != 1):
+    if (not (takes(h_TK, W_NK, True) or (tile_ and runs(h_TK, W_NK))) or not w_norm.is_contiguous()
+            or (res_TK is not None and res_TK.stride(-1) != 1)):
         if not _triton(h_TK):
             s, x = add_rms_norm_ref(h_TK, res_TK, w_norm, eps)
         else:
@@ -84,6 +90,7 @@ def _launch(x, res, w_norm, eps, s, W, tile_):
     T, K = x.shape
     N = W.shape[0]
     BN, BK, warps, programs = tile_ or TILE or tile(N, K, w_norm is not None)
+    assert BK & (BK - 1) == 0, f"BK {BK} must be a power of two"
     BK = min(BK, triton.next_power_of_2(K))
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     norm = w_norm is not None

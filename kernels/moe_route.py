@@ -77,14 +77,14 @@ def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch
 
 
 def norm_router_route(h_TH, res_TH, w_norm, eps: float, gate_EH, k: int, dtype, cfg=None, counter=None):
-    """(s, x, weights, ids) with s = h + res, x = rms_norm(s) (as fused_decode.add_rms_norm rounds both) and the
-    routing of x (router_route): the MoE's input norm inside the router kernel, where the row fits one step of it;
-    program 0 writes s and x for the expert kernels. Else add_rms_norm, then router_route."""
+    """(s, x, weights, ids) with s = h + res (h when res is None), x = rms_norm(s) (as fused_decode.add_rms_norm
+    rounds both) and the routing of x (router_route): the MoE's input norm inside the router kernel, where the row
+    fits one step of it; program 0 writes s and x for the expert kernels. Else add_rms_norm, then router_route."""
     from memra_pp.kernels.fused_decode import add_rms_norm
     H = h_TH.shape[1]
     BK = (cfg or ROUTER_CFG)[1]
     if not (NORM_ROUTER and _takes(h_TH, gate_EH, k, cfg) and triton.next_power_of_2(H) <= BK
-            and res_TH.stride(1) == 1):
+            and res_TH is not None and res_TH.stride(1) == 1 and w_norm.is_contiguous()):
         s, x = add_rms_norm(h_TH, res_TH, w_norm, eps)
         return (s, x, *router_route(x, gate_EH, k, dtype, cfg, counter))
     CALLS["norm_router"] += 1

@@ -134,7 +134,7 @@ from memra_pp.kernels import gemv  # noqa: E402
 gemv.GEMV_ROWS, gemv.FORCE, calls = 4, True, dict(gemv.CALLS)
 for T in (1, 3):
     Kg, Ng = 200, 37
-    hg, rg = torch.randn(T, Kg, dtype=dt), torch.randn(T + 2, Kg, dtype=dt)[1:T + 1]
+    hg, rg = torch.randn(T, Kg, dtype=dt), torch.randn(T + 2, Kg + 16, dtype=dt)[1:T + 1, 5:5 + Kg]   # own stride
     lwg, Wg = torch.randn(Kg, dtype=dt) * 0.1, torch.randn(Ng, Kg, dtype=dt) * 0.1
     # tiles: the default (the whole row in one step), K in steps, persistent programs over several row blocks
     for t in (None, (8, 64, 4, 0), (4, 256, 2, 3), (8, 64, 4, 2)):
@@ -148,4 +148,10 @@ for T in (1, 3):
         assert s0 is hg; close(y0, ref(gemv.norm_linear, hg, None, lwg, 1e-6, Wg)[1], tol)
 assert gemv.CALLS["gemv"] - calls["gemv"] == 8 and gemv.CALLS["norm_gemv"] - calls["norm_gemv"] == 16, gemv.CALLS
 gemv.GEMV_ROWS, gemv.FORCE = 1, False
+# the committed choice: one row only; plain for narrow, deep matrices, normed where the row fits one step (K <= 2,048)
+x1, x2 = torch.randn(1, 4096, dtype=dt), torch.randn(2, 4096, dtype=dt)
+assert gemv.takes(x1, torch.empty(2048, 4096, dtype=dt)) and not gemv.takes(x2, torch.empty(2048, 4096, dtype=dt))
+assert not gemv.takes(x1, torch.empty(8192, 4096, dtype=dt))
+assert gemv.takes(x1[:, :2048], torch.empty(12352, 2048, dtype=dt), True)
+assert not gemv.takes(x1, torch.empty(12352, 4096, dtype=dt), True)
 print("fused ok", dt, sys.argv[2])
