@@ -145,7 +145,7 @@ def main() -> int:
             b = StepBatch(list(range(B)), [0] * B, [n] * B, StepBatch.text_positions([0] * B, [n] * B), [True] * B)
             ids = torch.randint(4, mc.text.vocab_size, (B * n,), device="cuda")
             times = []
-            for i in range(6):
+            for _ in range(6):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 model(b, model.embed_ids(ids), cache)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memra_pp.kernels.fused_decode import _triton, add_rms_norm, add_rms_norm_ref, triton
+from memra_pp.kernels.fused_decode import _triton, add_rms_norm, triton
 
 if triton is not None:
     import triton.language as tl
@@ -76,10 +76,7 @@ def norm_linear(h_TK, res_TK, w_norm, eps: float, W_NK, tile_=None):
     kernel for few rows where that wins."""
     if (not (takes(h_TK, W_NK, True) or (tile_ and runs(h_TK, W_NK))) or not w_norm.is_contiguous()
             or (res_TK is not None and res_TK.stride(-1) != 1)):
-        if not _triton(h_TK):
-            s, x = add_rms_norm_ref(h_TK, res_TK, w_norm, eps)
-        else:
-            s, x = add_rms_norm(h_TK, res_TK, w_norm, eps)
+        s, x = add_rms_norm(h_TK, res_TK, w_norm, eps)      # the torch reference where Triton does not run
         return s, F.linear(x, W_NK)
     CALLS["norm_gemv"] += 1
     s = h_TK if res_TK is None else torch.empty(h_TK.shape, dtype=h_TK.dtype, device=h_TK.device)
@@ -121,13 +118,25 @@ if triton is not None:
         return (xv.to(tl.float32) * inv[:, None] * wf[None, :]).to(xv.dtype)
 
     @triton.jit
+    def _norm_rows(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, kk, km, stride_x, stride_r, K, eps, write,
+                   RES: tl.constexpr):
+        """rms_norm(x + r) (RES; else x) of whole rows (kk spans K), rounded as add_rms_norm rounds; x + r stored
+        to s at rows where write [TP] holds. Also the router kernel's prologue (kernels/moe_route.py)."""
+        xv = _normed(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, kk, km, tl.zeros([1], dtype=tl.float32), stride_x,
+                     stride_r, K, write, RES, False)
+        xf = xv.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / K + eps)
+        wf = 1.0 + tl.load(lw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        return (xf * inv[:, None] * wf[None, :]).to(xv.dtype)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, lw_ptr, s_ptr, w_ptr, y_ptr, stride_x, stride_r, T, N, K, eps,
                      TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr,
                      ONE: tl.constexpr):
         """Program p: y[:, n] for the row blocks p, p + programs, ... (BN rows n of W each), every input row at
-        once. NORM: the input rows are rms_norm(x + r) (r when RES), their mean square taken in a first pass over
-        K. ONE (BK >= K): the input rows are loaded (and normed) once, before the row blocks; else chunk by
-        chunk inside each."""
+        once. NORM: the input rows are rms_norm(x + r) (x + r when RES, else x). ONE (BK >= K): the input rows are
+        loaded (and normed) once, before the row blocks; else their mean square is taken in a first pass over K and
+        the normed chunks are recomputed inside each row block."""
         pid = tl.program_id(0)
         ts = tl.arange(0, TP)
         tm = ts < T
@@ -135,14 +144,12 @@ if triton is not None:
         first = tm & (ts * 0 + pid == 0)        # program 0 writes the new residual
         inv = tl.zeros([TP], dtype=tl.float32)
         if ONE:   # the whole input row at once: x + r, its mean square and the normed row, all in registers
-            x1 = _normed(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, k1, k1 < K, inv, stride_x, stride_r, K, first, RES,
-                         False)
             if NORM:
-                xf = x1.to(tl.float32)
-                inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / K + eps)
-                wf = 1.0 + tl.load(lw_ptr + k1, mask=k1 < K, other=0.0).to(tl.float32)
-                x1 = (xf * inv[:, None] * wf[None, :]).to(x1.dtype)
-            x1 = x1.to(tl.float32)
+                x1 = _norm_rows(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, k1, k1 < K, stride_x, stride_r, K, eps, first,
+                                RES).to(tl.float32)
+            else:
+                x1 = tl.load(x_ptr + ts[:, None] * stride_x + k1[None, :], mask=tm[:, None] & (k1 < K)[None, :],
+                             other=0.0).to(tl.float32)
         elif NORM:
             ss = tl.zeros([TP], dtype=tl.float32)
             for k0 in range(0, K, BK):

@@ -11,6 +11,8 @@ from memra_pp.kernels.fused_decode import _triton, triton
 if triton is not None:
     import triton.language as tl
 
+    from memra_pp.kernels.gemv import _norm_rows
+
 # host-side launches by path (a captured graph counts once)
 CALLS = {"route": 0, "router": 0, "norm_router": 0, "small": 0, "grouped": 0, "down_tile": 0}
 
@@ -166,19 +168,11 @@ if triton is not None:
         if NORM:
             kk = tl.arange(0, BK)
             km = kk < H
-            m2 = tm[:, None] & km[None, :]
             # the gate rows first: their load is in flight while the input row is summed and normed
             g = tl.load(g_ptr + r[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
-            xv = tl.load(x_ptr + ts[:, None] * stride_x + kk[None, :], mask=m2, other=0.0)
-            rv = tl.load(r_ptr + ts[:, None] * stride_r + kk[None, :], mask=m2, other=0.0)
-            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(xv.dtype)
-            xf = xv.to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / H + eps)
-            wf = 1.0 + tl.load(lw_ptr + kk, mask=km, other=0.0).to(tl.float32)
-            xn = (xf * inv[:, None] * wf[None, :]).to(xv.dtype)
-            first = m2 & (ts[:, None] * 0 + tl.program_id(0) == 0)
-            tl.store(s_ptr + ts[:, None] * H + kk[None, :], xv, mask=first)
-            tl.store(xn_ptr + ts[:, None] * H + kk[None, :], xn, mask=first)
+            first = tm & (ts * 0 + tl.program_id(0) == 0)      # program 0 writes s and the normed rows
+            xn = _norm_rows(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, kk, km, stride_x, stride_r, H, eps, first, True)
+            tl.store(xn_ptr + ts[:, None] * H + kk[None, :], xn, mask=first[:, None] & km[None, :])
             acc += tl.sum(xn.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], 2)
         else:
             for k0 in range(0, H, BK):
