@@ -114,7 +114,8 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   + ", ".join(f"{s['busy']:.0%}" for s in r["stages"])
                   + " (steady decode " + ", ".join(f"{b:.0%}" for b in r.get("steady_busy") or []) + ")"
                   + ", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us"
-                  + f", decode graphs captured in the timed run {r['graph_captures_in_run']}",
+                  + f", decode graphs captured in the timed run {r['graph_captures_in_run']}"
+                  + f", kernel keys tuned in it {r['kernel_tunings_in_run']}",
                   flush=True)
         if ttft:      # one long prompt alone: time to first token (chunked prefill through every stage)
             r = run_bench(dep, 1, ttft, 2, seed=1, timeline=True)   # each stage's chunks against time

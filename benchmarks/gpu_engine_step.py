@@ -78,6 +78,7 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from memra_pp.model.batch import StepBatch
+    from memra_pp.model.fla_rule import tuned_keys
     from memra_pp.model.stage_model import StageModel
     from memra_pp.model.weights import open_weights
     batches = [int(x) for x in a.batches.split(",")]
@@ -144,16 +145,18 @@ def main() -> int:
         for B, n in shapes:     # prefill: B fresh prompts of n tokens as one step (chunk = B * n tokens)
             b = StepBatch(list(range(B)), [0] * B, [n] * B, StepBatch.text_positions([0] * B, [n] * B), [True] * B)
             ids = torch.randint(4, mc.text.vocab_size, (B * n,), device="cuda")
-            times = []
+            times, tuned = [], []
             for _ in range(6):
                 torch.cuda.synchronize()
-                t = time.perf_counter()
+                k0, t = tuned_keys(), time.perf_counter()
                 model(b, model.embed_ids(ids), cache)
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t) * 1e3)
-            rep["rows"].append({"mode": mode, "prefill": [B, n], "step_ms": times})
+                tuned.append(tuned_keys() - k0)
+            rep["rows"].append({"mode": mode, "prefill": [B, n], "step_ms": times, "kernel_keys_tuned": tuned})
             print(f"  {mode:5s} prefill {B} x {n} tokens: " + ", ".join(f"{x:.1f}" for x in times) + " ms/step "
-                  f"({B * n / min(times) * 1e3:,.0f} tokens/s at the fastest)", flush=True)
+                  f"({B * n / min(times) * 1e3:,.0f} tokens/s at the fastest), fla keys tuned per step {tuned}",
+                  flush=True)
             json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
     return 0
 

@@ -9,6 +9,8 @@ step of 64 layers was ~4,300 kernels, two thirds of them a few microseconds of e
   pools, read in place (no gather), gated; the new key and value written into their pages.
 - gdn_decode_fused: the Gated DeltaNet step of kernels/gdn_decode.py reading q, k, v from the conv output and the
   raw b / a projections (beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) computed in the kernel).
+- l2norm (prefill): the q/k normalisation before flash-linear-attention's chunk kernels, with fla's arithmetic but
+  one fixed tile (fla's own kernel autotunes per bucket of the token count, compiling 25 configs mid-request).
 
 Every kernel has a torch reference with the same contract and the same rounding points (the torch ops the eager
 step runs), which the CPU path uses; tests run the Triton kernels against them on CPU through Triton's interpreter
@@ -97,6 +99,28 @@ def gated_rms_norm(o_BVD, z_BVD, w, eps: float):
     out = torch.empty(B, HV * D, dtype=o_BVD.dtype, device=o_BVD.device)
     _gated_rms_norm_kernel[(B * HV,)](o_BVD, z_BVD, w, out, eps, HV, z_BVD.stride(0), z_BVD.stride(1), D=D,
                                       BLOCK=triton.next_power_of_2(D), num_warps=1)
+    return out
+
+
+# -- l2norm (prefill q / k) -----------------------------------------------------------------------------------------
+def l2norm_ref(x, eps: float = 1e-6):
+    """flash-linear-attention's l2norm_fwd arithmetic: float32, x / sqrt(sum x^2 + eps), rounded once."""
+    xf = x.float()
+    return (xf * (1.0 / torch.sqrt((xf * xf).sum(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+L2_ROWS = 16     # rows a program (4 warps): one tile for every token count, so nothing tunes or compiles per step
+
+
+def l2norm(x, eps: float = 1e-6):
+    """x [..., D] (contiguous) -> each row over its L2 norm, as l2norm_ref rounds."""
+    if not _triton(x) or not x.is_contiguous() or x.numel() == 0:
+        return l2norm_ref(x, eps)
+    D = x.shape[-1]
+    R = x.numel() // D
+    out = torch.empty_like(x)
+    _l2norm_kernel[(triton.cdiv(R, L2_ROWS),)](x, out, eps, R, D=D, BD=triton.next_power_of_2(D), BT=L2_ROWS,
+                                                num_warps=4)
     return out
 
 
@@ -218,6 +242,15 @@ if triton is not None:
         y = (wv.to(tl.float32) * nrm).to(ov.dtype).to(tl.float32)
         zf = tl.load(z + n * sz0 + hv * sz1 + o, mask=m, other=0).to(tl.float32)
         tl.store(out + row * D + o, (y * (zf / (1.0 + tl.exp(-zf)))).to(ov.dtype), mask=m)
+
+    @triton.jit
+    def _l2norm_kernel(x, y, eps, R, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        o = tl.arange(0, BD)
+        m = (rows < R)[:, None] & (o < D)[None, :]
+        xf = tl.load(x + rows[:, None] * D + o[None, :], mask=m, other=0.0).to(tl.float32)
+        inv = 1 / tl.sqrt(tl.sum(xf * xf, 1) + eps)
+        tl.store(y + rows[:, None] * D + o[None, :], (xf * inv[:, None]).to(y.dtype.element_ty), mask=m)
 
     @triton.jit
     def _silu_mul_kernel(gu, out, sg, I, BLOCK: tl.constexpr):

@@ -90,7 +90,9 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         if warm:   # the same load, untimed: decode graphs of this batch size are captured, KV pools grown
             list(pool.map(lambda p: one(p, min(3, max_new_tokens), False), prompts))
-        captures0 = _graph_captures(dep.stats(reset=True)["stages"])     # graph counts are never reset
+        st0 = dep.stats(reset=True)["stages"]
+        captures0 = _graph_captures(st0)     # graph counts are never reset
+        tunings0 = sum(s.get("kernel_tunings") or 0 for s in st0)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         t0, tm0 = time.perf_counter(), time.monotonic()     # monotonic: the stages' timeline clock
@@ -121,6 +123,8 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             # decode graphs captured inside the timed run (a bucket the warm-up did not reach): each one stalls its
             # stage for the capture, so time to first token and the end-to-end rate carry it
             "graph_captures_in_run": _graph_captures(st) - captures0,
+            # kernel keys autotuned inside the timed run (flash-linear-attention's; a request waits for each)
+            "kernel_tunings_in_run": sum(s.get("kernel_tunings") or 0 for s in st) - tunings0,
             "steady_window_s": steady.get("window_s", 0.0),
             **({"timeline": timeline_since(st, tm0, _pct([ev[0][0] - t0 for _, ev in out if ev], 0.5), wall)}
                if timeline else {})}

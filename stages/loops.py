@@ -16,6 +16,7 @@ import torch
 
 from ..errors import ProtocolError
 from ..model.batch import StepBatch
+from ..model.fla_rule import tuned_keys
 from ..model.sampling import PendingTokens, SamplingParams, sample_async
 from ..battery_stage import hash_rx
 from .channel import ChannelClosed
@@ -130,7 +131,7 @@ class _Loop:
         # busy_s / wall_s: raw, so a caller can difference two snapshots (run_bench's steady window)
         out = {"busy": busy_s / wall, "busy_s": busy_s, "wall_s": wall, "host_busy": self.busy_s / wall,
                "microbatches": self.microbatches,
-               "loop_error": self.error, "async_steps": self.continued,
+               "loop_error": self.error, "async_steps": self.continued, "kernel_tunings": tuned_keys(),
                "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
                                            for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys
         if timeline:     # (a reset drops the spans of microbatches still in flight from the timeline too)

@@ -1,6 +1,19 @@
 """flash-linear-attention kernels for the gated delta rule on CUDA (same contract as gdn.py's torch forms:
-raw q/k, l2-normalised in the kernel, scale dk^-1/2, fp32 state in and out)."""
+raw q/k, l2-normalised here, scale dk^-1/2, fp32 state in and out).
+
+fla autotunes its Triton kernels on first use of each key. Two keys move with the prefill step, so a deployment
+met new ones whenever arrivals packed a step differently, and the request waited for the tuning (measured on an
+H200: 42 s for the first 64 x 128-token step after warm-up, 10 s for 32 x 128, then 160-300 ms):
+- l2norm_fwd keys on a bucket of the token count, and the bucket is a compile-time constant: 25 configs compiled
+  and timed per bucket. The chunk path normalises q and k itself (kernels/fused_decode.l2norm: fla's arithmetic,
+  one tile).
+- chunk_local_cumsum keys on the number of equal-length sequences a call takes: its first tuning serves every
+  later key (`_tune_once`).
+Every other key fla tunes on is fixed by the model's dimensions. `tuned_keys()` counts the keys tuned so far in this
+process (stage stats report it: a timed run that tunes nothing has the same count before and after)."""
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -18,11 +31,28 @@ class FlaRule:
 
     def __init__(self):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.utils import cumsum
         self._chunk, self._rec = chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        _tune_once(cumsum.chunk_local_cumsum_scalar_kernel)
+
+    def warm_up(self, heads: int, dk: int, dv: int, dtype, device) -> None:
+        """Tune and compile fla's kernels for these dimensions now (a stage load), not in the first request's
+        prefill (2.8 s for the 35B-A3B on an H200): one chunk of 64 tokens and one recurrent token, of zeros. Once
+        a process for each set of dimensions; Triton's disk cache keeps the tunings for later processes."""
+        key = (heads, dk, dv, dtype, str(device))
+        if key in _WARM:
+            return
+        for n, fn in ((64, self.chunk), (1, self.recurrent)):
+            def z(*shape, dt=dtype):
+                return torch.zeros(*shape, dtype=dt, device=device)
+            fn(z(1, n, heads, dk), z(1, n, heads, dk), z(1, n, heads, dv), z(1, n, heads, dt=torch.float32),
+               z(1, n, heads), z(1, heads, dk, dv, dt=torch.float32))
+        _WARM.add(key)
 
     def chunk(self, q, k, v, g, beta, state):
-        o, s = self._chunk(q, k, v, g=g.float(), beta=beta, initial_state=state.float().contiguous(),
-                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+        from memra_pp.kernels.fused_decode import l2norm
+        o, s = self._chunk(l2norm(q), l2norm(k), v, g=g.float(), beta=beta, initial_state=state.float().contiguous(),
+                           output_final_state=True, use_qk_l2norm_in_kernel=False)
         return o, s.float()
 
     def recurrent(self, q, k, v, g, beta, state):
@@ -35,3 +65,44 @@ class FlaRule:
         """One token per sequence, in place at the state pool's slots (kernels/gdn_decode.py: fla's arithmetic)."""
         from memra_pp.kernels.gdn_decode import gdn_decode
         return gdn_decode(q, k, v, g, beta, state_pool, slots, q.shape[-1] ** -0.5)
+
+
+_WARM: set = set()     # (heads, dk, dv, dtype, device) warmed up in this process
+
+
+def _autotuner(kernel):
+    """The Triton Autotuner inside a kernel object (under its heuristics wrappers), or None."""
+    from triton.runtime.autotuner import Autotuner
+    while kernel is not None and not isinstance(kernel, Autotuner):
+        kernel = getattr(kernel, "fn", None)
+    return kernel
+
+
+def _tune_once(kernel) -> None:
+    """After its first tuning, the kernel keeps the winning config for every later key (idempotent)."""
+    tuner = _autotuner(kernel)
+    if tuner is None or getattr(tuner, "_memra_once", False):
+        return
+    first = tuner.run
+
+    def run(*args, **kwargs):
+        out = first(*args, **kwargs)
+        if len(tuner.configs) > 1 and tuner.cache:
+            tuner.configs = [next(iter(tuner.cache.values()))]
+        return out
+
+    tuner.run, tuner._memra_once = run, True
+
+
+def tuned_keys() -> int:
+    """Keys fla's autotuners have tuned (or read from Triton's disk cache) in this process; 0 without fla."""
+    seen, n = set(), 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            tuner = _autotuner(obj) if hasattr(obj, "fn") else None
+            if tuner is not None and id(tuner) not in seen:
+                seen.add(id(tuner))
+                n += len(tuner.cache)
+    return n

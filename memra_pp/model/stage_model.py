@@ -133,6 +133,10 @@ class StageModel(nn.Module):
                     if not layer.full:
                         layer.mixer.rule = rule
                 self.gdn_backend = "fla"
+                t = self.mc.text
+                if any(not layer.full for layer in self.layers):   # fla tunes now, not in the first prefill
+                    rule.warm_up(t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim,
+                                 self.dtype, self.device)
         return self
 
     def new_cache(self, max_seqs: int, max_context: int) -> StageCache:
