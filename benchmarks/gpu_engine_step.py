@@ -2,7 +2,7 @@
 memory floor, eager against CUDA graphs, side by side in one run (and a profile of one step).
 
     python -u benchmarks/gpu_engine_step.py --out DIR [--model preset:qwen3.5-27b] [--batches 1,64]
-        [--modes eager,graph,graph-cublas,graph-torchmoe] [--ctx 192] [--profile] [--prefill 64x128,32x128]
+        [--modes eager,graph,graph-nopdl,graph-cublas,graph-torchmoe] [--ctx 192] [--profile] [--prefill 64x128,32x128]
 
 The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
 work of a step). The floor of a step: every weight once + each sequence's fp32 recurrent state read and written +
@@ -93,10 +93,11 @@ def main() -> int:
     cache = model.new_cache(max(batches + [b for b, _ in shapes]), max([a.ctx + 64] + [n + 8 for _, n in shapes]))
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
-    from memra_pp.kernels import fused_moe, gemv, moe_route
+    from memra_pp.kernels import fused_decode, fused_moe, gemv, moe_route
     rows0 = gemv.GEMV_ROWS
     for mode in a.modes.split(","):
         fused_moe.ENABLED = not mode.endswith("-torchmoe")   # MoE: layers.MoE's torch paths instead of the kernels
+        fused_decode.PDL = "-nopdl" not in mode     # -nopdl: every kernel launched after the one before finished
         # -cublas: cuBLAS for every projection and the norms as their own kernels (the sixth session's step)
         gemv.GEMV_ROWS = 0 if mode.endswith("-cublas") else rows0
         moe_route.NORM_ROUTER = not mode.endswith("-cublas")

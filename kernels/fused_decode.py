@@ -28,9 +28,29 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch references serve
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: every kernel launches as usual
+    gdc_wait = None
 
 
 USE_TRITON = True    # False: the torch references everywhere (tests compare the two on one device)
+# Programmatic dependent launch (Hopper and later) for the decode step's kernels: a kernel is launched while the one
+# before it still runs; it loads what cannot have changed (weights) first, waits at `pdl_enter` for the kernel before
+# to finish (its writes visible), and only then reads activations, writes anything, and lets the next kernel
+# launch. A step of few rows is hundreds of kernels of a few microseconds each, whose ramp and tail this overlaps
+PDL = gdc_wait is not None
+_PDL_DEVICES: dict = {}
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """A step kernel's launch options on t's device: its PDL constexpr, and launch_pdl where PDL runs there."""
+    if not (PDL and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"):
+        return {"PDL": False}
+    on = _PDL_DEVICES.get(t.device.index)
+    if on is None:
+        on = _PDL_DEVICES[t.device.index] = torch.cuda.get_device_capability(t.device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 def _triton(t: torch.Tensor) -> bool:
@@ -79,7 +99,8 @@ def add_rms_norm(x, res, w, eps: float, plus_one: bool = True, rope=None):
     _add_rms_norm_kernel[(R0 * R1,)](x3, r3, w, s, out, cos, sin, eps, R1, x3.stride(0), x3.stride(1),
                                      r3.stride(0), r3.stride(1), D=D, BLOCK=triton.next_power_of_2(D),
                                      HAS_RES=res is not None, PLUS_ONE=plus_one,
-                                     ROPE=0 if rope is None else cos.shape[-1], num_warps=8 if D >= 2048 else 1)
+                                     ROPE=0 if rope is None else cos.shape[-1], num_warps=8 if D >= 2048 else 1,
+                                     **pdl(x3))
     return (x if res is None else s.view(x.shape)), out.view(x.shape)
 
 
@@ -98,7 +119,7 @@ def gated_rms_norm(o_BVD, z_BVD, w, eps: float):
     assert o_BVD.is_contiguous() and z_BVD.stride(2) == 1
     out = torch.empty(B, HV * D, dtype=o_BVD.dtype, device=o_BVD.device)
     _gated_rms_norm_kernel[(B * HV,)](o_BVD, z_BVD, w, out, eps, HV, z_BVD.stride(0), z_BVD.stride(1), D=D,
-                                      BLOCK=triton.next_power_of_2(D), num_warps=1)
+                                      BLOCK=triton.next_power_of_2(D), num_warps=1, **pdl(o_BVD))
     return out
 
 
@@ -139,7 +160,8 @@ def silu_mul(gu_BI2):
     assert gu_BI2.stride(1) == 1
     out = torch.empty(B, i, dtype=gu_BI2.dtype, device=gu_BI2.device)
     BLOCK = 1024
-    _silu_mul_kernel[(B, triton.cdiv(i, BLOCK))](gu_BI2, out, gu_BI2.stride(0), i, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(B, triton.cdiv(i, BLOCK))](gu_BI2, out, gu_BI2.stride(0), i, BLOCK=BLOCK, num_warps=4,
+                                                 **pdl(gu_BI2))
     return out
 
 
@@ -161,7 +183,7 @@ def conv_step(u_BC, state_NCK1, w_CK, slots_B):
     y = torch.empty(B, C, dtype=u_BC.dtype, device=u_BC.device)
     BC = 256
     _conv_step_kernel[(B, triton.cdiv(C, BC))](u_BC, state_NCK1, w_CK, slots_B, y, u_BC.stride(0), C, K=K, BC=BC,
-                                               num_warps=2)
+                                               num_warps=2, **pdl(u_BC))
     return y
 
 
@@ -190,8 +212,18 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
 
 if triton is not None:
     @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """With PDL: wait for the kernel before (its writes visible), then let the next one launch. Every kernel
+        launched with launch_pdl calls it before it reads an activation or writes anything."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
     def _add_rms_norm_kernel(x, r, w, s, out, cos, sin, eps, R1, sx0, sx1, sr0, sr1, D: tl.constexpr,
-                             BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PLUS_ONE: tl.constexpr, ROPE: tl.constexpr):
+                             BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PLUS_ONE: tl.constexpr, ROPE: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         i0, i1 = row // R1, row % R1
         o = tl.arange(0, BLOCK)
@@ -229,7 +261,9 @@ if triton is not None:
         tl.store(out + row * D + o, y, mask=m)
 
     @triton.jit
-    def _gated_rms_norm_kernel(o_ptr, z, w, out, eps, HV, sz0, sz1, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _gated_rms_norm_kernel(o_ptr, z, w, out, eps, HV, sz0, sz1, D: tl.constexpr, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         n, hv = row // HV, row % HV
         o = tl.arange(0, BLOCK)
@@ -253,7 +287,8 @@ if triton is not None:
         tl.store(y + rows[:, None] * D + o[None, :], (xf * inv[:, None]).to(y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _silu_mul_kernel(gu, out, sg, I, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu, out, sg, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         n = tl.program_id(0).to(tl.int64)
         o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = o < I
@@ -264,7 +299,8 @@ if triton is not None:
         tl.store(out + n * I + o, (sv.to(tl.float32) * uv.to(tl.float32)).to(gv.dtype), mask=m)
 
     @triton.jit
-    def _conv_step_kernel(u, state, w, slots, y, su, C, K: tl.constexpr, BC: tl.constexpr):
+    def _conv_step_kernel(u, state, w, slots, y, su, C, K: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         n = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BC + tl.arange(0, BC)
         m = c < C

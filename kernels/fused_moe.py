@@ -22,13 +22,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memra_pp.kernels.fused_decode import _triton, triton
+from memra_pp.kernels.fused_decode import _triton, pdl, triton
 from memra_pp.kernels.moe_align import align, align_ref  # noqa: F401 - the alignment and its reference (tests)
 from memra_pp.kernels.moe_grouped import grouped_config, moe_grouped  # noqa: F401 - many pairs
 from memra_pp.kernels.moe_route import CALLS, norm_router_route, route, route_ref, router_route  # noqa: F401
 
 if triton is not None:
     import triton.language as tl
+
+    from memra_pp.kernels.fused_decode import pdl_enter
 
 SMALL_PAIRS = 64       # at most this many (row, expert) pairs: the per-pair kernels, else the grouped GEMM
 ENABLED = True         # False: layers.MoE's torch paths on CUDA too (benchmarks compare the two in one run)
@@ -108,27 +110,28 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
     IH = max(I, Is)
     h = torch.empty(T * (k + S), IH, dtype=x.dtype, device=x.device)
     _small_gate_up_kernel[(T * (k + S), triton.cdiv(IH, BN))](
-        x, w_gu, w_sgu, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN, BK=BK, num_warps=warps)
+        x, w_gu, w_sgu, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN, BK=BK, num_warps=warps, **pdl(x))
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BI, BIs = triton.next_power_of_2(I), triton.next_power_of_2(Is)
     if (down or SMALL_DOWN) == "tile" and max(BI, BIs) <= BK2:
         CALLS["down_tile"] += 1
         _small_down_tile_kernel[(T, triton.cdiv(H, BN2))](
             h, w_d, w_sd, x, w_sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, KP=triton.next_power_of_2(k),
-            S=S, BN=BN2, BI=BI, BIS=BIs, BH=triton.next_power_of_2(H), num_warps=warps2)
+            S=S, BN=BN2, BI=BI, BIS=BIs, BH=triton.next_power_of_2(H), num_warps=warps2, **pdl(x))
         return out
     _small_down_kernel[(T, triton.cdiv(H, BN2))](
         h, w_d, w_sd, x, w_sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN2, BK=BK2,
-        BH=triton.next_power_of_2(H), num_warps=warps2)
+        BH=triton.next_power_of_2(H), num_warps=warps2, **pdl(x))
     return out
 
 
 if triton is not None:
     @triton.jit
     def _small_gate_up_kernel(x_ptr, w_ptr, ws_ptr, i_ptr, h_ptr, stride_x, H, I, Is, IH, K: tl.constexpr,
-                              S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                              S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
         """Program (row t, pair j, tile of the width): h[t*(K+S) + j, n] = silu(x_t . W[n]) * (x_t . W[I + n]),
         W the j-th routed expert's gate|up, or for j = K (S: a shared expert) the shared expert's."""
+        pdl_enter(PDL)
         r = tl.program_id(0)
         t = r // (K + S)
         j = r % (K + S)
@@ -173,10 +176,11 @@ if triton is not None:
     @triton.jit
     def _small_down_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is, IH,
                            K: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           BH: tl.constexpr):
+                           BH: tl.constexpr, PDL: tl.constexpr):
         """Program (row, tile of H): out[t, n] = sum_j w[t, j] * (h[t, j] . Wd[e_j, n]), each pair's product
         rounded to the dtype before the float32 sum (as moe_experts_ref rounds); S: plus
         sigmoid(x_t . w_gate) * (h[t, K] . Wd_shared[n]), rounded as shared_ref's torch ops round."""
+        pdl_enter(PDL)
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < H
@@ -208,13 +212,19 @@ if triton is not None:
     @triton.jit
     def _small_down_tile_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is,
                                 IH, K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, BN: tl.constexpr,
-                                BI: tl.constexpr, BIS: tl.constexpr, BH: tl.constexpr):
+                                BI: tl.constexpr, BIS: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
         """_small_down_kernel's sum with every routed pair's [BN, I] slice of its expert loaded as one [KP, BN, BI]
-        tile (and the shared expert's beside it) before any is reduced: the loads are in flight together."""
+        tile (and the shared expert's beside it) before any is reduced: the loads are in flight together. The shared
+        expert's slice is loaded before PDL's wait (the routed experts are known only after it)."""
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < H
         dt = o_ptr.dtype.element_ty
+        if S:
+            jj = tl.arange(0, BIS)
+            jm = jj < Is
+            ws = tl.load(ws_ptr + n[:, None] * Is + jj[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
+        pdl_enter(PDL)
         ks = tl.arange(0, KP)
         kv = ks < K
         e = tl.load(i_ptr + t * K + ks, mask=kv, other=0).to(tl.int64)
@@ -223,10 +233,6 @@ if triton is not None:
         im = ii < I
         w = tl.load(w_ptr + e[:, None, None] * (H * I) + n[None, :, None] * I + ii[None, None, :],
                     mask=kv[:, None, None] & nm[None, :, None] & im[None, None, :], other=0.0)
-        if S:
-            jj = tl.arange(0, BIS)
-            jm = jj < Is
-            ws = tl.load(ws_ptr + n[:, None] * Is + jj[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
         hp = tl.load(h_ptr + (t * (K + S) + ks)[:, None] * IH + ii[None, :], mask=kv[:, None] & im[None, :],
                      other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * hp[:, None, :], 2)                                   # [KP, BN]

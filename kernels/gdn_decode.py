@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
+from memra_pp.kernels.fused_decode import pdl, triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # CPU-only installs: the torch reference serves
-    triton = None
+
+    from memra_pp.kernels.fused_decode import pdl_enter
 
 
 def gdn_decode_ref(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: float) -> torch.Tensor:
@@ -36,10 +37,11 @@ if triton is not None:
     @triton.jit
     def _gdn_decode_kernel(q, k, v, g, beta, A_log, dt_bias, o, h, slots, scale, sq, sk, sv, sg, sb,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                           BV: tl.constexpr, RAW_GATES: tl.constexpr):
+                           BV: tl.constexpr, RAW_GATES: tl.constexpr, PDL: tl.constexpr):
         """Rows of q, k, v, g, beta at strides sq .. sb (views into one projection allowed). RAW_GATES: g and beta
         hold the raw a and b projections; the kernel computes beta = sigmoid(b) (rounded to b's dtype, as
         transformers rounds it) and g = -exp(A_log) softplus(a + dt_bias)."""
+        pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         NV = tl.cdiv(V, BV)
         i_v, i_nh = pid % NV, pid // NV
@@ -96,7 +98,7 @@ def launch_gdn_decode(q, k, v, g, beta, state_NVKD, slots_B, scale: float, H: in
     _gdn_decode_kernel[(triton.cdiv(V, BV) * B * HV,)](
         q, k, v, g, beta, A_log, dt_bias, o, state_NVKD, slots_B.contiguous(), scale, q.stride(0), k.stride(0),
         v.stride(0), g.stride(0), beta.stride(0), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        RAW_GATES=raw_gates is not None, num_warps=tile[1], num_stages=3)
+        RAW_GATES=raw_gates is not None, num_warps=tile[1], num_stages=3, **pdl(v))
     return o
 
 

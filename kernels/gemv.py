@@ -17,10 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memra_pp.kernels.fused_decode import _triton, add_rms_norm, triton
+from memra_pp.kernels.fused_decode import _triton, add_rms_norm, pdl, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from memra_pp.kernels.fused_decode import pdl_enter
 
 # at most this many rows the Triton GEMV (0: never; cuBLAS everywhere)
 GEMV_ROWS = 1
@@ -95,7 +97,7 @@ def _launch(x, res, w_norm, eps, s, W, tile_):
     _gemv_kernel[(min(blocks, programs) if programs else blocks,)](
         x, res if res is not None else x, w_norm if norm else W, s if s is not None else y, W, y,
         x.stride(0), res.stride(0) if res is not None else 0, T, N, K, eps, TP=triton.next_power_of_2(T), BN=BN,
-        BK=BK, NORM=norm, RES=res is not None, ONE=BK >= K, num_warps=warps)
+        BK=BK, NORM=norm, RES=res is not None, ONE=BK >= K, num_warps=warps, **pdl(x))
     return y
 
 
@@ -132,25 +134,36 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, lw_ptr, s_ptr, w_ptr, y_ptr, stride_x, stride_r, T, N, K, eps,
                      TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr,
-                     ONE: tl.constexpr):
+                     ONE: tl.constexpr, PDL: tl.constexpr):
         """Program p: y[:, n] for the row blocks p, p + programs, ... (BN rows n of W each), every input row at
         once. NORM: the input rows are rms_norm(x + r) (x + r when RES, else x). ONE (BK >= K): the input rows are
-        loaded (and normed) once, before the row blocks; else their mean square is taken in a first pass over K and
-        the normed chunks are recomputed inside each row block."""
+        loaded (and normed) once, after the weights of the program's first row block (issued before PDL's wait: they
+        stream while the kernel before finishes); else their mean square is taken in a first pass over K and the
+        normed chunks are recomputed inside each row block."""
         pid = tl.program_id(0)
         ts = tl.arange(0, TP)
         tm = ts < T
         k1 = tl.arange(0, BK)
         first = tm & (ts * 0 + pid == 0)        # program 0 writes the new residual
         inv = tl.zeros([TP], dtype=tl.float32)
+        start = pid
         if ONE:   # the whole input row at once: x + r, its mean square and the normed row, all in registers
+            n = pid * BN + tl.arange(0, BN)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k1[None, :], mask=(n < N)[:, None] & (k1 < K)[None, :],
+                        other=0.0)
+            pdl_enter(PDL)
             if NORM:
                 x1 = _norm_rows(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, k1, k1 < K, stride_x, stride_r, K, eps, first,
                                 RES).to(tl.float32)
             else:
                 x1 = tl.load(x_ptr + ts[:, None] * stride_x + k1[None, :], mask=tm[:, None] & (k1 < K)[None, :],
                              other=0.0).to(tl.float32)
+            acc = tl.sum(x1[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+            tl.store(y_ptr + ts[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=tm[:, None] & (n < N)[None, :])
+            start += tl.num_programs(0)
         elif NORM:
+            pdl_enter(PDL)
             ss = tl.zeros([TP], dtype=tl.float32)
             for k0 in range(0, K, BK):
                 kk = k0 + k1
@@ -158,7 +171,9 @@ if triton is not None:
                              RES, False).to(tl.float32)
                 ss += tl.sum(xv * xv, 1)
             inv = 1.0 / tl.sqrt(ss / K + eps)
-        for blk in range(pid, tl.cdiv(N, BN), tl.num_programs(0)):
+        else:
+            pdl_enter(PDL)
+        for blk in range(start, tl.cdiv(N, BN), tl.num_programs(0)):
             n = blk * BN + tl.arange(0, BN)
             nm = n < N
             acc = tl.zeros([TP, BN], dtype=tl.float32)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memra_pp.kernels.fused_decode import _triton, triton
+from memra_pp.kernels.fused_decode import _triton, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
+    from memra_pp.kernels.fused_decode import pdl_enter
     from memra_pp.kernels.gemv import _norm_rows
 
 # host-side launches by path (a captured graph counts once)
@@ -34,13 +35,14 @@ def route(logits_TE: torch.Tensor, k: int, dtype: torch.dtype):
     w = torch.empty(T, k, dtype=dtype, device=logits_TE.device)
     idx = torch.empty(T, k, dtype=torch.int64, device=logits_TE.device)
     _route_kernel[(T,)](logits_TE, w, idx, logits_TE.stride(0), E, K=k, BE=triton.next_power_of_2(E),
-                        num_warps=2)
+                        num_warps=2, **pdl(logits_TE))
     return w, idx
 
 
 if triton is not None:
     @triton.jit
-    def _route_kernel(l_ptr, w_ptr, i_ptr, stride_l, E, K: tl.constexpr, BE: tl.constexpr):
+    def _route_kernel(l_ptr, w_ptr, i_ptr, stride_l, E, K: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         t = tl.program_id(0)
         offs = tl.arange(0, BE)
         x = tl.load(l_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
@@ -117,7 +119,7 @@ def _launch(x_TH, res_TH, w_norm, eps, gate_EH, k, dtype, cfg, counter):
         x_TH, r, w_norm if norm else gate_EH, s, xn, gate_EH, logits, w, idx,
         _counter(dev) if counter is None else counter, x_TH.stride(0), r.stride(0), eps, T, H, E, K=k,
         TP=triton.next_power_of_2(T), BR=BR, BK=min(BK, triton.next_power_of_2(H)), BE=triton.next_power_of_2(E),
-        NORM=norm, num_warps=warps)
+        NORM=norm, num_warps=warps, **pdl(x_TH))
     return s, xn, w, idx
 
 
@@ -157,9 +159,9 @@ if triton is not None:
     @triton.jit
     def _router_route_kernel(x_ptr, r_ptr, lw_ptr, s_ptr, xn_ptr, g_ptr, l_ptr, w_ptr, i_ptr, cnt_ptr, stride_x,
                              stride_r, eps, T, H, E, K: tl.constexpr, TP: tl.constexpr, BR: tl.constexpr,
-                             BK: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr):
+                             BK: tl.constexpr, BE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         """NORM: the input rows are rms_norm(x + r), each program norming them itself (one step: BK >= H) and
-        program 0 writing x + r to s and the normed rows to xn."""
+        program 0 writing x + r to s and the normed rows to xn. The gate rows are loaded before PDL's wait."""
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = r < E
         ts = tl.arange(0, TP)
@@ -170,11 +172,13 @@ if triton is not None:
             km = kk < H
             # the gate rows first: their load is in flight while the input row is summed and normed
             g = tl.load(g_ptr + r[:, None] * H + kk[None, :], mask=rm[:, None] & km[None, :], other=0.0)
+            pdl_enter(PDL)
             first = tm & (ts * 0 + tl.program_id(0) == 0)      # program 0 writes s and the normed rows
             xn = _norm_rows(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, kk, km, stride_x, stride_r, H, eps, first, True)
             tl.store(xn_ptr + ts[:, None] * H + kk[None, :], xn, mask=first[:, None] & km[None, :])
             acc += tl.sum(xn.to(tl.float32)[:, None, :] * g.to(tl.float32)[None, :, :], 2)
         else:
+            pdl_enter(PDL)
             for k0 in range(0, H, BK):
                 kk = k0 + tl.arange(0, BK)
                 km = kk < H

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from memra_pp.kernels.fused_decode import _triton, triton
+from memra_pp.kernels.fused_decode import _triton, pdl, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from memra_pp.kernels.fused_decode import pdl_enter
 
 
 # -- the new key and value into their pages -------------------------------------------------------------------------
@@ -33,7 +35,8 @@ def kv_write(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
     lens = torch.empty_like(pos_B)
     _kv_write_kernel[(B, nkv)](k_BHD, v_BHD, kp, vp, table, slots_B, pos_B, lens, k_BHD.stride(0), k_BHD.stride(1),
                                v_BHD.stride(0), v_BHD.stride(1), kp.stride(0), kp.stride(1), kp.stride(2),
-                               table.stride(0), D, KVB=kp.shape[2], BD=triton.next_power_of_2(D), num_warps=1)
+                               table.stride(0), D, KVB=kp.shape[2], BD=triton.next_power_of_2(D), num_warps=1,
+                               **pdl(k_BHD))
     return lens
 
 
@@ -74,7 +77,7 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     args = (q_BHD, kp, vp, table, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1),
             kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
     meta = dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, KVB=kvb, SPLITS=splits,
-                IEEE=q_BHD.dtype == torch.float32, num_warps=4)
+                IEEE=q_BHD.dtype == torch.float32, num_warps=4, **pdl(q_BHD))
     stages = _ATTN_STAGES.get(q_BHD.device, 2)
     try:
         _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=stages)
@@ -85,7 +88,7 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
         _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=1)
     if splits > 1:
         _attn_combine_kernel[(B, nh)](mid, lse, g3, out, g3.stride(0), g3.stride(1), D=D, SPLITS=splits,
-                                      SP=triton.next_power_of_2(splits), num_warps=4)
+                                      SP=triton.next_power_of_2(splits), num_warps=4, **pdl(q_BHD))
     return out
 
 
@@ -104,7 +107,8 @@ def _sms(device) -> int:
 if triton is not None:
     @triton.jit
     def _kv_write_kernel(k, v, kp, vp, table, slots, pos, lens, skb, skh, svb, svh, spn, sph, sps, stt, D,
-                         KVB: tl.constexpr, BD: tl.constexpr):
+                         KVB: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         p = tl.load(pos + b).to(tl.int64)
@@ -121,7 +125,8 @@ if triton is not None:
     @triton.jit
     def _decode_attn_kernel(Q, K, V, TABLE, SLOTS, LENS, G, O, MID, LSE, sqb, sqh, skn, skh, sks, stt, sgb, sgh,
                             scale, CHUNK, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                            KVB: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                            KVB: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         kh = tl.program_id(1).to(tl.int64)
         sp = tl.program_id(2)
@@ -173,7 +178,9 @@ if triton is not None:
             tl.store(LSE + row, tl.where(l_i > 0, m_i + tl.log(safe), float("-inf")), mask=gm)
 
     @triton.jit
-    def _attn_combine_kernel(MID, LSE, G, O, sgb, sgh, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr):
+    def _attn_combine_kernel(MID, LSE, G, O, sgb, sgh, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
+                             PDL: tl.constexpr):
+        pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
         nh = tl.num_programs(1)
