@@ -42,11 +42,20 @@ def _decode_window(runs: list[tuple[float, list[tuple[float, int]]]]) -> tuple[f
     return (n / span if span > 0 else 0.0), span
 
 
+def warm_tokens(concurrency: int, prompt_len: int, max_new_tokens: int, prefill_chunk: int) -> int:
+    """Tokens each warm-up request generates: 3, plus one for each prefill step the prompts take, so the first
+    request still decodes when the last one starts (with 3 tokens alone, 256 prompts of 128 tokens in steps of
+    4,096 never made one decode-only step of more than 64 rows, and the timed run captured 5 graphs)."""
+    return min(max_new_tokens, 3 + -(-concurrency * prompt_len // max(1, prefill_chunk)))
+
+
 def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed: int = 0,
               warm: bool = True, timeline: bool = False) -> dict:
     """`concurrency` requests at once, each streamed on its own thread (the public `stream` API), every event's
     arrival time recorded: throughput end to end, time to first token, and the steady-state decode rate. `warm`
-    first runs the same requests for 3 tokens, untimed (lazy decode-graph captures stay out of the figures).
+    first runs the same requests, untimed, long enough that every one is still decoding when the last prompt's
+    prefill ends (`warm_tokens`): the decode batches then pass through the sizes the timed run meets, so their lazy
+    graph captures stay out of the figures (`graph_captures_in_run` counts those that did not).
     `timeline`: also every stage's microbatch spans of the timed run (seconds from its start; plot_timelines), and
     the p50 first token on that axis."""
     from concurrent.futures import ThreadPoolExecutor
@@ -88,8 +97,9 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                             for x, y in zip(a, b)])
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        if warm:   # the same load, untimed: decode graphs of this batch size are captured, KV pools grown
-            list(pool.map(lambda p: one(p, min(3, max_new_tokens), False), prompts))
+        if warm:   # the same load, untimed: decode graphs of these batch sizes are captured, KV pools grown
+            n = warm_tokens(concurrency, prompt_len, max_new_tokens, dep.placement.scheduler.prefill_chunk)
+            list(pool.map(lambda p: one(p, n, False), prompts))
         st0 = dep.stats(reset=True)["stages"]
         captures0 = _graph_captures(st0)     # graph counts are never reset
         tunings0 = sum(s.get("kernel_tunings") or 0 for s in st0)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 import memra_pp
-from memra_pp.bench import _decode_window, format_report, run_bench
+from memra_pp.bench import _decode_window, format_report, run_bench, warm_tokens
 from conftest_models import tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -140,3 +140,12 @@ def test_a_timeline_that_lost_its_start_says_so():
     assert tl.dropped == 2
     assert tl.since(0.0) == {"spans": [["decode", 1, float(i), i + 0.5] for i in (2, 3, 4)], "complete": False}
     assert tl.since(3.0)["complete"]            # the window starts after what was dropped
+
+
+def test_warm_up_lasts_until_the_last_prompt_is_prefilled():
+    """256 prompts of 128 tokens in prefill steps of 4,096: 8 steps, so each warm-up request makes 3 + 8 tokens;
+    never more than the timed requests make."""
+    assert warm_tokens(256, 128, 64, 4096) == 11
+    assert warm_tokens(1, 128, 64, 512) == 4
+    assert warm_tokens(1024, 512, 256, 4096) == 131
+    assert warm_tokens(4, 16, 2, 512) == 2
