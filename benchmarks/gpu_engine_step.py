@@ -97,7 +97,8 @@ def main() -> int:
     rows0 = gemv.GEMV_ROWS
     for mode in a.modes.split(","):
         fused_moe.ENABLED = not mode.endswith("-torchmoe")   # MoE: layers.MoE's torch paths instead of the kernels
-        fused_decode.PDL = "-nopdl" not in mode     # -nopdl: every kernel launched after the one before finished
+        # -nopdl: every kernel launched after the one before finished (a Triton without gdc_wait: always)
+        fused_decode.PDL = fused_decode.gdc_wait is not None and "-nopdl" not in mode
         # -cublas: cuBLAS for every projection and the norms as their own kernels (the sixth session's step)
         gemv.GEMV_ROWS = 0 if mode.endswith("-cublas") else rows0
         moe_route.NORM_ROUTER = not mode.endswith("-cublas")

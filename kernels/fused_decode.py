@@ -31,7 +31,7 @@ except ImportError:  # CPU-only installs: the torch references serve
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: every kernel launches as usual
-    gdc_wait = None
+    gdc_wait = gdc_launch_dependents = None
 
 
 USE_TRITON = True    # False: the torch references everywhere (tests compare the two on one device)
@@ -49,7 +49,8 @@ def pdl(t: torch.Tensor) -> dict:
         return {"PDL": False}
     on = _PDL_DEVICES.get(t.device.index)
     if on is None:
-        on = _PDL_DEVICES[t.device.index] = torch.cuda.get_device_capability(t.device)[0] >= 9
+        on = _PDL_DEVICES[t.device.index] = (torch.version.hip is None       # griddepcontrol: NVIDIA only
+                                             and torch.cuda.get_device_capability(t.device)[0] >= 9)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
@@ -277,7 +278,7 @@ if triton is not None:
         zf = tl.load(z + n * sz0 + hv * sz1 + o, mask=m, other=0).to(tl.float32)
         tl.store(out + row * D + o, (y * (zf / (1.0 + tl.exp(-zf)))).to(ov.dtype), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])    # one binary for every row count
     def _l2norm_kernel(x, y, eps, R, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         o = tl.arange(0, BD)

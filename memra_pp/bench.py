@@ -102,7 +102,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             list(pool.map(lambda p: one(p, n, False), prompts))
         st0 = dep.stats(reset=True)["stages"]
         captures0 = _graph_captures(st0)     # graph counts are never reset
-        tunings0 = sum(s.get("kernel_tunings") or 0 for s in st0)
+        tunings0 = _tunings(st0)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         t0, tm0 = time.perf_counter(), time.monotonic()     # monotonic: the stages' timeline clock
@@ -134,7 +134,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             # stage for the capture, so time to first token and the end-to-end rate carry it
             "graph_captures_in_run": _graph_captures(st) - captures0,
             # kernel keys autotuned inside the timed run (flash-linear-attention's; a request waits for each)
-            "kernel_tunings_in_run": sum(s.get("kernel_tunings") or 0 for s in st) - tunings0,
+            "kernel_tunings_in_run": _tunings(st) - tunings0,
             "steady_window_s": steady.get("window_s", 0.0),
             **({"timeline": timeline_since(st, tm0, _pct([ev[0][0] - t0 for _, ev in out if ev], 0.5), wall)}
                if timeline else {})}
@@ -142,6 +142,11 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
 
 def _graph_captures(stages: list[dict]) -> int:
     return sum((s.get("decode_graphs") or {}).get("captures", 0) for s in stages)
+
+
+def _tunings(stages: list[dict]) -> int:
+    """Kernel keys autotuned so far, summed over the stages (fla_rule.tuned_keys in each; never reset)."""
+    return sum(s.get("kernel_tunings") or 0 for s in stages)
 
 
 def timeline_since(stages: list[dict], tm0: float, ttft_s: float, wall_s: float) -> dict:

@@ -1,5 +1,6 @@
 """flash-linear-attention kernels for the gated delta rule on CUDA (same contract as gdn.py's torch forms:
-raw q/k, l2-normalised here, scale dk^-1/2, fp32 state in and out).
+raw q/k, l2-normalised before the chunk kernels and inside the recurrent one, scale dk^-1/2, fp32 state in and
+out).
 
 fla autotunes its Triton kernels on first use of each key. Two keys move with the prefill step, so a deployment
 met new ones whenever arrivals packed a step differently, and the request waited for the tuning (measured on an
@@ -8,7 +9,8 @@ H200: 42 s for the first 64 x 128-token step after warm-up, 10 s for 32 x 128, t
   and timed per bucket. The chunk path normalises q and k itself (kernels/fused_decode.l2norm: fla's arithmetic,
   one tile).
 - chunk_local_cumsum keys on the number of equal-length sequences a call takes: its first tuning serves every
-  later key (`_tune_once`).
+  later key (`_tune_once`). That number is also a compile-time constant of the kernel, so a new one still compiles
+  one config (the ~0.2 s that remained in a new shape's first step on an H200), but times none.
 Every other key fla tunes on is fixed by the model's dimensions. `tuned_keys()` counts the keys tuned so far in this
 process (stage stats report it: a timed run that tunes nothing has the same count before and after)."""
 from __future__ import annotations
@@ -42,9 +44,10 @@ class FlaRule:
         key = (heads, dk, dv, dtype, str(device))
         if key in _WARM:
             return
+        def z(*shape, dt=dtype):
+            return torch.zeros(*shape, dtype=dt, device=device)
+
         for n, fn in ((64, self.chunk), (1, self.recurrent)):
-            def z(*shape, dt=dtype):
-                return torch.zeros(*shape, dtype=dt, device=device)
             fn(z(1, n, heads, dk), z(1, n, heads, dk), z(1, n, heads, dv), z(1, n, heads, dt=torch.float32),
                z(1, n, heads), z(1, heads, dk, dv, dt=torch.float32))
         _WARM.add(key)
