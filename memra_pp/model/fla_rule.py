@@ -44,6 +44,7 @@ class FlaRule:
         key = (heads, dk, dv, dtype, str(device))
         if key in _WARM:
             return
+
         def z(*shape, dt=dtype):
             return torch.zeros(*shape, dtype=dt, device=device)
 
