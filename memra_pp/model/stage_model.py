@@ -75,9 +75,9 @@ class Layer(nn.Module):
         return linear(o, self.mixer.o_proj_weight) if lora is None else self.mixer.lin(o, "o_proj", lora)
 
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
+        from memra_pp.kernels.paged_attention import kv_write
         at: GatedAttention = self.mixer
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
-        from memra_pp.kernels.paged_attention import kv_write
         kp, vp = cache.k[self.i], cache.v[self.i]
         kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
         o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
@@ -129,12 +129,12 @@ class StageModel(nn.Module):
             from . import fla_rule
             if fla_rule.available():
                 rule = fla_rule.FlaRule()
-                for layer in self.layers:
-                    if not layer.full:
-                        layer.mixer.rule = rule
+                gdn = [layer for layer in self.layers if not layer.full]
+                for layer in gdn:
+                    layer.mixer.rule = rule
                 self.gdn_backend = "fla"
                 t = self.mc.text
-                if any(not layer.full for layer in self.layers):   # fla tunes now, not in the first prefill
+                if gdn:     # fla tunes now, not in the first prefill
                     rule.warm_up(t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim,
                                  self.dtype, self.device)
         return self
