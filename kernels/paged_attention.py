@@ -1,6 +1,6 @@
-"""Paged attention of the decode step (beside kernels/fused_decode.py, whose _triton it uses): the new key and value written into
-their pages, and one query per sequence against its pages of the KV pools, read in place (no gather), gated. Each
-with its torch reference. Runs in stage processes."""
+"""Paged attention of the decode step (beside kernels/fused_decode.py, whose _triton it uses): the new key and
+value written into their pages, and one query per sequence against its pages of the KV pools, read in place (no
+gather), gated. Each with its torch reference. Runs in stage processes."""
 from __future__ import annotations
 
 import torch
@@ -25,8 +25,8 @@ def kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
 def kv_write(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
     """kp[blk, :, off] = k and vp[blk, :, off] = v, (blk, off) the page and offset of position pos_B[b] of slot
     slots_B[b] (cache.locate), for decode rows and prefill tokens alike; returns lens = pos + 1 for
-    decode_attention. One kernel for the six of the torch
-    ops (the page lookup, a division, a remainder, two indexed writes, the add): ~13 us an attention layer."""
+    decode_attention. One kernel for the six of the torch ops (the page lookup, a division, a remainder, two
+    indexed writes, the add): ~13 us an attention layer."""
     if not _triton(k_BHD):
         return kv_write_ref(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B)
     B, nkv, D = k_BHD.shape
