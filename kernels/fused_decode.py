@@ -221,6 +221,42 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
+    def _partner(o, ROPE: tl.constexpr):
+        """The rotate_half partner of each dim j < ROPE (j + ROPE/2, or j - ROPE/2), and which dims rotate."""
+        half: tl.constexpr = ROPE // 2
+        return tl.where(o < half, o + half, o - half), o < ROPE
+
+    @triton.jit
+    def _rotate(y, xp, inv, w, cos, sin, o, pj, rm, ROPE: tl.constexpr, PLUS_ONE: tl.constexpr):
+        """The normed row y (its dtype) with its first ROPE dims rotated as attention.apply_rope rounds: xp [BLOCK]
+        the partner dims' input (float32 of the dtype-rounded value), normed by the row's inv and weights w; cos,
+        sin the row's [ROPE] angles."""
+        wp = tl.load(w + pj, mask=rm, other=0).to(tl.float32)
+        if PLUS_ONE:
+            wp = 1.0 + wp
+        yp = (xp * inv * wp).to(y.dtype).to(tl.float32)
+        yp = tl.where(o < ROPE // 2, -yp, yp)
+        c = tl.load(cos + o, mask=rm, other=0).to(tl.float32)
+        sn = tl.load(sin + o, mask=rm, other=0).to(tl.float32)
+        a = (y.to(tl.float32) * c).to(y.dtype).to(tl.float32)
+        bb = (yp * sn).to(y.dtype).to(tl.float32)
+        return tl.where(rm, (a + bb).to(y.dtype), y)
+
+    @triton.jit
+    def _norm_rope_head(x, w, cos, sin, o, m, eps, D: tl.constexpr, ROPE: tl.constexpr):
+        """One head of D at x normed with weights (1 + w) and its first ROPE dims rotated (cos, sin: its [ROPE]
+        angles), rounded as add_rms_norm with rope rounds (the q / k norms)."""
+        xv = tl.load(x + o, mask=m, other=0)
+        xf = xv.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
+        y = (xf * inv * (1.0 + tl.load(w + o, mask=m, other=0).to(tl.float32))).to(xv.dtype)
+        if ROPE > 0:
+            pj, rm = _partner(o, ROPE)
+            y = _rotate(y, tl.load(x + pj, mask=rm, other=0).to(tl.float32), inv, w, cos, sin, o, pj, rm, ROPE,
+                        True)
+        return y
+
+    @triton.jit
     def _add_rms_norm_kernel(x, r, w, s, out, cos, sin, eps, R1, sx0, sx1, sr0, sr1, D: tl.constexpr,
                              BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PLUS_ONE: tl.constexpr, ROPE: tl.constexpr,
                              PDL: tl.constexpr):
@@ -242,23 +278,12 @@ if triton is not None:
             wf = 1.0 + wf
         y = (xf * inv * wf).to(xv.dtype)
         if ROPE > 0:   # rotate_half partner of dim j < ROPE: j + ROPE/2 (negated) or j - ROPE/2, normed the same way
-            half: tl.constexpr = ROPE // 2
-            rm = o < ROPE
-            pj = tl.where(o < half, o + half, o - half)
+            pj, rm = _partner(o, ROPE)
             xp = tl.load(x + i0 * sx0 + i1 * sx1 + pj, mask=rm, other=0).to(tl.float32)
             if HAS_RES:
                 xp = (xp + tl.load(r + i0 * sr0 + i1 * sr1 + pj, mask=rm, other=0).to(tl.float32)).to(xv.dtype)
                 xp = xp.to(tl.float32)
-            wp = tl.load(w + pj, mask=rm, other=0).to(tl.float32)
-            if PLUS_ONE:
-                wp = 1.0 + wp
-            yp = (xp * inv * wp).to(xv.dtype).to(tl.float32)
-            yp = tl.where(o < half, -yp, yp)
-            c = tl.load(cos + i0 * ROPE + o, mask=rm, other=0).to(tl.float32)
-            sn = tl.load(sin + i0 * ROPE + o, mask=rm, other=0).to(tl.float32)
-            a = (y.to(tl.float32) * c).to(xv.dtype).to(tl.float32)
-            bb = (yp * sn).to(xv.dtype).to(tl.float32)
-            y = tl.where(rm, (a + bb).to(xv.dtype), y)
+            y = _rotate(y, xp, inv, w, cos + i0 * ROPE, sin + i0 * ROPE, o, pj, rm, ROPE, PLUS_ONE)
         tl.store(out + row * D + o, y, mask=m)
 
     @triton.jit

@@ -10,7 +10,7 @@ from memra_pp.kernels.fused_decode import _triton, pdl, triton
 if triton is not None:
     import triton.language as tl
 
-    from memra_pp.kernels.fused_decode import pdl_enter
+    from memra_pp.kernels.fused_decode import _norm_rope_head, pdl_enter
 
 
 # -- the new key and value into their pages -------------------------------------------------------------------------
@@ -38,6 +38,36 @@ def kv_write(k_BHD, v_BHD, kp, vp, table, slots_B, pos_B):
                                table.stride(0), D, KVB=kp.shape[2], BD=triton.next_power_of_2(D), num_warps=1,
                                **pdl(k_BHD))
     return lens
+
+
+# -- the q / k norms, their rotary embedding and the new key and value into their pages, one kernel -----------------
+FUSE_QK = True      # False: add_rms_norm for q, for k, then kv_write (three kernels; the benchmarks compare)
+CALLS = {"qk_kv_write": 0}
+
+
+def qk_norm_kv_write(q_BHD, k_BKD, v_BKD, wq, wk, eps: float, cos, sin, kp, vp, table, slots_B, pos_B):
+    """The decode step's attention inputs from its merged projection: q normed (weights 1 + wq) and rotated on its
+    first r dims (cos, sin [B, r]), returned contiguous [B, nh, D]; k normed (1 + wk) and rotated, and v, written
+    into their pages at pos_B (kv_write); returns (q, lens = pos + 1). q, k, v: views with unit last stride (into
+    the projection). One kernel, a program a head; else (or FUSE_QK off) add_rms_norm twice then kv_write."""
+    from memra_pp.kernels.fused_decode import add_rms_norm
+    B, nh, D = q_BHD.shape
+    nkv = k_BKD.shape[1]
+    if not (FUSE_QK and _triton(q_BHD) and q_BHD.stride(2) == 1 and k_BKD.stride(2) == 1 and v_BKD.stride(2) == 1
+            and wq.is_contiguous() and wk.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+            and kp.stride(3) == 1 and kp.stride() == vp.stride() and table.stride(1) == 1):
+        q = add_rms_norm(q_BHD, None, wq, eps, rope=(cos, sin))[1]
+        k = add_rms_norm(k_BKD, None, wk, eps, rope=(cos, sin))[1]
+        return q, kv_write(k, v_BKD, kp, vp, table, slots_B, pos_B)
+    CALLS["qk_kv_write"] += 1
+    q = torch.empty(B, nh, D, dtype=q_BHD.dtype, device=q_BHD.device)
+    lens = torch.empty_like(pos_B)
+    _qk_kv_kernel[(B, nh + nkv)](q_BHD, k_BKD, v_BKD, wq, wk, cos, sin, q, kp, vp, table, slots_B, pos_B, lens,
+                                 q_BHD.stride(0), q_BHD.stride(1), k_BKD.stride(0), k_BKD.stride(1), v_BKD.stride(0),
+                                 v_BKD.stride(1), kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), eps,
+                                 NH=nh, D=D, BD=triton.next_power_of_2(D), ROPE=cos.shape[-1], KVB=kp.shape[2],
+                                 num_warps=1, **pdl(q_BHD))   # add_rms_norm's warps: its bits
+    return q, lens
 
 
 # -- decode attention over the slot pools -------------------------------------------------------------------------
@@ -121,6 +151,31 @@ if triton is not None:
         tl.store(vp + dst, tl.load(v + b * svb + h * svh + d, mask=m), mask=m)
         if h == 0:
             tl.store(lens + b, (p + 1).to(lens.dtype.element_ty))
+
+    @triton.jit
+    def _qk_kv_kernel(q, k, v, wq, wk, cos, sin, qo, kp, vp, table, slots, pos, lens, sqb, sqh, skb, skh, svb, svh,
+                      spn, sph, sps, stt, eps, NH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                      ROPE: tl.constexpr, KVB: tl.constexpr, PDL: tl.constexpr):
+        """Program (b, j): q head j (j < NH) normed and rotated into qo, else kv head j - NH: k normed and rotated,
+        and v, stored into the page of position pos[b] of slot slots[b]; lens[b] = pos + 1 (by kv head 0)."""
+        pdl_enter(PDL)
+        b = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1).to(tl.int64)
+        d = tl.arange(0, BD)
+        m = d < D
+        if j < NH:
+            y = _norm_rope_head(q + b * sqb + j * sqh, wq, cos + b * ROPE, sin + b * ROPE, d, m, eps, D, ROPE)
+            tl.store(qo + (b * NH + j) * D + d, y, mask=m)
+        else:
+            h = j - NH
+            y = _norm_rope_head(k + b * skb + h * skh, wk, cos + b * ROPE, sin + b * ROPE, d, m, eps, D, ROPE)
+            p = tl.load(pos + b).to(tl.int64)
+            blk = tl.load(table + tl.load(slots + b).to(tl.int64) * stt + p // KVB).to(tl.int64)
+            dst = blk * spn + h * sph + (p % KVB) * sps + d
+            tl.store(kp + dst, y.to(kp.dtype.element_ty), mask=m)
+            tl.store(vp + dst, tl.load(v + b * svb + h * svh + d, mask=m), mask=m)
+            if h == 0:
+                tl.store(lens + b, (p + 1).to(lens.dtype.element_ty))
 
     @triton.jit
     def _decode_attn_kernel(Q, K, V, TABLE, SLOTS, LENS, G, O, MID, LSE, sqb, sqh, skn, skh, sks, stt, sgb, sgh,

@@ -127,7 +127,8 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
             close(pgd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
                   ref(pgd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
 # the new key and value into their pages: slots out of order, one the scratch slot (the null page), positions at a
-# page's first and last offset and inside; k a contiguous [B, nkv, D], v a strided view into a projection; lens = pos + 1
+# page's first and last offset and inside; k a contiguous [B, nkv, D], v a strided view into a projection;
+# lens = pos + 1
 for kvb in (32, 64):
     npg = -(-192 // kvb)
     pools = [torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt) for _ in range(2)]
@@ -142,6 +143,37 @@ for kvb in (32, 64):
     assert torch.equal(lens, want) and torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
     assert torch.equal(pools[0][table[4, 1], :, 0], kn[0]) and torch.equal(pools[1][table[0, 191 // kvb], :,
                                                                                      191 % kvb], vn[3])
+# the q / k norms with their rotary embedding and the new key and value into their pages, one kernel
+# (qk_norm_kv_write), against add_rms_norm's and kv_write's references: q, k, v strided views into a projection
+# (q beside its gate), GQA, partial rotary, slots out of order (one the scratch slot), positions at page edges
+for kvb in (32, 64):
+    npg = -(-192 // kvb)
+    pools = [torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt) for _ in range(2)]
+    pools += [p.clone() for p in pools]
+    table = torch.zeros(N + 1, npg, dtype=torch.long)
+    table[:N] = (torch.randperm(N * npg) + 1).view(N, npg)
+    sl, pos = torch.tensor([4, N, 5, 0]), torch.tensor([kvb, 3, kvb - 1, 191])
+    Pa = torch.randn(4, nkv * G3 * 2 * Dh + 2 * nkv * Dh, dtype=dt)
+    qv = Pa[:, :nkv * G3 * 2 * Dh].view(4, nkv * G3, 2 * Dh)[..., :Dh]
+    kv_ = Pa[:, nkv * G3 * 2 * Dh:].view(4, 2 * nkv, Dh)
+    wq_, wk_ = torch.randn(Dh, dtype=dt) * 0.1, torch.randn(Dh, dtype=dt) * 0.1
+    cs = (torch.randn(4, 8, dtype=dt), torch.randn(4, 8, dtype=dt))
+    before = pgd.CALLS["qk_kv_write"]
+    qa_, la_ = pgd.qk_norm_kv_write(qv, kv_[:, :nkv], kv_[:, nkv:], wq_, wk_, 1e-6, *cs, pools[0], pools[1], table,
+                                    sl, pos)
+    qb_, lb_ = ref(pgd.qk_norm_kv_write, qv, kv_[:, :nkv], kv_[:, nkv:], wq_, wk_, 1e-6, *cs, pools[2], pools[3],
+                   table, sl, pos)
+    assert pgd.CALLS["qk_kv_write"] == before + 1 and qa_.shape == (4, nkv * G3, Dh) and qa_.is_contiguous()
+    close(qa_, qb_, tol); assert torch.equal(la_, lb_)
+    close(pools[0], pools[2], tol); assert torch.equal(pools[1], pools[3])
+    pgd.FUSE_QK = False         # switched off: the three kernels, bit for bit what the fused one wrote
+    pools[2], pools[3] = pools[0].clone().normal_(), pools[1].clone().normal_()
+    qc_, _ = pgd.qk_norm_kv_write(qv, kv_[:, :nkv], kv_[:, nkv:], wq_, wk_, 1e-6, *cs, pools[2], pools[3], table,
+                                  sl, pos)
+    pgd.FUSE_QK = True
+    assert pgd.CALLS["qk_kv_write"] == before + 1
+    at = (table[sl, pos // kvb], slice(None), pos % kvb)
+    assert torch.equal(qc_, qa_) and torch.equal(pools[2][at], pools[0][at]) and torch.equal(pools[3][at], pools[1][at])
 # kernels/gemv.py (forced onto every shape): the products of few rows (1 to 3: padded to 4 inside), plain and with
 # the residual add + norm in their prologue (with and without a residual), against add_rms_norm's reference then
 # F.linear; K over several steps and a ragged last one, N not a multiple of the tile; the new residual bit for bit

@@ -44,7 +44,7 @@ def hf_greedy_bf16(model, prompt, n):
 @pytest.mark.parametrize("size", ["tiny", "mid", "moe"])
 def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
     """moe: the fused routing and expert kernels (kernels/fused_moe.py), in prefill and in the captured decode."""
-    from memra_pp.kernels import fused_moe, gemv
+    from memra_pp.kernels import fused_moe, gemv, paged_attention
     over = MID if size == "mid" else {}
     m = build("moe" if size == "moe" else "dense", tied=False, seed=3, **over)
     m.save_pretrained(tmp_path)
@@ -58,7 +58,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
     for s, c in zip(lp.stages, lp.caches):
         s.set_decode_graphs(True, c)
     calls = dict(fused_moe.CALLS)      # module-wide, and loading ran them (MoE.warm_up): count the run's calls only
-    gemv_calls = dict(gemv.CALLS)
+    gemv_calls, qk_calls = dict(gemv.CALLS), paged_attention.CALLS["qk_kv_write"]
     toks, lps = [], []
     for p in prompts:
         t, lg = lp.greedy([p], 16)
@@ -90,8 +90,9 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
         assert all(fused_moe.CALLS[k] > calls[k] for k in ("route", "router", "norm_router", "small", "down_tile",
                                                           "grouped")), (calls, fused_moe.CALLS)
     # one-row decode graphs: out_proj / o_proj / down through kernels/gemv.py, the input projections (and the dense
-    # gate|up) with their norm in its prologue (hidden <= 2,048)
+    # gate|up) with their norm in its prologue (hidden <= 2,048); the q / k norms and the KV write as one kernel
     assert all(gemv.CALLS[k] > gemv_calls[k] for k in ("gemv", "norm_gemv")), (gemv_calls, gemv.CALLS)
+    assert paged_attention.CALLS["qk_kv_write"] > qk_calls, "the q / k norms and the KV write ran as one kernel"
     print(f"{size}: {same}/10 prompts identical to generate; worst greedy gap {ours[0]:.3e} (transformers against "
           f"itself {self_[0]:.3e}), worst logprob diff {ours[1]:.3e} (itself {self_[1]:.3e})")
     assert ours[0] <= 2 * self_[0] + 0.05, "one of our tokens is neither transformers' greedy token nor a near tie"

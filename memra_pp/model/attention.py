@@ -57,19 +57,23 @@ class GatedAttention(Param):
         self.qkv = self.fuse(["q_proj", "k_proj", "v_proj"])
         self.w_in = self.qkv           # the decode graphs' merged input projection (Layer.decode_fused)
 
-    def project_fused(self, P, cos, sin):
-        """project() for the decode graphs from the merged projection P = x @ qkv^T (q|gate|k|v; the layer computes
-        it with its input norm): the q and k norms (with their rotary embedding) one kernel each."""
-        from memra_pp.kernels.fused_decode import add_rms_norm
+    def decode_fused(self, P, cos, sin, kp, vp, table, slots_B, pos_B, S: int):
+        """The decode graphs' attention from the merged projection P = x @ qkv^T (q|gate|k|v; the layer computes it
+        with its input norm): the q and k norms with their rotary embedding and the new key and value written into
+        their pages (kp, vp of this layer) in one kernel, attention over the slots' first S positions read in place
+        and gated, then o_proj (kernels/paged_attention.py, kernels/gemv.py)."""
+        from memra_pp.kernels.gemv import linear
+        from memra_pp.kernels.paged_attention import decode_attention, qk_norm_kv_write
         c = self.cfg
         B, D = P.shape[0], c.head_dim
         nq, nkv = c.num_attention_heads * 2 * D, c.num_key_value_heads * D
         qg = P[:, :nq].view(B, c.num_attention_heads, 2 * D)
         k = P[:, nq:nq + nkv].view(B, c.num_key_value_heads, D)
         v = P[:, nq + nkv:].view(B, c.num_key_value_heads, D)
-        q = add_rms_norm(qg[..., :D], None, self.q_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
-        k = add_rms_norm(k, None, self.k_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
-        return q, qg[..., D:], k, v          # the gate: a [B, nh, D] view, read in place by decode_attention
+        q, lens = qk_norm_kv_write(qg[..., :D], k, v, self.q_norm_weight, self.k_norm_weight, c.rms_norm_eps, cos,
+                                   sin, kp, vp, table, slots_B, pos_B)
+        o = decode_attention(q, qg[..., D:], kp, vp, table, slots_B, lens, S)   # the gate: a view, read in place
+        return linear(o, self.o_proj_weight)
 
     def project(self, x_TH, cos, sin, lora=None):
         """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached)."""

@@ -59,7 +59,7 @@ class Layer(nn.Module):
         from memra_pp.kernels.gemv import norm_linear
         h_BH, P = norm_linear(h_BH, pending, self.ln1, self.eps, self.mixer.w_in)
         if self.full:
-            m = self._attend_decode(*self.mixer.project_fused(P, cos, sin), slots_B, pos_B, S, cache)
+            m = self.mixer.decode_fused(P, cos, sin, cache.k[self.i], cache.v[self.i], cache.table, slots_B, pos_B, S)
         else:
             m = self.mixer.decode_fused(P, slots_B, cache)
         return self.ffn.decode_fused(h_BH, m, self.ln2, self.eps)
