@@ -29,6 +29,9 @@ GEMV_ROWS = 1
 # host-side launches (a captured graph counts once): plain products, and those with the norm in their prologue
 CALLS = {"gemv": 0, "norm_gemv": 0}
 PROGRAMS = 4 * 132     # a persistent grid: programs a launch at most (four an H200 SM), each looping over row blocks
+# a persistent program loads its next row block's weights before it reduces the current one (two blocks in flight a
+# program; the first two are issued before PDL's wait). False: one block at a time (the benchmarks compare)
+PREFETCH = True
 
 
 def tile(N: int, K: int, norm: bool = False) -> tuple[int, int, int, int]:
@@ -97,7 +100,8 @@ def _launch(x, res, w_norm, eps, s, W, tile_):
     _gemv_kernel[(min(blocks, programs) if programs else blocks,)](
         x, res if res is not None else x, w_norm if norm else W, s if s is not None else y, W, y,
         x.stride(0), res.stride(0) if res is not None else 0, T, N, K, eps, TP=triton.next_power_of_2(T), BN=BN,
-        BK=BK, NORM=norm, RES=res is not None, ONE=BK >= K, num_warps=warps, **pdl(x))
+        BK=BK, NORM=norm, RES=res is not None, ONE=BK >= K, PREF=PREFETCH and BK >= K and programs > 0,
+        num_warps=warps, **pdl(x))
     return y
 
 
@@ -132,14 +136,23 @@ if triton is not None:
         return (xf * inv[:, None] * wf[None, :]).to(xv.dtype)
 
     @triton.jit
+    def _row_block(w_ptr, blk, BN: tl.constexpr, k1, N, K):
+        """The [BN, BK] weights of row block blk (rows past N masked: no traffic)."""
+        n = blk * BN + tl.arange(0, BN)
+        return tl.load(w_ptr + n[:, None].to(tl.int64) * K + k1[None, :], mask=(n < N)[:, None] & (k1 < K)[None, :],
+                       other=0.0)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, lw_ptr, s_ptr, w_ptr, y_ptr, stride_x, stride_r, T, N, K, eps,
                      TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr,
-                     ONE: tl.constexpr, PDL: tl.constexpr):
+                     ONE: tl.constexpr, PREF: tl.constexpr, PDL: tl.constexpr):
         """Program p: y[:, n] for the row blocks p, p + programs, ... (BN rows n of W each), every input row at
         once. NORM: the input rows are rms_norm(x + r) (x + r when RES, else x). ONE (BK >= K): the input rows are
         loaded (and normed) once, after the weights of the program's first row block (issued before PDL's wait: they
         stream while the kernel before finishes); else their mean square is taken in a first pass over K and the
-        normed chunks are recomputed inside each row block."""
+        normed chunks are recomputed inside each row block. PREF (ONE, a persistent grid): the weights of the
+        program's next row block are loaded before the current one is reduced, the second block's before the wait
+        too."""
         pid = tl.program_id(0)
         ts = tl.arange(0, TP)
         tm = ts < T
@@ -149,8 +162,9 @@ if triton is not None:
         start = pid
         if ONE:   # the whole input row at once: x + r, its mean square and the normed row, all in registers
             n = pid * BN + tl.arange(0, BN)
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k1[None, :], mask=(n < N)[:, None] & (k1 < K)[None, :],
-                        other=0.0)
+            w = _row_block(w_ptr, pid, BN, k1, N, K)
+            if PREF:
+                w_next = _row_block(w_ptr, pid + tl.num_programs(0), BN, k1, N, K)
             pdl_enter(PDL)
             if NORM:
                 x1 = _norm_rows(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, k1, k1 < K, stride_x, stride_r, K, eps, first,
@@ -162,6 +176,14 @@ if triton is not None:
             tl.store(y_ptr + ts[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=tm[:, None] & (n < N)[None, :])
             start += tl.num_programs(0)
+            if PREF:      # two blocks in flight: the next one's load issued before this one is reduced
+                for blk in range(start, tl.cdiv(N, BN), tl.num_programs(0)):
+                    w = w_next
+                    w_next = _row_block(w_ptr, blk + tl.num_programs(0), BN, k1, N, K)
+                    n = blk * BN + tl.arange(0, BN)
+                    acc = tl.sum(x1[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+                    tl.store(y_ptr + ts[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                             mask=tm[:, None] & (n < N)[None, :])
         elif NORM:
             pdl_enter(PDL)
             ss = tl.zeros([TP], dtype=tl.float32)
@@ -173,20 +195,21 @@ if triton is not None:
             inv = 1.0 / tl.sqrt(ss / K + eps)
         else:
             pdl_enter(PDL)
-        for blk in range(start, tl.cdiv(N, BN), tl.num_programs(0)):
-            n = blk * BN + tl.arange(0, BN)
-            nm = n < N
-            acc = tl.zeros([TP, BN], dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                kk = k0 + k1
-                km = kk < K
-                w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nm[:, None] & km[None, :],
-                            other=0.0)
-                if ONE:
-                    xv = x1
-                else:
-                    xv = _normed(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, kk, km, inv, stride_x, stride_r, K,
-                                 first & (ts * 0 + blk == pid), RES, NORM).to(tl.float32)
-                acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-            tl.store(y_ptr + ts[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=tm[:, None] & nm[None, :])
+        if not PREF:     # (PREF ran every block above)
+            for blk in range(start, tl.cdiv(N, BN), tl.num_programs(0)):
+                n = blk * BN + tl.arange(0, BN)
+                nm = n < N
+                acc = tl.zeros([TP, BN], dtype=tl.float32)
+                for k0 in range(0, K, BK):
+                    kk = k0 + k1
+                    km = kk < K
+                    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nm[:, None] & km[None, :],
+                                other=0.0)
+                    if ONE:
+                        xv = x1
+                    else:
+                        xv = _normed(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, kk, km, inv, stride_x, stride_r, K,
+                                     first & (ts * 0 + blk == pid), RES, NORM).to(tl.float32)
+                    acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+                tl.store(y_ptr + ts[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                         mask=tm[:, None] & nm[None, :])

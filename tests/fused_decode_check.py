@@ -179,21 +179,25 @@ for kvb in (32, 64):
 # F.linear; K over several steps and a ragged last one, N not a multiple of the tile; the new residual bit for bit
 from memra_pp.kernels import gemv  # noqa: E402
 gemv.GEMV_ROWS, gemv.FORCE, calls = 4, True, dict(gemv.CALLS)
-for T in (1, 3):
-    Kg, Ng = 200, 37
-    hg, rg = torch.randn(T, Kg, dtype=dt), torch.randn(T + 2, Kg + 16, dtype=dt)[1:T + 1, 5:5 + Kg]   # own stride
-    lwg, Wg = torch.randn(Kg, dtype=dt) * 0.1, torch.randn(Ng, Kg, dtype=dt) * 0.1
-    # tiles: the default (the whole row in one step), K in steps, persistent programs over several row blocks
-    for t in (None, (8, 64, 4, 0), (4, 256, 2, 3), (8, 64, 4, 2)):
-        close(gemv.linear(hg, Wg, t), ref(gemv.linear, hg, Wg), tol)
-        sa_, ya_ = gemv.norm_linear(hg, rg, lwg, 1e-6, Wg, t)
-        sb_, yb_ = ref(gemv.norm_linear, hg, rg, lwg, 1e-6, Wg)
-        # (the interpreter rounds float32 to bfloat16 its own way: the new residual is bit-equal compiled only)
-        assert torch.equal(sa_, sb_) if dt == torch.float32 or sys.argv[2] == "cuda" else close(sa_, sb_, tol)
-        close(ya_, yb_, tol)
-        s0, y0 = gemv.norm_linear(hg, None, lwg, 1e-6, Wg, t)
-        assert s0 is hg; close(y0, ref(gemv.norm_linear, hg, None, lwg, 1e-6, Wg)[1], tol)
-assert gemv.CALLS["gemv"] - calls["gemv"] == 8 and gemv.CALLS["norm_gemv"] - calls["norm_gemv"] == 16, gemv.CALLS
+# the persistent programs with the next row block's weights in flight (PREFETCH) and one block at a time
+for pref in (True, False):
+    gemv.PREFETCH = pref
+    for T in (1, 3):
+        Kg, Ng = 200, 37
+        hg, rg = torch.randn(T, Kg, dtype=dt), torch.randn(T + 2, Kg + 16, dtype=dt)[1:T + 1, 5:5 + Kg]   # own stride
+        lwg, Wg = torch.randn(Kg, dtype=dt) * 0.1, torch.randn(Ng, Kg, dtype=dt) * 0.1
+        # tiles: the default (the whole row in one step), K in steps, persistent programs over several row blocks
+        for t in (None, (8, 64, 4, 0), (4, 256, 2, 3), (8, 64, 4, 2)):
+            close(gemv.linear(hg, Wg, t), ref(gemv.linear, hg, Wg), tol)
+            sa_, ya_ = gemv.norm_linear(hg, rg, lwg, 1e-6, Wg, t)
+            sb_, yb_ = ref(gemv.norm_linear, hg, rg, lwg, 1e-6, Wg)
+            # (the interpreter rounds float32 to bfloat16 its own way: the new residual is bit-equal compiled only)
+            assert torch.equal(sa_, sb_) if dt == torch.float32 or sys.argv[2] == "cuda" else close(sa_, sb_, tol)
+            close(ya_, yb_, tol)
+            s0, y0 = gemv.norm_linear(hg, None, lwg, 1e-6, Wg, t)
+            assert s0 is hg; close(y0, ref(gemv.norm_linear, hg, None, lwg, 1e-6, Wg)[1], tol)
+gemv.PREFETCH = True
+assert gemv.CALLS["gemv"] - calls["gemv"] == 16 and gemv.CALLS["norm_gemv"] - calls["norm_gemv"] == 32, gemv.CALLS
 gemv.GEMV_ROWS, gemv.FORCE = 1, False
 # the committed choice: one row only; plain for narrow, deep matrices, normed where the row fits one step (K <= 2,048)
 x1, x2 = torch.randn(1, 4096, dtype=dt), torch.randn(2, 4096, dtype=dt)
