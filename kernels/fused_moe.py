@@ -89,12 +89,17 @@ def moe_experts(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared=None):
 # before these kernels); with the "tile" down kernel and BN 2: 16.8, 51.1, 90.1 us, with the shared expert riding
 # along 20.2 us at one row against 23.9). Seventh session: gate|up 4 rows a program, 2 warps, 1,024 wide steps
 # (1,152 programs where 288 filled 132 SMs 2.2 times): one row 13.0 us against 16.6, with the shared expert 17.5
-# against 20.5
-SMALL_TILES = (4, 1024, 2, 2, 512, 4)
+# against 20.5. Ninth session, inside the whole step (gpu_engine_step.py -dnAxBxC modes): down 4 rows a program
+# (512 programs) where 2 (1,024) took the step from 2.43-2.45 ms to 2.36-2.38 at one row, 6.32-6.35 to 6.15-6.17
+# at eight
+SMALL_TILES = (4, 1024, 2, 4, 512, 4)
 # the down kernel: "loop" reads a row's pairs one after another (each pair a dependent round trip to memory: 12.9
 # us for 19 MB a layer at batch 1, 34% of its bytes' time); "tile" loads every routed pair's slice as one
 # [K, BN, I] tile, so all K loads are in flight at once (BK is then the widest expert it takes; wider: "loop")
 SMALL_DOWN = "tile"
+# the shared expert's sigmoid gate computed once, by one gate|up program, for the down kernel to load (False: every
+# down program computes it, a 2,048-long dot product after its weights arrive; the benchmarks compare)
+SHARED_GATE_EARLY = True
 
 
 def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
@@ -109,32 +114,43 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
     assert not S or (w_sgu.is_contiguous() and w_sd.is_contiguous() and w_sg.is_contiguous())
     IH = max(I, Is)
     h = torch.empty(T * (k + S), IH, dtype=x.dtype, device=x.device)
+    SG = S and SHARED_GATE_EARLY
+    sg = torch.empty(T, dtype=x.dtype, device=x.device) if SG else h      # the shared gate a row (SG)
+    BH = triton.next_power_of_2(H)
     _small_gate_up_kernel[(T * (k + S), triton.cdiv(IH, BN))](
-        x, w_gu, w_sgu, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN, BK=BK, num_warps=warps, **pdl(x))
+        x, w_gu, w_sgu, w_sg, sg, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, SG=SG, BN=BN, BK=BK, BH=BH,
+        num_warps=warps, **pdl(x))
+    CALLS["shared_gate"] += SG
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BI, BIs = triton.next_power_of_2(I), triton.next_power_of_2(Is)
     if (down or SMALL_DOWN) == "tile" and max(BI, BIs) <= BK2:
         CALLS["down_tile"] += 1
         _small_down_tile_kernel[(T, triton.cdiv(H, BN2))](
-            h, w_d, w_sd, x, w_sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, KP=triton.next_power_of_2(k),
-            S=S, BN=BN2, BI=BI, BIS=BIs, BH=triton.next_power_of_2(H), num_warps=warps2, **pdl(x))
+            h, w_d, w_sd, x, w_sg, sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k,
+            KP=triton.next_power_of_2(k), S=S, SG=SG, BN=BN2, BI=BI, BIS=BIs, BH=BH, num_warps=warps2, **pdl(x))
         return out
     _small_down_kernel[(T, triton.cdiv(H, BN2))](
-        h, w_d, w_sd, x, w_sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, S=S, BN=BN2, BK=BK2,
-        BH=triton.next_power_of_2(H), num_warps=warps2, **pdl(x))
+        h, w_d, w_sd, x, w_sg, sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, S=S, SG=SG, BN=BN2, BK=BK2,
+        BH=BH, num_warps=warps2, **pdl(x))
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _small_gate_up_kernel(x_ptr, w_ptr, ws_ptr, i_ptr, h_ptr, stride_x, H, I, Is, IH, K: tl.constexpr,
-                              S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    def _small_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wsg_ptr, sg_ptr, i_ptr, h_ptr, stride_x, H, I, Is, IH,
+                              K: tl.constexpr, S: tl.constexpr, SG: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              BH: tl.constexpr, PDL: tl.constexpr):
         """Program (row t, pair j, tile of the width): h[t*(K+S) + j, n] = silu(x_t . W[n]) * (x_t . W[I + n]),
-        W the j-th routed expert's gate|up, or for j = K (S: a shared expert) the shared expert's."""
+        W the j-th routed expert's gate|up, or for j = K (S: a shared expert) the shared expert's. SG: the shared
+        pair's first program also stores the row's shared gate sigmoid(x_t . w_gate) to sg[t] (_shared_gate)."""
         pdl_enter(PDL)
         r = tl.program_id(0)
         t = r // (K + S)
         j = r % (K + S)
+        if SG:
+            if (j == K) & (tl.program_id(1) == 0):
+                tl.store(sg_ptr + t, _shared_gate(x_ptr + t * stride_x, wsg_ptr, H, h_ptr.dtype.element_ty, BH)
+                         .to(sg_ptr.dtype.element_ty))
         if j < K:
             e = tl.load(i_ptr + t * K + j).to(tl.int64)
             w_e = w_ptr + e * (2 * I * H)
@@ -174,12 +190,13 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _small_down_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is, IH,
-                           K: tl.constexpr, S: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           BH: tl.constexpr, PDL: tl.constexpr):
+    def _small_down_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, sg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is,
+                           IH, K: tl.constexpr, S: tl.constexpr, SG: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
         """Program (row, tile of H): out[t, n] = sum_j w[t, j] * (h[t, j] . Wd[e_j, n]), each pair's product
         rounded to the dtype before the float32 sum (as moe_experts_ref rounds); S: plus
-        sigmoid(x_t . w_gate) * (h[t, K] . Wd_shared[n]), rounded as shared_ref's torch ops round."""
+        sigmoid(x_t . w_gate) * (h[t, K] . Wd_shared[n]), rounded as shared_ref's torch ops round (SG: the gate
+        loaded from sg, where the gate|up kernel stored it)."""
         pdl_enter(PDL)
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -194,28 +211,39 @@ if triton is not None:
             total += (acc.to(dt).to(tl.float32) * tw).to(dt).to(tl.float32)
         if S:
             acc = _row_dot(h_ptr + (t * (K + S) + K) * IH, ws_ptr, n, nm, Is, BN, BK)
-            total = _plus_shared(total, acc, x_ptr + t * stride_x, wsg_ptr, H, dt, BH)
+            if SG:
+                sig = tl.load(sg_ptr + t).to(tl.float32)
+            else:
+                sig = _shared_gate(x_ptr + t * stride_x, wsg_ptr, H, dt, BH)
+            total = _plus_shared(total, acc, sig, dt)
         tl.store(o_ptr + t * H + n, total.to(dt), mask=nm)
 
     @triton.jit
-    def _plus_shared(total, acc, xrow, wsg_ptr, H, dt: tl.constexpr, BH: tl.constexpr):
-        """total (the routed pairs' float32 sum) rounded, plus sigmoid(x . w_gate) * acc (the shared expert's
-        down product), rounded as shared_ref's torch ops round."""
+    def _shared_gate(xrow, wsg_ptr, H, dt: tl.constexpr, BH: tl.constexpr):
+        """sigmoid(x . w_gate) of one row, rounded as shared_ref's torch ops round (the dot, then the sigmoid),
+        as float32."""
         hh = tl.arange(0, BH)
         xr = tl.load(xrow + hh, mask=hh < H, other=0.0).to(tl.float32)
         gw = tl.load(wsg_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
         gate = tl.sum(xr * gw, 0).to(dt).to(tl.float32)
-        sig = (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        return (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _plus_shared(total, acc, sig, dt: tl.constexpr):
+        """total (the routed pairs' float32 sum) rounded, plus sig * acc (the shared gate times the shared expert's
+        down product), rounded as shared_ref's torch ops round."""
         term = (sig * acc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
         return total.to(dt).to(tl.float32) + term
 
     @triton.jit
-    def _small_down_tile_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is,
-                                IH, K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, BN: tl.constexpr,
-                                BI: tl.constexpr, BIS: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
+    def _small_down_tile_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, sg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I,
+                                Is, IH, K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SG: tl.constexpr,
+                                BN: tl.constexpr, BI: tl.constexpr, BIS: tl.constexpr, BH: tl.constexpr,
+                                PDL: tl.constexpr):
         """_small_down_kernel's sum with every routed pair's [BN, I] slice of its expert loaded as one [KP, BN, BI]
         tile (and the shared expert's beside it) before any is reduced: the loads are in flight together. The shared
-        expert's slice is loaded before PDL's wait (the routed experts are known only after it)."""
+        expert's slice is loaded before PDL's wait (the routed experts are known only after it); SG: its gate is
+        loaded (the gate|up kernel computed it), else computed here."""
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < H
@@ -225,6 +253,8 @@ if triton is not None:
             jm = jj < Is
             ws = tl.load(ws_ptr + n[:, None] * Is + jj[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
         pdl_enter(PDL)
+        if SG:
+            sig = tl.load(sg_ptr + t).to(tl.float32)       # beside the ids: one round trip for both
         ks = tl.arange(0, KP)
         kv = ks < K
         e = tl.load(i_ptr + t * K + ks, mask=kv, other=0).to(tl.int64)
@@ -241,5 +271,7 @@ if triton is not None:
         if S:
             hs = tl.load(h_ptr + (t * (K + S) + K) * IH + jj, mask=jm, other=0.0).to(tl.float32)
             acc_s = tl.sum(ws.to(tl.float32) * hs[None, :], 1)
-            total = _plus_shared(total, acc_s, x_ptr + t * stride_x, wsg_ptr, H, dt, BH)
+            if not SG:
+                sig = _shared_gate(x_ptr + t * stride_x, wsg_ptr, H, dt, BH)
+            total = _plus_shared(total, acc_s, sig, dt)
         tl.store(o_ptr + t * H + n, total.to(dt), mask=nm)

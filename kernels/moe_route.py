@@ -15,7 +15,7 @@ if triton is not None:
     from memra_pp.kernels.gemv import _norm_rows
 
 # host-side launches by path (a captured graph counts once)
-CALLS = {"route": 0, "router": 0, "norm_router": 0, "small": 0, "grouped": 0, "down_tile": 0}
+CALLS = {"route": 0, "router": 0, "norm_router": 0, "small": 0, "grouped": 0, "down_tile": 0, "shared_gate": 0}
 
 
 # -- routing --------------------------------------------------------------------------------------------------------

@@ -162,16 +162,23 @@ for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
         ran.add("shared")
 
 # the per-pair down kernel both ways ("loop": a row's pairs one after another; "tile": every pair's slice in one
-# tile), k not a power of two (the tile's masked pair rows), without the shared expert and with both widths
-for down in ("loop", "tile"):
-    before = fm.CALLS["down_tile"]
-    for T, k in [(1, 4), (5, 4), (3, 3), (16, 4)]:
-        x = torch.randn(T, H, dtype=dt)
-        w, idx = fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
-        for sh in (None, shared, wide):
-            close(fm._moe_small(x, w_gu, w_d, w, idx, sh, down=down), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
-    assert (fm.CALLS["down_tile"] - before == 12) == (down == "tile"), fm.CALLS
-    ran.add(f"down {down}")
+# tile), k not a power of two (the tile's masked pair rows), without the shared expert and with both widths; the
+# shared gate computed by the gate|up kernel (SHARED_GATE_EARLY) and by every down program
+for early in (True, False):
+    fm.SHARED_GATE_EARLY = early
+    for down in ("loop", "tile"):
+        before, gates = fm.CALLS["down_tile"], fm.CALLS["shared_gate"]
+        shapes = [(1, 4), (5, 4), (3, 3), (16, 4)] if early else [(1, 4), (3, 3)]    # (the interpreter is slow)
+        for T, k in shapes:
+            x = torch.randn(T, H, dtype=dt)
+            w, idx = fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
+            for sh in (None, shared, wide):
+                close(fm._moe_small(x, w_gu, w_d, w, idx, sh, down=down), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
+        assert (fm.CALLS["down_tile"] - before == 3 * len(shapes)) == (down == "tile"), fm.CALLS
+        assert fm.CALLS["shared_gate"] - gates == (2 * len(shapes) if early else 0), fm.CALLS
+        ran.add(f"down {down}")
+    ran.add("shared gate early" if early else "shared gate late")
+fm.SHARED_GATE_EARLY = True
 
 # a NaN or inf logit: that row's ids stay k distinct real experts, and every other row's output is unchanged
 for T in (3, 20):           # the per-pair kernels, and the grouped GEMM through the alignment kernel
