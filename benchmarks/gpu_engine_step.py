@@ -2,7 +2,8 @@
 memory floor, eager against CUDA graphs, side by side in one run (and a profile of one step).
 
     python -u benchmarks/gpu_engine_step.py --out DIR [--model preset:qwen3.5-27b] [--batches 1,64]
-        [--modes eager,graph,graph-nopdl,graph-cublas,graph-torchmoe] [--ctx 192] [--profile] [--prefill 64x128,32x128]
+        [--modes eager,graph,graph-nopdl,graph-nofuse,graph-noqk,graph-p264,graph-cublas,graph-torchmoe]
+        [--ctx 192] [--profile] [--prefill 64x128,32x128]
 
 The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
 work of a step). The floor of a step: every weight once + each sequence's fp32 recurrent state read and written +
@@ -93,8 +94,8 @@ def main() -> int:
     cache = model.new_cache(max(batches + [b for b, _ in shapes]), max([a.ctx + 64] + [n + 8 for _, n in shapes]))
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
-    from memra_pp.kernels import fused_decode, fused_moe, gemv, moe_route
-    rows0 = gemv.GEMV_ROWS
+    from memra_pp.kernels import fused_decode, fused_moe, gemv, moe_route, paged_attention
+    rows0, programs0, small0 = gemv.GEMV_ROWS, gemv.PROGRAMS, fused_moe.SMALL_TILES
     for mode in a.modes.split(","):
         fused_moe.ENABLED = not mode.endswith("-torchmoe")   # MoE: layers.MoE's torch paths instead of the kernels
         # -nopdl: every kernel launched after the one before finished (a Triton without gdc_wait: always)
@@ -102,6 +103,21 @@ def main() -> int:
         # -cublas: cuBLAS for every projection and the norms as their own kernels (the sixth session's step)
         gemv.GEMV_ROWS = 0 if mode.endswith("-cublas") else rows0
         moe_route.NORM_ROUTER = not mode.endswith("-cublas")
+        # this session's changes, each switchable: -noqk (the q / k norms and the KV write as three kernels),
+        # -nopref (the GEMV one row block at a time), -nosgate (the shared gate in every down program); -nofuse: all
+        # three off (the eighth session's step); -pN: the persistent GEMV's programs
+        nofuse = "-nofuse" in mode
+        paged_attention.FUSE_QK = not (nofuse or "-noqk" in mode)
+        gemv.PREFETCH = not (nofuse or "-nopref" in mode)
+        fused_moe.SHARED_GATE_EARLY = not (nofuse or "-nosgate" in mode)
+        gemv.PROGRAMS = next((int(p[1:]) for p in mode.split("-") if p[:1] == "p" and p[1:].isdigit()), programs0)
+        # -guAxBxC / -dnAxBxC: the per-pair MoE kernels' gate|up / down tiles (BN, BK, warps)
+        tiles = list(small0)
+        for p in mode.split("-"):
+            if p[:2] in ("gu", "dn") and p[2:3].isdigit():
+                i = 0 if p[:2] == "gu" else 3
+                tiles[i:i + 3] = [int(v) for v in p[2:].split("x")]
+        fused_moe.SMALL_TILES = tuple(tiles)
         graph = mode.startswith("graph")
         model.set_decode_graphs(False, cache)      # drop graphs captured under the previous mode
         model.set_decode_graphs(graph, cache)
