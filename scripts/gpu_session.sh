@@ -18,7 +18,7 @@ PY
 for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
   case $phase_name in
     probe) phase probe 200 python3 -u -m memra_pp.gpu_checks --out "$OUT" --handoffs 2000 ;;
-    # the whole GPU suite took 505 s in the eighth session: TESTS="tests/test_gpu_a.py tests/test_gpu_b.py" runs a part
+    # the whole GPU suite took 492 s in the ninth session: TESTS="tests/test_gpu_a.py tests/test_gpu_b.py" runs a part
     tests) phase tests ${TESTS_S:-330} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 ${TESTS:-tests/} ;;
     battery1) phase battery-one-card ${B1_S:-420} python3 -m memra_pp.cli battery cluster_configs/2xh200-one-card.yaml --out "$OUT/battery-one-card.json" ;;
     battery2) phase battery-2xh200 ${B2_S:-420} python3 -m memra_pp.cli battery cluster_configs/battery-2xh200.yaml --out "$OUT/battery-2xh200.json" ;;
