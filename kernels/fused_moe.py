@@ -7,7 +7,8 @@ an expert on a row not routed to it.
   - few (row, expert) pairs (decode batches): one program per pair and output tile, a matrix-vector product that
     reads each routed expert's weights once where they lie (the gathered path copied them out first: 3x the bytes);
     the down kernel sums a row's k pairs in registers, so nothing else runs after it; the shared expert rides
-    along as one more pair per row, its sigmoid gate computed in the down kernel;
+    along as one more pair per row, its sigmoid gate computed once by a gate|up program (SHARED_GATE_EARLY) and
+    applied in the down kernel;
   - many pairs (large decode batches, prefill): pairs sorted by expert into blocks of BM rows (every block one
     expert, padded; kernels/moe_align.py), a grouped GEMM per block (tl.dot; kernels/moe_grouped.py), silu-mul
     fused into the gate|up GEMM's epilogue and the routing weight into the down GEMM's. Static shapes throughout:
@@ -71,7 +72,7 @@ def moe_ref(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared=None):
 def moe_experts(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared=None):
     """x [T, H]; gate|up weights [E, 2I, H], down [E, H, I]; routing weights [T, k] (x's dtype), ids [T, k].
     With `shared` (shared_ref's tuple) the shared expert's term is added: in the per-pair kernels as one more pair
-    per row (its gate computed in the down kernel), else by torch ops."""
+    per row (its gate applied in the down kernel), else by torch ops."""
     if not _triton(x_TH):
         return moe_ref(x_TH, w_gu_EIH, w_d_EHI, topw_TK, topi_TK, shared)
     assert x_TH.stride(1) == 1 and w_gu_EIH.is_contiguous() and w_d_EHI.is_contiguous()
@@ -100,6 +101,9 @@ SMALL_DOWN = "tile"
 # the shared expert's sigmoid gate computed once, by one gate|up program, for the down kernel to load (False: every
 # down program computes it, a 2,048-long dot product after its weights arrive; the benchmarks compare)
 SHARED_GATE_EARLY = True
+# the shared pair's gate|up programs load their first K step of its (static) weights before PDL's wait, as the down
+# kernel loads its shared slice (False: after it). Not yet measured in the step: off until a device run says it pays
+SHARED_BEFORE_WAIT = False
 
 
 def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
@@ -118,8 +122,8 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
     sg = torch.empty(T, dtype=x.dtype, device=x.device) if SG else h      # the shared gate a row (SG)
     BH = triton.next_power_of_2(H)
     _small_gate_up_kernel[(T * (k + S), triton.cdiv(IH, BN))](
-        x, w_gu, w_sgu, w_sg, sg, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, SG=SG, BN=BN, BK=BK, BH=BH,
-        num_warps=warps, **pdl(x))
+        x, w_gu, w_sgu, w_sg, sg, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, SG=SG,
+        SPRE=S and SHARED_BEFORE_WAIT, BN=BN, BK=BK, BH=BH, num_warps=warps, **pdl(x))
     CALLS["shared_gate"] += SG
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BI, BIs = triton.next_power_of_2(I), triton.next_power_of_2(Is)
@@ -138,15 +142,22 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
 if triton is not None:
     @triton.jit
     def _small_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wsg_ptr, sg_ptr, i_ptr, h_ptr, stride_x, H, I, Is, IH,
-                              K: tl.constexpr, S: tl.constexpr, SG: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              BH: tl.constexpr, PDL: tl.constexpr):
+                              K: tl.constexpr, S: tl.constexpr, SG: tl.constexpr, SPRE: tl.constexpr,
+                              BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
         """Program (row t, pair j, tile of the width): h[t*(K+S) + j, n] = silu(x_t . W[n]) * (x_t . W[I + n]),
         W the j-th routed expert's gate|up, or for j = K (S: a shared expert) the shared expert's. SG: the shared
-        pair's first program also stores the row's shared gate sigmoid(x_t . w_gate) to sg[t] (_shared_gate)."""
-        pdl_enter(PDL)
+        pair's first program also stores the row's shared gate sigmoid(x_t . w_gate) to sg[t] (_shared_gate). SPRE:
+        the shared pair's programs load their first K step of its weights before PDL's wait."""
         r = tl.program_id(0)
         t = r // (K + S)
         j = r % (K + S)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        if SPRE:      # static weights: the shared pair's first K step streams while the kernel before finishes
+            k0s = tl.arange(0, BK)
+            pm = ((n < Is) & (n * 0 + j == K))[:, None] & (k0s < H)[None, :]     # (vector compares: see gemv)
+            pg = tl.load(ws_ptr + n[:, None] * H + k0s[None, :], mask=pm, other=0.0)
+            pu = tl.load(ws_ptr + (Is + n)[:, None] * H + k0s[None, :], mask=pm, other=0.0)
+        pdl_enter(PDL)
         if SG:
             if (j == K) & (tl.program_id(1) == 0):
                 tl.store(sg_ptr + t, _shared_gate(x_ptr + t * stride_x, wsg_ptr, H, h_ptr.dtype.element_ty, BH)
@@ -158,7 +169,6 @@ if triton is not None:
         else:
             w_e = ws_ptr
             width = Is
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < width
         acc_g = tl.zeros([BN], dtype=tl.float32)
         acc_u = tl.zeros([BN], dtype=tl.float32)
@@ -167,8 +177,15 @@ if triton is not None:
             km = kk < H
             xk = tl.load(x_ptr + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
             m2 = nm[:, None] & km[None, :]
-            wg = tl.load(w_e + n[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-            wu = tl.load(w_e + (width + n)[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            if SPRE:      # the shared pair's first step was loaded before the wait: its load here is masked off
+                load = ((n * 0 + j != K) | (n * 0 + k0 != 0))[:, None]
+                wg = tl.where(load, tl.load(w_e + n[:, None] * H + kk[None, :], mask=m2 & load, other=0.0),
+                              pg).to(tl.float32)
+                wu = tl.where(load, tl.load(w_e + (width + n)[:, None] * H + kk[None, :], mask=m2 & load,
+                                            other=0.0), pu).to(tl.float32)
+            else:
+                wg = tl.load(w_e + n[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+                wu = tl.load(w_e + (width + n)[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
             acc_g += tl.sum(wg * xk[None, :], 1)
             acc_u += tl.sum(wu * xk[None, :], 1)
         dt = h_ptr.dtype.element_ty

@@ -32,6 +32,10 @@ PROGRAMS = 4 * 132     # a persistent grid: programs a launch at most (four an H
 # a persistent program loads its next row block's weights before it reduces the current one (two blocks in flight a
 # program; the first two are issued before PDL's wait). False: one block at a time (the benchmarks compare)
 PREFETCH = True
+# a program of the K-in-steps path (out_proj, o_proj: no norm, K over 2,048) loads its first block's first K step
+# before PDL's wait (False: nothing before it). Not yet measured in the step: off until a device run says it pays
+PRELOAD = False
+PLAIN_BK = 2048       # the plain product's K step (tile(); 4,096 takes the 35B-A3B's out_proj row in one step)
 
 
 def tile(N: int, K: int, norm: bool = False) -> tuple[int, int, int, int]:
@@ -41,7 +45,7 @@ def tile(N: int, K: int, norm: bool = False) -> tuple[int, int, int, int]:
     9.5 against 10.2 for its attention's)."""
     if norm:
         return 4, 2048, 4, PROGRAMS
-    return (4 if N < 4096 else 2), 2048, 4, 0
+    return (4 if N < 4096 else 2), PLAIN_BK, 4, 0
 
 
 def wins(N: int, K: int, norm: bool) -> bool:
@@ -101,7 +105,7 @@ def _launch(x, res, w_norm, eps, s, W, tile_):
         x, res if res is not None else x, w_norm if norm else W, s if s is not None else y, W, y,
         x.stride(0), res.stride(0) if res is not None else 0, T, N, K, eps, TP=triton.next_power_of_2(T), BN=BN,
         BK=BK, NORM=norm, RES=res is not None, ONE=BK >= K, PREF=PREFETCH and BK >= K and programs > 0,
-        num_warps=warps, **pdl(x))
+        PRE=PRELOAD and BK < K and not norm, num_warps=warps, **pdl(x))
     return y
 
 
@@ -145,14 +149,14 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, lw_ptr, s_ptr, w_ptr, y_ptr, stride_x, stride_r, T, N, K, eps,
                      TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr,
-                     ONE: tl.constexpr, PREF: tl.constexpr, PDL: tl.constexpr):
+                     ONE: tl.constexpr, PREF: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
         """Program p: y[:, n] for the row blocks p, p + programs, ... (BN rows n of W each), every input row at
         once. NORM: the input rows are rms_norm(x + r) (x + r when RES, else x). ONE (BK >= K): the input rows are
         loaded (and normed) once, after the weights of the program's first row block (issued before PDL's wait: they
         stream while the kernel before finishes); else their mean square is taken in a first pass over K and the
         normed chunks are recomputed inside each row block. PREF (ONE, a persistent grid): the weights of the
         program's next row block are loaded before the current one is reduced, the second block's before the wait
-        too."""
+        too. PRE (K in steps, no norm): the first K step of the program's first block is loaded before the wait."""
         pid = tl.program_id(0)
         ts = tl.arange(0, TP)
         tm = ts < T
@@ -194,13 +198,22 @@ if triton is not None:
                 ss += tl.sum(xv * xv, 1)
             inv = 1.0 / tl.sqrt(ss / K + eps)
         else:
+            if PRE:
+                w0 = _row_block(w_ptr, pid, BN, k1, N, K)      # its first K step (k1 < BK < K)
             pdl_enter(PDL)
         if not PREF:     # (PREF ran every block above)
             for blk in range(start, tl.cdiv(N, BN), tl.num_programs(0)):
                 n = blk * BN + tl.arange(0, BN)
                 nm = n < N
                 acc = tl.zeros([TP, BN], dtype=tl.float32)
-                for k0 in range(0, K, BK):
+                k_lo = pid * 0
+                if PRE:
+                    if blk == pid:      # the first block: its first K step's weights are in w0
+                        xv = _normed(x_ptr, r_ptr, lw_ptr, s_ptr, ts, tm, k1, k1 < K, inv, stride_x, stride_r, K,
+                                     ts < 0, RES, NORM).to(tl.float32)
+                        acc += tl.sum(xv[:, None, :] * w0.to(tl.float32)[None, :, :], 2)
+                        k_lo += BK
+                for k0 in range(k_lo, K, BK):
                     kk = k0 + k1
                     km = kk < K
                     w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nm[:, None] & km[None, :],

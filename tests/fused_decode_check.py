@@ -179,9 +179,10 @@ for kvb in (32, 64):
 # F.linear; K over several steps and a ragged last one, N not a multiple of the tile; the new residual bit for bit
 from memra_pp.kernels import gemv  # noqa: E402
 gemv.GEMV_ROWS, gemv.FORCE, calls = 4, True, dict(gemv.CALLS)
-# the persistent programs with the next row block's weights in flight (PREFETCH) and one block at a time
-for pref in (True, False):
-    gemv.PREFETCH = pref
+# the persistent programs with the next row block's weights in flight (PREFETCH) and one block at a time; the K-in-
+# steps products with their first step's weights loaded before PDL's wait (PRELOAD) and not
+for pref, pre in ((True, False), (False, True)):
+    gemv.PREFETCH, gemv.PRELOAD = pref, pre
     for T in (1, 3):
         Kg, Ng = 200, 37
         hg, rg = torch.randn(T, Kg, dtype=dt), torch.randn(T + 2, Kg + 16, dtype=dt)[1:T + 1, 5:5 + Kg]   # own stride
@@ -196,7 +197,7 @@ for pref in (True, False):
             close(ya_, yb_, tol)
             s0, y0 = gemv.norm_linear(hg, None, lwg, 1e-6, Wg, t)
             assert s0 is hg; close(y0, ref(gemv.norm_linear, hg, None, lwg, 1e-6, Wg)[1], tol)
-gemv.PREFETCH = True
+gemv.PREFETCH, gemv.PRELOAD = True, False
 assert gemv.CALLS["gemv"] - calls["gemv"] == 16 and gemv.CALLS["norm_gemv"] - calls["norm_gemv"] == 32, gemv.CALLS
 gemv.GEMV_ROWS, gemv.FORCE = 1, False
 # the committed choice: one row only; plain for narrow, deep matrices, normed where the row fits one step (K <= 2,048)
