@@ -2,7 +2,7 @@
 memory floor, eager against CUDA graphs, side by side in one run (and a profile of one step).
 
     python -u benchmarks/gpu_engine_step.py --out DIR [--model preset:qwen3.5-27b] [--batches 1,64]
-        [--modes eager,graph,graph-nopdl,graph-nofuse,graph-noqk,graph-p264,graph-cublas,graph-torchmoe]
+        [--modes eager,graph,graph-nopdl,graph-nofuse,graph-noqk,graph-opre-spre,graph-p264,graph-dn4x512x4,...]
         [--ctx 192] [--profile] [--prefill 64x128,32x128]
 
 The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
@@ -65,6 +65,57 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
+FLAGS = {"nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre"}
+
+
+def set_mode(mode: str, defaults, text) -> None:
+    """Set the kernels' switches for one mode: "eager" or "graph", then "-"-separated tokens. A token not known
+    here raises (a typo would otherwise time the default step under its label).
+    - nopdl: every kernel launched after the one before finished (a Triton without gdc_wait: always);
+    - cublas: cuBLAS for every projection and the norms as their own kernels (the sixth session's step);
+    - torchmoe: layers.MoE's torch paths instead of the fused MoE kernels;
+    - noqk: the q / k norms and the KV write as three kernels; nopref: the persistent GEMV one row block at a time;
+      nosgate: the shared gate in every down program (the ninth session's changes, each off);
+    - nofuse: all three off, and the eighth session's down tile (2, 512, 4): the eighth session's step;
+    - opre: gemv.PRELOAD (out_proj / o_proj's first K step before PDL's wait); spre: fused_moe.SHARED_BEFORE_WAIT
+      (the shared pair's first K step before the wait); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
+    - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
+    """
+    from memra_pp.kernels import fused_decode, fused_moe, gemv, moe_route, paged_attention
+    rows0, programs0, plain_bk0, small0 = defaults
+    kind, *tokens = mode.split("-")
+    if kind not in ("eager", "graph"):
+        raise SystemExit(f"mode {mode!r}: eager or graph first")
+    on = set(tokens) & FLAGS
+    tiles, programs, plain_bk = list(small0), programs0, plain_bk0
+    if "nofuse" in on:
+        tiles[3:6] = (2, 512, 4)
+    for t in set(tokens) - FLAGS:
+        if t[:1] == "p" and t[1:].isdigit():
+            programs = int(t[1:])
+        elif t[:3] == "obk" and t[3:].isdigit():
+            plain_bk = int(t[3:])
+        elif t[:2] in ("gu", "dn") and len(t[2:].split("x")) == 3 and t[2:].replace("x", "").isdigit():
+            i = 0 if t[:2] == "gu" else 3
+            tiles[i:i + 3] = [int(v) for v in t[2:].split("x")]
+        else:
+            raise SystemExit(f"mode {mode!r}: unknown token {t!r}")
+    widest = max(getattr(text, "moe_intermediate_size", 0), getattr(text, "shared_expert_intermediate_size", 0))
+    if widest and tiles[4] < widest:
+        raise SystemExit(f"mode {mode!r}: a down K step of {tiles[4]} sends the experts to the loop kernel")
+    fused_moe.ENABLED = "torchmoe" not in on
+    fused_decode.PDL = fused_decode.gdc_wait is not None and "nopdl" not in on
+    gemv.GEMV_ROWS = 0 if "cublas" in on else rows0
+    moe_route.NORM_ROUTER = "cublas" not in on
+    nofuse = "nofuse" in on
+    paged_attention.FUSE_QK = not (nofuse or "noqk" in on)
+    gemv.PREFETCH = not (nofuse or "nopref" in on)
+    fused_moe.SHARED_GATE_EARLY = not (nofuse or "nosgate" in on)
+    gemv.PRELOAD = "opre" in on
+    fused_moe.SHARED_BEFORE_WAIT = "spre" in on
+    gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES = programs, plain_bk, tuple(tiles)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -94,30 +145,10 @@ def main() -> int:
     cache = model.new_cache(max(batches + [b for b, _ in shapes]), max([a.ctx + 64] + [n + 8 for _, n in shapes]))
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
-    from memra_pp.kernels import fused_decode, fused_moe, gemv, moe_route, paged_attention
-    rows0, programs0, small0 = gemv.GEMV_ROWS, gemv.PROGRAMS, fused_moe.SMALL_TILES
+    from memra_pp.kernels import fused_moe, gemv
+    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES)
     for mode in a.modes.split(","):
-        fused_moe.ENABLED = not mode.endswith("-torchmoe")   # MoE: layers.MoE's torch paths instead of the kernels
-        # -nopdl: every kernel launched after the one before finished (a Triton without gdc_wait: always)
-        fused_decode.PDL = fused_decode.gdc_wait is not None and "-nopdl" not in mode
-        # -cublas: cuBLAS for every projection and the norms as their own kernels (the sixth session's step)
-        gemv.GEMV_ROWS = 0 if mode.endswith("-cublas") else rows0
-        moe_route.NORM_ROUTER = not mode.endswith("-cublas")
-        # this session's changes, each switchable: -noqk (the q / k norms and the KV write as three kernels),
-        # -nopref (the GEMV one row block at a time), -nosgate (the shared gate in every down program); -nofuse: all
-        # three off (the eighth session's step); -pN: the persistent GEMV's programs
-        nofuse = "-nofuse" in mode
-        paged_attention.FUSE_QK = not (nofuse or "-noqk" in mode)
-        gemv.PREFETCH = not (nofuse or "-nopref" in mode)
-        fused_moe.SHARED_GATE_EARLY = not (nofuse or "-nosgate" in mode)
-        gemv.PROGRAMS = next((int(p[1:]) for p in mode.split("-") if p[:1] == "p" and p[1:].isdigit()), programs0)
-        # -guAxBxC / -dnAxBxC: the per-pair MoE kernels' gate|up / down tiles (BN, BK, warps)
-        tiles = list(small0)
-        for p in mode.split("-"):
-            if p[:2] in ("gu", "dn") and p[2:3].isdigit():
-                i = 0 if p[:2] == "gu" else 3
-                tiles[i:i + 3] = [int(v) for v in p[2:].split("x")]
-        fused_moe.SMALL_TILES = tuple(tiles)
+        set_mode(mode, defaults, mc.text)
         graph = mode.startswith("graph")
         model.set_decode_graphs(False, cache)      # drop graphs captured under the previous mode
         model.set_decode_graphs(graph, cache)

@@ -1,28 +1,29 @@
 """The decode graphs' step at one row through the Triton kernels (Triton's CPU interpreter, float32): the merged
-input projections with their norm and out_proj / o_proj (kernels/gemv.py, forced onto the tiny shapes), the conv and
-GDN steps, the q / k norms with the new key and value's write in one kernel, attention and the MoE kernels. It must
-decode what the eager step decodes through the torch ops: same greedy tokens, logprobs within 5e-4. Run under
-TRITON_INTERPRET=1 (tests/test_decode_graphs.py does); prints the fused kinds' launch counts."""
+input projections with their norm and out_proj / o_proj (kernels/gemv.py, forced onto the tiny shapes, 3 persistent
+programs), the conv and GDN steps, the q / k norms with the new key and value's write in one kernel, attention and the
+MoE kernels. It must decode what the eager step decodes through the torch ops: same greedy tokens, logprobs within
+5e-4. Run under TRITON_INTERPRET=1 (tests/test_decode_graphs.py does); prints the fused kinds' launch counts."""
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from memra_pp.kernels import fused_decode as fd, gemv, paged_attention as pgd  # noqa: E402
+from memra_pp.kernels import fused_decode as fd, fused_moe, gemv, paged_attention as pgd  # noqa: E402
 from test_decode_graphs import pipelines  # noqa: E402
 
 gemv.FORCE = True
+gemv.PROGRAMS = 3       # persistent GEMVs of several row blocks a program, as at real sizes (PREFETCH's loop runs)
 for kind, splits in (("moe", [(0, 4), (4, 8)]),):
     eager, static = pipelines(kind, splits)
     fd.USE_TRITON = False          # the reference: the eager step through the torch ops
     te, le = eager.greedy([[5, 6, 7, 8]], 4)
     fd.USE_TRITON = True
-    before, qk = dict(gemv.CALLS), pgd.CALLS["qk_kv_write"]
+    before, qk, sg = dict(gemv.CALLS), pgd.CALLS["qk_kv_write"], fused_moe.CALLS["shared_gate"]
     ts, ls = static.greedy([[5, 6, 7, 8]], 4)
     assert ts == te, (kind, ts, te)
     d = max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y))
     assert d < 5e-4, (kind, d)
     ran = {k: gemv.CALLS[k] - before[k] for k in gemv.CALLS}
-    ran["qk_kv_write"] = pgd.CALLS["qk_kv_write"] - qk
-    assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write")), (kind, ran)
-print("step ok", {**gemv.CALLS, **pgd.CALLS})
+    ran["qk_kv_write"], ran["shared_gate"] = pgd.CALLS["qk_kv_write"] - qk, fused_moe.CALLS["shared_gate"] - sg
+    assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write", "shared_gate")), (kind, ran)
+print("step ok", {**gemv.CALLS, **pgd.CALLS, "shared_gate": fused_moe.CALLS["shared_gate"]})

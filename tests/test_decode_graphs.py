@@ -105,14 +105,15 @@ def test_fused_decode_kernels_in_the_interpreter(dtype):
 def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
     """The decode graphs' one-row step (two stages of the MoE model) through the Triton kernels in Triton's
     interpreter, float32: the GEMVs with and without their norm (kernels/gemv.py), the attention's q / k norms with
-    the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels
-    must decode what the eager torch step decodes; the counts prove those kinds ran."""
+    the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels (the
+    shared gate computed early) must decode what the eager torch step decodes; the counts prove those kinds ran."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     check = os.path.join(os.path.dirname(__file__), "fused_step_check.py")
     r = subprocess.run([sys.executable, check], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "step ok" in r.stdout, r.stdout + r.stderr[-3000:]
     calls = ast.literal_eval(r.stdout.split("step ok", 1)[1].strip())
-    assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0, calls
+    assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0 and calls["shared_gate"] > 0, \
+        calls
 
 
 def test_fused_moe_kernels_in_the_interpreter():
