@@ -147,6 +147,13 @@ if triton is not None:
                        other=0.0)
 
     @triton.jit
+    def _dot_store(y_ptr, x1, w, ts, tm, n, N):
+        """y[:, n] = x1 . w for one row block (the whole row of K at once), accumulated in float32 and rounded."""
+        acc = tl.sum(x1[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        tl.store(y_ptr + ts[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=tm[:, None] & (n < N)[None, :])
+
+    @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, lw_ptr, s_ptr, w_ptr, y_ptr, stride_x, stride_r, T, N, K, eps,
                      TP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr,
                      ONE: tl.constexpr, PREF: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
@@ -176,18 +183,13 @@ if triton is not None:
             else:
                 x1 = tl.load(x_ptr + ts[:, None] * stride_x + k1[None, :], mask=tm[:, None] & (k1 < K)[None, :],
                              other=0.0).to(tl.float32)
-            acc = tl.sum(x1[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-            tl.store(y_ptr + ts[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=tm[:, None] & (n < N)[None, :])
+            _dot_store(y_ptr, x1, w, ts, tm, n, N)
             start += tl.num_programs(0)
             if PREF:      # two blocks in flight: the next one's load issued before this one is reduced
                 for blk in range(start, tl.cdiv(N, BN), tl.num_programs(0)):
                     w = w_next
                     w_next = _row_block(w_ptr, blk + tl.num_programs(0), BN, k1, N, K)
-                    n = blk * BN + tl.arange(0, BN)
-                    acc = tl.sum(x1[:, None, :] * w.to(tl.float32)[None, :, :], 2)
-                    tl.store(y_ptr + ts[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                             mask=tm[:, None] & (n < N)[None, :])
+                    _dot_store(y_ptr, x1, w, ts, tm, blk * BN + tl.arange(0, BN), N)
         elif NORM:
             pdl_enter(PDL)
             ss = tl.zeros([TP], dtype=tl.float32)
