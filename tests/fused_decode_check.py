@@ -129,13 +129,21 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
 # the new key and value into their pages: slots out of order, one the scratch slot (the null page), positions at a
 # page's first and last offset and inside; k a contiguous [B, nkv, D], v a strided view into a projection;
 # lens = pos + 1
-for kvb in (32, 64):
+
+
+def write_case(kvb):
+    """Two K / V pool pairs (the second a copy, for the reference), a page table with the pages scattered (page 0:
+    the null page, the scratch slot's) and 4 rows' slots and positions."""
     npg = -(-192 // kvb)
     pools = [torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt) for _ in range(2)]
     pools += [p.clone() for p in pools]
     table = torch.zeros(N + 1, npg, dtype=torch.long)
     table[:N] = (torch.randperm(N * npg) + 1).view(N, npg)
-    sl, pos = torch.tensor([4, N, 5, 0]), torch.tensor([kvb, 3, kvb - 1, 191])
+    return pools, table, torch.tensor([4, N, 5, 0]), torch.tensor([kvb, 3, kvb - 1, 191])
+
+
+for kvb in (32, 64):
+    pools, table, sl, pos = write_case(kvb)
     kn = torch.randn(4, nkv, Dh, dtype=dt)
     vn = torch.randn(4, nkv * 3 * Dh, dtype=dt).view(4, nkv, 3 * Dh)[..., Dh:2 * Dh]
     lens = pgd.kv_write(kn, vn, pools[0], pools[1], table, sl, pos)
@@ -147,12 +155,7 @@ for kvb in (32, 64):
 # (qk_norm_kv_write), against add_rms_norm's and kv_write's references: q, k, v strided views into a projection
 # (q beside its gate), GQA, partial rotary, slots out of order (one the scratch slot), positions at page edges
 for kvb in (32, 64):
-    npg = -(-192 // kvb)
-    pools = [torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt) for _ in range(2)]
-    pools += [p.clone() for p in pools]
-    table = torch.zeros(N + 1, npg, dtype=torch.long)
-    table[:N] = (torch.randperm(N * npg) + 1).view(N, npg)
-    sl, pos = torch.tensor([4, N, 5, 0]), torch.tensor([kvb, 3, kvb - 1, 191])
+    pools, table, sl, pos = write_case(kvb)
     Pa = torch.randn(4, nkv * G3 * 2 * Dh + 2 * nkv * Dh, dtype=dt)
     qv = Pa[:, :nkv * G3 * 2 * Dh].view(4, nkv * G3, 2 * Dh)[..., :Dh]
     kv_ = Pa[:, nkv * G3 * 2 * Dh:].view(4, 2 * nkv, Dh)
