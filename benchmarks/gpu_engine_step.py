@@ -65,7 +65,7 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
-FLAGS = {"nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre"}
+FLAGS = {"nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre", "gdnpre"}
 
 
 def set_mode(mode: str, defaults, text) -> None:
@@ -78,10 +78,11 @@ def set_mode(mode: str, defaults, text) -> None:
       nosgate: the shared gate in every down program (the ninth session's changes, each off);
     - nofuse: all three off, and the eighth session's down tile (2, 512, 4): the eighth session's step;
     - opre: gemv.PRELOAD (out_proj / o_proj's first K step before PDL's wait); spre: fused_moe.SHARED_BEFORE_WAIT
-      (the shared pair's first K step before the wait); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
+      (the shared pair's first K step before the wait); gdnpre: gdn_decode.STATE_BEFORE_WAIT (the GDN step's state
+      tile before the wait); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
-    from memra_pp.kernels import fused_decode, fused_moe, gemv, moe_route, paged_attention
+    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, moe_route, paged_attention
     rows0, programs0, plain_bk0, small0 = defaults
     kind, *tokens = mode.split("-")
     if kind not in ("eager", "graph"):
@@ -113,6 +114,7 @@ def set_mode(mode: str, defaults, text) -> None:
     fused_moe.SHARED_GATE_EARLY = not (nofuse or "nosgate" in on)
     gemv.PRELOAD = "opre" in on
     fused_moe.SHARED_BEFORE_WAIT = "spre" in on
+    gdn_decode.STATE_BEFORE_WAIT = "gdnpre" in on
     gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES = programs, plain_bk, tuple(tiles)
 
 

@@ -17,6 +17,14 @@ if triton is not None:
     from memra_pp.kernels.fused_decode import pdl_enter
 
 
+# the state tile (the step's largest read, 2 MB a layer a sequence at the 35B-A3B's heads) loaded before PDL's wait,
+# with the slots. Safe: a layer's state is written only by this layer's kernel, each step after the last one ended
+# (graph replays and eager steps are stream-ordered), and the slots are a step's input, copied in before its first
+# kernel; every kernel waits before it lets the next launch, so only the kernel just before (the input projection,
+# which writes neither) can still run. Not yet measured in the step: off until a device run says it pays
+STATE_BEFORE_WAIT = False
+
+
 def gdn_decode_ref(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: float) -> torch.Tensor:
     """q, k [B, H, K] raw (l2-normalised here); v [B, HV, V]; g (log decay), beta [B, HV]; state_NVKD the slot
     pool [N, HV, K, V] float32, updated in place at rows slots_B. Returns o [B, HV, V] in v's dtype."""
@@ -37,11 +45,13 @@ if triton is not None:
     @triton.jit
     def _gdn_decode_kernel(q, k, v, g, beta, A_log, dt_bias, o, h, slots, scale, sq, sk, sv, sg, sb,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                           BV: tl.constexpr, RAW_GATES: tl.constexpr, PDL: tl.constexpr):
+                           BV: tl.constexpr, RAW_GATES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """Rows of q, k, v, g, beta at strides sq .. sb (views into one projection allowed). RAW_GATES: g and beta
         hold the raw a and b projections; the kernel computes beta = sigmoid(b) (rounded to b's dtype, as
-        transformers rounds it) and g = -exp(A_log) softplus(a + dt_bias)."""
-        pdl_enter(PDL)
+        transformers rounds it) and g = -exp(A_log) softplus(a + dt_bias). EARLY: the state tile is loaded before
+        PDL's wait (STATE_BEFORE_WAIT)."""
+        if not EARLY:
+            pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
         NV = tl.cdiv(V, BV)
         i_v, i_nh = pid % NV, pid // NV
@@ -56,6 +66,8 @@ if triton is not None:
         p_h = h + (slot * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
         b_h += tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+        if EARLY:
+            pdl_enter(PDL)
         b_q = tl.load(q + i_n * sq + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
         b_k = tl.load(k + i_n * sk + i_h * K + o_k, mask=mask_k, other=0).to(tl.float32)
         b_v = tl.load(v + i_n * sv + i_hv * V + o_v, mask=mask_v, other=0).to(tl.float32)
@@ -98,7 +110,7 @@ def launch_gdn_decode(q, k, v, g, beta, state_NVKD, slots_B, scale: float, H: in
     _gdn_decode_kernel[(triton.cdiv(V, BV) * B * HV,)](
         q, k, v, g, beta, A_log, dt_bias, o, state_NVKD, slots_B.contiguous(), scale, q.stride(0), k.stride(0),
         v.stride(0), g.stride(0), beta.stride(0), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
-        RAW_GATES=raw_gates is not None, num_warps=tile[1], num_stages=3, **pdl(v))
+        RAW_GATES=raw_gates is not None, EARLY=STATE_BEFORE_WAIT, num_warps=tile[1], num_stages=3, **pdl(v))
     return o
 
 

@@ -97,6 +97,11 @@ pc, pd = pool.clone(), pool.clone()
 oc = fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pc, slots, H, Kd ** -0.5, tile=(8, 1))
 od = ref(fd.gdn_decode_fused, y, bb, aa, A_log, dtb, pd, slots, H, Kd ** -0.5)
 close(oc, od, tol); close(pc, pd, tol)
+# the state tile loaded before PDL's wait (STATE_BEFORE_WAIT): the same step, bit for bit
+from memra_pp.kernels import gdn_decode as gdk  # noqa: E402
+gdk.STATE_BEFORE_WAIT, pe_ = True, pool.clone()
+assert torch.equal(fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pe_, slots, H, Kd ** -0.5), oa) and torch.equal(pe_, pa)
+gdk.STATE_BEFORE_WAIT = False
 # the in-place step of kernels/gdn_decode.py (fla's tile, the eager GPU decode) against its reference
 from memra_pp.kernels.gdn_decode import gdn_decode_ref, gdn_decode_triton  # noqa: E402
 q, k, v = torch.randn(B, H, Kd, dtype=dt), torch.randn(B, H, Kd, dtype=dt), torch.randn(B, HV, V, dtype=dt)
