@@ -215,7 +215,9 @@ if triton is not None:
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
         """With PDL: wait for the kernel before (its writes visible), then let the next one launch. Every kernel
-        launched with launch_pdl calls it before it reads an activation or writes anything."""
+        launched with launch_pdl calls it before it reads an activation or writes anything, and no program returns
+        before calling it. Waiting first means that when a kernel starts, every kernel two or more back has
+        finished: what only those wrote may be read before the wait (gdn_decode.STATE_BEFORE_WAIT relies on it)."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()

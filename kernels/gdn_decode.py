@@ -18,11 +18,15 @@ if triton is not None:
 
 
 # the state tile (the step's largest read, 2 MB a layer a sequence at the 35B-A3B's heads) loaded before PDL's wait,
-# with the slots. Safe: a layer's state is written only by this layer's kernel, each step after the last one ended
-# (graph replays and eager steps are stream-ordered), and the slots are a step's input, copied in before its first
-# kernel; every kernel waits before it lets the next launch, so only the kernel just before (the input projection,
-# which writes neither) can still run. Not yet measured in the step: off until a device run says it pays
+# with the slots. Safe because nothing that can still run writes them: every PDL kernel waits before it lets the next
+# one launch (fused_decode.pdl_enter), so when this kernel starts, everything two or more kernels back has finished,
+# and the kernel just before it (the conv step in the decode graphs, a torch op in eager decode) writes neither. A
+# layer's state is written only by its own step kernel, in an earlier step, and by prefill and cache resets, which
+# never run inside a decode step; the slots are the step's input, copied in before its first kernel (the launch
+# asserts they need no copy). Padding rows sharing the scratch slot race inside the kernel as before. Not yet
+# measured in the step: off until a device run says it pays
 STATE_BEFORE_WAIT = False
+CALLS = {"state_before_wait": 0}    # launches with it (a captured graph counts once)
 
 
 def gdn_decode_ref(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scale: float) -> torch.Tensor:
@@ -107,6 +111,9 @@ def launch_gdn_decode(q, k, v, g, beta, state_NVKD, slots_B, scale: float, H: in
     o = torch.empty(B, HV, V, dtype=v.dtype, device=v.device)
     BK, BV = triton.next_power_of_2(K), min(tile[0], triton.next_power_of_2(V))
     A_log, dt_bias = raw_gates if raw_gates is not None else (g, g)      # unused without raw gates
+    if STATE_BEFORE_WAIT:     # read before the wait: a copy made here would be the kernel just before this one
+        assert slots_B.is_contiguous(), "the slots must need no copy when the state is read before PDL's wait"
+        CALLS["state_before_wait"] += 1
     _gdn_decode_kernel[(triton.cdiv(V, BV) * B * HV,)](
         q, k, v, g, beta, A_log, dt_bias, o, state_NVKD, slots_B.contiguous(), scale, q.stride(0), k.stride(0),
         v.stride(0), g.stride(0), beta.stride(0), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,

@@ -99,9 +99,11 @@ od = ref(fd.gdn_decode_fused, y, bb, aa, A_log, dtb, pd, slots, H, Kd ** -0.5)
 close(oc, od, tol); close(pc, pd, tol)
 # the state tile loaded before PDL's wait (STATE_BEFORE_WAIT): the same step, bit for bit
 from memra_pp.kernels import gdn_decode as gdk  # noqa: E402
-gdk.STATE_BEFORE_WAIT, pe_ = True, pool.clone()
+# (with PDL off, as in the interpreter, the order of the loads is all it changes: the counter shows it ran)
+gdk.STATE_BEFORE_WAIT, pe_, early = True, pool.clone(), gdk.CALLS["state_before_wait"]
 assert torch.equal(fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pe_, slots, H, Kd ** -0.5), oa) and torch.equal(pe_, pa)
 gdk.STATE_BEFORE_WAIT = False
+assert gdk.CALLS["state_before_wait"] == early + 1
 # the in-place step of kernels/gdn_decode.py (fla's tile, the eager GPU decode) against its reference
 from memra_pp.kernels.gdn_decode import gdn_decode_ref, gdn_decode_triton  # noqa: E402
 q, k, v = torch.randn(B, H, Kd, dtype=dt), torch.randn(B, H, Kd, dtype=dt), torch.randn(B, HV, V, dtype=dt)
