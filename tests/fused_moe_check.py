@@ -165,7 +165,7 @@ for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
 # tile), k not a power of two (the tile's masked pair rows), without the shared expert and with both widths; the
 # shared gate computed by the gate|up kernel (SHARED_GATE_EARLY) and by every down program
 for early in (True, False):
-    fm.SHARED_GATE_EARLY = fm.SHARED_BEFORE_WAIT = early     # (and the shared weights' first step before the wait)
+    fm.SHARED_GATE_EARLY = early
     for down in ("loop", "tile"):
         before, gates = fm.CALLS["down_tile"], fm.CALLS["shared_gate"]
         shapes = [(1, 4), (5, 4), (3, 3), (16, 4)] if early else [(1, 4), (3, 3)]    # (the interpreter is slow)
@@ -178,7 +178,19 @@ for early in (True, False):
         assert fm.CALLS["shared_gate"] - gates == (2 * len(shapes) if early else 0), fm.CALLS
         ran.add(f"down {down}")
     ran.add("shared gate early" if early else "shared gate late")
+fm.SHARED_GATE_EARLY = True
+# the shared pair's first gate|up K step loaded before PDL's wait (SHARED_BEFORE_WAIT) and used in the loop's first
+# step only: the gate|up K in several steps with a ragged last one (BK 32, H 80), with the early gate and without
+for early in (True, False):
+    fm.SHARED_GATE_EARLY, fm.SHARED_BEFORE_WAIT = early, True
+    for T, k in [(1, 4), (3, 3)]:
+        x = torch.randn(T, H, dtype=dt)
+        w, idx = fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
+        for sh in (shared, wide):
+            close(fm._moe_small(x, w_gu, w_d, w, idx, sh, tiles=(4, 32, 2, 4, 64, 4)),
+                  fm.moe_ref(x, w_gu, w_d, w, idx, sh))
 fm.SHARED_GATE_EARLY, fm.SHARED_BEFORE_WAIT = True, False
+ran.add("shared before wait")
 
 # a NaN or inf logit: that row's ids stay k distinct real experts, and every other row's output is unchanged
 for T in (3, 20):           # the per-pair kernels, and the grouped GEMM through the alignment kernel
