@@ -77,7 +77,8 @@ def set_mode(mode: str, defaults, text) -> None:
     - noqk: the q / k norms and the KV write as three kernels; nopref: the persistent GEMV one row block at a time;
       nosgate: the shared gate in every down program (the ninth session's changes, each off);
     - nofuse: all three off, and the eighth session's down tile (2, 512, 4): the eighth session's step;
-    - opre: gemv.PRELOAD (out_proj / o_proj's first K step before PDL's wait); spre: fused_moe.SHARED_BEFORE_WAIT
+    - opre: gemv.PRELOAD (out_proj / o_proj's first K step before PDL's wait; nothing where obkN >= their K, which
+      runs them in one step); spre: fused_moe.SHARED_BEFORE_WAIT
       (the shared pair's first K step before the wait); gdnpre: gdn_decode.STATE_BEFORE_WAIT (the GDN step's state
       tile before the wait); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
@@ -91,16 +92,26 @@ def set_mode(mode: str, defaults, text) -> None:
     tiles, programs, plain_bk = list(small0), programs0, plain_bk0
     if "nofuse" in on:
         tiles[3:6] = (2, 512, 4)
-    for t in set(tokens) - FLAGS:
-        if t[:1] == "p" and t[1:].isdigit():
+    kinds = [t[:1] if t[:1] == "p" else t[:3] if t[:3] == "obk" else t[:2] for t in tokens if t not in FLAGS]
+    if len(kinds) != len(set(kinds)):
+        raise SystemExit(f"mode {mode!r}: a setting given twice")
+
+    def pow2(v: int) -> bool:
+        return v >= 16 and not v & (v - 1)
+
+    for t in tokens:
+        if t in FLAGS:
+            continue
+        if t[:1] == "p" and t[1:].isdigit() and int(t[1:]) > 0:
             programs = int(t[1:])
-        elif t[:3] == "obk" and t[3:].isdigit():
+        elif t[:3] == "obk" and t[3:].isdigit() and pow2(int(t[3:])):
             plain_bk = int(t[3:])
-        elif t[:2] in ("gu", "dn") and len(t[2:].split("x")) == 3 and t[2:].replace("x", "").isdigit():
+        elif (t[:2] in ("gu", "dn") and len(t[2:].split("x")) == 3 and t[2:].replace("x", "").isdigit()
+              and pow2(int(t[2:].split("x")[1]))):
             i = 0 if t[:2] == "gu" else 3
             tiles[i:i + 3] = [int(v) for v in t[2:].split("x")]
         else:
-            raise SystemExit(f"mode {mode!r}: unknown token {t!r}")
+            raise SystemExit(f"mode {mode!r}: unknown token {t!r} (pN > 0; obkN, a tile's BK: powers of two >= 16)")
     widest = max(getattr(text, "moe_intermediate_size", 0), getattr(text, "shared_expert_intermediate_size", 0))
     if widest and tiles[4] < widest:
         raise SystemExit(f"mode {mode!r}: a down K step of {tiles[4]} sends the experts to the loop kernel")
@@ -139,6 +150,10 @@ def main() -> int:
     bw = copy_bandwidth()
     src = open_weights(a.model, "dummy")
     mc = src.config
+    from memra_pp.kernels import fused_moe, gemv
+    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES)
+    for mode in a.modes.split(","):     # every mode parsed before the model loads: a typo costs no device time
+        set_mode(mode, defaults, mc.text)
     t0 = time.time()
     model = StageModel(mc, 0, mc.text.num_hidden_layers, True, True).load(src, torch.bfloat16, "cuda")
     print(f"{a.model}: {mc.text.num_hidden_layers} layers loaded in {time.time() - t0:.0f} s, copy "
@@ -147,8 +162,6 @@ def main() -> int:
     cache = model.new_cache(max(batches + [b for b, _ in shapes]), max([a.ctx + 64] + [n + 8 for _, n in shapes]))
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
-    from memra_pp.kernels import fused_moe, gemv
-    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES)
     for mode in a.modes.split(","):
         set_mode(mode, defaults, mc.text)
         graph = mode.startswith("graph")

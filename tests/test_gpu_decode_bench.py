@@ -175,8 +175,9 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos():
         assert gemv.PREFETCH and fused_moe.ENABLED
         ges.set_mode("graph-cublas-torchmoe", defaults, text)     # tokens in any order, not only at the end
         assert gemv.GEMV_ROWS == 0 and not fused_moe.ENABLED
-        for bad in ("graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4"):
-            with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel"):
+        for bad in ("graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0", "graph-obk3000",
+                    "graph-p264-p396", "graph-gu4x1000x2"):
+            with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel|given twice"):
                 ges.set_mode(bad, defaults, text)
     finally:
         (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, gemv.PREFETCH, gemv.PRELOAD,
