@@ -140,10 +140,11 @@ if triton is not None:
         return (xf * inv[:, None] * wf[None, :]).to(xv.dtype)
 
     @triton.jit
-    def _row_block(w_ptr, blk, BN: tl.constexpr, k1, N, K):
-        """The [BN, BK] weights of row block blk (rows past N masked: no traffic)."""
+    def _row_block(w_ptr, blk, BN: tl.constexpr, kk, N, K):
+        """The [BN, BK] weights of row block blk at columns kk (rows past N and columns past K masked: no
+        traffic)."""
         n = blk * BN + tl.arange(0, BN)
-        return tl.load(w_ptr + n[:, None].to(tl.int64) * K + k1[None, :], mask=(n < N)[:, None] & (k1 < K)[None, :],
+        return tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=(n < N)[:, None] & (kk < K)[None, :],
                        other=0.0)
 
     @triton.jit
@@ -218,8 +219,7 @@ if triton is not None:
                 for k0 in range(k_lo, K, BK):
                     kk = k0 + k1
                     km = kk < K
-                    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nm[:, None] & km[None, :],
-                                other=0.0)
+                    w = _row_block(w_ptr, blk, BN, kk, N, K)
                     if ONE:
                         xv = x1
                     else:
