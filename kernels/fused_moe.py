@@ -155,8 +155,7 @@ if triton is not None:
         if SPRE:      # static weights: the shared pair's first K step streams while the kernel before finishes
             k0s = tl.arange(0, BK)
             pm = ((n < Is) & (n * 0 + j == K))[:, None] & (k0s < H)[None, :]     # (vector compares: see gemv)
-            pg = tl.load(ws_ptr + n[:, None] * H + k0s[None, :], mask=pm, other=0.0)
-            pu = tl.load(ws_ptr + (Is + n)[:, None] * H + k0s[None, :], mask=pm, other=0.0)
+            pg, pu = _gate_up_rows(ws_ptr, Is, n, k0s, H, pm)
         pdl_enter(PDL)
         if SG:
             if (j == K) & (tl.program_id(1) == 0):
@@ -179,20 +178,23 @@ if triton is not None:
             m2 = nm[:, None] & km[None, :]
             if SPRE:      # the shared pair's first step was loaded before the wait: its load here is masked off
                 load = ((n * 0 + j != K) | (n * 0 + k0 != 0))[:, None]
-                wg = tl.where(load, tl.load(w_e + n[:, None] * H + kk[None, :], mask=m2 & load, other=0.0),
-                              pg).to(tl.float32)
-                wu = tl.where(load, tl.load(w_e + (width + n)[:, None] * H + kk[None, :], mask=m2 & load,
-                                            other=0.0), pu).to(tl.float32)
+                wg, wu = _gate_up_rows(w_e, width, n, kk, H, m2 & load)
+                wg, wu = tl.where(load, wg, pg), tl.where(load, wu, pu)
             else:
-                wg = tl.load(w_e + n[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-                wu = tl.load(w_e + (width + n)[:, None] * H + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-            acc_g += tl.sum(wg * xk[None, :], 1)
-            acc_u += tl.sum(wu * xk[None, :], 1)
+                wg, wu = _gate_up_rows(w_e, width, n, kk, H, m2)
+            acc_g += tl.sum(wg.to(tl.float32) * xk[None, :], 1)
+            acc_u += tl.sum(wu.to(tl.float32) * xk[None, :], 1)
         dt = h_ptr.dtype.element_ty
         g = acc_g.to(dt).to(tl.float32)
         u = acc_u.to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(h_ptr + r * IH + n, (s * u).to(dt), mask=nm)
+
+    @triton.jit
+    def _gate_up_rows(w_e, width, n, kk, H, mask):
+        """An expert's gate rows n and up rows width + n at columns kk, in its dtype ([BN, BK] each, masked)."""
+        return (tl.load(w_e + n[:, None] * H + kk[None, :], mask=mask, other=0.0),
+                tl.load(w_e + (width + n)[:, None] * H + kk[None, :], mask=mask, other=0.0))
 
     @triton.jit
     def _row_dot(hrow, w, n, nm, width, BN: tl.constexpr, BK: tl.constexpr):
