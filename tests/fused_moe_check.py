@@ -161,6 +161,15 @@ for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
             close(fm.moe_experts(x, w_gu, w_d, w, idx, sh), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
         ran.add("shared")
 
+def check_small(shapes, experts, **kw):
+    """_moe_small against moe_ref for rows (T, k) routed at random, with each shared expert of `experts` (or None)."""
+    for T, k in shapes:
+        x = torch.randn(T, H, dtype=dt)
+        w, idx = fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
+        for sh in experts:
+            close(fm._moe_small(x, w_gu, w_d, w, idx, sh, **kw), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
+
+
 # the per-pair down kernel both ways ("loop": a row's pairs one after another; "tile": every pair's slice in one
 # tile), k not a power of two (the tile's masked pair rows), without the shared expert and with both widths; the
 # shared gate computed by the gate|up kernel (SHARED_GATE_EARLY) and by every down program
@@ -169,11 +178,7 @@ for early in (True, False):
     for down in ("loop", "tile"):
         before, gates = fm.CALLS["down_tile"], fm.CALLS["shared_gate"]
         shapes = [(1, 4), (5, 4), (3, 3), (16, 4)] if early else [(1, 4), (3, 3)]    # (the interpreter is slow)
-        for T, k in shapes:
-            x = torch.randn(T, H, dtype=dt)
-            w, idx = fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
-            for sh in (None, shared, wide):
-                close(fm._moe_small(x, w_gu, w_d, w, idx, sh, down=down), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
+        check_small(shapes, (None, shared, wide), down=down)
         assert (fm.CALLS["down_tile"] - before == 3 * len(shapes)) == (down == "tile"), fm.CALLS
         assert fm.CALLS["shared_gate"] - gates == (2 * len(shapes) if early else 0), fm.CALLS
         ran.add(f"down {down}")
@@ -183,12 +188,7 @@ fm.SHARED_GATE_EARLY = True
 # step only: the gate|up K in several steps with a ragged last one (BK 32, H 80), with the early gate and without
 for early in (True, False):
     fm.SHARED_GATE_EARLY, fm.SHARED_BEFORE_WAIT = early, True
-    for T, k in [(1, 4), (3, 3)]:
-        x = torch.randn(T, H, dtype=dt)
-        w, idx = fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
-        for sh in (shared, wide):
-            close(fm._moe_small(x, w_gu, w_d, w, idx, sh, tiles=(4, 32, 2, 4, 64, 4)),
-                  fm.moe_ref(x, w_gu, w_d, w, idx, sh))
+    check_small([(1, 4), (3, 3)], (shared, wide), tiles=(4, 32, 2, 4, 64, 4))
 fm.SHARED_GATE_EARLY, fm.SHARED_BEFORE_WAIT = True, False
 ran.add("shared before wait")
 
