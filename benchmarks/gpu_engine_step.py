@@ -78,9 +78,9 @@ def set_mode(mode: str, defaults, text) -> None:
       nosgate: the shared gate in every down program (the ninth session's changes, each off);
     - nofuse: all three off, and the eighth session's down tile (2, 512, 4): the eighth session's step;
     - opre: gemv.PRELOAD (out_proj / o_proj's first K step before PDL's wait; nothing where obkN >= their K, which
-      runs them in one step); spre: fused_moe.SHARED_BEFORE_WAIT
-      (the shared pair's first K step before the wait); gdnpre: gdn_decode.STATE_BEFORE_WAIT (the GDN step's state
-      tile before the wait); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
+      runs them in one step); spre: fused_moe.SHARED_BEFORE_WAIT (the shared pair's first K step before the wait);
+      gdnpre: gdn_decode.STATE_BEFORE_WAIT (the GDN step's state tile before the wait); obkN: the plain GEMV's K step
+      (gemv.PLAIN_BK);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, moe_route, paged_attention
@@ -92,26 +92,27 @@ def set_mode(mode: str, defaults, text) -> None:
     tiles, programs, plain_bk = list(small0), programs0, plain_bk0
     if "nofuse" in on:
         tiles[3:6] = (2, 512, 4)
-    kinds = [t[:1] if t[:1] == "p" else t[:3] if t[:3] == "obk" else t[:2] for t in tokens if t not in FLAGS]
-    if len(kinds) != len(set(kinds)):
-        raise SystemExit(f"mode {mode!r}: a setting given twice")
 
     def pow2(v: int) -> bool:
         return v >= 16 and not v & (v - 1)
 
+    seen = set()
     for t in tokens:
         if t in FLAGS:
             continue
         if t[:1] == "p" and t[1:].isdigit() and int(t[1:]) > 0:
-            programs = int(t[1:])
+            setting, programs = "p", int(t[1:])
         elif t[:3] == "obk" and t[3:].isdigit() and pow2(int(t[3:])):
-            plain_bk = int(t[3:])
+            setting, plain_bk = "obk", int(t[3:])
         elif (t[:2] in ("gu", "dn") and len(t[2:].split("x")) == 3 and t[2:].replace("x", "").isdigit()
               and pow2(int(t[2:].split("x")[1]))):
-            i = 0 if t[:2] == "gu" else 3
+            setting, i = t[:2], 0 if t[:2] == "gu" else 3
             tiles[i:i + 3] = [int(v) for v in t[2:].split("x")]
         else:
             raise SystemExit(f"mode {mode!r}: unknown token {t!r} (pN > 0; obkN, a tile's BK: powers of two >= 16)")
+        if setting in seen:
+            raise SystemExit(f"mode {mode!r}: a setting given twice ({setting})")
+        seen.add(setting)
     widest = max(getattr(text, "moe_intermediate_size", 0), getattr(text, "shared_expert_intermediate_size", 0))
     if widest and tiles[4] < widest:
         raise SystemExit(f"mode {mode!r}: a down K step of {tiles[4]} sends the experts to the loop kernel")
