@@ -74,10 +74,9 @@ def sample_async(logits_NV: torch.Tensor, params: list[SamplingParams], steps: l
     """`sample` without waiting for the device when every row is greedy (the tokens stay on the device too)."""
     if not all(p.greedy for p in params):
         return PendingTokens(done=sample(logits_NV, params, steps, rng))
-    logits_NV = logits_NV.float()
-    greedy = logits_NV.argmax(-1)
-    lp = logits_NV.gather(1, greedy[:, None])[:, 0] - torch.logsumexp(logits_NV, -1)
-    both = torch.stack([greedy.double(), lp.double()])       # token ids < 2**53: exact in float64
+    from memra_pp.kernels.greedy import greedy as greedy_tokens
+    # argmax and logprob in one kernel on a GPU (kernels/greedy.py); token ids < 2**53: exact in float64
+    greedy, both = greedy_tokens(logits_NV.float())
     if logits_NV.device.type != "cuda":
         return PendingTokens(greedy, both)
     host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
