@@ -117,6 +117,9 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   + f", decode graphs captured in the timed run {r['graph_captures_in_run']}"
                   + f", kernel keys tuned in it {r['kernel_tunings_in_run']}",
                   flush=True)
+            for i, ph in enumerate(r.get("steady_phase_us") or []):
+                print(f"    stage {i} host us per microbatch, steady decode: "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()), flush=True)
         if ttft:      # one long prompt alone: time to first token (chunked prefill through every stage)
             r = run_bench(dep, 1, ttft, 2, seed=1, timeline=True)   # each stage's chunks against time
             r.update(n_stages=n, devices=devices, model=model, kind="ttft")

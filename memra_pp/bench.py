@@ -94,7 +94,9 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         b = dep.stats()["stages"]
         steady.update(window_s=time.perf_counter() - t,
                       busy=[(y["busy_s"] - x["busy_s"]) / max(y["wall_s"] - x["wall_s"], 1e-9)
-                            for x, y in zip(a, b)])
+                            for x, y in zip(a, b)],
+                      phase_us=[{k: (v - x["phase_s"].get(k, 0.0)) / max(1, y["microbatches"] - x["microbatches"])
+                                 * 1e6 for k, v in y["phase_s"].items()} for x, y in zip(a, b)])
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         if warm:   # the same load, untimed: decode graphs of these batch sizes are captured, KV pools grown
@@ -130,6 +132,8 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                                               "async_steps", "host_busy", "send_write_us", "send_header_us")}
                        for s in st],
             "steady_busy": steady.get("busy", []),
+            # each stage's host time per microbatch in that window (no prefill in it): where a decode step's goes
+            "steady_phase_us": steady.get("phase_us", []),
             # decode graphs captured inside the timed run (a bucket the warm-up did not reach): each one stalls its
             # stage for the capture, so time to first token and the end-to-end rate carry it
             "graph_captures_in_run": _graph_captures(st) - captures0,
@@ -216,6 +220,9 @@ def format_report(r: dict) -> str:
         if ph:
             lines.append(f"stage {s['index']} host time per microbatch: " + ", ".join(f"{k} {v:.0f} us"
                                                                                    for k, v in ph.items()))
+    for i, ph in enumerate(r.get("steady_phase_us") or []):
+        lines.append(f"stage {i} host time per microbatch in the steady decode window: "
+                     + ", ".join(f"{k} {v:.0f} us" for k, v in ph.items()))
     return "\n".join(lines)
 
 

@@ -130,7 +130,7 @@ class _Loop:
             busy_s = self.busy_s
         # busy_s / wall_s: raw, so a caller can difference two snapshots (run_bench's steady window)
         out = {"busy": busy_s / wall, "busy_s": busy_s, "wall_s": wall, "host_busy": self.busy_s / wall,
-               "microbatches": self.microbatches,
+               "microbatches": self.microbatches, "phase_s": dict(self.phase_s),
                "loop_error": self.error, "async_steps": self.continued, "kernel_tunings": tuned_keys(),
                "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
                                            for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys

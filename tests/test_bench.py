@@ -48,6 +48,10 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     ph = r["stages"][0]["phase_us_per_microbatch"]      # the intake loop says where a step's host time goes
     assert {"schedule", "embed", "model", "tokens"} <= set(ph) and all(v >= 0 for v in ph.values())
     assert {"model", "sample"} <= set(r["stages"][1]["phase_us_per_microbatch"])
+    # and per microbatch in the steady window alone (no prefill in it)
+    st = r["steady_phase_us"]
+    assert len(st) == 2 and "model" in st[0] and "sample" in st[1] and all(v >= 0 for p in st for v in p.values())
+    assert "in the steady decode window" in format_report(r)
     assert r["graph_captures_in_run"] == 0          # CPU stages decode eagerly
 
 
