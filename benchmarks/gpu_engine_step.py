@@ -65,7 +65,8 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
-FLAGS = {"nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre", "gdnpre"}
+FLAGS = {"nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre", "nogdnpre", "sample",
+         "torchsample"}
 
 
 def set_mode(mode: str, defaults, text) -> None:
@@ -79,11 +80,13 @@ def set_mode(mode: str, defaults, text) -> None:
     - nofuse: all three off, and the eighth session's down tile (2, 512, 4): the eighth session's step;
     - opre: gemv.PRELOAD (out_proj / o_proj's first K step before PDL's wait; nothing where obkN >= their K, which
       runs them in one step); spre: fused_moe.SHARED_BEFORE_WAIT (the shared pair's first K step before the wait);
-      gdnpre: gdn_decode.STATE_BEFORE_WAIT (the GDN step's state tile before the wait); obkN: the plain GEMV's K step
-      (gemv.PLAIN_BK);
+      nogdnpre: gdn_decode.STATE_BEFORE_WAIT off (the GDN step's state tile after the wait, as before the tenth
+      session); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
+    - sample: each step followed by the deployment's greedy sampling (sampling.sample_async: kernels/greedy.py),
+      the next step fed from its tokens on the device; torchsample: the same with the torch ops (greedy.FUSED off);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
-    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, moe_route, paged_attention
+    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_route, paged_attention
     rows0, programs0, plain_bk0, small0 = defaults
     kind, *tokens = mode.split("-")
     if kind not in ("eager", "graph"):
@@ -126,7 +129,8 @@ def set_mode(mode: str, defaults, text) -> None:
     fused_moe.SHARED_GATE_EARLY = not (nofuse or "nosgate" in on)
     gemv.PRELOAD = "opre" in on
     fused_moe.SHARED_BEFORE_WAIT = "spre" in on
-    gdn_decode.STATE_BEFORE_WAIT = "gdnpre" in on
+    gdn_decode.STATE_BEFORE_WAIT = "nogdnpre" not in on
+    greedy.FUSED = "torchsample" not in on
     gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES = programs, plain_bk, tuple(tiles)
 
 
@@ -145,6 +149,7 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     from memra_pp.model.batch import StepBatch
     from memra_pp.model.fla_rule import tuned_keys
+    from memra_pp.model.sampling import SamplingParams, sample_async
     from memra_pp.model.stage_model import StageModel
     from memra_pp.model.weights import open_weights
     batches = [int(x) for x in a.batches.split(",")]
@@ -171,12 +176,16 @@ def main() -> int:
         for B in batches:
             b = StepBatch(list(range(B)), [a.ctx] * B, [1] * B, StepBatch.text_positions([a.ctx] * B, [1] * B),
                           [True] * B)
-            ids = torch.randint(4, mc.text.vocab_size, (B,), device="cuda")
+            fed = [torch.randint(4, mc.text.vocab_size, (B,), device="cuda")]
+            sampled = bool({"sample", "torchsample"} & set(mode.split("-")))
 
             def step():
                 for s in range(B):
                     cache.lens[s] = a.ctx
-                return model(b, model.embed_ids(ids), cache)
+                out = model(b, model.embed_ids(fed[0]), cache)
+                if sampled:      # as the one-stage deployment: the next step fed from the tokens on the device
+                    fed[0] = sample_async(out, [SamplingParams()] * B, [0] * B).device
+                return out
 
             for _ in range(3):
                 step()

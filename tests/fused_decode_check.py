@@ -97,13 +97,15 @@ pc, pd = pool.clone(), pool.clone()
 oc = fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pc, slots, H, Kd ** -0.5, tile=(8, 1))
 od = ref(fd.gdn_decode_fused, y, bb, aa, A_log, dtb, pd, slots, H, Kd ** -0.5)
 close(oc, od, tol); close(pc, pd, tol)
-# the state tile loaded before PDL's wait (STATE_BEFORE_WAIT): the same step, bit for bit
+# the state tile loaded before PDL's wait (STATE_BEFORE_WAIT, on by default: the step above ran with it) against
+# the same step loading it after the wait: bit for bit
 from memra_pp.kernels import gdn_decode as gdk  # noqa: E402
 # (with PDL off, as in the interpreter, the order of the loads is all it changes: the counter shows it ran)
-gdk.STATE_BEFORE_WAIT, pe_, early = True, pool.clone(), gdk.CALLS["state_before_wait"]
+assert gdk.STATE_BEFORE_WAIT
+gdk.STATE_BEFORE_WAIT, pe_, early = False, pool.clone(), gdk.CALLS["state_before_wait"]
 assert torch.equal(fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pe_, slots, H, Kd ** -0.5), oa) and torch.equal(pe_, pa)
-gdk.STATE_BEFORE_WAIT = False
-assert gdk.CALLS["state_before_wait"] == early + 1
+gdk.STATE_BEFORE_WAIT = True
+assert gdk.CALLS["state_before_wait"] == early
 # the in-place step of kernels/gdn_decode.py (fla's tile, the eager GPU decode) against its reference
 from memra_pp.kernels.gdn_decode import gdn_decode_ref, gdn_decode_triton  # noqa: E402
 q, k, v = torch.randn(B, H, Kd, dtype=dt), torch.randn(B, H, Kd, dtype=dt), torch.randn(B, HV, V, dtype=dt)

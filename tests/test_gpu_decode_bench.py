@@ -154,28 +154,32 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     eighth session's step (this session's three changes off and its down tile), a typo or a down K step that would
     send the experts to the other kernel raises instead of timing the default step under the typo's label."""
     import gpu_engine_step as ges
-    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, paged_attention
+    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, paged_attention
     text = types.SimpleNamespace(moe_intermediate_size=512, shared_expert_intermediate_size=512)   # the 35B-A3B's
     for mod, name in ((gemv, "GEMV_ROWS"), (gemv, "PROGRAMS"), (gemv, "PLAIN_BK"), (gemv, "PREFETCH"),
                       (gemv, "PRELOAD"), (fused_moe, "SMALL_TILES"), (fused_moe, "SHARED_GATE_EARLY"),
                       (fused_moe, "SHARED_BEFORE_WAIT"), (fused_moe, "ENABLED"), (paged_attention, "FUSE_QK"),
-                      (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT")):
+                      (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT"), (greedy, "FUSED")):
         monkeypatch.setattr(mod, name, getattr(mod, name))     # every switch set_mode moves: restored after
     defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES)
     ges.set_mode("graph-nofuse", defaults, text)
     assert not (paged_attention.FUSE_QK or gemv.PREFETCH or fused_moe.SHARED_GATE_EARLY)
     assert fused_moe.SMALL_TILES[3:] == (2, 512, 4) and fused_moe.SMALL_TILES[:3] == defaults[3][:3]
-    ges.set_mode("graph-opre-spre-gdnpre-p264-obk4096-dn8x512x8-nopdl", defaults, text)
+    ges.set_mode("graph-opre-spre-nogdnpre-p264-obk4096-dn8x512x8-nopdl", defaults, text)
     assert gemv.PRELOAD and fused_moe.SHARED_BEFORE_WAIT and gemv.PREFETCH and paged_attention.FUSE_QK
-    assert gdn_decode.STATE_BEFORE_WAIT
+    assert not gdn_decode.STATE_BEFORE_WAIT
     assert (gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES[3:]) == (264, 4096, (8, 512, 8))
     assert not fused_decode.PDL
     ges.set_mode("graph", defaults, text)          # back to the defaults, nothing carried over
     assert (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES) == defaults
-    assert not (gemv.PRELOAD or fused_moe.SHARED_BEFORE_WAIT or gdn_decode.STATE_BEFORE_WAIT)
-    assert gemv.PREFETCH and fused_moe.ENABLED
+    assert not (gemv.PRELOAD or fused_moe.SHARED_BEFORE_WAIT)
+    assert gemv.PREFETCH and fused_moe.ENABLED and gdn_decode.STATE_BEFORE_WAIT
     ges.set_mode("graph-cublas-torchmoe", defaults, text)     # tokens in any order, not only at the end
     assert gemv.GEMV_ROWS == 0 and not fused_moe.ENABLED
+    ges.set_mode("graph-torchsample", defaults, text)
+    assert not greedy.FUSED
+    ges.set_mode("graph-sample", defaults, text)
+    assert greedy.FUSED
     for bad in ("graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0", "graph-obk3000",
                 "graph-p264-p396", "graph-gu4x1000x2"):
         with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel|given twice"):
