@@ -61,7 +61,7 @@ if triton is not None:
     @triton.jit
     def _greedy_kernel(l_ptr, part_ptr, first_ptr, tok_ptr, both_ptr, cnt_ptr, stride_l, N, V, P,
                        BLOCK: tl.constexpr, BP: tl.constexpr):
-        n = tl.program_id(0)
+        n = tl.program_id(0).to(tl.int64)       # n * stride_l passes 2**31 from about 8,600 rows of 248,320
         p = tl.program_id(1)
         offs = p * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(l_ptr + n * stride_l + offs, mask=offs < V, other=float("-inf"))

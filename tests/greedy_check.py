@@ -29,7 +29,7 @@ for n in (1, 3):
     check(torch.randn(n, V, device=dev) * 4, f"random {n}")
 check(torch.randn(2, 17, device=dev), "one partial block")
 check(torch.randn(2, gr.BLOCK, device=dev), "one full block")
-x = torch.randn(7, V, device=dev)
+x = torch.randn(9, V, device=dev)
 x[0, [5, gr.BLOCK + 9, 2 * gr.BLOCK + 1]] = 50.0          # equal maxima in three blocks: the first
 x[1, [gr.BLOCK + 3, gr.BLOCK + 4]] = 50.0                 # two in one block
 x[2, [gr.BLOCK + 7, 3 * gr.BLOCK + 2]] = float("nan")     # NaNs: the first one, logprob NaN
@@ -39,6 +39,10 @@ x[4] = float("-inf")                                      # every logit -inf: to
 x[5, : 2 * gr.BLOCK] = float("-inf")                      # whole blocks of -inf beside finite ones
 x[5, V - 1] = 3.0
 x[6] = x[6] * 1e3 - 1e4                                   # far below 0: nothing overflows
+x[7] = x[7] - 1e4                                         # a block of -inf beside a maximum far below 0: the
+x[7, : gr.BLOCK] = float("-inf")                          # block adds nothing (0 * exp(-C) would be 0 * inf)
+x[8, gr.BLOCK + 3] = float("inf")                         # +inf before a NaN in one block: the NaN
+x[8, gr.BLOCK + 9] = float("nan")
 check(x, "edges")
 check(x[:, : V - 50], "strided rows")                     # rows of a wider tensor
 for _ in range(3):                                        # the counters reset themselves
