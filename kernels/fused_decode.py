@@ -54,6 +54,18 @@ def pdl(t: torch.Tensor) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    """The device's multiprocessors (4 off CUDA: the interpreter's grids stay small)."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
 def _triton(t: torch.Tensor) -> bool:
     """The Triton kernel for CUDA tensors (and for CPU ones under Triton's interpreter, which the tests use)."""
     return USE_TRITON and triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memra_pp.kernels.fused_decode import _triton, add_rms_norm, pdl, triton
+from memra_pp.kernels.fused_decode import _sms, _triton, add_rms_norm, pdl, triton
 
 if triton is not None:
     import triton.language as tl
@@ -28,7 +28,9 @@ if triton is not None:
 GEMV_ROWS = 1
 # host-side launches (a captured graph counts once): plain products, and those with the norm in their prologue
 CALLS = {"gemv": 0, "norm_gemv": 0}
-PROGRAMS = 4 * 132     # a persistent grid: programs a launch at most (four an H200 SM), each looping over row blocks
+# a persistent grid: programs a launch at most, each looping over row blocks (None: four a multiprocessor of the
+# device, 528 on an H200)
+PROGRAMS = None
 # a persistent program loads its next row block's weights before it reduces the current one (two blocks in flight a
 # program; the first two are issued before PDL's wait). False: one block at a time (the benchmarks compare)
 PREFETCH = True
@@ -39,10 +41,10 @@ PLAIN_BK = 2048       # the plain product's K step (tile(); 4,096 takes the 35B-
 
 
 def tile(N: int, K: int, norm: bool = False) -> tuple[int, int, int, int]:
-    """(BN, BK, warps, programs; 0: one program a row block) for an [N, K] weight (benchmarks/gemv_kernels.py,
-    H200, one row: the whole row of K in one 2,048-wide step; with the norm a persistent grid of 528 programs, each
-    norming its input once: 15.2 us for the 35B-A3B's input projection where add_rms_norm then cuBLAS took 15.8,
-    9.5 against 10.2 for its attention's)."""
+    """(BN, BK, warps, programs; 0: one program a row block, None: four a multiprocessor) for an [N, K] weight
+    (benchmarks/gemv_kernels.py, H200, one row: the whole row of K in one 2,048-wide step; with the norm a persistent
+    grid of 528 programs, each norming its input once: 15.2 us for the 35B-A3B's input projection where add_rms_norm
+    then cuBLAS took 15.8, 9.5 against 10.2 for its attention's)."""
     if norm:
         return 4, 2048, 4, PROGRAMS
     return (4 if N < 4096 else 2), PLAIN_BK, 4, 0
@@ -96,6 +98,8 @@ def _launch(x, res, w_norm, eps, s, W, tile_):
     T, K = x.shape
     N = W.shape[0]
     BN, BK, warps, programs = tile_ or TILE or tile(N, K, w_norm is not None)
+    if programs is None:
+        programs = 4 * _sms(x.device)
     assert BK & (BK - 1) == 0, f"BK {BK} must be a power of two"
     BK = min(BK, triton.next_power_of_2(K))
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)

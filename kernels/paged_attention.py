@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from memra_pp.kernels.fused_decode import _triton, pdl, triton
+from memra_pp.kernels.fused_decode import _sms, _triton, pdl, triton
 
 if triton is not None:
     import triton.language as tl
@@ -122,16 +122,7 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     return out
 
 
-_SMS: dict = {}
 _ATTN_STAGES: dict = {}   # device -> software pipelining of the K/V tiles (2; 1 where shared memory is short)
-
-
-def _sms(device) -> int:
-    if device.type != "cuda":
-        return 4
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
 
 
 if triton is not None:
