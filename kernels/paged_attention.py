@@ -81,12 +81,17 @@ def decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int):
     return o * torch.sigmoid(gate.reshape(B, -1))
 
 
-def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block: int = 64):
+def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block: int = 64,
+                     len_chunks: bool = False):
     """One query per sequence against its pages of the paged KV pools [n_blocks, nkv, kv_block, D] (table[slot, j]:
     the block of positions [j * kv_block, (j + 1) * kv_block)), keys s < lens_B[b] visible (lens <= S), output gated
     by sigmoid(gate) ([B, nh * D] or a [B, nh, D] view): [B, nh * D]. The pages are read in place (no gather); a
     long cache is split over programs (flash decoding) when the batch alone would leave the GPU idle, and the
-    splits are combined in a second kernel."""
+    splits are combined in a second kernel.
+    `len_chunks`: the split count still comes from S, but each sequence's chunk from its own length (its blocks
+    spread over the splits; splits past its length only mark themselves empty, and the combine skips them), so S
+    can be the cache's capacity at no cost in work: one decode graph serves every length
+    (decode_graphs.ANY_KV)."""
     B, nh, D = q_BHD.shape
     kvb = kp.shape[2]
     block = min(block, kvb)
@@ -107,7 +112,7 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     args = (q_BHD, kp, vp, table, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1),
             kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
     meta = dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, KVB=kvb, SPLITS=splits,
-                IEEE=q_BHD.dtype == torch.float32, num_warps=4, **pdl(q_BHD))
+                LEN_CHUNKS=len_chunks, IEEE=q_BHD.dtype == torch.float32, num_warps=4, **pdl(q_BHD))
     stages = _ATTN_STAGES.get(q_BHD.device, 2)
     try:
         _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=stages)
@@ -118,7 +123,8 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
         _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=1)
     if splits > 1:
         _attn_combine_kernel[(B, nh)](mid, lse, g3, out, g3.stride(0), g3.stride(1), D=D, SPLITS=splits,
-                                      SP=triton.next_power_of_2(splits), num_warps=4, **pdl(q_BHD))
+                                      SP=triton.next_power_of_2(splits), SKIP_EMPTY=len_chunks, num_warps=4,
+                                      **pdl(q_BHD))
     return out
 
 
@@ -171,7 +177,8 @@ if triton is not None:
     @triton.jit
     def _decode_attn_kernel(Q, K, V, TABLE, SLOTS, LENS, G, O, MID, LSE, sqb, sqh, skn, skh, sks, stt, sgb, sgh,
                             scale, CHUNK, GROUP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                            KVB: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                            KVB: tl.constexpr, SPLITS: tl.constexpr, LEN_CHUNKS: tl.constexpr,
+                            IEEE: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         kh = tl.program_id(1).to(tl.int64)
@@ -186,6 +193,8 @@ if triton is not None:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
+        if LEN_CHUNKS:      # this sequence's blocks spread over the splits (a multiple of BS: tiles stay in a page)
+            CHUNK = tl.cdiv(tl.cdiv(L, BS), SPLITS) * BS
         start = sp * CHUNK
         end = tl.minimum(start + CHUNK, L)
         for s0 in range(start, end, BS):       # a tile lies in one page: BS divides KVB, tiles start at BS multiples
@@ -225,7 +234,7 @@ if triton is not None:
 
     @triton.jit
     def _attn_combine_kernel(MID, LSE, G, O, sgb, sgh, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                             PDL: tl.constexpr):
+                             SKIP_EMPTY: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -235,7 +244,10 @@ if triton is not None:
         row = (b * nh + h) * SPLITS
         lse = tl.load(LSE + row + i, mask=i < SPLITS, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, 0))
-        mid = tl.load(MID + (row + i)[:, None] * D + d[None, :], mask=(i < SPLITS)[:, None], other=0)
+        live = i < SPLITS
+        if SKIP_EMPTY:      # an empty split's partial is never read (a long grid over a short sequence)
+            live = live & (lse > float("-inf"))
+        mid = tl.load(MID + (row + i)[:, None] * D + d[None, :], mask=live[:, None], other=0)
         o = tl.sum(mid * w[:, None], 0) / tl.sum(w, 0)
         gt = tl.load(G + b * sgb + h * sgh + d).to(tl.float32)
         o = o * (1.0 / (1.0 + tl.exp(-gt)))

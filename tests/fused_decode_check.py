@@ -135,6 +135,13 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
             lns = ln.clamp(max=s_)
             close(pgd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
                   ref(pgd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
+        # each sequence's chunks from its own length (decode_graphs.ANY_KV): S the whole capacity, splits past a
+        # short sequence empty and skipped by the combine; one row alone gets more splits (4 here) than three
+        cap = npg * kvb
+        for rows in (slice(None), slice(2, 3), slice(1, 2)):
+            got = pgd.decode_attention(qa[rows], gv[rows], kp, vp, table, sl[rows], ln[rows], cap, block=blk,
+                                       len_chunks=True)
+            close(got, ref(pgd.decode_attention, qa[rows], gv[rows], kp, vp, table, sl[rows], ln[rows], cap), tol)
 # the new key and value into their pages: slots out of order, one the scratch slot (the null page), positions at a
 # page's first and last offset and inside; k a contiguous [B, nkv, D], v a strided view into a projection;
 # lens = pos + 1

@@ -60,6 +60,24 @@ def test_kv_growth_drops_and_recaptures():
     assert g.captures == 2 and g.stats()["graphs"] == [(2, 512)], g.stats()
 
 
+@pytest.mark.parametrize("any_kv", [False, True])
+def test_crossing_a_kv_bucket(monkeypatch, any_kv):
+    """A sequence whose positions cross 256 mid-decode: a graph per (batch, KV-length) bucket captures a second
+    graph there; with decode_graphs.ANY_KV one graph per batch bucket serves every length (its attention over the
+    cache's capacity). Tokens equal the eager ones either way."""
+    import memra_pp.model.decode_graphs as dg
+    monkeypatch.setattr(dg, "ANY_KV", any_kv)
+    eager, static = pipelines("dense", [(0, 4), (4, 8)], max_seqs=2)
+    prompts = [[4 + i % 200 for i in range(250)], [7, 8]]    # positions 250 .. 261: across 256
+    te, le = eager.greedy(prompts, 12)
+    ts, ls = static.greedy(prompts, 12)
+    assert ts == te
+    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
+    for st, c in zip(static.stages, static.caches):
+        want = [(2, c.max_positions)] if any_kv else [(2, 256), (2, 512)]
+        assert st.graphs.stats()["graphs"] == want and st.graphs.captures == len(want), st.graphs.stats()
+
+
 def test_eligibility():
     _, static = pipelines("dense", [(0, 8)], max_seqs=6)
     g = static.stages[0].graphs

@@ -181,3 +181,26 @@ def test_captured_decode_survives_kv_growth(cuda):
     for s in graphed.stages:
         assert s.graphs is not None and s.graphs_failed is None, s.graphs_failed
         assert s.graphs.captures >= 2 and s.graphs.stats()["graphs"] == [(2, 512)], s.graphs.stats()
+
+
+def test_one_captured_graph_serves_every_kv_length(cuda, monkeypatch):
+    """decode_graphs.ANY_KV, captured: sequences crossing 256 positions mid-decode (one long, one short beside it,
+    so the attention's splits past the short one are empty) decode what the eager step decodes through the one graph
+    of their batch bucket, its attention over the cache's whole capacity (kernels/paged_attention.py's len_chunks:
+    each sequence's chunks from its own length)."""
+    import memra_pp.model.decode_graphs as dg
+    monkeypatch.setattr(dg, "ANY_KV", True)
+    _, path = tiny_checkpoint("dense", False)
+    src = SafetensorsSource(path)
+    prompts = [[4 + i % 200 for i in range(250)], [7, 8]]     # positions 250 .. 265: across 256
+    eager = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=4096)
+    graphed = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=4096)
+    for s, c in zip(graphed.stages, graphed.caches):
+        s.set_decode_graphs(True, c)
+    te, le = eager.greedy(prompts, 16)
+    tg, lg = graphed.greedy(prompts, 16)
+    assert tg == te
+    assert max(abs(a - b) for x, y in zip(le, lg) for a, b in zip(x, y)) < 2e-2
+    for s, c in zip(graphed.stages, graphed.caches):
+        assert s.graphs_failed is None, s.graphs_failed
+        assert s.graphs.captures == 1 and s.graphs.stats()["graphs"] == [(2, c.max_positions)], s.graphs.stats()

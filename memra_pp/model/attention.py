@@ -72,7 +72,9 @@ class GatedAttention(Param):
         v = P[:, nq + nkv:].view(B, c.num_key_value_heads, D)
         q, lens = qk_norm_kv_write(qg[..., :D], k, v, self.q_norm_weight, self.k_norm_weight, c.rms_norm_eps, cos,
                                    sin, kp, vp, table, slots_B, pos_B)
-        o = decode_attention(q, qg[..., D:], kp, vp, table, slots_B, lens, S)   # the gate: a view, read in place
+        from .decode_graphs import ANY_KV
+        o = decode_attention(q, qg[..., D:], kp, vp, table, slots_B, lens, S,     # the gate: a view, read in place
+                             len_chunks=ANY_KV)
         return linear(o, self.o_proj_weight)
 
     def project(self, x_TH, cos, sin, lora=None):

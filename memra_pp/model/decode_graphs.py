@@ -9,12 +9,20 @@ counts the replacements).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .batch import StepBatch
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
 MIN_KV = 256
+# True: one graph per batch bucket, its attention over the cache's whole capacity, each sequence's chunks from its
+# own length (paged_attention.decode_attention's len_chunks). False: a graph per (batch, KV-length) bucket, so the
+# first step whose positions cross 256, 512, ... captures one more graph in the middle of serving (about 0.6 s on
+# the H200 for the 35B-A3B, every request waiting). Interpreter-checked, not yet compiled or measured on a GPU: off
+# until a device run says what it costs (the environment of the stage processes: MEMRA_PP_ANY_KV_GRAPHS=1)
+ANY_KV = os.environ.get("MEMRA_PP_ANY_KV_GRAPHS") == "1"
 
 
 class CaptureFailed(RuntimeError):
@@ -59,7 +67,8 @@ class DecodeGraphs:
         n = len(b.slots)
         nb = bucket(n, self.buckets)
         cap = self.cache.max_positions
-        S = min(cap, max(MIN_KV, 1 << max(b.starts).bit_length()))    # > every position written this step
+        # > every position written this step
+        S = cap if ANY_KV else min(cap, max(MIN_KV, 1 << max(b.starts).bit_length()))
         if self._kv_key() != self.kv_key:      # the pools moved: every captured address is stale
             self.graphs.clear()
             self.kv_key = self._kv_key()
