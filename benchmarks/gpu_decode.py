@@ -148,6 +148,9 @@ def main() -> int:
     ap.add_argument("--hf-device-map", default="", help="also transformers' generate with the model spread over "
                     "these GPUs (e.g. 0,1) as device_map=\"auto\" places it: the naive pipeline")
     ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
+    ap.add_argument("--any-kv", choices=("off", "on", "both"), default="off",
+                    help="one decode graph per batch bucket over every KV length (decode_graphs.ANY_KV, through "
+                         "MEMRA_PP_ANY_KV_GRAPHS=1 in the stage processes); both: each layout without, then with")
     a = ap.parse_args()
     try:
         hf_map = [int(x) for x in a.hf_device_map.split(",")] if a.hf_device_map else []
@@ -198,14 +201,24 @@ def main() -> int:
         if max(devices) < torch.cuda.device_count():
             # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
-            for cs in ([[c] for c in conc] if a.deploy_each else [conc]):
+            for any_kv, cs in [(k, cs) for k in {"off": [False], "on": [True], "both": [False, True]}[a.any_kv]
+                               for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
+                if any_kv:     # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
+                    os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1"
+                else:
+                    os.environ.pop("MEMRA_PP_ANY_KV_GRAPHS", None)
+                if a.any_kv != "off":
+                    print(f"  one decode graph per batch bucket (any KV length): {any_kv}", flush=True)
+                n0 = len(rep["runs"])
                 try:
                     run_memra(a.model, devices, cs, a.prompt_len, a.new, mb_l, ttft=a.ttft, out=rep["runs"],
                               chunk=a.prefill_chunk)
                 except Exception as e:  # noqa: BLE001 - record it and go on
                     print(f"  layout {devices}, concurrency {cs} failed: {type(e).__name__}: {e}", flush=True)
-                    rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs,
+                    rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs, "any_kv": any_kv,
                                                          "error": f"{type(e).__name__}: {e}"})
+                for r in rep["runs"][n0:]:
+                    r["any_kv"] = any_kv
                 save()
     if not a.hf_first:
         hf()
@@ -235,7 +248,7 @@ def plot(rep: dict, path: str) -> None:
                 continue
             name = r.get("system") or (f"memra_pp, {r['n_stages']} stage(s) on {len(set(r['devices']))} GPU(s)"
                                        + (f", {r['microbatches']} microbatches" if r.get("microbatches") not in
-                                          (None, "auto") else ""))
+                                          (None, "auto") else "") + (", one graph a batch" if r.get("any_kv") else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")
             if v is None:
                 continue

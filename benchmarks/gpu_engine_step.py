@@ -66,7 +66,7 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
 
 
 FLAGS = {"nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre", "nogdnpre", "sample",
-         "torchsample"}
+         "torchsample", "anykv"}
 
 
 def set_mode(mode: str, defaults, text) -> None:
@@ -84,9 +84,12 @@ def set_mode(mode: str, defaults, text) -> None:
       session); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
     - sample: each step followed by the deployment's greedy sampling (sampling.sample_async: kernels/greedy.py),
       the next step fed from its tokens on the device; torchsample: the same with the torch ops (greedy.FUSED off);
+    - anykv: decode_graphs.ANY_KV (one graph per batch bucket, attention over the cache's whole capacity: give
+      --max-context a deployment's, e.g. 8192, to see what it costs at --ctx);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_route, paged_attention
+    from memra_pp.model import decode_graphs
     rows0, programs0, plain_bk0, small0 = defaults
     kind, *tokens = mode.split("-")
     if kind not in ("eager", "graph"):
@@ -131,6 +134,7 @@ def set_mode(mode: str, defaults, text) -> None:
     fused_moe.SHARED_BEFORE_WAIT = "spre" in on
     gdn_decode.STATE_BEFORE_WAIT = "nogdnpre" not in on
     greedy.FUSED = "torchsample" not in on
+    decode_graphs.ANY_KV = "anykv" in on
     gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES = programs, plain_bk, tuple(tiles)
 
 
@@ -141,6 +145,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--modes", default="eager,graph")
     ap.add_argument("--ctx", type=int, default=192)
+    ap.add_argument("--max-context", type=int, default=0, help="the cache's capacity a sequence (0: ctx + 64)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prefill", default="", help="also time prefill steps: comma-separated SEQSxTOKENS (e.g. "
@@ -165,7 +170,8 @@ def main() -> int:
     print(f"{a.model}: {mc.text.num_hidden_layers} layers loaded in {time.time() - t0:.0f} s, copy "
           f"{bw / 1e12:.2f} TB/s, gdn backend {model.gdn_backend}", flush=True)
     shapes = [tuple(int(v) for v in p.split("x")) for p in a.prefill.split(",") if p]
-    cache = model.new_cache(max(batches + [b for b, _ in shapes]), max([a.ctx + 64] + [n + 8 for _, n in shapes]))
+    cache = model.new_cache(max(batches + [b for b, _ in shapes]),
+                            max([a.max_context or a.ctx + 64] + [n + 8 for _, n in shapes]))
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
     for mode in a.modes.split(","):

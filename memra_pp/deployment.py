@@ -84,7 +84,9 @@ class Deployment:
     def _make_actor(placement: Placement, s, pg, detached: bool):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from .stages.actor import StageActor
-        env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+               # the runtime's own switches (MEMRA_PP_*) reach the stages as the driver has them, on any Ray cluster
+               **{k: v for k, v in os.environ.items() if k.startswith("MEMRA_PP_")}}
         opts = dict(num_cpus=s.num_cpus, runtime_env={"env_vars": env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.index))
         if detached:

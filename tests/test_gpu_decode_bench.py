@@ -155,11 +155,13 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     send the experts to the other kernel raises instead of timing the default step under the typo's label."""
     import gpu_engine_step as ges
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, paged_attention
+    from memra_pp.model import decode_graphs
     text = types.SimpleNamespace(moe_intermediate_size=512, shared_expert_intermediate_size=512)   # the 35B-A3B's
     for mod, name in ((gemv, "GEMV_ROWS"), (gemv, "PROGRAMS"), (gemv, "PLAIN_BK"), (gemv, "PREFETCH"),
                       (gemv, "PRELOAD"), (fused_moe, "SMALL_TILES"), (fused_moe, "SHARED_GATE_EARLY"),
                       (fused_moe, "SHARED_BEFORE_WAIT"), (fused_moe, "ENABLED"), (paged_attention, "FUSE_QK"),
-                      (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT"), (greedy, "FUSED")):
+                      (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT"), (greedy, "FUSED"),
+                      (decode_graphs, "ANY_KV")):
         monkeypatch.setattr(mod, name, getattr(mod, name))     # every switch set_mode moves: restored after
     defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES)
     ges.set_mode("graph-nofuse", defaults, text)
@@ -179,7 +181,9 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     ges.set_mode("graph-torchsample", defaults, text)
     assert not greedy.FUSED
     ges.set_mode("graph-sample", defaults, text)
-    assert greedy.FUSED
+    assert greedy.FUSED and not decode_graphs.ANY_KV
+    ges.set_mode("graph-anykv", defaults, text)
+    assert decode_graphs.ANY_KV
     for bad in ("graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0", "graph-obk3000",
                 "graph-p264-p396", "graph-gu4x1000x2"):
         with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel|given twice"):

@@ -336,3 +336,26 @@ def test_split_is_optimal_property(costs, data):
     every = [(0, *mid, len(costs)) for mid in itertools.combinations(range(1, len(costs)), n - 1)]
     best = min(worst(b) for b in every)
     assert worst(got) == best and got == max(b for b in every if worst(b) == best)
+
+
+def test_stage_actors_take_the_runtime_switches_from_the_driver(monkeypatch):
+    """A stage actor's environment carries the driver's MEMRA_PP_* variables (decode_graphs.ANY_KV's
+    MEMRA_PP_ANY_KV_GRAPHS) beside its thread count, and nothing else of the driver's."""
+    import types
+    from memra_pp.deployment import Deployment
+    from memra_pp.stages import actor
+    seen = {}
+
+    class Fake:
+        @staticmethod
+        def options(**o):
+            seen.update(o)
+            return types.SimpleNamespace(remote=lambda: "actor")
+
+    monkeypatch.setattr(actor, "StageActor", Fake)
+    monkeypatch.setenv("MEMRA_PP_ANY_KV_GRAPHS", "1")
+    monkeypatch.setenv("SOMETHING_ELSE", "x")
+    s = types.SimpleNamespace(threads=2, num_cpus=0.5, index=0)
+    assert Deployment._make_actor(types.SimpleNamespace(name="p"), s, object(), False) == "actor"
+    env = seen["runtime_env"]["env_vars"]
+    assert env["MEMRA_PP_ANY_KV_GRAPHS"] == "1" and env["OMP_NUM_THREADS"] == "2" and "SOMETHING_ELSE" not in env
