@@ -229,7 +229,10 @@ if triton is not None:
             nh = GROUP * tl.num_programs(1)
             row = (b * nh + h) * SPLITS + sp
             safe = tl.where(l_i > 0, l_i, 1.0)
-            tl.store(MID + row[:, None] * D + d[None, :], acc / safe[:, None], mask=gm[:, None])
+            keep = gm
+            if LEN_CHUNKS:      # an empty split's partial is never read (the combine skips it): not written
+                keep = gm & (l_i > 0)
+            tl.store(MID + row[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])
             tl.store(LSE + row, tl.where(l_i > 0, m_i + tl.log(safe), float("-inf")), mask=gm)
 
     @triton.jit
