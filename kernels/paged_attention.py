@@ -107,7 +107,9 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     chunk = triton.cdiv(blocks, splits) * block
     splits = triton.cdiv(S, chunk)
     out = torch.empty(B, nh * D, dtype=q_BHD.dtype, device=q_BHD.device)
-    mid = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
+    mid = (torch.full if POISON else torch.empty)(
+        (B, nh, splits, D), *((float("nan"),) if POISON else ()), dtype=torch.float32,
+        device=q_BHD.device) if splits > 1 else out
     lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
     args = (q_BHD, kp, vp, table, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1),
             kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
@@ -123,12 +125,14 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
         _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=1)
     if splits > 1:
         _attn_combine_kernel[(B, nh)](mid, lse, g3, out, g3.stride(0), g3.stride(1), D=D, SPLITS=splits,
-                                      SP=triton.next_power_of_2(splits), SKIP_EMPTY=len_chunks, num_warps=4,
-                                      **pdl(q_BHD))
+                                      SP=triton.next_power_of_2(splits), SKIP_EMPTY=len_chunks,
+                                      CH=min(COMBINE_CH, triton.next_power_of_2(splits)), num_warps=4, **pdl(q_BHD))
     return out
 
 
 _ATTN_STAGES: dict = {}   # device -> software pipelining of the K/V tiles (2; 1 where shared memory is short)
+POISON = False     # tests: the split partials start as NaN, so a partial read that nothing wrote shows
+COMBINE_CH = 16    # len_chunks' combine sums this many splits at a time (tests take 2: its loop runs on a CPU too)
 
 
 if triton is not None:
@@ -237,7 +241,7 @@ if triton is not None:
 
     @triton.jit
     def _attn_combine_kernel(MID, LSE, G, O, sgb, sgh, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                             SKIP_EMPTY: tl.constexpr, PDL: tl.constexpr):
+                             SKIP_EMPTY: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -247,11 +251,22 @@ if triton is not None:
         row = (b * nh + h) * SPLITS
         lse = tl.load(LSE + row + i, mask=i < SPLITS, other=float("-inf"))
         w = tl.exp(lse - tl.max(lse, 0))
-        live = i < SPLITS
-        if SKIP_EMPTY:      # an empty split's partial is never read (a long grid over a short sequence)
-            live = live & (lse > float("-inf"))
-        mid = tl.load(MID + (row + i)[:, None] * D + d[None, :], mask=live[:, None], other=0)
-        o = tl.sum(mid * w[:, None], 0) / tl.sum(w, 0)
+        if SKIP_EMPTY:
+            # an empty split's partial is never read (nor written: a long grid over a short sequence), and the
+            # splits are summed CH at a time (a grid sized by the cache's capacity has up to ~132 of them: a
+            # [128, D] tile at once took every register and spilled, compiled for sm_90)
+            mx = tl.max(lse, 0)
+            acc = tl.zeros([D], tl.float32)
+            for c0 in range(0, SPLITS, CH):
+                j = c0 + tl.arange(0, CH)
+                lj = tl.load(LSE + row + j, mask=j < SPLITS, other=float("-inf"))
+                live = (j < SPLITS) & (lj > float("-inf"))
+                mj = tl.load(MID + (row + j)[:, None] * D + d[None, :], mask=live[:, None], other=0)
+                acc += tl.sum(mj * tl.exp(lj - mx)[:, None], 0)
+            o = acc / tl.sum(w, 0)
+        else:
+            mid = tl.load(MID + (row + i)[:, None] * D + d[None, :], mask=(i < SPLITS)[:, None], other=0)
+            o = tl.sum(mid * w[:, None], 0) / tl.sum(w, 0)
         gt = tl.load(G + b * sgb + h * sgh + d).to(tl.float32)
         o = o * (1.0 / (1.0 + tl.exp(-gt)))
         tl.store(O + (b * nh + h) * D + d, o.to(O.dtype.element_ty))

@@ -122,6 +122,7 @@ Bq, nkv, G3, Dh, N, S = 3, 2, 3, 32, 6, 160
 Pq = torch.randn(Bq, nkv * G3 * 2 * Dh, dtype=dt)
 qa = torch.randn(Bq, nkv * G3, Dh, dtype=dt)
 gv = Pq.view(Bq, nkv * G3, 2 * Dh)[..., Dh:]
+pgd.POISON = True        # the split partials start as NaN: one the combine reads and nothing wrote would show
 for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a tile never straddles a page)
     npg = -(-192 // kvb)
     kp, vp = torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt), torch.randn(N * npg + 1, nkv, kvb, Dh, dtype=dt)
@@ -136,12 +137,16 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
             close(pgd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
                   ref(pgd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
         # each sequence's chunks from its own length (decode_graphs.ANY_KV): S the whole capacity, splits past a
-        # short sequence empty and skipped by the combine; one row alone gets more splits (4 here) than three
+        # short sequence empty and skipped by the combine; one row alone gets more splits (3 here) than three.
+        # The combine sums 2 splits at a time here, so its loop runs twice, the second time ragged: the 160 keys
+        # alone fill all three splits, 97 two, 1 one
         cap = npg * kvb
-        for rows in (slice(None), slice(2, 3), slice(1, 2)):
+        pgd.COMBINE_CH = 2
+        for rows in (slice(None), slice(0, 1), slice(2, 3), slice(1, 2)):
             got = pgd.decode_attention(qa[rows], gv[rows], kp, vp, table, sl[rows], ln[rows], cap, block=blk,
                                        len_chunks=True)
             close(got, ref(pgd.decode_attention, qa[rows], gv[rows], kp, vp, table, sl[rows], ln[rows], cap), tol)
+pgd.POISON, pgd.COMBINE_CH = False, 16
 # the new key and value into their pages: slots out of order, one the scratch slot (the null page), positions at a
 # page's first and last offset and inside; k a contiguous [B, nkv, D], v a strided view into a projection;
 # lens = pos + 1

@@ -10,6 +10,14 @@ from memra_pp.model.weights import SafetensorsSource
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def graphs_per_kv_bucket(monkeypatch):
+    """The tests that count graphs by (batch, KV-length) key run the default, whatever MEMRA_PP_ANY_KV_GRAPHS says
+    (those of decode_graphs.ANY_KV set it themselves)."""
+    import memra_pp.model.decode_graphs as dg
+    monkeypatch.setattr(dg, "ANY_KV", False)
+
+
 @pytest.fixture(scope="module")
 def cuda():
     assert torch.cuda.is_available(), "this test needs a CUDA GPU (it is selected with -m gpu, never skipped)"
