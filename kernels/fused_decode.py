@@ -66,6 +66,20 @@ def _sms(device) -> int:
     return _SMS[device]
 
 
+def device_counters(store: dict, dev, n: int = 1) -> torch.Tensor:
+    """Zeroed int32 counters [>= n] on dev for a kernel whose last program resets what it counted (the router's,
+    the greedy sampler's), kept in `store` per device and replaced by a larger one when n outgrows them. Made during
+    a CUDA graph capture, they belong to the graph's pool (their zeroing captured too) and are not kept."""
+    key = str(dev)
+    c = store.get(key)
+    if c is None or c.numel() < n:
+        c = torch.zeros(n, dtype=torch.int32, device=dev)
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return c        # decode graphs warm up eagerly first, so they find one kept
+        store[key] = c
+    return c
+
+
 def _triton(t: torch.Tensor) -> bool:
     """The Triton kernel for CUDA tensors (and for CPU ones under Triton's interpreter, which the tests use)."""
     return USE_TRITON and triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")

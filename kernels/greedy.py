@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from memra_pp.kernels.fused_decode import _triton, triton
+from memra_pp.kernels.fused_decode import _triton, device_counters, triton
 
 if triton is not None:
     import triton.language as tl
@@ -45,16 +45,10 @@ def greedy(logits_NV: torch.Tensor):
     first = torch.empty(N, P, dtype=torch.int32, device=dev)          # the first index of each block's maximum
     tok = torch.empty(N, dtype=torch.int64, device=dev)
     both = torch.empty(2, N, dtype=torch.float64, device=dev)
-    _greedy_kernel[(N, P)](logits_NV, part, first, tok, both, _counter(dev, N), logits_NV.stride(0), N, V, P,
-                           BLOCK=BLOCK, BP=triton.next_power_of_2(P), num_warps=4)
+    cnt = device_counters(_COUNTERS, dev, max(N, 64))
+    _greedy_kernel[(N, P)](logits_NV, part, first, tok, both, cnt, logits_NV.stride(0), N, V, P, BLOCK=BLOCK,
+                           BP=triton.next_power_of_2(P), num_warps=4)
     return tok, both
-
-
-def _counter(dev, n: int) -> torch.Tensor:
-    c = _COUNTERS.get(str(dev))
-    if c is None or c.numel() < n:
-        c = _COUNTERS[str(dev)] = torch.zeros(max(n, 64), dtype=torch.int32, device=dev)
-    return c
 
 
 if triton is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memra_pp.kernels.fused_decode import _triton, pdl, triton
+from memra_pp.kernels.fused_decode import _triton, device_counters, pdl, triton
 
 if triton is not None:
     import triton.language as tl
@@ -115,24 +115,13 @@ def _launch(x_TH, res_TH, w_norm, eps, gate_EH, k, dtype, cfg, counter):
     xn = torch.empty(T, H, dtype=x_TH.dtype, device=dev) if norm else x_TH
     r = res_TH if norm else x_TH
     BR, BK, warps = cfg or ROUTER_CFG
+    cnt = device_counters(_COUNTERS, dev) if counter is None else counter
     _router_route_kernel[(triton.cdiv(E, BR),)](
-        x_TH, r, w_norm if norm else gate_EH, s, xn, gate_EH, logits, w, idx,
-        _counter(dev) if counter is None else counter, x_TH.stride(0), r.stride(0), eps, T, H, E, K=k,
+        x_TH, r, w_norm if norm else gate_EH, s, xn, gate_EH, logits, w, idx, cnt, x_TH.stride(0), r.stride(0), eps,
+        T, H, E, K=k,
         TP=triton.next_power_of_2(T), BR=BR, BK=min(BK, triton.next_power_of_2(H)), BE=triton.next_power_of_2(E),
         NORM=norm, num_warps=warps, **pdl(x_TH))
     return s, xn, w, idx
-
-
-def _counter(dev) -> torch.Tensor:
-    key = str(dev)
-    c = _COUNTERS.get(key)
-    if c is None:
-        c = torch.zeros(1, dtype=torch.int32, device=dev)
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return c        # the graph's pool owns it (its zeroing is captured too): not kept. Decode graphs warm
-            #                 up eagerly first, so they find one kept
-        _COUNTERS[key] = c
-    return c
 
 
 if triton is not None:
