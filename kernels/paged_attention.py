@@ -137,21 +137,28 @@ COMBINE_CH = 16    # len_chunks' combine sums this many splits at a time (tests 
 
 if triton is not None:
     @triton.jit
+    def _store_kv_head(kh, v, kp, vp, table, slots, pos, lens, b, h, svb, svh, spn, sph, sps, stt, d, m,
+                       KVB: tl.constexpr):
+        """Row b's kv head h: its key kh (a [BD] row) and its value from v stored into the page of position pos[b]
+        of slot slots[b]; lens[b] = pos + 1 (by head 0)."""
+        p = tl.load(pos + b).to(tl.int64)
+        blk = tl.load(table + tl.load(slots + b).to(tl.int64) * stt + p // KVB).to(tl.int64)
+        dst = blk * spn + h * sph + (p % KVB) * sps + d
+        tl.store(kp + dst, kh.to(kp.dtype.element_ty), mask=m)
+        tl.store(vp + dst, tl.load(v + b * svb + h * svh + d, mask=m), mask=m)
+        if h == 0:
+            tl.store(lens + b, (p + 1).to(lens.dtype.element_ty))
+
+    @triton.jit
     def _kv_write_kernel(k, v, kp, vp, table, slots, pos, lens, skb, skh, svb, svh, spn, sph, sps, stt, D,
                          KVB: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        p = tl.load(pos + b).to(tl.int64)
-        slot = tl.load(slots + b).to(tl.int64)
-        blk = tl.load(table + slot * stt + p // KVB).to(tl.int64)
         d = tl.arange(0, BD)
         m = d < D
-        dst = blk * spn + h * sph + (p % KVB) * sps + d
-        tl.store(kp + dst, tl.load(k + b * skb + h * skh + d, mask=m), mask=m)
-        tl.store(vp + dst, tl.load(v + b * svb + h * svh + d, mask=m), mask=m)
-        if h == 0:
-            tl.store(lens + b, (p + 1).to(lens.dtype.element_ty))
+        _store_kv_head(tl.load(k + b * skb + h * skh + d, mask=m), v, kp, vp, table, slots, pos, lens, b, h, svb,
+                       svh, spn, sph, sps, stt, d, m, KVB)
 
     @triton.jit
     def _qk_kv_kernel(q, k, v, wq, wk, cos, sin, qo, kp, vp, table, slots, pos, lens, sqb, sqh, skb, skh, svb, svh,
@@ -170,13 +177,7 @@ if triton is not None:
         else:
             h = j - NH
             y = _norm_rope_head(k + b * skb + h * skh, wk, cos + b * ROPE, sin + b * ROPE, d, m, eps, D, ROPE)
-            p = tl.load(pos + b).to(tl.int64)
-            blk = tl.load(table + tl.load(slots + b).to(tl.int64) * stt + p // KVB).to(tl.int64)
-            dst = blk * spn + h * sph + (p % KVB) * sps + d
-            tl.store(kp + dst, y.to(kp.dtype.element_ty), mask=m)
-            tl.store(vp + dst, tl.load(v + b * svb + h * svh + d, mask=m), mask=m)
-            if h == 0:
-                tl.store(lens + b, (p + 1).to(lens.dtype.element_ty))
+            _store_kv_head(y, v, kp, vp, table, slots, pos, lens, b, h, svb, svh, spn, sph, sps, stt, d, m, KVB)
 
     @triton.jit
     def _decode_attn_kernel(Q, K, V, TABLE, SLOTS, LENS, G, O, MID, LSE, sqb, sqh, skn, skh, sks, stt, sgb, sgh,
