@@ -107,9 +107,9 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     chunk = triton.cdiv(blocks, splits) * block
     splits = triton.cdiv(S, chunk)
     out = torch.empty(B, nh * D, dtype=q_BHD.dtype, device=q_BHD.device)
-    mid = (torch.full if POISON else torch.empty)(
-        (B, nh, splits, D), *((float("nan"),) if POISON else ()), dtype=torch.float32,
-        device=q_BHD.device) if splits > 1 else out
+    mid = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
+    if POISON and splits > 1:
+        mid.fill_(float("nan"))
     lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
     args = (q_BHD, kp, vp, table, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1),
             kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
@@ -251,12 +251,12 @@ if triton is not None:
         d = tl.arange(0, D)
         row = (b * nh + h) * SPLITS
         lse = tl.load(LSE + row + i, mask=i < SPLITS, other=float("-inf"))
-        w = tl.exp(lse - tl.max(lse, 0))
+        mx = tl.max(lse, 0)
+        w = tl.exp(lse - mx)
         if SKIP_EMPTY:
             # an empty split's partial is never read (nor written: a long grid over a short sequence), and the
             # splits are summed CH at a time (a grid sized by the cache's capacity has up to ~132 of them: a
             # [128, D] tile at once took every register and spilled, compiled for sm_90)
-            mx = tl.max(lse, 0)
             acc = tl.zeros([D], tl.float32)
             for c0 in range(0, SPLITS, CH):
                 j = c0 + tl.arange(0, CH)
