@@ -128,12 +128,12 @@ class _Loop:
                     self._ev.clear()     # their spans began before the new window
         else:
             busy_s = self.busy_s
-        # busy_s / wall_s: raw, so a caller can difference two snapshots (run_bench's steady window)
+        # busy_s / wall_s and phase_s: raw, so a caller can difference two snapshots (run_bench's steady window)
+        phase_s = dict(self.phase_s)    # a copy: the loop adds keys
         out = {"busy": busy_s / wall, "busy_s": busy_s, "wall_s": wall, "host_busy": self.busy_s / wall,
-               "microbatches": self.microbatches, "phase_s": dict(self.phase_s),
+               "microbatches": self.microbatches, "phase_s": phase_s,
                "loop_error": self.error, "async_steps": self.continued, "kernel_tunings": tuned_keys(),
-               "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6
-                                           for k, v in dict(self.phase_s).items()}}   # a copy: the loop adds keys
+               "phase_us_per_microbatch": {k: v / max(1, self.microbatches) * 1e6 for k, v in phase_s.items()}}
         if timeline:     # (a reset drops the spans of microbatches still in flight from the timeline too)
             tl = self.timeline.since()
             out["timeline"], out["timeline_complete"] = tl["spans"], tl["complete"]
