@@ -34,3 +34,11 @@ def oom_on_new_zeros(monkeypatch):
         monkeypatch.setattr(torch.Tensor, "new_zeros", flaky)
         return state
     return arm
+
+
+@pytest.fixture
+def graphs_per_kv_bucket(monkeypatch):
+    """decode_graphs.ANY_KV off, whatever MEMRA_PP_ANY_KV_GRAPHS says: one graph per (batch, KV-length) bucket, as
+    the tests that count graphs by key expect (those of ANY_KV turn it on themselves, after this)."""
+    import memra_pp.model.decode_graphs as dg
+    monkeypatch.setattr(dg, "ANY_KV", False)

@@ -17,12 +17,8 @@ from memra_pp.model.local import LocalPipeline
 from memra_pp.model.weights import SafetensorsSource
 
 
-@pytest.fixture(autouse=True)
-def graphs_per_kv_bucket(monkeypatch):
-    """The tests that count graphs by (batch, KV-length) key run the default, whatever MEMRA_PP_ANY_KV_GRAPHS says
-    (those of decode_graphs.ANY_KV set it themselves)."""
-    import memra_pp.model.decode_graphs as dg
-    monkeypatch.setattr(dg, "ANY_KV", False)
+# the tests that count graphs by (batch, KV-length) key run the default, whatever the environment says
+pytestmark = pytest.mark.usefixtures("graphs_per_kv_bucket")
 
 
 def pipelines(kind, splits, max_seqs=6, max_context=1024):
