@@ -89,7 +89,7 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     long cache is split over programs (flash decoding) when the batch alone would leave the GPU idle, and the
     splits are combined in a second kernel.
     `len_chunks`: the split count still comes from S, but each sequence's chunk from its own length (its blocks
-    spread over the splits; splits past its length only mark themselves empty, and the combine skips them), so S
+    spread over the splits; splits past its length write nothing, and the combine reads only those it filled), so S
     can be the cache's capacity at no cost in work: one decode graph serves every length
     (decode_graphs.ANY_KV)."""
     B, nh, D = q_BHD.shape
@@ -108,9 +108,10 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     splits = triton.cdiv(S, chunk)
     out = torch.empty(B, nh * D, dtype=q_BHD.dtype, device=q_BHD.device)
     mid = torch.empty(B, nh, splits, D, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
+    lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
     if POISON and splits > 1:
         mid.fill_(float("nan"))
-    lse = torch.empty(B, nh, splits, dtype=torch.float32, device=q_BHD.device) if splits > 1 else out
+        lse.fill_(float("nan"))
     args = (q_BHD, kp, vp, table, slots_B, lens_B, g3, out, mid, lse, q_BHD.stride(0), q_BHD.stride(1),
             kp.stride(0), kp.stride(1), kp.stride(2), table.stride(0), g3.stride(0), g3.stride(1), D ** -0.5, chunk)
     meta = dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), D=D, BS=block, KVB=kvb, SPLITS=splits,
@@ -124,8 +125,8 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
         _ATTN_STAGES[q_BHD.device] = 1   # double-buffered [64, D] K and V tiles: ~4 x 64 x D x 2 B (64 KiB at 256)
         _decode_attn_kernel[(B, nkv, splits)](*args, **meta, num_stages=1)
     if splits > 1:
-        _attn_combine_kernel[(B, nh)](mid, lse, g3, out, g3.stride(0), g3.stride(1), D=D, SPLITS=splits,
-                                      SP=triton.next_power_of_2(splits), SKIP_EMPTY=len_chunks,
+        _attn_combine_kernel[(B, nh)](mid, lse, g3, out, lens_B, g3.stride(0), g3.stride(1), D=D, BS=block,
+                                      SPLITS=splits, SP=triton.next_power_of_2(splits), LEN_CHUNKS=len_chunks,
                                       CH=min(COMBINE_CH, triton.next_power_of_2(splits)), num_warps=4, **pdl(q_BHD))
     return out
 
@@ -194,14 +195,15 @@ if triton is not None:
         d = tl.arange(0, D)
         gm = g < GROUP
         h = kh * GROUP + g
-        q = tl.load(Q + b * sqb + h[:, None] * sqh + d[None, :], mask=gm[:, None], other=0)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, D], tl.float32)
         if LEN_CHUNKS:      # this sequence's blocks spread over the splits (a multiple of BS: tiles stay in a page)
             CHUNK = tl.cdiv(tl.cdiv(L, BS), SPLITS) * BS
         start = sp * CHUNK
         end = tl.minimum(start + CHUNK, L)
+        live = gm & (g * 0 + start < end)     # heads of a split with keys (vector compares: see gemv)
+        q = tl.load(Q + b * sqb + h[:, None] * sqh + d[None, :], mask=live[:, None], other=0)
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
         for s0 in range(start, end, BS):       # a tile lies in one page: BS divides KVB, tiles start at BS multiples
             blk = tl.load(TABLE + slot * stt + s0 // KVB).to(tl.int64)
             s = s0 + tl.arange(0, BS)
@@ -235,14 +237,15 @@ if triton is not None:
             row = (b * nh + h) * SPLITS + sp
             safe = tl.where(l_i > 0, l_i, 1.0)
             keep = gm
-            if LEN_CHUNKS:      # an empty split's partial is never read (the combine skips it): not written
-                keep = gm & (l_i > 0)
+            if LEN_CHUNKS:      # an empty split is never read (the combine reads the live ones): nothing written
+                keep = live
             tl.store(MID + row[:, None] * D + d[None, :], acc / safe[:, None], mask=keep[:, None])
-            tl.store(LSE + row, tl.where(l_i > 0, m_i + tl.log(safe), float("-inf")), mask=gm)
+            tl.store(LSE + row, tl.where(l_i > 0, m_i + tl.log(safe), float("-inf")), mask=keep)
 
     @triton.jit
-    def _attn_combine_kernel(MID, LSE, G, O, sgb, sgh, D: tl.constexpr, SPLITS: tl.constexpr, SP: tl.constexpr,
-                             SKIP_EMPTY: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr):
+    def _attn_combine_kernel(MID, LSE, G, O, LENS, sgb, sgh, D: tl.constexpr, BS: tl.constexpr,
+                             SPLITS: tl.constexpr, SP: tl.constexpr, LEN_CHUNKS: tl.constexpr, CH: tl.constexpr,
+                             PDL: tl.constexpr):
         pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -250,19 +253,22 @@ if triton is not None:
         i = tl.arange(0, SP)
         d = tl.arange(0, D)
         row = (b * nh + h) * SPLITS
-        lse = tl.load(LSE + row + i, mask=i < SPLITS, other=float("-inf"))
+        n = SPLITS
+        if LEN_CHUNKS:      # the splits the sequence's length filled (_decode_attn_kernel's chunks): a prefix
+            blocks = tl.cdiv(tl.load(LENS + b).to(tl.int32), BS)
+            n = tl.cdiv(blocks, tl.maximum(tl.cdiv(blocks, SPLITS), 1))
+        lse = tl.load(LSE + row + i, mask=i < n, other=float("-inf"))
         mx = tl.max(lse, 0)
         w = tl.exp(lse - mx)
-        if SKIP_EMPTY:
-            # an empty split's partial is never read (nor written: a long grid over a short sequence), and the
-            # splits are summed CH at a time (a grid sized by the cache's capacity has up to ~132 of them: a
-            # [128, D] tile at once took every register and spilled, compiled for sm_90)
+        if LEN_CHUNKS:
+            # only the live splits are read (the others were not written: a grid sized by the cache's capacity
+            # over a short sequence), CH at a time (a [128, D] tile at once took every register and spilled,
+            # compiled for sm_90), the loop as long as the sequence, not the capacity
             acc = tl.zeros([D], tl.float32)
-            for c0 in range(0, SPLITS, CH):
+            for c0 in range(0, n, CH):
                 j = c0 + tl.arange(0, CH)
-                lj = tl.load(LSE + row + j, mask=j < SPLITS, other=float("-inf"))
-                live = (j < SPLITS) & (lj > float("-inf"))
-                mj = tl.load(MID + (row + j)[:, None] * D + d[None, :], mask=live[:, None], other=0)
+                lj = tl.load(LSE + row + j, mask=j < n, other=float("-inf"))
+                mj = tl.load(MID + (row + j)[:, None] * D + d[None, :], mask=(j < n)[:, None], other=0)
                 acc += tl.sum(mj * tl.exp(lj - mx)[:, None], 0)
             o = acc / tl.sum(w, 0)
         else:
