@@ -148,9 +148,10 @@ def main() -> int:
     ap.add_argument("--hf-device-map", default="", help="also transformers' generate with the model spread over "
                     "these GPUs (e.g. 0,1) as device_map=\"auto\" places it: the naive pipeline")
     ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
-    ap.add_argument("--any-kv", choices=("off", "on", "both"), default="off",
-                    help="one decode graph per batch bucket over every KV length (decode_graphs.ANY_KV, through "
-                         "MEMRA_PP_ANY_KV_GRAPHS=1 in the stage processes); both: each layout without, then with")
+    ap.add_argument("--any-kv", choices=("off", "on", "both"), default="on",
+                    help="one decode graph per batch bucket over every KV length (decode_graphs.ANY_KV, the "
+                         "default; off: MEMRA_PP_ANY_KV_GRAPHS=0 in the stage processes, a graph per KV-length "
+                         "bucket); both: each layout without, then with")
     a = ap.parse_args()
     try:
         hf_map = [int(x) for x in a.hf_device_map.split(",")] if a.hf_device_map else []
@@ -203,11 +204,9 @@ def main() -> int:
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             for any_kv, cs in [(k, cs) for k in {"off": [False], "on": [True], "both": [False, True]}[a.any_kv]
                                for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
-                if any_kv:     # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
-                    os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1"
-                else:
-                    os.environ.pop("MEMRA_PP_ANY_KV_GRAPHS", None)
-                if a.any_kv != "off":
+                # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
+                os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
+                if a.any_kv == "both":
                     print(f"  one decode graph per batch bucket (any KV length): {any_kv}", flush=True)
                 n0 = len(rep["runs"])
                 try:
@@ -248,7 +247,8 @@ def plot(rep: dict, path: str) -> None:
                 continue
             name = r.get("system") or (f"memra_pp, {r['n_stages']} stage(s) on {len(set(r['devices']))} GPU(s)"
                                        + (f", {r['microbatches']} microbatches" if r.get("microbatches") not in
-                                          (None, "auto") else "") + (", one graph a batch" if r.get("any_kv") else ""))
+                                          (None, "auto") else "")
+                                       + (", a graph per KV bucket" if r.get("any_kv") is False else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")
             if v is None:
                 continue

@@ -66,7 +66,7 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
 
 
 FLAGS = {"nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre", "nogdnpre", "sample",
-         "torchsample", "anykv"}
+         "torchsample", "anykv", "kvbuckets"}
 
 
 def set_mode(mode: str, defaults, text) -> None:
@@ -84,8 +84,9 @@ def set_mode(mode: str, defaults, text) -> None:
       session); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
     - sample: each step followed by the deployment's greedy sampling (sampling.sample_async: kernels/greedy.py),
       the next step fed from its tokens on the device; torchsample: the same with the torch ops (greedy.FUSED off);
-    - anykv: decode_graphs.ANY_KV (one graph per batch bucket, attention over the cache's whole capacity: give
-      --max-context a deployment's, e.g. 8192, to see what it costs at --ctx);
+    - kvbuckets: decode_graphs.ANY_KV off (a graph per batch and KV-length bucket, the attention over the bucket,
+      not the cache's whole capacity: give --max-context a deployment's, e.g. 8192, to compare at --ctx); anykv: on
+      (the default since the eleventh session; the tenth's commands name it);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_route, paged_attention
@@ -134,7 +135,9 @@ def set_mode(mode: str, defaults, text) -> None:
     fused_moe.SHARED_BEFORE_WAIT = "spre" in on
     gdn_decode.STATE_BEFORE_WAIT = "nogdnpre" not in on
     greedy.FUSED = "torchsample" not in on
-    decode_graphs.ANY_KV = "anykv" in on
+    if {"anykv", "kvbuckets"} <= on:
+        raise SystemExit(f"mode {mode!r}: anykv and kvbuckets contradict each other")
+    decode_graphs.ANY_KV = "kvbuckets" not in on
     gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES = programs, plain_bk, tuple(tiles)
 
 

@@ -181,10 +181,12 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     ges.set_mode("graph-torchsample", defaults, text)
     assert not greedy.FUSED
     ges.set_mode("graph-sample", defaults, text)
-    assert greedy.FUSED and not decode_graphs.ANY_KV
+    assert greedy.FUSED and decode_graphs.ANY_KV
+    ges.set_mode("graph-kvbuckets", defaults, text)
+    assert not decode_graphs.ANY_KV
     ges.set_mode("graph-anykv", defaults, text)
     assert decode_graphs.ANY_KV
     for bad in ("graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0", "graph-obk3000",
-                "graph-p264-p396", "graph-gu4x1000x2"):
-        with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel|given twice"):
+                "graph-p264-p396", "graph-gu4x1000x2", "graph-anykv-kvbuckets"):
+        with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel|given twice|contradict"):
             ges.set_mode(bad, defaults, text)
