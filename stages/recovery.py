@@ -63,6 +63,7 @@ class RecoveryMixin:
         g = self.model.graphs
         if g is not None:     # they decode over the old cache (and keep it alive): rebuilt over the new one
             self.model.set_decode_graphs(True, self.cache, sc.max_batch, capture=g.capture)
+            self.model.capture_decode_graphs()      # every batch bucket again, before requests come back
 
     def _close_links(self) -> None:
         for x in (self.sender, self.ring, self.receiver, self.ring_listener):

@@ -100,6 +100,13 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
         if self.engine.is_cuda:
             self.model.set_decode_graphs(True, self.cache, sc.max_batch)
+            t1 = time.monotonic()
+            n = self.model.capture_decode_graphs()      # every batch bucket now, not while requests wait
+            if n:
+                print(f"stage {index} ({sp.device}): {n} decode graphs (batch buckets up to "
+                      f"{self.model.graphs.buckets[-1]}) captured in {time.monotonic() - t1:.1f} s", flush=True)
+            elif self.model.graphs_failed:
+                print(f"stage {index} ({sp.device}): {self.model.graphs_failed}; decoding eagerly", flush=True)
         self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.tensors())
         self.load_s = time.monotonic() - t0
         info = self.relink(run_dir, transport)

@@ -82,6 +82,39 @@ def test_crossing_a_kv_bucket(monkeypatch, any_kv):
         assert st.graphs.stats()["graphs"] == want and st.graphs.captures == len(want), st.graphs.stats()
 
 
+def test_every_batch_bucket_captured_at_load(monkeypatch):
+    """With decode_graphs.ANY_KV a stage captures every batch bucket's graph when it loads (the runner calls
+    StageModel.capture_decode_graphs), the largest first, so decoding captures none; a graph per KV bucket is
+    captured on first use instead. A capture that fails leaves the stage decoding eagerly, with the reason."""
+    import memra_pp.model.decode_graphs as dg
+    eager, static = pipelines("dense", [(0, 4), (4, 8)], max_seqs=6)
+    assert [s.capture_decode_graphs() for s in static.stages] == [0, 0]    # ANY_KV off (the module's fixture)
+    monkeypatch.setattr(dg, "ANY_KV", True)
+    order, real = [], dg.DecodeGraphs._capture
+    monkeypatch.setattr(dg.DecodeGraphs, "_capture", lambda self, nb, S: (order.append(nb), real(self, nb, S))[1])
+    assert [s.capture_decode_graphs() for s in static.stages] == [4, 4]
+    assert order == [8, 4, 2, 1] * 2
+    prompts = [[5, 6, 7], list(range(20, 45)), [9]]
+    te, le = eager.greedy(prompts, 8)
+    ts, ls = static.greedy(prompts, 8)
+    assert ts == te
+    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
+    for s, c in zip(static.stages, static.caches):
+        st = s.graphs.stats()
+        assert st == {"captures": 4, "replays": 7, "graphs": [(b, c.max_positions) for b in (1, 2, 4, 8)]}, st
+
+    def fail(self, nb, S):
+        raise dg.CaptureFailed(f"decode graph capture (batch {nb}, kv {S}) failed: RuntimeError: no room")
+    s0 = static.stages[0]
+    s0.graphs.graphs.clear()
+    monkeypatch.setattr(dg.DecodeGraphs, "_capture", fail)
+    with pytest.warns(UserWarning, match=r"layers \[0, 4\): decode graph capture \(batch 8, kv \d+\) failed: "
+                                         r"RuntimeError: no room; decoding eagerly"):
+        assert s0.capture_decode_graphs() == 0
+    assert s0.graphs is None and "(batch 8," in s0.graphs_failed and "no room" in s0.graphs_failed
+    assert static.greedy(prompts, 8)[0] == te          # the stage decodes eagerly, the same tokens
+
+
 def test_eligibility():
     _, static = pipelines("dense", [(0, 8)], max_seqs=6)
     g = static.stages[0].graphs

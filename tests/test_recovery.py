@@ -27,7 +27,9 @@ def steps(m, cache, ids=(5, 6, 7, 9, 11)):
     return out
 
 
-def test_halt_rebuilds_the_decode_graphs_over_the_new_cache():
+def test_halt_rebuilds_the_decode_graphs_over_the_new_cache(monkeypatch):
+    import memra_pp.model.decode_graphs as dg
+    monkeypatch.setattr(dg, "ANY_KV", True)     # one graph per batch bucket, all captured again at the halt
     r = StageRunner()
     r.model = model()
     r.placement = types.SimpleNamespace(scheduler=types.SimpleNamespace(max_batch=2, max_context=512))
@@ -40,8 +42,10 @@ def test_halt_rebuilds_the_decode_graphs_over_the_new_cache():
     assert r.cache is not old
     g = r.model.graphs
     assert g is not None and g.cache is r.cache and not g.capture
+    assert g.stats()["graphs"] == [(1, 512), (2, 512)] and g.captures == 2, g.stats()
     eager = model()
     want = steps(eager, eager.new_cache(2, 512))
     got = steps(r.model, r.cache)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
     assert g.replays == 2                              # the decode steps ran through the graphs
+    assert g.captures == 2                             # the ones captured at the halt: none on first use

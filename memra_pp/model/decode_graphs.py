@@ -3,9 +3,10 @@ from Python they cost more host time than the GPU needs to run them (measured: 6
 batch 1). A graph per (batch-size bucket, KV-length bucket) replays the step in one launch.
 
 Static buffers hold the step's inputs; a batch of n sequences runs the graph of the smallest bucket >= n, its
-padding rows pointing at the cache's scratch slot. Graphs are captured on first use, share one memory pool and
-are dropped when any KV pool is reallocated (their addresses are baked into the graphs; the cache's `generation`
-counts the replacements).
+padding rows pointing at the cache's scratch slot. With ANY_KV a deployment's stage captures every batch bucket's
+graph when it loads (capture_all), as vLLM captures its sizes at startup; else graphs are captured on first use. They
+share one memory pool and are dropped when any KV pool is reallocated (their addresses are baked into the graphs;
+the cache's `generation` counts the replacements), then captured again on first use.
 """
 from __future__ import annotations
 
@@ -60,6 +61,20 @@ class DecodeGraphs:
         """Changes whenever any pool tensor is replaced (an interrupted growth may replace some pools and not the
         first one: neither the block count nor the first pool's address would show it)."""
         return self.cache.generation
+
+    def capture_all(self) -> int:
+        """With ANY_KV, capture every batch bucket's graph now (a stage's load): no request then waits for a
+        capture (about 0.6 s each for the 35B-A3B), and the memory the graphs hold is taken before the KV budget is
+        measured. The largest first, so the smaller ones reuse its freed intermediates in the shared pool. Returns
+        how many it captured (0 without ANY_KV: a graph per KV bucket stays on first use). Raises CaptureFailed."""
+        if not ANY_KV:
+            return 0
+        S, n = self.cache.max_positions, 0
+        for nb in reversed(self.buckets):
+            if (nb, S) not in self.graphs:
+                self.graphs[(nb, S)] = self._capture(nb, S)
+                n += 1
+        return n
 
     def takes(self, b: StepBatch) -> bool:
         return (b.decode_only() and not b.uses_adapters() and len(b.slots) <= self.buckets[-1]

@@ -150,7 +150,8 @@ class StageModel(nn.Module):
 
     def set_decode_graphs(self, on: bool, cache: StageCache, max_batch: int | None = None,
                           capture: bool = True) -> None:
-        """Decode steps through CUDA graphs (one per batch-size and KV-length bucket, captured on first use) or
+        """Decode steps through CUDA graphs (one per batch-size bucket with decode_graphs.ANY_KV, else one per
+        batch-size and KV-length bucket; captured on first use, or all at once by capture_decode_graphs) or
         eagerly. Steps with adapters, prefill or more sequences than the largest bucket always run eagerly.
         `capture=False`: the same static step, uncaptured (CPU tests)."""
         if not on:
@@ -158,6 +159,23 @@ class StageModel(nn.Module):
             return
         from .decode_graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self, cache, max_batch or cache.max_seqs, capture=capture)
+
+    def capture_decode_graphs(self) -> int:
+        """Capture every batch bucket's decode graph now (DecodeGraphs.capture_all); how many. A capture that fails
+        leaves the stage decoding eagerly, as one that fails on first use does."""
+        if self.graphs is None:
+            return 0
+        from .decode_graphs import CaptureFailed
+        try:
+            return self.graphs.capture_all()
+        except CaptureFailed as e:
+            self._decode_eagerly(e)
+            return 0
+
+    def _decode_eagerly(self, e: Exception) -> None:
+        import warnings
+        warnings.warn(f"layers [{self.start}, {self.end}): {e}; decoding eagerly")
+        self.graphs_failed, self.graphs = str(e), None
 
     def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache) -> torch.Tensor:
         """The decode step a CUDA graph captures: hidden in, hidden (or float32 logits on the primary) out."""
@@ -205,9 +223,7 @@ class StageModel(nn.Module):
             try:
                 return self.graphs.run(b, h)
             except CaptureFailed as e:
-                import warnings
-                warnings.warn(f"layers [{self.start}, {self.end}): {e}; decoding eagerly")
-                self.graphs_failed, self.graphs = str(e), None
+                self._decode_eagerly(e)
         cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
         step = None if lora is None else lora.step(b)
         for layer in self.layers:
