@@ -29,7 +29,8 @@ class RecoveryMixin:
 
     def halt(self, stage: int, message: str) -> None:
         """Stop serving for a rewire: every request this stage holds ends with a stage-lost error naming `stage`
-        (clients replay or fail it), links close, caches reset (decode graphs, if on, rebuilt over the new cache).
+        (clients replay or fail it), links close, caches reset (decode graphs, if on, rebuilt over the new cache,
+        the old ones released first).
         Loaded weights and adapters stay."""
         self.here()
         loop = self.loop
@@ -59,11 +60,14 @@ class RecoveryMixin:
                     evs.append(Event(item.client, item.rid, [], [], "error", ("StageFailed", message, stage)))
             self.mail.post(evs)
             self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
-        self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
         g = self.model.graphs
-        if g is not None:     # they decode over the old cache (and keep it alive): rebuilt over the new one
-            self.model.set_decode_graphs(True, self.cache, sc.max_batch, capture=g.capture)
-            self.model.capture_decode_graphs()      # every batch bucket again, before requests come back
+        capture = None if g is None else g.capture
+        # the old graphs hold the old cache (grown to its budget) and their memory pool: both go before the new
+        # cache is made; the new graphs are captured on first use (a halt must end within timeouts.step_s)
+        self.model.graphs = self.cache = g = None
+        self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
+        if capture is not None:
+            self.model.set_decode_graphs(True, self.cache, sc.max_batch, capture=capture)
 
     def _close_links(self) -> None:
         for x in (self.sender, self.ring, self.receiver, self.ring_listener):
