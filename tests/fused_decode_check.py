@@ -146,6 +146,12 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
             got = pgd.decode_attention(qa[rows], gv[rows], kp, vp, table, sl[rows], ln[rows], cap, block=blk,
                                        len_chunks=True)
             close(got, ref(pgd.decode_attention, qa[rows], gv[rows], kp, vp, table, sl[rows], ln[rows], cap), tol)
+        # one row at lengths around every tile, page and chunk boundary up to the capacity (a combine that took the
+        # page for the tile, or miscounted the live splits, differs at some of them)
+        for L in (31, 32, 33, 63, 64, 65, 96, 128, 129, 191, cap):
+            l1 = torch.tensor([L])
+            got = pgd.decode_attention(qa[:1], gv[:1], kp, vp, table, sl[:1], l1, cap, block=blk, len_chunks=True)
+            close(got, ref(pgd.decode_attention, qa[:1], gv[:1], kp, vp, table, sl[:1], l1, cap), tol)
 pgd.POISON, pgd.COMBINE_CH = False, 16
 # the new key and value into their pages: slots out of order, one the scratch slot (the null page), positions at a
 # page's first and last offset and inside; k a contiguous [B, nkv, D], v a strided view into a projection;

@@ -2,18 +2,23 @@
 input projections with their norm and out_proj / o_proj (kernels/gemv.py, forced onto the tiny shapes, 3 persistent
 programs), the conv and GDN steps, the q / k norms with the new key and value's write in one kernel, attention and the
 MoE kernels. It must decode what the eager step decodes through the torch ops: same greedy tokens, logprobs within
-5e-4. Run under TRITON_INTERPRET=1 (tests/test_decode_graphs.py does); prints the fused kinds' launch counts."""
+5e-4. With decode_graphs.ANY_KV on (the default: one graph for every length, the attention over the cache's capacity,
+each sequence's splits from its length), whatever the environment says; a graph per KV bucket runs the same kernels
+but the attention's (tests/fused_decode_check.py checks it both ways). Run under TRITON_INTERPRET=1
+(tests/test_decode_graphs.py does); prints the fused kinds' launch counts."""
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from memra_pp.kernels import fused_decode as fd, fused_moe, gemv, paged_attention as pgd  # noqa: E402
+from memra_pp.model import decode_graphs as dg  # noqa: E402
 from test_decode_graphs import pipelines  # noqa: E402
 
 gemv.FORCE = True
 gemv.PROGRAMS = 3       # persistent GEMVs of several row blocks a program, as at real sizes (PREFETCH's loop runs)
-for kind, splits in (("moe", [(0, 4), (4, 8)]),):
+for kind, splits, any_kv in (("moe", [(0, 4), (4, 8)], True),):
+    dg.ANY_KV = any_kv
     eager, static = pipelines(kind, splits)
     fd.USE_TRITON = False          # the reference: the eager step through the torch ops
     te, le = eager.greedy([[5, 6, 7, 8]], 4)
@@ -26,4 +31,6 @@ for kind, splits in (("moe", [(0, 4), (4, 8)]),):
     ran = {k: gemv.CALLS[k] - before[k] for k in gemv.CALLS}
     ran["qk_kv_write"], ran["shared_gate"] = pgd.CALLS["qk_kv_write"] - qk, fused_moe.CALLS["shared_gate"] - sg
     assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write", "shared_gate")), (kind, ran)
+    S = static.caches[0].max_positions if any_kv else 256     # the graphs' KV length: the capacity, or the bucket
+    assert [s.graphs.stats()["graphs"] for s in static.stages] == [[(1, S)]] * 2, (any_kv, static.stages[0].graphs)
 print("step ok", {**gemv.CALLS, **pgd.CALLS, "shared_gate": fused_moe.CALLS["shared_gate"]})

@@ -17,7 +17,8 @@ from memra_pp.model.local import LocalPipeline
 from memra_pp.model.weights import SafetensorsSource
 
 
-# the tests that count graphs by (batch, KV-length) key run the default, whatever the environment says
+# the tests that count graphs by (batch, KV-length) key run with ANY_KV off, whatever the environment says (those of
+# ANY_KV turn it on themselves)
 pytestmark = pytest.mark.usefixtures("graphs_per_kv_bucket")
 
 
@@ -209,7 +210,7 @@ def test_moe_warm_up_rows_reach_every_variant():
 
 
 def test_moe_model_through_the_fused_moe_kernels_matches_transformers():
-    """The whole MoE model (two stages, prompts of 1 to 130 tokens prefilled together, then decoded as one batch)
+    """The whole MoE model (two stages, prompts of 1 to 40 tokens prefilled together, then decoded as one batch)
     with every MoE layer through the fused routing and expert kernels, in Triton's interpreter in float32: the same
     greedy tokens as transformers and logprobs within 5e-4 (the GPU runs the same kernels compiled, bf16 parity in
     tests/test_gpu_parity.py). All three kernel paths must have run."""
