@@ -206,8 +206,9 @@ def main() -> int:
             ms = (time.perf_counter() - t) / a.iters * 1e3
             by = step_bytes(mc, B, a.ctx)
             floor_ms = by["total"] / bw * 1e3
+            from memra_pp.model import decode_graphs
             row = {"mode": mode, "batch": B, "step_ms": ms, "tokens_per_s": B / ms * 1e3, "floor_ms": floor_ms,
-                   "of_floor": floor_ms / ms, "bytes": by}
+                   "of_floor": floor_ms / ms, "bytes": by, "any_kv": decode_graphs.ANY_KV}
             if mode == "graph":
                 row["matmul_only_ms"] = matmul_only_ms(model, B)
             rep["rows"].append(row)
