@@ -65,8 +65,9 @@ class DecodeGraphs:
     def capture_all(self) -> int:
         """With ANY_KV, capture every batch bucket's graph now (a stage's load): no request waits for a capture
         (about 0.6 s each for the 35B-A3B) until the first KV pool growth drops them all (then each is captured
-        again on first use), and the memory the graphs hold is taken before the KV budget is measured. The largest first, so the smaller ones reuse its freed intermediates in the shared pool. Returns
-        how many it captured (0 without ANY_KV: a graph per KV bucket stays on first use). Raises CaptureFailed."""
+        again on first use), and the memory the graphs hold is taken before the KV budget is measured. The largest
+        first, so the smaller ones reuse its freed intermediates in the shared pool. Returns how many it captured (0
+        without ANY_KV: a graph per KV bucket stays on first use). Raises CaptureFailed."""
         if not ANY_KV:
             return 0
         S, n = self.cache.max_positions, 0
