@@ -137,7 +137,7 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
             close(pgd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
                   ref(pgd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
         # each sequence's chunks from its own length (decode_graphs.ANY_KV): S the whole capacity, splits past a
-        # short sequence empty and skipped by the combine; one row alone gets more splits (3 here) than three.
+        # short sequence neither written nor read by the combine; one row alone gets more splits (3 here) than three.
         # The combine sums 2 splits at a time here, so its loop runs twice, the second time ragged: the 160 keys
         # alone fill all three splits, 97 two, 1 one
         cap = npg * kvb

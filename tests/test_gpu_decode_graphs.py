@@ -7,7 +7,8 @@ from conftest_models import tiny_checkpoint
 from memra_pp.model.local import LocalPipeline
 from memra_pp.model.weights import SafetensorsSource
 
-# the tests that count graphs by (batch, KV-length) key run the default, whatever the environment says
+# the tests that count graphs by (batch, KV-length) key run with ANY_KV off, whatever the environment says (those of
+# ANY_KV turn it on themselves)
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("graphs_per_kv_bucket")]
 
 
