@@ -155,6 +155,7 @@ def main() -> int:
                     "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    from memra_pp.model import decode_graphs
     from memra_pp.model.batch import StepBatch
     from memra_pp.model.fla_rule import tuned_keys
     from memra_pp.model.sampling import SamplingParams, sample_async
@@ -206,7 +207,6 @@ def main() -> int:
             ms = (time.perf_counter() - t) / a.iters * 1e3
             by = step_bytes(mc, B, a.ctx)
             floor_ms = by["total"] / bw * 1e3
-            from memra_pp.model import decode_graphs
             row = {"mode": mode, "batch": B, "step_ms": ms, "tokens_per_s": B / ms * 1e3, "floor_ms": floor_ms,
                    "of_floor": floor_ms / ms, "bytes": by, "any_kv": decode_graphs.ANY_KV}
             if mode == "graph":

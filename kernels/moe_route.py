@@ -118,9 +118,8 @@ def _launch(x_TH, res_TH, w_norm, eps, gate_EH, k, dtype, cfg, counter):
     cnt = device_counters(_COUNTERS, dev) if counter is None else counter
     _router_route_kernel[(triton.cdiv(E, BR),)](
         x_TH, r, w_norm if norm else gate_EH, s, xn, gate_EH, logits, w, idx, cnt, x_TH.stride(0), r.stride(0), eps,
-        T, H, E, K=k,
-        TP=triton.next_power_of_2(T), BR=BR, BK=min(BK, triton.next_power_of_2(H)), BE=triton.next_power_of_2(E),
-        NORM=norm, num_warps=warps, **pdl(x_TH))
+        T, H, E, K=k, TP=triton.next_power_of_2(T), BR=BR, BK=min(BK, triton.next_power_of_2(H)),
+        BE=triton.next_power_of_2(E), NORM=norm, num_warps=warps, **pdl(x_TH))
     return s, xn, w, idx
 
 
