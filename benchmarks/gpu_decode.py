@@ -115,6 +115,7 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   + " (steady decode " + ", ".join(f"{b:.0%}" for b in r.get("steady_busy") or []) + ")"
                   + ", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us"
                   + f", decode graphs captured in the timed run {r['graph_captures_in_run']}"
+                  + f", KV growths in it {r['kv_growths_in_run']} ({', '.join(r['kv_growth'])})"
                   + f", kernel keys tuned in it {r['kernel_tunings_in_run']}",
                   flush=True)
             for i, ph in enumerate(r.get("steady_phase_us") or []):
@@ -148,6 +149,10 @@ def main() -> int:
     ap.add_argument("--hf-device-map", default="", help="also transformers' generate with the model spread over "
                     "these GPUs (e.g. 0,1) as device_map=\"auto\" places it: the naive pipeline")
     ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
+    ap.add_argument("--kv-in-place", choices=("off", "on", "both"), default="on",
+                    help="KV pools grow in place (model/cache.py IN_PLACE, the default; off: MEMRA_PP_KV_IN_PLACE=0 "
+                         "in the stage processes, a growth copies the pools and drops the decode graphs); both: one "
+                         "deployment each, side by side")
     ap.add_argument("--any-kv", choices=("off", "on", "both"), default="on",
                     help="one decode graph per batch bucket over every KV length (decode_graphs.ANY_KV, the "
                          "default; off: MEMRA_PP_ANY_KV_GRAPHS=0 in the stage processes, a graph per KV-length "
@@ -202,12 +207,16 @@ def main() -> int:
         if max(devices) < torch.cuda.device_count():
             # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
-            for any_kv, cs in [(k, cs) for k in {"off": [False], "on": [True], "both": [False, True]}[a.any_kv]
-                               for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
+            sides = {"off": [False], "on": [True], "both": [False, True]}
+            for any_kv, in_place, cs in [(k, p, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
+                                         for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
                 # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
                 os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
+                os.environ["MEMRA_PP_KV_IN_PLACE"] = "1" if in_place else "0"
                 if a.any_kv == "both":
                     print(f"  one decode graph per batch bucket (any KV length): {any_kv}", flush=True)
+                if a.kv_in_place == "both":
+                    print(f"  KV pools grow in place: {in_place}", flush=True)
                 n0 = len(rep["runs"])
                 try:
                     run_memra(a.model, devices, cs, a.prompt_len, a.new, mb_l, ttft=a.ttft, out=rep["runs"],
@@ -248,7 +257,9 @@ def plot(rep: dict, path: str) -> None:
             name = r.get("system") or (f"memra_pp, {r['n_stages']} stage(s) on {len(set(r['devices']))} GPU(s)"
                                        + (f", {r['microbatches']} microbatches" if r.get("microbatches") not in
                                           (None, "auto") else "")
-                                       + (", a graph per KV bucket" if r.get("any_kv") is False else ""))
+                                       + (", a graph per KV bucket" if r.get("any_kv") is False else "")
+                                       + (", KV pools copied to grow" if "in place" not in r.get("kv_growth", [
+                                           "in place"]) else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")
             if v is None:
                 continue

@@ -105,6 +105,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         st0 = dep.stats(reset=True)["stages"]
         captures0 = _graph_captures(st0)     # graph counts are never reset
         tunings0 = _tunings(st0)
+        growths0 = sum(s.get("kv_growths", 0) for s in st0)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         t0, tm0 = time.perf_counter(), time.monotonic()     # monotonic: the stages' timeline clock
@@ -139,6 +140,9 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             "graph_captures_in_run": _graph_captures(st) - captures0,
             # kernel keys autotuned inside the timed run (flash-linear-attention's; a request waits for each)
             "kernel_tunings_in_run": _tunings(st) - tunings0,
+            # KV pool growths inside the timed run, and how the stages' pools grow ("in place" keeps the graphs)
+            "kv_growths_in_run": sum(s.get("kv_growths", 0) for s in st) - growths0,
+            "kv_growth": sorted({s.get("kv_growth", "") for s in st}),
             "steady_window_s": steady.get("window_s", 0.0),
             **({"timeline": timeline_since(st, tm0, _pct([ev[0][0] - t0 for _, ev in out if ev], 0.5), wall)}
                if timeline else {})}

@@ -272,3 +272,102 @@ def can_access_peer(dev_index: int, peer_index: int) -> bool:
 def device_count() -> int:
     init()
     return int(ck(drv().cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+class DeviceOutOfMemory(CudaError):
+    """A driver allocation found the device full (CUDA_ERROR_OUT_OF_MEMORY)."""
+
+
+def _vmm_release(device_index: int, base: int, capacity: int, maps: list) -> None:
+    """Free a GrowableBuffer: wait for the device's work (a kernel may still read the memory), unmap and release
+    every piece, free the address range. Runs once, when its buffer is collected or at exit (errors there are moot:
+    the driver may already be torn down)."""
+    try:
+        import torch
+        torch.cuda.synchronize(device_index)
+        d = drv()
+        for ptr, size, h in reversed(maps):
+            ck(d.cuMemUnmap(d.CUdeviceptr(ptr), size), "cuMemUnmap")
+            ck(d.cuMemRelease(h), "cuMemRelease")
+        maps.clear()
+        ck(d.cuMemAddressFree(d.CUdeviceptr(base), capacity), "cuMemAddressFree")
+    except Exception:       # noqa: BLE001 - a finaliser has no caller to tell
+        pass
+
+
+class _CudaArray:
+    """What torch.as_tensor takes for device memory it does not own (__cuda_array_interface__, bytes); the tensor
+    keeps this object, and through it the buffer, alive."""
+
+    def __init__(self, owner, ptr: int, nbytes: int):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3, "stream": None}
+
+
+class GrowableBuffer:
+    """Device memory at a fixed address that grows in place (the CUDA virtual memory API): one address range reserved
+    for `capacity` bytes, physical memory created and mapped onto its front as it grows. A tensor over it
+    (`tensor`) keeps its address through every growth, so CUDA graphs that baked the address in stay valid (the KV
+    pools: model/cache.py). Physical memory comes in pieces of the device's granularity (2 MiB on the H200); the
+    range and its memory are freed when the buffer and every tensor over it are gone. `grow` raises
+    DeviceOutOfMemory when the device cannot hold the piece, after emptying torch's cache once."""
+
+    def __init__(self, device_index: int, capacity: int):
+        import weakref
+        init()
+        d = drv()
+        self.device_index = device_index
+        prop = d.CUmemAllocationProp()
+        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device_index
+        self._prop = prop
+        gran = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        self.granularity = int(ck(d.cuMemGetAllocationGranularity(prop, gran), "cuMemGetAllocationGranularity"))
+        self.capacity = -(-max(capacity, 1) // self.granularity) * self.granularity
+        self.base = int(ck(d.cuMemAddressReserve(self.capacity, 0, d.CUdeviceptr(0), 0),
+                           f"cuMemAddressReserve({self.capacity})"))
+        acc = d.CUmemAccessDesc()
+        acc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = device_index
+        acc.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = acc
+        self.mapped = 0
+        self._maps: list = []          # (address, bytes, handle) of each piece, in address order
+        self._free = weakref.finalize(self, _vmm_release, device_index, self.base, self.capacity, self._maps)
+
+    def grow(self, nbytes: int) -> None:
+        """Map physical memory until at least `nbytes` from the base are backed (the new memory's contents are
+        undefined)."""
+        if nbytes <= self.mapped:
+            return
+        if nbytes > self.capacity:
+            raise CudaError(f"a buffer of {self.capacity} reserved bytes cannot grow to {nbytes}")
+        d = drv()
+        size = -(-(nbytes - self.mapped) // self.granularity) * self.granularity
+        res = d.cuMemCreate(size, self._prop, 0)
+        if int(res[0]) == int(d.CUresult.CUDA_ERROR_OUT_OF_MEMORY):
+            import torch
+            torch.cuda.empty_cache()        # memory torch's caching allocator holds unused is free to it, not to us
+            res = d.cuMemCreate(size, self._prop, 0)
+            if int(res[0]) == int(d.CUresult.CUDA_ERROR_OUT_OF_MEMORY):
+                raise DeviceOutOfMemory(f"cuMemCreate({size}) on cuda:{self.device_index}: out of memory")
+        h = ck(res, f"cuMemCreate({size})")
+        ptr = self.base + self.mapped
+        try:
+            ck(d.cuMemMap(d.CUdeviceptr(ptr), size, 0, h, 0), "cuMemMap")
+        except CudaError:
+            ck(d.cuMemRelease(h), "cuMemRelease")
+            raise
+        self._maps.append((ptr, size, h))
+        ck(d.cuMemSetAccess(d.CUdeviceptr(ptr), size, [self._access], 1), "cuMemSetAccess")
+        self.mapped += size
+
+    def tensor(self, nbytes: int):
+        """A uint8 tensor over the first `nbytes` (mapped) bytes; `.view(dtype).view(shape)` it."""
+        import torch
+        if nbytes > self.mapped:
+            raise CudaError(f"{nbytes} bytes asked of a buffer with {self.mapped} mapped")
+        with torch.cuda.device(self.device_index):
+            return torch.as_tensor(_CudaArray(self, self.base, nbytes), device=f"cuda:{self.device_index}")

@@ -262,6 +262,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         if "write_us_mean" in snd:      # where this stage's sends go: the data path, and the header's path
             st["send_write_us"], st["send_header_us"] = snd["write_us_mean"], snd["header_us_mean"]
         st["kv_pages_free"] = len(self.cache.free_blocks)
+        # KV pool growths, and how they grow: "in place" (the decode graphs stay) or why they copy
+        st["kv_growths"], st["kv_growth"] = self.cache.grown, self.cache.copy_growth or "in place"
         if self.spec.intake:
             sc = self.scheduler
             st.update(kv_pages=sc.kv_pages, kv_pages_reserved=sc.kv_used, kv_admission_waits=sc.kv_waits,

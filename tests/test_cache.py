@@ -2,6 +2,8 @@
 follows the tokens cached, not max_batch x the longest sequence (measured on the H200 before paging: an 8k prompt
 in a max_batch 256 deployment asked for 138 GiB of KV); the pools grow only when no page is free, and a growth the
 device cannot hold is refused with a typed error that names the knobs, before the allocator's out-of-memory error."""
+import collections
+
 import pytest
 import torch
 
@@ -167,11 +169,13 @@ def test_gather_pages_reads_each_position_from_its_page():
         assert out.shape == (3, 4, S, 16) and out.stride(-1) == 1 and torch.equal(out, want), S
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in-place"])
 @pytest.mark.parametrize("n_full", [1, 4, 16])
-def test_kv_budget_pages_are_never_refused_by_a_growth(n_full):
-    """Every page kv_budget admits must be obtainable by the real growth path (doubling steps, each holding one old
-    pool while it is copied) on a simulated GPU (meta tensors, free memory falling as the pools grow), whatever the
-    number of full layers on the stage; and two stages sharing the device get no more between them than it holds."""
+def test_kv_budget_pages_are_never_refused_by_a_growth(n_full, in_place):
+    """Every page kv_budget admits must be obtainable by the real growth path (doubling steps; a copying one holds
+    one old pool while it is copied, one in place maps only the new pages) on a simulated GPU (meta tensors, free
+    memory falling as the pools grow), whatever the number of full layers on the stage; and two stages sharing the
+    device get no more between them than it holds. In place admits at least as many pages as copying."""
     import types
     from memra_pp.model.cache import kv_budget
     t = parse_config(presets.get("qwen3.5-27b")).text
@@ -183,6 +187,10 @@ def test_kv_budget_pages_are_never_refused_by_a_growth(n_full):
                        device="meta", kv_block=64, initial_blocks_per_slot=1)
         c.device = types.SimpleNamespace(type="cuda")
         c._write_rows = lambda slots: None
+        if in_place:    # GrowableBuffer's mapping simulated: the pool keeps its pages, a larger view over them
+            c.copy_growth = None
+            c._bufs = collections.defaultdict(lambda: types.SimpleNamespace(grow=lambda nbytes: None))
+            c._view = lambda buf, shape: torch.zeros(shape, dtype=torch.bfloat16, device="meta")
         base = c.nbytes()
         c._free_bytes = lambda: (free0 - (c.nbytes() - base), total)
         return c
@@ -197,3 +205,6 @@ def test_kv_budget_pages_are_never_refused_by_a_growth(n_full):
     shared = kv_budget([a, b])
     assert shared < pages and 2 * (shared + 2 - a["n_blocks"]) * a["page_bytes"] <= free0 - 2 * GiB
     assert kv_budget([dict(a, device="cuda:1"), b]) == pages          # on two devices each has its own
+    assert (a["pool_page_bytes"] == 0) == in_place
+    if in_place:
+        assert pages >= kv_budget([dict(a, pool_page_bytes=max(a["page_bytes"] // (2 * n_full), 1))])

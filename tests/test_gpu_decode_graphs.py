@@ -164,10 +164,18 @@ def test_decode_attention_at_27b_shapes(cuda, B, S, lens):
     assert (o1.float() - o2.float()).abs().max() <= 2e-2 * o2.float().abs().max()
 
 
-def test_captured_decode_survives_kv_growth(cuda):
-    """A sequence that needs a page when none is free reallocates the paged pools: the graphs over the old pools are
-    dropped and new ones captured (in a fresh memory pool: reusing the dropped graphs' pool tripped an allocator
-    assert on the H200 with an 8k prompt), still equal to eager decode and never falling back to eager."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copy"])
+def test_captured_decode_survives_kv_growth(cuda, monkeypatch, in_place):
+    """A sequence that needs a page when none is free grows the paged pools. In place (the default on a GPU) every
+    pool keeps its address and the graph captured before the growth serves after it; copying (MEMRA_PP_KV_IN_PLACE=0)
+    the graphs over the old pools are dropped and new ones captured (in a fresh memory pool: reusing the dropped
+    graphs' pool tripped an allocator assert on the H200 with an 8k prompt). Either way decode equals eager decode and
+    never falls back to eager. With ANY_KV (one graph a batch bucket, whatever the KV length) the graph captured before
+    the growth is the one replayed after it."""
+    import memra_pp.model.cache as cache_mod
+    import memra_pp.model.decode_graphs as dg
+    monkeypatch.setattr(cache_mod, "IN_PLACE", in_place)
+    monkeypatch.setattr(dg, "ANY_KV", True)
     _, path = tiny_checkpoint("dense", False)
     src = SafetensorsSource(path)
     prompts = [[4 + i % 200 for i in range(446)], [7, 8]]   # 7 + 1 pages of 64, every free one; 446 + 12: an 8th
@@ -176,13 +184,62 @@ def test_captured_decode_survives_kv_growth(cuda):
     for s, c in zip(graphed.stages, graphed.caches):
         s.set_decode_graphs(True, c)
     graphed.greedy([[5, 6, 7], [9]], 4)                        # a graph over the first pools
+    ptrs = [[t.data_ptr() for t in (*c.k.values(), *c.v.values())] for c in graphed.caches]
+    replays = [s.graphs.replays for s in graphed.stages]
     te, _ = eager.greedy(prompts, 12)
     tg, _ = graphed.greedy(prompts, 12)
     assert tg == te
     assert all(c.grown == 1 for c in graphed.caches)
-    for s in graphed.stages:
+    assert [c.copy_growth for c in graphed.caches] == [None if in_place else "MEMRA_PP_KV_IN_PLACE=0"] * 2
+    for s, c, p, r in zip(graphed.stages, graphed.caches, ptrs, replays):
         assert s.graphs is not None and s.graphs_failed is None, s.graphs_failed
-        assert s.graphs.captures >= 2 and s.graphs.stats()["graphs"] == [(2, 512)], s.graphs.stats()
+        assert s.graphs.stats()["graphs"] == [(2, 1024)] and s.graphs.replays >= r + 11, (s.graphs.stats(), r)
+        if in_place:        # the one graph, replayed over the grown pools at their old addresses
+            assert s.graphs.captures == 1 and c.generation == 0, (s.graphs.captures, c.generation)
+            assert [t.data_ptr() for t in (*c.k.values(), *c.v.values())] == p
+            assert all(t.shape[0] == c.n_blocks for t in (*c.k.values(), *c.v.values()))
+        else:
+            assert s.graphs.captures >= 2 and c.generation > 0, (s.graphs.captures, c.generation)
+
+
+def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
+    """memra_pp.cuda.GrowableBuffer: a growth maps memory behind the same address, keeping what was written; a
+    tensor over it keeps the buffer alive after its last other reference is gone; the memory goes back to the device
+    when the tensors are collected; a growth the device cannot hold is refused with DeviceOutOfMemory, and one past
+    the reserved range with CudaError, both named."""
+    import gc
+    from memra_pp.cuda import CudaError, DeviceOutOfMemory, GrowableBuffer
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info(cuda)[0]
+    buf = GrowableBuffer(cuda.index, 1 << 30)
+    assert buf.capacity == 1 << 30 and buf.base % buf.granularity == 0
+    buf.grow(3 << 20)
+    assert buf.mapped == -(-(3 << 20) // buf.granularity) * buf.granularity
+    a = buf.tensor(3 << 20).view(torch.float32)
+    a.copy_(torch.arange(a.numel(), device=cuda, dtype=torch.float32))
+    buf.grow(300 << 20)
+    b = buf.tensor(300 << 20).view(torch.float32)
+    assert b.data_ptr() == a.data_ptr() == buf.base
+    assert torch.equal(b[:a.numel()], torch.arange(a.numel(), device=cuda, dtype=torch.float32))
+    b[a.numel():].fill_(2.0)
+    assert float(b[-1]) == 2.0
+    torch.cuda.synchronize()
+    assert free0 - torch.cuda.mem_get_info(cuda)[0] >= 300 << 20
+    with pytest.raises(CudaError, match=r"a buffer of 1073741824 reserved bytes cannot grow to 1073741825"):
+        buf.grow((1 << 30) + 1)
+    del buf, a
+    gc.collect()
+    assert float(b[-1]) == 2.0 and float(b[5]) == 5.0        # b holds the buffer
+    torch.cuda.synchronize()
+    free1 = torch.cuda.mem_get_info(cuda)[0]
+    del b
+    gc.collect()
+    assert torch.cuda.mem_get_info(cuda)[0] - free1 >= 300 << 20    # (torch's own blocks and kernels stay)
+    total = torch.cuda.mem_get_info(cuda)[1]
+    huge = GrowableBuffer(cuda.index, 2 * total)
+    with pytest.raises(DeviceOutOfMemory, match=r"cuMemCreate\(\d+\) on cuda:0: out of memory"):
+        huge.grow(total + (1 << 30))
+    assert huge.mapped == 0
 
 
 def test_one_captured_graph_serves_every_kv_length(cuda, monkeypatch):

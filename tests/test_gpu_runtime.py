@@ -31,6 +31,7 @@ def run(path, devices, transport="auto"):
         assert all(a <= b for _, _, a, b in tl) and all(x[3] <= y[2] + 1e-4 for x, y in zip(tl, tl[1:])), tl[:8]
     if len(st) > 1:
         assert st[1]["timeline"][0][2] >= st[0]["timeline"][0][2]
+    assert all(s["kv_growth"] == "in place" for s in st), [s["kv_growth"] for s in st]    # KV pools map memory
     from memra_pp.model import decode_graphs
     if decode_graphs.ANY_KV:    # the stages take the driver's setting: every batch bucket (1, 2, 4, 8) captured at
         for s in st:            # load, none while decoding (these prompts never grow the KV pools)

@@ -11,10 +11,15 @@ follows the tokens actually cached (a long prompt no longer sizes every slot to 
 where every unused table entry points; nothing writes it, so it stays zeros (a reference attention multiplies a
 masked position's value by 0, and 0 * NaN is NaN). Block 1 (SINK) is the scratch slot's whole table row: a padding
 row's write, garbage or NaN, lands where only padding rows read. The pools grow only when no block is free (by the
-blocks needed, further towards doubling while the device keeps headroom free); each growth replaces the pool
-tensors, bumping `generation`, so decode graphs captured over the old ones are dropped.
+blocks needed, further towards doubling while the device keeps headroom free). On a GPU each pool grows in place:
+its address range is reserved for every slot at max_context and memory is mapped onto it as it grows
+(memra_pp.cuda.GrowableBuffer), so the decode graphs captured over it stay valid. Elsewhere (the CPU, or
+MEMRA_PP_KV_IN_PLACE=0, or a driver without the virtual memory API) a growth replaces the pool tensors, bumping
+`generation`, so decode graphs captured over the old ones are dropped.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,6 +27,9 @@ from .config import TextConfig
 
 NULL, SINK, FIRST_FREE = 0, 1, 2      # the null block, the scratch slot's sink block, the first block given out
 SLACK_BYTES = 64 << 20
+# CUDA pools grow in place (GrowableBuffer). Off, a growth copies every pool into a larger one and drops the decode
+# graphs: H200, 35B-A3B, 64 concurrent of 128 in, 256 out, two graphs were captured again mid-run (twelfth session)
+IN_PLACE = os.environ.get("MEMRA_PP_KV_IN_PLACE", "1") != "0"
 
 
 def fits(need: int, free: int, keep: int = 0) -> bool:
@@ -61,9 +69,9 @@ def kv_budget(reports: list[dict], limit: int | None = None) -> int:
     """The pages every stage's sequences may hold at once (the intake admits requests against it, so no stage's
     pool growth is ever refused under a running microbatch): at most each stage's table, `limit`
     (scheduler.kv_pages), and per device the most pages m for which the pools of all its stages (several stages may
-    share one GPU) grow to m pages plus the null and sink blocks, at the peak of the last growth step (one old pool
-    of m blocks held while its copy is made), leaving the device's headroom free. Measured after every stage is
-    loaded."""
+    share one GPU) grow to m pages plus the null and sink blocks, at the peak of the last growth step (where pools
+    grow by copying, one old pool of m blocks held while its copy is made), leaving the device's headroom free.
+    Measured after every stage is loaded."""
     cap = min(r["table_pages"] for r in reports)
     cap = cap if limit is None else min(cap, limit)
     by_dev: dict[str, list[dict]] = {}
@@ -101,11 +109,17 @@ class StageCache:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         n_blocks = FIRST_FREE + max_seqs * min(initial_blocks_per_slot, self.max_blocks)
+        self._bufs: dict[tuple[str, int], object] = {}      # GrowableBuffer of each pool growing in place
+        self.copy_growth = self._copy_growth_reason(any(cfg.is_full(i) for i in layers))
         for i in layers:
             if cfg.is_full(i):
                 shape = (n_blocks, cfg.num_key_value_heads, kv_block, cfg.head_dim)
-                self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
-                self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+                if self.copy_growth:
+                    self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
+                    self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
+                else:
+                    for d, name in ((self.k, "k"), (self.v, "v")):
+                        d[i] = self._mapped_pool((name, i), shape)
             else:
                 self.conv[i] = torch.zeros(rows, cfg.conv_dim, K - 1, dtype=dtype, device=device)
                 self.rec[i] = torch.zeros(rows, nv, dk, dv, dtype=torch.float32, device=device)
@@ -117,6 +131,40 @@ class StageCache:
         self.lens = [0] * rows
         self.grown = 0                                            # growths (stats, tests)
         self.generation = 0     # bumped whenever any pool tensor is replaced (decode graphs bake in the addresses)
+
+    def _copy_growth_reason(self, has_kv: bool) -> str | None:
+        """Why this cache's pools grow by copying (None: they grow in place, on a GPU)."""
+        if not has_kv or self.device.type != "cuda":
+            return "not on a GPU" if has_kv else "no KV pools"
+        if not IN_PLACE:
+            return "MEMRA_PP_KV_IN_PLACE=0"
+        try:
+            from memra_pp import cuda
+            d = cuda.drv()
+            cuda.init()
+            attr = d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            if not cuda.ck(d.cuDeviceGetAttribute(attr, cuda.device(idx)), "cuDeviceGetAttribute"):
+                return "the driver has no virtual memory management on this device"
+        except Exception as e:      # noqa: BLE001 - no cuda-bindings, no driver: copy, and say why
+            return f"no virtual memory API ({e})"
+        return None
+
+    def _mapped_pool(self, key: tuple[str, int], shape: tuple) -> torch.Tensor:
+        """A zeroed pool of shape[0] blocks over a GrowableBuffer reserved for this cache's most blocks."""
+        from memra_pp.cuda import GrowableBuffer
+        page = self._page_bytes(shape)
+        cap = FIRST_FREE + self.max_seqs * self.max_blocks
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        buf = self._bufs[key] = GrowableBuffer(idx, cap * page)
+        buf.grow(shape[0] * page)
+        return self._view(buf, shape).zero_()
+
+    def _page_bytes(self, shape: tuple) -> int:
+        return shape[1] * shape[2] * shape[3] * torch.empty((), dtype=self.dtype).element_size()
+
+    def _view(self, buf, shape: tuple) -> torch.Tensor:
+        return buf.tensor(shape[0] * self._page_bytes(shape)).view(self.dtype).view(shape)
 
     @property
     def max_positions(self) -> int:
@@ -165,15 +213,24 @@ class StageCache:
         def roomy(m: int) -> bool:
             return room is None or fits(self._peak_bytes(m), *room)
         new = growth_size(n, short, cap, roomy)
+        from memra_pp.cuda import DeviceOutOfMemory
         try:    # pool by pool; one that already grew (an earlier, interrupted growth) is left as it is
-            for d in (self.k, self.v):
+            for name, d in (("k", self.k), ("v", self.v)):
                 for i, t in d.items():
-                    if t.shape[0] < new:
-                        p = t.new_zeros(new, *t.shape[1:])
+                    if t.shape[0] >= new:
+                        continue
+                    shape = (new, *t.shape[1:])
+                    if self.copy_growth:
+                        p = t.new_zeros(shape)
                         p[:t.shape[0]] = t
-                        d[i] = p
                         self.generation += 1
-        except torch.OutOfMemoryError as e:
+                    else:       # mapped onto the same addresses: the graphs over them stay valid
+                        buf = self._bufs[(name, i)]
+                        buf.grow(new * self._page_bytes(shape))
+                        p = self._view(buf, shape)
+                        p[t.shape[0]:].zero_()
+                    d[i] = p
+        except (torch.OutOfMemoryError, DeviceOutOfMemory) as e:
             from memra_pp.errors import InputError
             raise InputError(f"the KV cache could not grow to {new} blocks of {self.kv_block} positions on "
                              f"{self.device} (out of memory); lower scheduler.max_batch or scheduler.max_context, "
@@ -193,8 +250,9 @@ class StageCache:
         if self.k and self.device.type == "cuda":
             blks = [t[0].numel() * t.element_size() for d in (self.k, self.v) for t in d.values()]
             free, total = self._free_bytes()
-            rep.update(page_bytes=sum(blks), pool_page_bytes=max(blks), n_blocks=self.n_blocks, free=free,
-                       total=total)
+            # pool_page_bytes: what the one old pool a copying growth holds costs a page (none in place)
+            rep.update(page_bytes=sum(blks), pool_page_bytes=max(blks) if self.copy_growth else 0,
+                       n_blocks=self.n_blocks, free=free, total=total)
         return rep
 
     def page_capacity(self, limit: int | None = None) -> int:
@@ -203,11 +261,12 @@ class StageCache:
 
     def _peak_bytes(self, n_blocks: int) -> int:
         """Bytes growing the pools to n_blocks needs at its peak. Only pools smaller than n_blocks grow (after an
-        interrupted growth some already have), one by one: the peak is their growth plus the largest one old pool,
-        held while its copy is made."""
+        interrupted growth some already have), one by one: the peak is their growth, plus, where a growth copies,
+        the largest one old pool, held while its copy is made."""
         grow = [(t.shape[0], t[0].numel() * t.element_size()) for d in (self.k, self.v) for t in d.values()
                 if t.shape[0] < n_blocks]
-        return sum((n_blocks - n) * blk for n, blk in grow) + max((n * blk for n, blk in grow), default=0)
+        old = max((n * blk for n, blk in grow), default=0) if self.copy_growth else 0
+        return sum((n_blocks - n) * blk for n, blk in grow) + old
 
     def _free_bytes(self) -> tuple[int, int]:
         """(bytes the device has for a growth: its free memory and what the caching allocator holds unused, its total
