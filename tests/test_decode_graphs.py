@@ -83,6 +83,19 @@ def test_crossing_a_kv_bucket(monkeypatch, any_kv):
         assert st.graphs.stats()["graphs"] == want and st.graphs.captures == len(want), st.graphs.stats()
 
 
+def test_every_graph_writes_one_output_buffer():
+    """The step of every bucket writes its rows into the stage's one output buffer (the largest bucket's rows; float32
+    logits on the primary) by its last kernel, not into an output of its own that its graph would keep."""
+    _, static = pipelines("dense", [(0, 4), (4, 8)], max_seqs=6)
+    for s in static.stages:
+        g = s.graphs
+        assert g.out.shape == (g.buckets[-1], s.lm_head.shape[0] if s.primary else s.mc.text.hidden_size)
+        assert g.out.dtype == (torch.float32 if s.primary else s.dtype)
+        for nb in g.buckets:
+            o = g._step(nb, 256)
+            assert o.data_ptr() == g.out.data_ptr() and o.shape[0] == nb and torch.isfinite(o).all(), nb
+
+
 def test_every_batch_bucket_captured_at_load(monkeypatch):
     """With decode_graphs.ANY_KV a stage captures every batch bucket's graph when it loads (the runner calls
     StageModel.capture_decode_graphs), the largest first, so decoding captures none; a graph per KV bucket is
@@ -248,7 +261,8 @@ def test_graphs_see_every_pool_replacement(oom_on_new_zeros):
     from memra_pp.errors import InputError
     _, static = pipelines("dense", [(0, 8)], max_seqs=2)
     c = static.caches[0]
-    g = DecodeGraphs(types.SimpleNamespace(mc=static.stages[0].mc, dtype=torch.float32, device=torch.device("cpu")),
+    g = DecodeGraphs(types.SimpleNamespace(mc=static.stages[0].mc, dtype=torch.float32, device=torch.device("cpu"),
+                                           primary=False),
                      c, 2, capture=False)
     calls = oom_on_new_zeros()
     need = 64 * (len(c.free_blocks) + 1)             # one page more than is free: the pools must grow

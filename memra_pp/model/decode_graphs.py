@@ -48,6 +48,10 @@ class DecodeGraphs:
         self.idx = torch.zeros(5, n, dtype=torch.long, device=dev)
         self.slots, self.pos, self.pos3 = self.idx[0], self.idx[1], self.idx[2:]
         self.slots.fill_(cache.scratch)
+        # every graph's output, written in place by its last kernel (one buffer, not one per graph: float32 logits
+        # for the buckets up to 1,024 rows held 4.7 GB on the primary); a replay's rows are cloned before the next
+        self.out = (torch.empty(n, model.lm_head.shape[0], dtype=torch.float32, device=dev) if model.primary
+                    else torch.empty_like(self.h))
         self._pin = dev.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -113,7 +117,7 @@ class DecodeGraphs:
 
     def _step(self, nb: int, S: int) -> torch.Tensor:
         return self.model.decode_static(self.h[:nb], self.slots[:nb], self.pos[:nb], self.pos3[:, :nb], S,
-                                        self.cache)
+                                        self.cache, out=self.out[:nb])
 
     def _capture(self, nb: int, S: int):
         """Warm up on a side stream (kernels compile, cuBLAS picks its algorithms), then capture. Every row points

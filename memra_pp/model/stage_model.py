@@ -177,16 +177,18 @@ class StageModel(nn.Module):
         warnings.warn(f"layers [{self.start}, {self.end}): {e}; decoding eagerly")
         self.graphs_failed, self.graphs = str(e), None
 
-    def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache) -> torch.Tensor:
-        """The decode step a CUDA graph captures: hidden in, hidden (or float32 logits on the primary) out."""
+    def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache, out=None) -> torch.Tensor:
+        """The decode step a CUDA graph captures: hidden in, hidden (or float32 logits on the primary) out, written
+        into `out` when given (the graphs' one output buffer; the same kernels either way)."""
         cos, sin = self.rope.cos_sin(pos_3B, self.dtype)
         pending = None
         for layer in self.layers:
             h_BH, pending = layer.decode_fused(h_BH, pending, slots_B, pos_B, S, cache, cos, sin)
         if not self.primary:
-            return h_BH + pending
+            return h_BH + pending if out is None else torch.add(h_BH, pending, out=out)
         from memra_pp.kernels.fused_decode import add_rms_norm
-        return F.linear(add_rms_norm(h_BH, pending, self.norm, self.mc.text.rms_norm_eps)[1], self.lm_head).float()
+        logits = F.linear(add_rms_norm(h_BH, pending, self.norm, self.mc.text.rms_norm_eps)[1], self.lm_head)
+        return logits.float() if out is None else out.copy_(logits)
 
     def embed_ids(self, ids_T: torch.Tensor, b: StepBatch | None = None, token_overlay=None) -> torch.Tensor:
         """ids [T] -> embeddings [T, H]; with a TokenOverlaySet and b.adapter_slots, each token's adapter slot
