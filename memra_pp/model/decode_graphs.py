@@ -2,11 +2,13 @@
 from Python they cost more host time than the GPU needs to run them (measured: 69 ms eager for a 12 ms floor at
 batch 1). A graph per (batch-size bucket, KV-length bucket) replays the step in one launch.
 
-Static buffers hold the step's inputs; a batch of n sequences runs the graph of the smallest bucket >= n, its
-padding rows pointing at the cache's scratch slot. With ANY_KV a deployment's stage captures every batch bucket's
-graph when it loads (capture_all), as vLLM captures its sizes at startup; else graphs are captured on first use. They
-share one memory pool and are dropped when any KV pool is reallocated (their addresses are baked into the graphs;
-the cache's `generation` counts the replacements), then captured again on first use.
+Static buffers hold the step's inputs and its output (one buffer of the largest bucket's rows, written by every
+graph's last kernel); a batch of n sequences runs the graph of the smallest bucket >= n, its padding rows pointing at
+the cache's scratch slot. With ANY_KV a deployment's stage captures every batch bucket's graph when it loads
+(capture_all), as vLLM captures its sizes at startup; else graphs are captured on first use. They share one memory
+pool. On a GPU the KV pools grow in place (model/cache.py), so the graphs live as long as the cache; where a growth
+copies the pools instead (the CPU, MEMRA_PP_KV_IN_PLACE=0) they are dropped (their addresses are baked into the
+graphs; the cache's `generation` counts the replacements), then captured again on first use.
 """
 from __future__ import annotations
 
