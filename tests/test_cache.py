@@ -208,3 +208,26 @@ def test_kv_budget_pages_are_never_refused_by_a_growth(n_full, in_place):
     assert (a["pool_page_bytes"] == 0) == in_place
     if in_place:
         assert pages >= kv_budget([dict(a, pool_page_bytes=max(a["page_bytes"] // (2 * n_full), 1))])
+
+
+def test_pools_that_cannot_be_mapped_grow_by_copying(monkeypatch):
+    """Where mapping a pool fails (the driver refuses the address range: every slot at max_context is reserved), the
+    cache drops the pools it mapped and makes every pool a plain tensor that grows by copying, saying why."""
+    from memra_pp.cuda import CudaError
+    calls = []
+
+    def mapped(self, key, shape):
+        calls.append(key)
+        if len(calls) == 3:
+            raise CudaError("cuMemAddressReserve(68719476736) failed: CUDA_ERROR_OUT_OF_MEMORY")
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    monkeypatch.setattr(StageCache, "_copy_growth_reason", lambda self, has_kv: None)
+    monkeypatch.setattr(StageCache, "_mapped_pool", mapped)
+    c = cache(max_seqs=2, max_context=512)
+    assert len(calls) == 3 and not c._bufs
+    assert c.copy_growth == ("the KV pools could not be mapped (cuMemAddressReserve(68719476736) failed: "
+                             "CUDA_ERROR_OUT_OF_MEMORY)")
+    assert sorted(c.k) == sorted(c.v) and len(c.k) == 2 and all(t.shape[0] == c.n_blocks for t in c.k.values())
+    c.reserve([0], [512])                               # grows, by copying
+    assert c.grown == 1 and c.generation > 0
+

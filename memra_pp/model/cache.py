@@ -111,15 +111,23 @@ class StageCache:
         n_blocks = FIRST_FREE + max_seqs * min(initial_blocks_per_slot, self.max_blocks)
         self._bufs: dict[tuple[str, int], object] = {}      # GrowableBuffer of each pool growing in place
         self.copy_growth = self._copy_growth_reason(any(cfg.is_full(i) for i in layers))
+        full = [i for i in layers if cfg.is_full(i)]
+        shape = (n_blocks, cfg.num_key_value_heads, kv_block, cfg.head_dim)
+        if not self.copy_growth:
+            from memra_pp.cuda import CudaError
+            try:
+                for i in full:
+                    for d, name in ((self.k, "k"), (self.v, "v")):
+                        d[i] = self._mapped_pool((name, i), shape)
+            except CudaError as e:      # e.g. no address space left for every slot at max_context: copy, and say why
+                for d in (self.k, self.v, self._bufs):
+                    d.clear()
+                self.copy_growth = f"the KV pools could not be mapped ({e})"
         for i in layers:
             if cfg.is_full(i):
-                shape = (n_blocks, cfg.num_key_value_heads, kv_block, cfg.head_dim)
                 if self.copy_growth:
                     self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
                     self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
-                else:
-                    for d, name in ((self.k, "k"), (self.v, "v")):
-                        d[i] = self._mapped_pool((name, i), shape)
             else:
                 self.conv[i] = torch.zeros(rows, cfg.conv_dim, K - 1, dtype=dtype, device=device)
                 self.rec[i] = torch.zeros(rows, nv, dk, dv, dtype=torch.float32, device=device)
