@@ -106,7 +106,8 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
             r = run_bench(dep, c, prompt_len, new)      # warms up first: this batch size's graphs are captured
             st = dep.stats()["stages"]
             r.update(n_stages=n, devices=devices, model=model, microbatches=microbatches,
-                     memory=[{k: s.get(k) for k in ("weights_bytes", "cache_bytes", "device_allocated_bytes")}
+                     memory=[{k: s.get(k) for k in ("weights_bytes", "cache_bytes", "device_allocated_bytes",
+                                                         "kv_mapped_bytes")}
                              for s in st], decode_graphs=[s.get("decode_graphs") for s in st])
             out.append(r)
             print(f"  {n} stage(s) (microbatches {microbatches}), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s end to end, steady decode "

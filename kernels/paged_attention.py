@@ -81,6 +81,15 @@ def decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int):
     return o * torch.sigmoid(gate.reshape(B, -1))
 
 
+def reads_pools_by_address(kp) -> bool:
+    """Whether the decode step's KV kernels take pools like kp [n_blocks, nkv, kv_block, D] by pointer and strides
+    alone (the Triton kernels: qk_norm_kv_write or kv_write, and decode_attention), so a CUDA graph over them stays
+    valid when the pools grow in place. The torch references index the pools with their size baked into the graph."""
+    D, kvb = kp.shape[3], kp.shape[2]
+    block = min(64, kvb)
+    return _triton(kp) and D >= 16 and not D & (D - 1) and kvb % block == 0 and block >= 16
+
+
 def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block: int = 64,
                      len_chunks: bool = False):
     """One query per sequence against its pages of the paged KV pools [n_blocks, nkv, kv_block, D] (table[slot, j]:

@@ -109,7 +109,7 @@ class Deployment:
         tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
         pages, reports = _measure_kv(actors, t, kv_limit)
         if pages < 1:
-            from .model.cache import kv_budget
+            from .model.kv_memory import kv_budget
             raise ConfigError(f"the KV cache has no room for one page of {reports[0]['kv_block']} positions on some "
                               f"device beside the weights and linear states (pages per stage were it alone: "
                               f"{[kv_budget([r]) for r in reports]}): lower scheduler.max_batch or split the model "
@@ -291,7 +291,7 @@ class Deployment:
 
 def _measure_kv(actors, t: float, limit: int | None) -> tuple[int, list[dict]]:
     """(the KV pages every stage can hold now, the stages' reports): one fan-out of kv_report, then kv_budget."""
-    from .model.cache import kv_budget
+    from .model.kv_memory import kv_budget
     reports = _get([a.kv_report.remote() for a in actors], t, "KV memory")
     return kv_budget(reports, limit), reports
 

@@ -254,6 +254,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         st["cache_bytes"] = self.cache.nbytes()
         if self.engine.is_cuda:
             st["device_allocated_bytes"] = torch.cuda.memory_allocated(self.engine.device.index)
+            # KV pools grown in place are mapped by the driver, outside torch's allocator (and its figure above)
+            st["kv_mapped_bytes"] = self.cache.mapped_bytes()
         st["handoffs"] = ls.get("handoffs", 0)
         st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)

@@ -2,14 +2,13 @@
 follows the tokens cached, not max_batch x the longest sequence (measured on the H200 before paging: an 8k prompt
 in a max_batch 256 deployment asked for 138 GiB of KV); the pools grow only when no page is free, and a growth the
 device cannot hold is refused with a typed error that names the knobs, before the allocator's out-of-memory error."""
-import collections
-
 import pytest
 import torch
 
 from memra_pp.errors import InputError
 from memra_pp.model import presets
-from memra_pp.model.cache import StageCache, fits, growth_size, headroom
+from memra_pp.model.cache import StageCache
+from memra_pp.model.kv_memory import fits, growth_size, headroom
 from memra_pp.model.config import parse_config
 
 
@@ -144,7 +143,7 @@ def test_a_release_frees_before_the_step_reuses_the_slot():
 
 
 def test_reachable_blocks_is_the_largest_growth_that_fits():
-    from memra_pp.model.cache import reachable_blocks
+    from memra_pp.model.kv_memory import reachable_blocks
     assert reachable_blocks(10, 100, lambda m: True) == 100
     assert reachable_blocks(10, 100, lambda m: m <= 37) == 37
     assert reachable_blocks(10, 100, lambda m: m <= 10) == 10     # nothing beyond what exists
@@ -175,9 +174,9 @@ def test_kv_budget_pages_are_never_refused_by_a_growth(n_full, in_place):
     """Every page kv_budget admits must be obtainable by the real growth path (doubling steps; a copying one holds
     one old pool while it is copied, one in place maps only the new pages) on a simulated GPU (meta tensors, free
     memory falling as the pools grow), whatever the number of full layers on the stage; and two stages sharing the
-    device get no more between them than it holds. In place admits at least as many pages as copying."""
+    device get no more between them than it holds. In place must admit more pages than copying."""
     import types
-    from memra_pp.model.cache import kv_budget
+    from memra_pp.model.kv_memory import kv_budget
     t = parse_config(presets.get("qwen3.5-27b")).text
     full = [i for i in range(t.num_hidden_layers) if t.is_full(i)]
     GiB, total, free0 = 1 << 30, 20 << 30, 7 << 30
@@ -187,10 +186,14 @@ def test_kv_budget_pages_are_never_refused_by_a_growth(n_full, in_place):
                        device="meta", kv_block=64, initial_blocks_per_slot=1)
         c.device = types.SimpleNamespace(type="cuda")
         c._write_rows = lambda slots: None
-        if in_place:    # GrowableBuffer's mapping simulated: the pool keeps its pages, a larger view over them
-            c.copy_growth = None
-            c._bufs = collections.defaultdict(lambda: types.SimpleNamespace(grow=lambda nbytes: None))
+        if in_place:    # GrowableBuffer's mapping simulated: the pool keeps its pages, a larger view over them,
+            c.copy_growth = None        # and maps whole granules of 2 MiB (the H200's)
+            c._bufs = {(n, i): types.SimpleNamespace(grow=lambda nbytes: None, granularity=2 << 20)
+                       for n in "kv" for i in c.k}
             c._view = lambda buf, shape: torch.zeros(shape, dtype=torch.bfloat16, device="meta")
+            base = c.nbytes()
+            c._free_bytes = lambda: (free0 - (c.nbytes() - base) - len(c._bufs) * (2 << 20), total)
+            return c
         base = c.nbytes()
         c._free_bytes = lambda: (free0 - (c.nbytes() - base), total)
         return c
@@ -206,8 +209,9 @@ def test_kv_budget_pages_are_never_refused_by_a_growth(n_full, in_place):
     assert shared < pages and 2 * (shared + 2 - a["n_blocks"]) * a["page_bytes"] <= free0 - 2 * GiB
     assert kv_budget([dict(a, device="cuda:1"), b]) == pages          # on two devices each has its own
     assert (a["pool_page_bytes"] == 0) == in_place
-    if in_place:
-        assert pages >= kv_budget([dict(a, pool_page_bytes=max(a["page_bytes"] // (2 * n_full), 1))])
+    assert a["map_slack_bytes"] == (2 * n_full * (2 << 20) if in_place else 0)
+    if in_place:        # a copying growth's old pool would cost more than the granules
+        assert pages > kv_budget([dict(a, pool_page_bytes=a["page_bytes"] // (2 * n_full), map_slack_bytes=0)])
 
 
 def test_pools_that_cannot_be_mapped_grow_by_copying(monkeypatch):
@@ -220,6 +224,7 @@ def test_pools_that_cannot_be_mapped_grow_by_copying(monkeypatch):
         calls.append(key)
         if len(calls) == 3:
             raise CudaError("cuMemAddressReserve(68719476736) failed: CUDA_ERROR_OUT_OF_MEMORY")
+        self._bufs[key] = object()
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
     monkeypatch.setattr(StageCache, "_copy_growth_reason", lambda self, has_kv: None)
     monkeypatch.setattr(StageCache, "_mapped_pool", mapped)

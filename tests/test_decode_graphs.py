@@ -96,6 +96,22 @@ def test_every_graph_writes_one_output_buffer():
             assert o.data_ptr() == g.out.data_ptr() and o.shape[0] == nb and torch.isfinite(o).all(), nb
 
 
+def test_graphs_outlive_an_in_place_growth_only_over_kernels_that_take_addresses(monkeypatch):
+    """A KV pool growth in place (generation unchanged, more blocks) must keep the graphs' key where the step's KV
+    kernels take the pools by pointer and strides (Triton's), and must change it where they are the torch references,
+    whose indexing bakes the pools' size into a graph."""
+    from memra_pp.kernels import fused_decode
+    _, static = pipelines("dense", [(0, 8)], max_seqs=2)
+    c, g = static.caches[0], static.stages[0].graphs
+    key = g._kv_key()
+    c.n_blocks += 16                                    # what a growth in place changes
+    assert g._kv_key() != key and g._kv_key() == (0, c.n_blocks)         # CPU: the references
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert g._kv_key() == (0, 0)
+    monkeypatch.setattr(fused_decode, "USE_TRITON", False)
+    assert g._kv_key() == (0, c.n_blocks)
+
+
 def test_every_batch_bucket_captured_at_load(monkeypatch):
     """With decode_graphs.ANY_KV a stage captures every batch bucket's graph when it loads (the runner calls
     StageModel.capture_decode_graphs), the largest first, so decoding captures none; a graph per KV bucket is

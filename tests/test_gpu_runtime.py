@@ -32,6 +32,7 @@ def run(path, devices, transport="auto"):
     if len(st) > 1:
         assert st[1]["timeline"][0][2] >= st[0]["timeline"][0][2]
     assert all(s["kv_growth"] == "in place" for s in st), [s["kv_growth"] for s in st]    # KV pools map memory
+    assert sum(s["kv_mapped_bytes"] for s in st) > 0, [s["kv_mapped_bytes"] for s in st]
     from memra_pp.model import decode_graphs
     if decode_graphs.ANY_KV:    # the stages take the driver's setting: every batch bucket (1, 2, 4, 8) captured at
         for s in st:            # load, none while decoding (these prompts never grow the KV pools)

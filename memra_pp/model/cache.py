@@ -24,72 +24,12 @@ import os
 import torch
 
 from .config import TextConfig
+from .kv_memory import FIRST_FREE, fits, growth_size, headroom, kv_budget
 
-NULL, SINK, FIRST_FREE = 0, 1, 2      # the null block, the scratch slot's sink block, the first block given out
-SLACK_BYTES = 64 << 20
+NULL, SINK = 0, 1      # the null block, the scratch slot's sink block (FIRST_FREE: the first block given out)
 # CUDA pools grow in place (GrowableBuffer). Off, a growth copies every pool into a larger one and drops the decode
 # graphs: H200, 35B-A3B, 64 concurrent of 128 in, 256 out, two graphs were captured again mid-run (twelfth session)
 IN_PLACE = os.environ.get("MEMRA_PP_KV_IN_PLACE", "1") != "0"
-
-
-def fits(need: int, free: int, keep: int = 0) -> bool:
-    """Can `need` bytes be taken from `free` and leave `keep` free? With slack (5% + 64 MiB): memory the caching
-    allocator holds free may be fragmented."""
-    return need * 1.05 + SLACK_BYTES + keep <= free
-
-
-def headroom(total: int) -> int:
-    """What a growth beyond the blocks needed must leave free on a device of `total` bytes: activations and CUDA graph
-    captures allocate after it (8% of the device, at least 2 GiB)."""
-    return max(2 << 30, int(0.08 * total))
-
-
-def growth_size(n: int, short: int, cap: int, roomy) -> int:
-    """The blocks pools of n blocks grow to when `short` more are needed: at least n + short (the caller checks that
-    those fit); beyond, towards doubling (at most `cap`), only as far as `roomy(blocks)` allows."""
-    lo, new = n + short, min(cap, max(2 * n, n + short))
-    while new > lo and not roomy(new):
-        new = max(lo, (new + lo) // 2)
-    return new
-
-
-def reachable_blocks(n: int, cap: int, ok) -> int:
-    """The most blocks (n <= it <= cap) pools of n blocks can grow to, where ok(blocks) says a growth fits (monotone:
-    a larger growth never fits where a smaller one does not)."""
-    if ok(cap):
-        return cap
-    lo, hi = n, cap
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
-def kv_budget(reports: list[dict], limit: int | None = None) -> int:
-    """The pages every stage's sequences may hold at once (the intake admits requests against it, so no stage's
-    pool growth is ever refused under a running microbatch): at most each stage's table, `limit`
-    (scheduler.kv_pages), and per device the most pages m for which the pools of all its stages (several stages may
-    share one GPU) grow to m pages plus the null and sink blocks, at the peak of the last growth step (where pools
-    grow by copying, one old pool of m blocks held while its copy is made), leaving the device's headroom free.
-    Measured after every stage is loaded."""
-    cap = min(r["table_pages"] for r in reports)
-    cap = cap if limit is None else min(cap, limit)
-    by_dev: dict[str, list[dict]] = {}
-    for r in reports:
-        if "page_bytes" in r:
-            by_dev.setdefault(r["device"], []).append(r)
-    for group in by_dev.values():
-        free, keep = min(r["free"] for r in group), headroom(group[0]["total"])
-
-        def ok(m: int, group=group, free=free, keep=keep) -> bool:
-            blocks = m + FIRST_FREE
-            short = [r for r in group if blocks > r["n_blocks"]]
-            if not short:
-                return True            # the pools hold it already
-            grow = sum((blocks - r["n_blocks"]) * r["page_bytes"] for r in short)
-            return fits(grow + max(r["pool_page_bytes"] for r in short) * (blocks - 1), free, keep)
-        cap = reachable_blocks(0, cap, ok)
-    return cap
 
 
 class StageCache:
@@ -110,25 +50,10 @@ class StageCache:
         self.v: dict[int, torch.Tensor] = {}
         n_blocks = FIRST_FREE + max_seqs * min(initial_blocks_per_slot, self.max_blocks)
         self._bufs: dict[tuple[str, int], object] = {}      # GrowableBuffer of each pool growing in place
-        self.copy_growth = self._copy_growth_reason(any(cfg.is_full(i) for i in layers))
-        full = [i for i in layers if cfg.is_full(i)]
         shape = (n_blocks, cfg.num_key_value_heads, kv_block, cfg.head_dim)
-        if not self.copy_growth:
-            from memra_pp.cuda import CudaError
-            try:
-                for i in full:
-                    for d, name in ((self.k, "k"), (self.v, "v")):
-                        d[i] = self._mapped_pool((name, i), shape)
-            except CudaError as e:      # e.g. no address space left for every slot at max_context: copy, and say why
-                for d in (self.k, self.v, self._bufs):
-                    d.clear()
-                self.copy_growth = f"the KV pools could not be mapped ({e})"
+        self.copy_growth = self._make_kv_pools([i for i in layers if cfg.is_full(i)], shape)
         for i in layers:
-            if cfg.is_full(i):
-                if self.copy_growth:
-                    self.k[i] = torch.zeros(shape, dtype=dtype, device=device)
-                    self.v[i] = torch.zeros(shape, dtype=dtype, device=device)
-            else:
+            if not cfg.is_full(i):
                 self.conv[i] = torch.zeros(rows, cfg.conv_dim, K - 1, dtype=dtype, device=device)
                 self.rec[i] = torch.zeros(rows, nv, dk, dv, dtype=torch.float32, device=device)
         self.n_blocks = n_blocks if self.k else 0
@@ -138,7 +63,31 @@ class StageCache:
         self.free_blocks = list(range(self.n_blocks - 1, FIRST_FREE - 1, -1))   # NULL and SINK never given out
         self.lens = [0] * rows
         self.grown = 0                                            # growths (stats, tests)
-        self.generation = 0     # bumped whenever any pool tensor is replaced (decode graphs bake in the addresses)
+        self.generation = 0     # bumped whenever a pool moves (a copying growth; decode graphs bake in the addresses)
+
+    def _make_kv_pools(self, full: list[int], shape: tuple) -> str | None:
+        """The zeroed KV pools of the full layers `full`, mapped to grow in place where the device can; returns why
+        they grow by copying instead (None: in place), and warns where a GPU's pools copy without being told to."""
+        why = self._copy_growth_reason(bool(full))
+        if not why:
+            from memra_pp.cuda import CudaError
+            try:
+                for i in full:
+                    for d, name in ((self.k, "k"), (self.v, "v")):
+                        d[i] = self._mapped_pool((name, i), shape)
+            except CudaError as e:      # e.g. no address space for every slot at max_context: copy, and say why
+                for d in (self.k, self.v, self._bufs):
+                    d.clear()
+                why = f"the KV pools could not be mapped ({e})"
+        if why:
+            for i in full:
+                self.k[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.v[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if why and self.device.type == "cuda" and why != "MEMRA_PP_KV_IN_PLACE=0":
+            import warnings
+            warnings.warn(f"KV pools on {self.device} grow by copying: {why}; every growth drops the decode graphs "
+                          f"(captured again on first use)", stacklevel=3)
+        return why
 
     def _copy_growth_reason(self, has_kv: bool) -> str | None:
         """Why this cache's pools grow by copying (None: they grow in place, on a GPU)."""
@@ -146,25 +95,24 @@ class StageCache:
             return "not on a GPU" if has_kv else "no KV pools"
         if not IN_PLACE:
             return "MEMRA_PP_KV_IN_PLACE=0"
+        from memra_pp.cuda import CudaError
         try:
-            from memra_pp import cuda
-            d = cuda.drv()
-            cuda.init()
-            attr = d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
-            idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            if not cuda.ck(d.cuDeviceGetAttribute(attr, cuda.device(idx)), "cuDeviceGetAttribute"):
+            from memra_pp.vmm import vmm_supported
+            if not vmm_supported(self._index()):
                 return "the driver has no virtual memory management on this device"
-        except Exception as e:      # noqa: BLE001 - no cuda-bindings, no driver: copy, and say why
+        except CudaError as e:      # no cuda-bindings, no driver: copy, and say why
             return f"no virtual memory API ({e})"
         return None
 
+    def _index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
     def _mapped_pool(self, key: tuple[str, int], shape: tuple) -> torch.Tensor:
         """A zeroed pool of shape[0] blocks over a GrowableBuffer reserved for this cache's most blocks."""
-        from memra_pp.cuda import GrowableBuffer
+        from memra_pp.vmm import GrowableBuffer
         page = self._page_bytes(shape)
         cap = FIRST_FREE + self.max_seqs * self.max_blocks
-        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        buf = self._bufs[key] = GrowableBuffer(idx, cap * page)
+        buf = self._bufs[key] = GrowableBuffer(self._index(), cap * page)
         buf.grow(shape[0] * page)
         return self._view(buf, shape).zero_()
 
@@ -208,8 +156,9 @@ class StageCache:
         self.table.index_copy_(0, idx, rows)
 
     def _grow(self, short: int) -> None:
-        """Reallocate every KV pool with more blocks: the `short` ones needed (refused with a typed error when even
-        those do not fit), and beyond them up to doubling while the device keeps its headroom free."""
+        """Grow every KV pool (in place, or by copying: `copy_growth`) to more blocks: the `short` ones needed
+        (refused with a typed error when even those do not fit), and beyond them up to doubling while the device
+        keeps its headroom free."""
         n = self.n_blocks
         cap = FIRST_FREE + self.max_seqs * self.max_blocks         # every slot at max_context
         self._check_room(n + short)
@@ -221,7 +170,7 @@ class StageCache:
         def roomy(m: int) -> bool:
             return room is None or fits(self._peak_bytes(m), *room)
         new = growth_size(n, short, cap, roomy)
-        from memra_pp.cuda import DeviceOutOfMemory
+        from memra_pp.vmm import DeviceOutOfMemory
         try:    # pool by pool; one that already grew (an earlier, interrupted growth) is left as it is
             for name, d in (("k", self.k), ("v", self.v)):
                 for i, t in d.items():
@@ -258,8 +207,10 @@ class StageCache:
         if self.k and self.device.type == "cuda":
             blks = [t[0].numel() * t.element_size() for d in (self.k, self.v) for t in d.values()]
             free, total = self._free_bytes()
-            # pool_page_bytes: what the one old pool a copying growth holds costs a page (none in place)
+            # pool_page_bytes: what the one old pool a copying growth holds costs a page (none in place);
+            # map_slack_bytes: in place, what mapping whole granules may take beyond the pages
             rep.update(page_bytes=sum(blks), pool_page_bytes=max(blks) if self.copy_growth else 0,
+                       map_slack_bytes=sum(b.granularity for b in self._bufs.values()),
                        n_blocks=self.n_blocks, free=free, total=total)
         return rep
 
@@ -270,11 +221,14 @@ class StageCache:
     def _peak_bytes(self, n_blocks: int) -> int:
         """Bytes growing the pools to n_blocks needs at its peak. Only pools smaller than n_blocks grow (after an
         interrupted growth some already have), one by one: the peak is their growth, plus, where a growth copies,
-        the largest one old pool, held while its copy is made."""
+        the largest one old pool, held while its copy is made, or in place, up to a granule each beyond it."""
         grow = [(t.shape[0], t[0].numel() * t.element_size()) for d in (self.k, self.v) for t in d.values()
                 if t.shape[0] < n_blocks]
-        old = max((n * blk for n, blk in grow), default=0) if self.copy_growth else 0
-        return sum((n_blocks - n) * blk for n, blk in grow) + old
+        if self.copy_growth:
+            extra = max((n * blk for n, blk in grow), default=0)
+        else:
+            extra = len(grow) * max((b.granularity for b in self._bufs.values()), default=0)
+        return sum((n_blocks - n) * blk for n, blk in grow) + extra
 
     def _free_bytes(self) -> tuple[int, int]:
         """(bytes the device has for a growth: its free memory and what the caching allocator holds unused, its total
@@ -320,6 +274,10 @@ class StageCache:
         for t in self.rec.values():
             t[slot].zero_()
         self.release([slot])
+
+    def mapped_bytes(self) -> int:
+        """Device memory the pools growing in place have mapped (whole granules; 0 where they copy)."""
+        return sum(b.mapped for b in self._bufs.values())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.conv, self.rec, self.k, self.v) for t in d.values())

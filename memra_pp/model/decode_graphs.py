@@ -63,15 +63,21 @@ class DecodeGraphs:
     def stats(self) -> dict:
         return {"captures": self.captures, "replays": self.replays, "graphs": sorted(self.graphs)}
 
-    def _kv_key(self) -> int:
-        """Changes whenever any pool tensor is replaced (an interrupted growth may replace some pools and not the
-        first one: neither the block count nor the first pool's address would show it)."""
-        return self.cache.generation
+    def _kv_key(self) -> tuple[int, int]:
+        """Changes whenever a pool moves (the cache's generation: an interrupted growth may replace some pools and
+        not the first one, so neither the block count nor the first pool's address would show it), and whenever the
+        pools grow in place where the step's KV kernels are the torch references, whose indexing bakes the pools'
+        size into a graph."""
+        from memra_pp.kernels.paged_attention import reads_pools_by_address
+        kp = next(iter(self.cache.k.values()), None)
+        sized = kp is not None and not reads_pools_by_address(kp)
+        return self.cache.generation, self.cache.n_blocks if sized else 0
 
     def capture_all(self) -> int:
         """With ANY_KV, capture every batch bucket's graph now (a stage's load): no request waits for a capture
-        (about 0.6 s each for the 35B-A3B) until the first KV pool growth drops them all (then each is captured
-        again on first use), and the memory the graphs hold is taken before the KV budget is measured. The largest
+        (about 0.6 s each for the 35B-A3B; on a GPU the KV pools grow in place and keep them, and where a growth
+        copies the pools it drops them all, each captured again on first use), and the memory the graphs hold is
+        taken before the KV budget is measured. The largest
         first, so the smaller ones reuse its freed intermediates in the shared pool. Returns how many it captured (0
         without ANY_KV: a graph per KV bucket stays on first use). Raises CaptureFailed."""
         if not ANY_KV:
