@@ -235,4 +235,3 @@ def test_pools_that_cannot_be_mapped_grow_by_copying(monkeypatch):
     assert sorted(c.k) == sorted(c.v) and len(c.k) == 2 and all(t.shape[0] == c.n_blocks for t in c.k.values())
     c.reserve([0], [512])                               # grows, by copying
     assert c.grown == 1 and c.generation > 0
-

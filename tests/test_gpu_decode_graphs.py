@@ -207,7 +207,7 @@ def test_captured_decode_survives_kv_growth(cuda, monkeypatch, in_place, triton)
 
 
 def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
-    """memra_pp.cuda.GrowableBuffer: a growth maps memory behind the same address, keeping what was written; a
+    """memra_pp.vmm.GrowableBuffer: a growth maps memory behind the same address, keeping what was written; a
     tensor over it keeps the buffer alive after its last other reference is gone; the memory goes back to the device
     when the tensors are collected; a growth the device cannot hold is refused with DeviceOutOfMemory, and one past
     the reserved range with CudaError, both named."""

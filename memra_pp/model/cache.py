@@ -13,7 +13,7 @@ masked position's value by 0, and 0 * NaN is NaN). Block 1 (SINK) is the scratch
 row's write, garbage or NaN, lands where only padding rows read. The pools grow only when no block is free (by the
 blocks needed, further towards doubling while the device keeps headroom free). On a GPU each pool grows in place:
 its address range is reserved for every slot at max_context and memory is mapped onto it as it grows
-(memra_pp.cuda.GrowableBuffer), so the decode graphs captured over it stay valid. Elsewhere (the CPU, or
+(memra_pp.vmm.GrowableBuffer), so the decode graphs captured over it stay valid. Elsewhere (the CPU, or
 MEMRA_PP_KV_IN_PLACE=0, or a driver without the virtual memory API) a growth replaces the pool tensors, bumping
 `generation`, so decode graphs captured over the old ones are dropped.
 """

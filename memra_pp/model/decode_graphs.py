@@ -8,7 +8,8 @@ the cache's scratch slot. With ANY_KV a deployment's stage captures every batch 
 (capture_all), as vLLM captures its sizes at startup; else graphs are captured on first use. They share one memory
 pool. On a GPU the KV pools grow in place (model/cache.py), so the graphs live as long as the cache; where a growth
 copies the pools instead (the CPU, MEMRA_PP_KV_IN_PLACE=0) they are dropped (their addresses are baked into the
-graphs; the cache's `generation` counts the replacements), then captured again on first use.
+graphs; the cache's `generation` counts the replacements), then captured again on first use, as they are after any
+growth where the step's KV kernels are the torch references (their indexing bakes the pools' size in).
 """
 from __future__ import annotations
 
@@ -77,9 +78,9 @@ class DecodeGraphs:
         """With ANY_KV, capture every batch bucket's graph now (a stage's load): no request waits for a capture
         (about 0.6 s each for the 35B-A3B; on a GPU the KV pools grow in place and keep them, and where a growth
         copies the pools it drops them all, each captured again on first use), and the memory the graphs hold is
-        taken before the KV budget is measured. The largest
-        first, so the smaller ones reuse its freed intermediates in the shared pool. Returns how many it captured (0
-        without ANY_KV: a graph per KV bucket stays on first use). Raises CaptureFailed."""
+        taken before the KV budget is measured. The largest first, so the smaller ones reuse its freed
+        intermediates in the shared pool. Returns how many it captured (0 without ANY_KV: a graph per KV bucket
+        stays on first use). Raises CaptureFailed."""
         if not ANY_KV:
             return 0
         S, n = self.cache.max_positions, 0
