@@ -3,6 +3,7 @@ separate processes, and stop ends the launcher (its supervisor must not restart 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -55,6 +56,10 @@ def test_detached_launch_generate_status_stop(tmp_path):
         sp = run("stop", "tiny-cpu")
         assert sp.returncode == 0 and "stopped tiny-cpu" in sp.stdout, sp.stderr
         assert launcher.wait(timeout=30) == 0
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    finally:       # on a failure: SIGINT lets the launcher stop its deployment and the Ray it started (a SIGKILL
+        if launcher.poll() is None:     # left its cluster running, and the next run's `--address auto` ambiguous)
+            launcher.send_signal(signal.SIGINT)
+            try:
+                launcher.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
