@@ -81,13 +81,17 @@ def decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int):
     return o * torch.sigmoid(gate.reshape(B, -1))
 
 
+def _attention_kernel_takes(t: torch.Tensor, D: int, kvb: int, block: int) -> bool:
+    """Whether decode_attention runs its kernel (else its torch reference) for head size D, pages of kvb positions
+    and key tiles of `block` (tl.dot: power-of-two dims >= 16; a tile lies in one page)."""
+    return _triton(t) and D >= 16 and not D & (D - 1) and kvb % block == 0 and block >= 16
+
+
 def reads_pools_by_address(kp) -> bool:
     """Whether the decode step's KV kernels take pools like kp [n_blocks, nkv, kv_block, D] by pointer and strides
     alone (the Triton kernels: qk_norm_kv_write or kv_write, and decode_attention), so a CUDA graph over them stays
     valid when the pools grow in place. The torch references index the pools with their size baked into the graph."""
-    D, kvb = kp.shape[3], kp.shape[2]
-    block = min(64, kvb)
-    return _triton(kp) and D >= 16 and not D & (D - 1) and kvb % block == 0 and block >= 16
+    return _attention_kernel_takes(kp, kp.shape[3], kp.shape[2], min(64, kp.shape[2]))
 
 
 def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block: int = 64,
@@ -104,8 +108,8 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     B, nh, D = q_BHD.shape
     kvb = kp.shape[2]
     block = min(block, kvb)
-    if not _triton(q_BHD) or D < 16 or D & (D - 1) or kvb % block or block < 16:
-        return decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S)   # tl.dot: pow2 dims >= 16
+    if not _attention_kernel_takes(q_BHD, D, kvb, block):
+        return decode_attention_ref(q_BHD, gate, kp, vp, table, slots_B, lens_B, S)
     nkv = kp.shape[1]
     g3 = gate.view(B, nh, D) if gate.dim() == 2 else gate
     assert q_BHD.stride(2) == 1 and g3.stride(2) == 1 and kp.stride(3) == 1 and vp.stride(3) == 1

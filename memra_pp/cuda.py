@@ -272,4 +272,3 @@ def can_access_peer(dev_index: int, peer_index: int) -> bool:
 def device_count() -> int:
     init()
     return int(ck(drv().cuDeviceGetCount(), "cuDeviceGetCount"))
-

@@ -117,7 +117,8 @@ class StageCache:
         return self._view(buf, shape).zero_()
 
     def _page_bytes(self, shape: tuple) -> int:
-        return shape[1] * shape[2] * shape[3] * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one block of a pool of `shape` (every KV pool's blocks are alike)."""
+        return shape[1] * shape[2] * shape[3] * self.dtype.itemsize
 
     def _view(self, buf, shape: tuple) -> torch.Tensor:
         return buf.tensor(shape[0] * self._page_bytes(shape)).view(self.dtype).view(shape)
@@ -205,7 +206,7 @@ class StageCache:
         has, and the device's free and total memory, measured now."""
         rep = {"device": str(self.device), "table_pages": self.max_seqs * self.max_blocks, "kv_block": self.kv_block}
         if self.k and self.device.type == "cuda":
-            blks = [t[0].numel() * t.element_size() for d in (self.k, self.v) for t in d.values()]
+            blks = [self._page_bytes(t.shape) for d in (self.k, self.v) for t in d.values()]
             free, total = self._free_bytes()
             # pool_page_bytes: what the one old pool a copying growth holds costs a page (none in place);
             # map_slack_bytes: in place, what mapping whole granules may take beyond the pages
@@ -222,7 +223,7 @@ class StageCache:
         """Bytes growing the pools to n_blocks needs at its peak. Only pools smaller than n_blocks grow (after an
         interrupted growth some already have), one by one: the peak is their growth, plus, where a growth copies,
         the largest one old pool, held while its copy is made, or in place, up to a granule each beyond it."""
-        grow = [(t.shape[0], t[0].numel() * t.element_size()) for d in (self.k, self.v) for t in d.values()
+        grow = [(t.shape[0], self._page_bytes(t.shape)) for d in (self.k, self.v) for t in d.values()
                 if t.shape[0] < n_blocks]
         if self.copy_growth:
             extra = max((n * blk for n, blk in grow), default=0)

@@ -56,7 +56,7 @@ class DecodeGraphs:
         self.out = (torch.empty(n, model.lm_head.shape[0], dtype=torch.float32, device=dev) if model.primary
                     else torch.empty_like(self.h))
         self._pin = dev.type == "cuda"
-        self.graphs: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], object] = {}       # (batch bucket, KV length) -> its CUDA graph
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.kv_key = self._kv_key()
         self.replays = self.captures = 0
@@ -100,15 +100,16 @@ class DecodeGraphs:
         cap = self.cache.max_positions
         # > every position written this step
         S = cap if ANY_KV else min(cap, max(MIN_KV, 1 << max(b.starts).bit_length()))
-        if self._kv_key() != self.kv_key:      # the pools moved: every captured address is stale
+        kv_key = self._kv_key()
+        if kv_key != self.kv_key:      # the pools moved: every captured address is stale
             self.graphs.clear()
-            self.kv_key = self._kv_key()
+            self.kv_key = kv_key
             if self.capture:   # a fresh memory pool: capturing into the pool of freed graphs trips the allocator
                 self.pool = torch.cuda.graph_pool_handle()
         key = (nb, S)
         if key not in self.graphs:
             self.graphs[key] = self._capture(nb, S)   # raises CaptureFailed: the stage goes on eagerly
-        graph, out = self.graphs[key]
+        graph = self.graphs[key]
         # padding rows write into the scratch slot at position 0; pinned, so the copy never waits for the device
         idx = torch.zeros(5, nb, dtype=torch.long, pin_memory=self._pin)
         idx[0, :n] = torch.tensor(b.slots)
@@ -120,9 +121,9 @@ class DecodeGraphs:
         if self.capture:
             graph.replay()
         else:
-            out = self._step(nb, S)
+            self._step(nb, S)
         self.replays += 1
-        return out[:n].clone()
+        return self.out[:n].clone()
 
     def _step(self, nb: int, S: int) -> torch.Tensor:
         return self.model.decode_static(self.h[:nb], self.slots[:nb], self.pos[:nb], self.pos3[:, :nb], S,
@@ -137,7 +138,7 @@ class DecodeGraphs:
         self.pos3[:, :nb].zero_()
         self.captures += 1
         if not self.capture:
-            return None, None
+            return None
         try:
             return self._capture_cuda(nb, S)
         except Exception as e:  # a kernel that cannot be captured: say so once, decode eagerly from here on
@@ -154,6 +155,6 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._step(nb, S)
+            self._step(nb, S)       # writes self.out[:nb]
         torch.cuda.synchronize()
-        return g, out
+        return g
