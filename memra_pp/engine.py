@@ -111,6 +111,28 @@ class Engine:
 
         return cuda.stream_handle(self.stream)
 
+    def is_current(self) -> bool:
+        """This engine's context is current on the calling thread: one driver call (a handle the engine retains
+        names no other context). False for a CPU engine, a closed one, or one inherited across a fork."""
+        if self._cu_ctx is None or self.ctx.pid != os.getpid():
+            return False
+        from memra_pp import cuda
+
+        return int(cuda.current_context()) == int(self._cu_ctx)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """residency_of(tensor, self) == self.ctx in one driver call (two for memory of no context), without building
+        a ContextId: a boundary send's hot path asks it of every activation. False means ask residency_of where."""
+        if self._cu_ctx is None or tensor.device.type != "cuda" or tensor.data_ptr() == 0:
+            return False
+        from memra_pp import cuda
+
+        ctx = cuda.pointer_attribute(tensor.data_ptr(), "CONTEXT")
+        if int(ctx):
+            return int(ctx) == int(self._cu_ctx)
+        # VMM memory (expandable segments) belongs to no context: residency_of gives it to an engine of its device
+        return int(cuda.pointer_attribute(tensor.data_ptr(), "DEVICE_ORDINAL")) == self.device.index
+
     def make_current(self) -> None:
         """Make this engine's context current on the calling thread (a fresh thread has none)."""
         if self.is_cuda:

@@ -22,6 +22,7 @@ from memra_pp import cuda, cuda_views
 from memra_pp.engine import ContextId, Engine, EngineCounters, residency_of
 from memra_pp.errors import ResidencyError
 from memra_pp.overlay import EmbedOverlay, overlay_publications, publish_out
+from memra_pp.stages import gpu_slots
 from memra_pp.stages.gpu_slots import RECEIVERS, SENDERS, probe_p2p, probe_pattern
 
 HOLD_S = 1.5  # the receiver holds both slots this long: a third send must block, not overwrite
@@ -48,7 +49,9 @@ def primary_context(dev: int = 0) -> dict:
     return {"ctx": str(a.ctx), "two_engines_one_ctx": a.ctx == b.ctx,
             "current_is_primary": cuda.context_uid(cuda.current_context()) == a.ctx.uid,
             "torch_tensor_resident": residency_of(t, a) == a.ctx,
-            "cpu_tensor_not_resident": residency_of(t.cpu(), a) != a.ctx}
+            "cpu_tensor_not_resident": residency_of(t.cpu(), a) != a.ctx,
+            "owns_torch_tensor": a.owns(t) and b.owns(t), "owns_no_cpu_tensor": not a.owns(t.cpu()),
+            "is_current": a.is_current()}
 
 
 def _wrap_secondary(ptr: int, nbytes: int, dev: int):
@@ -76,7 +79,10 @@ def secondary_context(dev: int = 0) -> dict:
         stub = types.SimpleNamespace(ctx=real, is_cuda=True, device=eng.device, counters=EngineCounters())
         emb = torch.zeros(N, H, device=eng.device)
         ov = EmbedOverlay(stub, rows, spans)  # honest: the rows do live in the secondary context
+        with cuda.pushed(sec):
+            current_in_sec = eng.is_current()
         out = {"wrapped_by": how, "secondary_ctx": str(real), "differs": real != eng.ctx,
+               "owned": eng.owns(rows), "is_current_under_secondary": current_in_sec,
                "uid_is_secondary": real.uid == cuda.context_uid(sec), "current_restored":
                cuda.context_uid(cuda.current_context()) == eng.ctx.uid,
                "construct": refusal(lambda: EmbedOverlay(eng, rows, spans)),
@@ -138,7 +144,46 @@ def _payload(i: int, shape, device) -> torch.Tensor:
     return probe_pattern(math.prod(shape) * 2, device, i).view(torch.bfloat16).view(shape)
 
 
-def _slot_receiver(transport, dev, max_bytes, n, conn, timeout):
+def _checks(fast) -> None:
+    """The child's gpu_slots.FAST_CHECKS (None: the module's default)."""
+    if fast is not None:
+        gpu_slots.FAST_CHECKS = bool(fast)
+
+
+def _split_sender_calls() -> dict:
+    """Time each call of the sender's send path in this (spawned, probe-only) process: every wrapped function adds
+    its wall time to {name: [ns, calls]}. The wrappers cost about a microsecond each; compare the split with itself."""
+    from memra_pp.stages import mailbox
+    acc: dict = {}
+
+    def timed(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                slot = acc.setdefault(label, [0, 0])
+                slot[0] += time.perf_counter_ns() - t
+                slot[1] += 1
+        setattr(owner, name, wrapper)
+
+    for owner, name, label in ((gpu_slots, "_require_current", "require_current"),
+                               (gpu_slots._GpuSender, "_check_source", "check_source"),
+                               (gpu_slots._GpuSender, "_stream", "stream_handle"),
+                               (cuda, "stream_wait_event", "stream_wait_event"),
+                               (cuda, "memcpy_dtod_async", "memcpy_dtod_async"),
+                               (cuda, "memcpy_dtoh_async", "memcpy_dtoh_async"),
+                               (cuda, "event_record", "event_record"),
+                               (cuda, "event_synchronize", "event_synchronize"),
+                               (mailbox.HeaderWriter, "send", "header")):
+        timed(owner, name, label)
+    return acc
+
+
+def _slot_receiver(transport, dev, max_bytes, n, conn, timeout, fast=None):
+    _checks(fast)
     try:
         r = RECEIVERS[transport]("probe", max_bytes, engine=Engine(f"cuda:{dev}"))
         conn.send(r.endpoint())
@@ -167,7 +212,9 @@ def _slot_receiver(transport, dev, max_bytes, n, conn, timeout):
         conn.send({"ok": False, "error": traceback.format_exc(limit=6)})
 
 
-def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout):
+def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=None, split=False):
+    _checks(fast)
+    calls = _split_sender_calls() if split else None
     try:
         eng = Engine(f"cuda:{dev}")
         s = SENDERS[transport](endpoint, engine=eng)
@@ -189,25 +236,43 @@ def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout):
             s.send(dict(hdr, seq=i), p, timeout)
         s.drain(timeout)
         cycle_us = (time.monotonic() - t0) / max(n - 3, 1) * 1e6
+        split_us = {k: round(ns / 1e3 / max(c, 1), 2) for k, (ns, c) in calls.items()} if split else None
+        stats = s.stats()
         wrong = "n/a (host)"
+        sec = cuda.create_secondary_context(dev)
         if transport == "peer":
-            sec = cuda.create_secondary_context(dev)
             with cuda.pushed(sec):
                 wrong = refusal(lambda: s.send(dict(hdr, seq=n), payloads[0], timeout))
+        # a source the sender's engine does not own: host memory, and device memory of another context
+        with cuda.pushed(sec):
+            alloc = cuda.mem_alloc_2mib(payloads[0].numel() * 2)
+        try:
+            foreign = _wrap_secondary(alloc.ptr, payloads[0].numel() * 2, dev)[0].view(torch.bfloat16).view(shape)
+            wrong_source = {"cpu": refusal(lambda: s.send(dict(hdr, seq=n), payloads[0].cpu(), timeout)),
+                            "secondary_ctx": refusal(lambda: s.send(dict(hdr, seq=n), foreign, timeout))}
+        finally:
+            with cuda.pushed(sec):
+                alloc.free()
             cuda.destroy_context(sec)
-        stats = s.stats()
+        after = s.stats()["handoffs"]
         s.close()
         conn.send({"ok": True, "blocked_while_held": blocked, "waited_s": round(waited, 3),
-                   "cycle_us": round(cycle_us, 1), "wrong_ctx": wrong, "stats": stats})
+                   "cycle_us": round(cycle_us, 1), "wrong_ctx": wrong, "wrong_source": wrong_source,
+                   "refusals_sent_nothing": after == stats["handoffs"], "fast_checks": gpu_slots.FAST_CHECKS,
+                   "split_us": split_us, "stats": stats})
     except Exception:  # noqa: BLE001
         conn.send({"ok": False, "error": traceback.format_exc(limit=6)})
 
 
-def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), timeout: float = 120.0) -> dict:
+def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), timeout: float = 120.0,
+          fast: bool | None = None, split: bool = False) -> dict:
+    """n handoffs of `shape` bf16 from a process on src to one on dst; the sender's stats, its refusals (a foreign
+    context current; a source it does not own) and, with split, its per-call times. fast: gpu_slots.FAST_CHECKS in
+    both processes (None: the default)."""
     ctx = mp.get_context("spawn")
     (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
     max_bytes = math.prod(shape) * 2
-    procs = [ctx.Process(target=_slot_receiver, args=(transport, dst, max_bytes, n, rc, timeout), daemon=True)]
+    procs = [ctx.Process(target=_slot_receiver, args=(transport, dst, max_bytes, n, rc, timeout, fast), daemon=True)]
     procs[0].start()
     try:
         if not rp.poll(timeout):
@@ -215,7 +280,8 @@ def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), ti
         ep = rp.recv()
         if "error" in ep:
             return {"receiver": ep}
-        procs.append(ctx.Process(target=_slot_sender, args=(transport, src, ep, n, shape, sc, timeout), daemon=True))
+        procs.append(ctx.Process(target=_slot_sender, args=(transport, src, ep, n, shape, sc, timeout, fast, split),
+                                 daemon=True))
         procs[1].start()
         out = {}
         for name, c in (("sender", sp), ("receiver", rp)):
@@ -261,6 +327,43 @@ def raw_copies(src: int, dst: int, shape=(64, 5120), n: int = 500) -> dict:
     return out
 
 
+def host_calls(dev: int = 0, n: int = 2000) -> dict:
+    """Mean host microseconds of each call a boundary send makes, one process, nothing else running: what the
+    handoff's host path is made of on this machine (the fast checks and the long way side by side)."""
+    from memra_pp.stages.header import encode_header
+    eng = Engine(f"cuda:{dev}")
+    a = torch.zeros(64, 5120, dtype=torch.bfloat16, device=eng.device)
+    b = torch.empty_like(a)
+    ev = cuda.event_create(interprocess=True)
+    s = cuda.current_stream_handle(dev)
+    hdr = {"kind": "decode", "mb": 3, "slot": 1, "dtype": "bfloat16", "shape": [64, 5120], "t_ns": time.time_ns(),
+           "slots": list(range(64)), "starts": list(range(64))}
+    calls = {"noop": lambda: None,
+             "stream_handle_torch": lambda: cuda.stream_handle(torch.cuda.current_stream(eng.device)),
+             "stream_handle_cached": lambda: cuda.current_stream_handle(dev),
+             "residency_full": lambda: residency_of(a, eng) == eng.ctx,
+             "residency_owns": lambda: eng.owns(a),
+             "current_full": lambda: cuda.context_uid(cuda.current_context()) == eng.ctx.uid,
+             "current_fast": eng.is_current,
+             "event_record": lambda: cuda.event_record(ev, s),
+             "stream_wait_event": lambda: cuda.stream_wait_event(s, ev),
+             # 1 KB: the enqueue's cost, without 2,000 queued 20-us copies filling the stream's queue
+             "memcpy_dtod_async": lambda: cuda.memcpy_dtod_async(b.data_ptr(), a.data_ptr(), 1024, s),
+             "encode_header": lambda: encode_header(hdr)}
+    out = {}
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        t = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        out[name] = round((time.perf_counter_ns() - t) / n / 1e3, 2)
+        torch.cuda.synchronize()
+    cuda.event_destroy(ev)
+    out["ok"] = bool(out["residency_owns"] >= 0 and eng.owns(a) and eng.is_current())
+    return out
+
+
 # -- the standalone run ---------------------------------------------------------------------------------------------
 def _short(obj):
     """The table shows a traceback's last line; the JSON keeps it whole."""
@@ -280,6 +383,10 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--handoffs", type=int, default=2000)
     ap.add_argument("--limit-s", type=int, default=240, help="per scenario")
+    ap.add_argument("--handoff-checks", type=int, default=0, metavar="N",
+                    help="also N interleaved pairs of peer handoffs with the sender's full and fast context checks "
+                         "(gpu_slots.FAST_CHECKS off / on), then one pair with every call of the send path timed")
+    ap.add_argument("--only", default="", help="comma-separated scenario name prefixes to run (default: all)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if not torch.cuda.is_available():
@@ -290,9 +397,20 @@ def main() -> int:
     scenarios = [("primary_context", lambda: primary_context(src)), ("secondary_context", lambda: secondary_context(src)),
                  ("publication", lambda: publication(src, dst)), ("two_processes", lambda: two_processes(src)),
                  ("probe_p2p", lambda: probe_p2p(src, dst)), ("raw_copies", lambda: raw_copies(src, dst)),
+                 ("host_calls", lambda: host_calls(src)),
                  ("slots_peer", lambda: slots("peer", src, dst, args.handoffs)),
                  ("slots_host", lambda: slots("host", src, dst, args.handoffs)),
                  ("slots_peer_same_gpu", lambda: slots("peer", src, src, args.handoffs))]
+    for i in range(args.handoff_checks):
+        for mode, fast in (("full", False), ("fast", True)):
+            scenarios.append((f"checks_{mode}_{i}",
+                              lambda fast=fast: slots("peer", src, dst, args.handoffs, fast=fast)))
+    if args.handoff_checks:
+        for mode, fast in (("full", False), ("fast", True)):
+            scenarios.append((f"checks_split_{mode}",
+                              lambda fast=fast: slots("peer", src, dst, args.handoffs, fast=fast, split=True)))
+    if args.only:
+        scenarios = [(n, f) for n, f in scenarios if n.startswith(tuple(args.only.split(",")))]
     signal.signal(signal.SIGALRM, _alarm)
     results = {}
     for name, fn in scenarios:
@@ -306,6 +424,12 @@ def main() -> int:
             signal.alarm(0)
         line = json.dumps(_short(results[name]), default=str)
         print(f"{name:<22} {time.monotonic() - t0:6.1f}s  {line[:1500]}", flush=True)
+    for name, r in results.items():
+        if name.startswith("checks_") and r.get("sender", {}).get("ok"):
+            st, split = r["sender"]["stats"], r["sender"].get("split_us")
+            print(f"{name:<22} sender p50 {st['handoff_p50_us']:7.1f} us  p99 {st['handoff_p99_us']:7.1f}  write "
+                  f"{st.get('write_us_mean', 0):6.1f}  header {st.get('header_us_mean', 0):6.1f}"
+                  + (f"  calls {split}" if split else ""), flush=True)
     with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     return 0

@@ -33,8 +33,16 @@ def _ctx_dict(c: ContextId) -> dict:
     return {"node": c.node, "pid": c.pid, "device": c.device, "uid": c.uid}
 
 
+# a send's and a receive's context and residency checks through Engine.is_current / Engine.owns (one driver call
+# each) where they pass, the full ContextId only for a refusal's message. False: the full path every time (the probe
+# sets both side by side: gpu_checks --handoff-checks)
+FAST_CHECKS = True
+
+
 def _require_current(ctx: ContextId, what: str, engine: Engine) -> None:
     """Refuse to dereference `what` unless `ctx` (the context it was opened in) is current on this thread."""
+    if FAST_CHECKS and ctx == engine.ctx and engine.is_current():
+        return
     cur = cuda.current_context()
     if int(cur) == 0 and engine.ctx == ctx:  # a fresh thread has no context yet: give it the engine's
         engine.make_current()
@@ -56,7 +64,7 @@ class _GpuReceiver(SlotReceiverBase):
         super().__init__(name, max_bytes, listen_address, n_slots, latency_ring, spin_us)
 
     def _stream(self):
-        return cuda.stream_handle(torch.cuda.current_stream(self.engine.device))
+        return cuda.current_stream_handle(self.engine.device.index)
 
     def free(self, slot: int) -> None:
         if slot in self.held():
@@ -153,9 +161,11 @@ class _GpuSender(SlotSenderBase):
         super().__init__(endpoint, latency_ring)
 
     def _stream(self):
-        return cuda.stream_handle(torch.cuda.current_stream(self.engine.device))
+        return cuda.current_stream_handle(self.engine.device.index)
 
     def _check_source(self, hidden_TD: torch.Tensor) -> int:
+        if FAST_CHECKS and self.engine.owns(hidden_TD):
+            return hidden_TD.numel() * hidden_TD.element_size()
         ctx = residency_of(hidden_TD, self.engine)
         if ctx != self.engine.ctx:
             raise ResidencyError(f"boundary {self.name}: hidden_TD lives in {ctx}, the sender's engine is "

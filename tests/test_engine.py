@@ -70,3 +70,9 @@ def test_counters_start_at_zero_per_engine():
     e = Engine("cpu")
     assert (e.counters.splices, e.counters.publications) == (0, 0)
     assert process_counters() is process_counters()
+
+
+def test_a_cpu_engine_owns_no_tensor_and_is_never_current():
+    """Engine.owns / is_current answer for CUDA contexts only: a CPU engine's send checks go the full way."""
+    e = Engine("cpu")
+    assert not e.owns(torch.zeros(3)) and not e.is_current()

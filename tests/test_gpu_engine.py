@@ -22,12 +22,14 @@ def test_primary_context_is_torchs():
     r = gpu_probe.primary_context(0)
     assert r["two_engines_one_ctx"] and r["current_is_primary"] and r["torch_tensor_resident"]
     assert r["cpu_tensor_not_resident"]
+    assert r["owns_torch_tensor"] and r["owns_no_cpu_tensor"] and r["is_current"], r
 
 
 def test_secondary_context_rows_are_refused_everywhere():
     """Rows from a cuCtxCreate context must be refused at construction, at splice and at publish source."""
     r = gpu_probe.secondary_context(0)
     assert r["differs"] and r["uid_is_secondary"] and r["current_restored"], r
+    assert r["owned"] is False and r["is_current_under_secondary"] is False, r    # Engine's one-call checks
     assert "they cannot be wrapped there: publish them" in r["construct"], r
     assert r["construct"].startswith(f"overlay rows live in {r['secondary_ctx']} but engine cuda:0 is ")
     assert "they must not be read there: publish them" in r["splice"], r

@@ -18,12 +18,16 @@ def _needs_gpu():
     assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
 
 
-@pytest.mark.parametrize("transport,same_gpu", [("peer", False), ("host", False), ("peer", True)])
-def test_slot_transport_moves_bytes_in_order(transport, same_gpu):
+@pytest.mark.parametrize("transport,same_gpu,fast", [("peer", False, True), ("host", False, True),
+                                                     ("peer", True, True), ("peer", False, False)],
+                         ids=["peer", "host", "peer-same-gpu", "peer-full-checks"])
+def test_slot_transport_moves_bytes_in_order(transport, same_gpu, fast):
     """Every handoff must arrive bit-exact and in order through both slots, and a third send must wait while the
-    receiver holds both slots (no reuse before free)."""
+    receiver holds both slots (no reuse before free). A foreign context current, host memory and another context's
+    memory are refused with the engine named, by the fast checks (gpu_slots.FAST_CHECKS) as by the full ones, and a
+    refused send hands nothing off."""
     src, dst = gpu_probe.devices()
-    r = gpu_probe.slots(transport, src, src if same_gpu else dst, n=300)
+    r = gpu_probe.slots(transport, src, src if same_gpu else dst, n=300, fast=fast)
     s, rv = r["sender"], r["receiver"]
     assert s.get("ok") and rv.get("ok"), r
     assert rv["bad"] == 0 and rv["in_order"] and sorted(set(rv["slots"])) == [0, 1], r
@@ -32,8 +36,12 @@ def test_slot_transport_moves_bytes_in_order(transport, same_gpu):
     print(f"{transport} same_gpu={same_gpu}: cycle {s['cycle_us']} us, sender p50/p99 "
           f"{s['stats']['handoff_p50_us']}/{s['stats']['handoff_p99_us']} us, receiver p50/p99 "
           f"{rv['stats']['handoff_p50_us']}/{rv['stats']['handoff_p99_us']} us")
+    assert s["fast_checks"] is fast, s
     if transport == "peer":
         assert "an IPC pointer means nothing there" in s["wrong_ctx"], s
+    for where in ("cpu", "secondary_ctx"):
+        assert "compute it on the sender's engine" in s["wrong_source"][where], s
+    assert " cpu ctx#" in s["wrong_source"]["cpu"] and s["refusals_sent_nothing"], s
 
 
 def test_probe_p2p_copies_a_pattern():
