@@ -64,6 +64,7 @@ class RecoveryMixin:
         capture = None if g is None else g.capture
         # the old graphs hold the old cache (grown to its budget) and their memory pool: both go before the new
         # cache is made; the new graphs are captured on first use (a halt must end within timeouts.step_s)
+        self.kv_growths_past += self.cache.grown
         self.model.graphs = self.cache = g = None
         self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
         if capture is not None:

@@ -59,6 +59,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.rx_hashes = None           # battery: sha256 of each received activation while recording
         self.stall_s = 0.0              # fault injection: the next microbatch's compute sleeps this long
         self.kv_rebudgets = 0           # intake: KV budgets given after wiring (adapter loads)
+        self.kv_growths_past = 0        # KV pool growths of the caches a halt replaced (kv_growths() adds them)
         self.lora = None                # this stage's LoraPool, made at the first adapter load
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}
@@ -265,7 +266,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             st["send_write_us"], st["send_header_us"] = snd["write_us_mean"], snd["header_us_mean"]
         st["kv_pages_free"] = len(self.cache.free_blocks)
         # KV pool growths, and how they grow: "in place" (the decode graphs stay) or why they copy
-        st["kv_growths"], st["kv_growth"] = self.cache.grown, self.cache.copy_growth or "in place"
+        st["kv_growths"], st["kv_growth"] = self.kv_growths(), self.cache.copy_growth or "in place"
         if self.spec.intake:
             sc = self.scheduler
             st.update(kv_pages=sc.kv_pages, kv_pages_reserved=sc.kv_used, kv_admission_waits=sc.kv_waits,
@@ -275,6 +276,11 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         st["splices"] = self.engine.counters.splices
         st["rss_bytes"] = rss_bytes()
         return st
+
+    def kv_growths(self) -> int:
+        """KV pool growths since load, across halts (each halt makes a fresh cache that counts from zero): a timed
+        window's figure is a difference of two of these, which a halt inside it would otherwise make negative."""
+        return self.kv_growths_past + self.cache.grown
 
     def inject_stall(self, seconds: float) -> None:
         """Fault injection for operators and tests: the next microbatch computed here hangs `seconds` (the actor

@@ -40,8 +40,10 @@ def test_halt_rebuilds_the_decode_graphs_over_the_new_cache(monkeypatch):
     alive = []
     make = r.model.new_cache
     monkeypatch.setattr(r.model, "new_cache", lambda *a: (alive.append((old(), old_graphs())), make(*a))[1])
+    r.cache.grown = 3                   # as if its pools had grown three times
     r.halt(1, "stage 1 is lost")
     assert alive == [(None, None)]      # the old graphs and the old cache were released before the new cache
+    assert r.cache.grown == 0 and r.kv_growths() == 3     # the stage's count survives the fresh cache
     g = r.model.graphs
     assert g is not None and g.cache is r.cache and not g.capture and g.captures == 0
     eager = model()
