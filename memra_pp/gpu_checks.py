@@ -364,6 +364,32 @@ def host_calls(dev: int = 0, n: int = 2000) -> dict:
     return out
 
 
+def plot_split(results: dict, path: str) -> bool:
+    """A bar per call of the send path, full checks beside fast (the checks_split_* scenarios' split_us), and the
+    one-process costs of host_calls where the results have them; False where there is no split to draw."""
+    split = {m: results.get(f"checks_split_{m}", {}).get("sender", {}).get("split_us") for m in ("full", "fast")}
+    if not all(split.values()):
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = sorted(set(split["full"]) | set(split["fast"]), key=lambda k: -split["full"].get(k, 0.0))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for i, (mode, color) in enumerate((("full", "tab:gray"), ("fast", "tab:blue"))):
+        p50 = results[f"checks_split_{mode}"]["sender"]["stats"]["handoff_p50_us"]
+        ax.barh([y + 0.38 * i for y in range(len(names))], [split[mode].get(n, 0.0) for n in names], 0.38,
+                color=color, label=f"{mode} checks (sender p50 {p50:.1f} us)")
+    ax.set_yticks([y + 0.19 for y in range(len(names))], names)
+    ax.invert_yaxis()
+    ax.set_xlabel("mean us per handoff, timed in the sender process")
+    ax.set_title("Boundary send, [64, 5120] bf16, peer slots: where the host time goes")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 # -- the standalone run ---------------------------------------------------------------------------------------------
 def _short(obj):
     """The table shows a traceback's last line; the JSON keeps it whole."""
@@ -387,8 +413,15 @@ def main() -> int:
                     help="also N interleaved pairs of peer handoffs with the sender's full and fast context checks "
                          "(gpu_slots.FAST_CHECKS off / on), then one pair with every call of the send path timed")
     ap.add_argument("--only", default="", help="comma-separated scenario name prefixes to run (default: all)")
+    ap.add_argument("--plot-from", default="", metavar="JSON",
+                    help="only draw handoff_split.png into --out from a gpu_probe.json written with --handoff-checks")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            drawn = plot_split(json.load(f), os.path.join(args.out, "handoff_split.png"))
+        print("handoff_split.png" if drawn else f"{args.plot_from} has no checks_split_* results", flush=True)
+        return 0 if drawn else 1
     if not torch.cuda.is_available():
         print("gpu_probe needs a CUDA GPU: torch.cuda.is_available() is False", flush=True)
         return 2
@@ -432,6 +465,7 @@ def main() -> int:
                   + (f"  calls {split}" if split else ""), flush=True)
     with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
+    plot_split(results, os.path.join(args.out, "handoff_split.png"))
     return 0
 
 
