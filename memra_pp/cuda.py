@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from dataclasses import dataclass
 
 from memra_pp.errors import MemraError
@@ -16,20 +17,15 @@ class CudaError(MemraError):
     """A CUDA driver call failed; names the call and the driver's error name."""
 
 
-_DRIVER = None
-
-
+@functools.cache
 def drv():
-    """The `cuda.bindings.driver` module, imported on first use (kept: an import statement per driver call cost a
-    microsecond, and a boundary handoff makes half a dozen)."""
-    global _DRIVER
-    if _DRIVER is None:
-        try:
-            from cuda.bindings import driver
-        except ImportError as e:
-            raise CudaError("cuda-bindings is not installed; install the gpu extra: pip install 'memra_pp[gpu]'") from e
-        _DRIVER = driver
-    return _DRIVER
+    """The `cuda.bindings.driver` module, imported on first use (cached: an import statement per driver call cost a
+    microsecond, and a boundary handoff makes half a dozen; a failed import is not cached)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise CudaError("cuda-bindings is not installed; install the gpu extra: pip install 'memra_pp[gpu]'") from e
+    return driver
 
 
 def ck(result, call_name: str):
@@ -237,20 +233,19 @@ def stream_handle(torch_stream):
     return drv().CUstream(torch_stream.cuda_stream)
 
 
-_STREAMS: dict = {}     # raw cudaStream_t -> its CUstream (a handful per process: the streams torch made current)
-
-
 def current_stream_handle(device_index: int):
     """The CUstream of torch's current stream on the device, as stream_handle(torch.cuda.current_stream(device))
     but without building a torch Stream and a CUstream per call (measured on the H200 machine: 14-17 us a call the
     long way, inside a boundary send)."""
     import torch
 
-    raw = torch._C._cuda_getCurrentRawStream(device_index)
-    h = _STREAMS.get(raw)
-    if h is None:
-        h = _STREAMS[raw] = drv().CUstream(raw)
-    return h
+    return _cu_stream(torch._C._cuda_getCurrentRawStream(device_index))
+
+
+@functools.lru_cache(maxsize=64)
+def _cu_stream(raw: int):
+    """The CUstream of a raw cudaStream_t (a pure function of the value: a reused address names the same handle)."""
+    return drv().CUstream(raw)
 
 
 def event_record(ev, stream) -> None:

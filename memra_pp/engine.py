@@ -113,7 +113,8 @@ class Engine:
 
     def is_current(self) -> bool:
         """This engine's context is current on the calling thread: one driver call (a handle the engine retains
-        names no other context). False for a CPU engine, a closed one, or one inherited across a fork."""
+        names no other context; nothing here calls cuDevicePrimaryCtxReset, which would keep the handle and change
+        the context's id). False for a CPU engine, a closed one, or one inherited across a fork."""
         if self._cu_ctx is None or self.ctx.pid != os.getpid():
             return False
         from memra_pp import cuda
@@ -123,7 +124,8 @@ class Engine:
     def owns(self, tensor: torch.Tensor) -> bool:
         """residency_of(tensor, self) == self.ctx in one driver call (two for memory of no context), without building
         a ContextId: a boundary send's hot path asks it of every activation. False means ask residency_of where."""
-        if self._cu_ctx is None or tensor.device.type != "cuda" or tensor.data_ptr() == 0:
+        if self._cu_ctx is None or self.ctx.pid != os.getpid() or tensor.device.type != "cuda" \
+                or tensor.data_ptr() == 0:
             return False
         from memra_pp import cuda
 

@@ -18,11 +18,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from memra_pp import cuda, cuda_views
+from memra_pp import cuda, cuda_views, handoff_probe
 from memra_pp.engine import ContextId, Engine, EngineCounters, residency_of
 from memra_pp.errors import ResidencyError
 from memra_pp.overlay import EmbedOverlay, overlay_publications, publish_out
-from memra_pp.stages import gpu_slots
 from memra_pp.stages.gpu_slots import RECEIVERS, SENDERS, probe_p2p, probe_pattern
 
 HOLD_S = 1.5  # the receiver holds both slots this long: a third send must block, not overwrite
@@ -144,48 +143,9 @@ def _payload(i: int, shape, device) -> torch.Tensor:
     return probe_pattern(math.prod(shape) * 2, device, i).view(torch.bfloat16).view(shape)
 
 
-def _checks(fast) -> None:
-    """The child's gpu_slots.FAST_CHECKS (None: the module's default)."""
-    if fast is not None:
-        gpu_slots.FAST_CHECKS = bool(fast)
-
-
-def _split_sender_calls() -> dict:
-    """Time each call of the sender's send path in this (spawned, probe-only) process: every wrapped function adds
-    its wall time to {name: [ns, calls]}. The wrappers cost about a microsecond each; compare the split with itself."""
-    from memra_pp.stages import mailbox
-    acc: dict = {}
-
-    def timed(owner, name, label):
-        fn = getattr(owner, name)
-
-        def wrapper(*a, **k):
-            t = time.perf_counter_ns()
-            try:
-                return fn(*a, **k)
-            finally:
-                slot = acc.setdefault(label, [0, 0])
-                slot[0] += time.perf_counter_ns() - t
-                slot[1] += 1
-        setattr(owner, name, wrapper)
-
-    for owner, name, label in ((gpu_slots, "_require_current", "require_current"),
-                               (gpu_slots._GpuSender, "_check_source", "check_source"),
-                               (gpu_slots._GpuSender, "_stream", "stream_handle"),
-                               (cuda, "stream_wait_event", "stream_wait_event"),
-                               (cuda, "memcpy_dtod_async", "memcpy_dtod_async"),
-                               (cuda, "memcpy_dtoh_async", "memcpy_dtoh_async"),
-                               (cuda, "event_record", "event_record"),
-                               (cuda, "event_synchronize", "event_synchronize"),
-                               (mailbox.HeaderWriter, "send", "header")):
-        timed(owner, name, label)
-    return acc
-
-
-def _slot_receiver(transport, dev, max_bytes, n, conn, timeout, fast=None):
-    _checks(fast)
+def _slot_receiver(transport, dev, max_bytes, n, conn, timeout, fast=True):
     try:
-        r = RECEIVERS[transport]("probe", max_bytes, engine=Engine(f"cuda:{dev}"))
+        r = RECEIVERS[transport]("probe", max_bytes, engine=Engine(f"cuda:{dev}"), fast_checks=fast)
         conn.send(r.endpoint())
         r.accept(timeout)
         bad, seqs, slots, held = 0, [], [], []
@@ -212,12 +172,38 @@ def _slot_receiver(transport, dev, max_bytes, n, conn, timeout, fast=None):
         conn.send({"ok": False, "error": traceback.format_exc(limit=6)})
 
 
-def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=None, split=False):
-    _checks(fast)
-    calls = _split_sender_calls() if split else None
+def _refusals(s, transport, dev, hdr, payload, timeout) -> dict:
+    """An idle sender's refusals: a foreign context current (peer slots), a source in host memory, one in another
+    context's device memory; and whether they left it idle with nothing handed off."""
+    before = s.stats()["handoffs"]
+    out = {"wrong_ctx": "n/a (host)"}
+    sec = cuda.create_secondary_context(dev)
+    try:
+        if transport == "peer":
+            with cuda.pushed(sec):
+                out["wrong_ctx"] = refusal(lambda: s.send(hdr, payload, timeout))
+        nbytes = payload.numel() * payload.element_size()
+        with cuda.pushed(sec):
+            alloc = cuda.mem_alloc_2mib(nbytes)
+        try:
+            foreign = _wrap_secondary(alloc.ptr, nbytes, dev)[0].view(payload.dtype).view(payload.shape)
+            out["wrong_source"] = {"cpu": refusal(lambda t=payload.cpu(): s.send(hdr, t, timeout)),
+                                   "secondary_ctx": refusal(lambda t=foreign: s.send(hdr, t, timeout))}
+            del foreign     # before its memory goes
+        finally:
+            with cuda.pushed(sec):
+                alloc.free()
+    finally:
+        cuda.destroy_context(sec)
+    out["refusals_sent_nothing"] = s.idle() and s.stats()["handoffs"] == before
+    return out
+
+
+def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=True, split=False):
+    calls = handoff_probe.split_sender_calls() if split else None
     try:
         eng = Engine(f"cuda:{dev}")
-        s = SENDERS[transport](endpoint, engine=eng)
+        s = SENDERS[transport](endpoint, engine=eng, fast_checks=fast)
         s.connect(timeout)
         hdr = {"kind": "probe", "mb": 0}
         s.send(dict(hdr, seq=0), _payload(0, shape, eng.device), timeout)
@@ -232,43 +218,28 @@ def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=None, s
         waited = time.monotonic() - t
         payloads = [_payload(i, shape, eng.device) for i in range(3, n)]
         t0 = time.monotonic()
-        for i, p in enumerate(payloads, start=3):
+        for i, p in enumerate(payloads[:-1], start=3):
             s.send(dict(hdr, seq=i), p, timeout)
         s.drain(timeout)
-        cycle_us = (time.monotonic() - t0) / max(n - 3, 1) * 1e6
+        cycle_us = (time.monotonic() - t0) / max(n - 4, 1) * 1e6
         split_us = {k: round(ns / 1e3 / max(c, 1), 2) for k, (ns, c) in calls.items()} if split else None
+        refused = _refusals(s, transport, dev, dict(hdr, seq=n - 1), payloads[-1], timeout)
+        s.send(dict(hdr, seq=n - 1), payloads[-1], timeout)     # the last handoff after them: the receiver checks it
+        s.drain(timeout)
         stats = s.stats()
-        wrong = "n/a (host)"
-        sec = cuda.create_secondary_context(dev)
-        if transport == "peer":
-            with cuda.pushed(sec):
-                wrong = refusal(lambda: s.send(dict(hdr, seq=n), payloads[0], timeout))
-        # a source the sender's engine does not own: host memory, and device memory of another context
-        with cuda.pushed(sec):
-            alloc = cuda.mem_alloc_2mib(payloads[0].numel() * 2)
-        try:
-            foreign = _wrap_secondary(alloc.ptr, payloads[0].numel() * 2, dev)[0].view(torch.bfloat16).view(shape)
-            wrong_source = {"cpu": refusal(lambda: s.send(dict(hdr, seq=n), payloads[0].cpu(), timeout)),
-                            "secondary_ctx": refusal(lambda: s.send(dict(hdr, seq=n), foreign, timeout))}
-        finally:
-            with cuda.pushed(sec):
-                alloc.free()
-            cuda.destroy_context(sec)
-        after = s.stats()["handoffs"]
         s.close()
         conn.send({"ok": True, "blocked_while_held": blocked, "waited_s": round(waited, 3),
-                   "cycle_us": round(cycle_us, 1), "wrong_ctx": wrong, "wrong_source": wrong_source,
-                   "refusals_sent_nothing": after == stats["handoffs"], "fast_checks": gpu_slots.FAST_CHECKS,
-                   "split_us": split_us, "stats": stats})
+                   "cycle_us": round(cycle_us, 1), **refused, "fast_checks": s.fast_checks, "split_us": split_us,
+                   "stats": stats})
     except Exception:  # noqa: BLE001
         conn.send({"ok": False, "error": traceback.format_exc(limit=6)})
 
 
 def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), timeout: float = 120.0,
-          fast: bool | None = None, split: bool = False) -> dict:
-    """n handoffs of `shape` bf16 from a process on src to one on dst; the sender's stats, its refusals (a foreign
-    context current; a source it does not own) and, with split, its per-call times. fast: gpu_slots.FAST_CHECKS in
-    both processes (None: the default)."""
+          fast: bool = True, split: bool = False) -> dict:
+    """n handoffs of `shape` bf16 from a process on src to one on dst, the last after the sender's refusals (a
+    foreign context current; a source it does not own); the sender's stats and, with split, its per-call times.
+    fast: the slots' fast_checks in both processes."""
     ctx = mp.get_context("spawn")
     (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
     max_bytes = math.prod(shape) * 2
@@ -327,69 +298,6 @@ def raw_copies(src: int, dst: int, shape=(64, 5120), n: int = 500) -> dict:
     return out
 
 
-def host_calls(dev: int = 0, n: int = 2000) -> dict:
-    """Mean host microseconds of each call a boundary send makes, one process, nothing else running: what the
-    handoff's host path is made of on this machine (the fast checks and the long way side by side)."""
-    from memra_pp.stages.header import encode_header
-    eng = Engine(f"cuda:{dev}")
-    a = torch.zeros(64, 5120, dtype=torch.bfloat16, device=eng.device)
-    b = torch.empty_like(a)
-    ev = cuda.event_create(interprocess=True)
-    s = cuda.current_stream_handle(dev)
-    hdr = {"kind": "decode", "mb": 3, "slot": 1, "dtype": "bfloat16", "shape": [64, 5120], "t_ns": time.time_ns(),
-           "slots": list(range(64)), "starts": list(range(64))}
-    calls = {"noop": lambda: None,
-             "stream_handle_torch": lambda: cuda.stream_handle(torch.cuda.current_stream(eng.device)),
-             "stream_handle_cached": lambda: cuda.current_stream_handle(dev),
-             "residency_full": lambda: residency_of(a, eng) == eng.ctx,
-             "residency_owns": lambda: eng.owns(a),
-             "current_full": lambda: cuda.context_uid(cuda.current_context()) == eng.ctx.uid,
-             "current_fast": eng.is_current,
-             "event_record": lambda: cuda.event_record(ev, s),
-             "stream_wait_event": lambda: cuda.stream_wait_event(s, ev),
-             # 1 KB: the enqueue's cost, without 2,000 queued 20-us copies filling the stream's queue
-             "memcpy_dtod_async": lambda: cuda.memcpy_dtod_async(b.data_ptr(), a.data_ptr(), 1024, s),
-             "encode_header": lambda: encode_header(hdr)}
-    out = {}
-    for name, fn in calls.items():
-        for _ in range(50):
-            fn()
-        t = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        out[name] = round((time.perf_counter_ns() - t) / n / 1e3, 2)
-        torch.cuda.synchronize()
-    cuda.event_destroy(ev)
-    out["ok"] = bool(eng.owns(a) and eng.is_current())
-    return out
-
-
-def plot_split(results: dict, path: str) -> bool:
-    """A bar per call of the send path, full checks beside fast (the checks_split_* scenarios' split_us), and the
-    one-process costs of host_calls where the results have them; False where there is no split to draw."""
-    split = {m: results.get(f"checks_split_{m}", {}).get("sender", {}).get("split_us") for m in ("full", "fast")}
-    if not all(split.values()):
-        return False
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = sorted(set(split["full"]) | set(split["fast"]), key=lambda k: -split["full"].get(k, 0.0))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for i, (mode, color) in enumerate((("full", "tab:gray"), ("fast", "tab:blue"))):
-        p50 = results[f"checks_split_{mode}"]["sender"]["stats"]["handoff_p50_us"]
-        ax.barh([y + 0.38 * i for y in range(len(names))], [split[mode].get(n, 0.0) for n in names], 0.38,
-                color=color, label=f"{mode} checks (sender p50 {p50:.1f} us)")
-    ax.set_yticks([y + 0.19 for y in range(len(names))], names)
-    ax.invert_yaxis()
-    ax.set_xlabel("mean us per handoff, timed in the sender process")
-    ax.set_title("Boundary send, [64, 5120] bf16, peer slots: where the host time goes")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 # -- the standalone run ---------------------------------------------------------------------------------------------
 def _short(obj):
     """The table shows a traceback's last line; the JSON keeps it whole."""
@@ -411,7 +319,7 @@ def main() -> int:
     ap.add_argument("--limit-s", type=int, default=240, help="per scenario")
     ap.add_argument("--handoff-checks", type=int, default=0, metavar="N",
                     help="also N interleaved pairs of peer handoffs with the sender's full and fast context checks "
-                         "(gpu_slots.FAST_CHECKS off / on), then one pair with every call of the send path timed")
+                         "(the slots' fast_checks off / on), then one pair with every call of the send path timed")
     ap.add_argument("--only", default="", help="comma-separated scenario name prefixes to run (default: all)")
     ap.add_argument("--plot-from", default="", metavar="JSON",
                     help="only draw handoff_split.png into --out from a gpu_probe.json written with --handoff-checks")
@@ -419,7 +327,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.plot_from:
         with open(args.plot_from) as f:
-            drawn = plot_split(json.load(f), os.path.join(args.out, "handoff_split.png"))
+            drawn = handoff_probe.plot_split(json.load(f), os.path.join(args.out, "handoff_split.png"))
         print("handoff_split.png" if drawn else f"{args.plot_from} has no checks_split_* results", flush=True)
         return 0 if drawn else 1
     if not torch.cuda.is_available():
@@ -430,7 +338,7 @@ def main() -> int:
     scenarios = [("primary_context", lambda: primary_context(src)), ("secondary_context", lambda: secondary_context(src)),
                  ("publication", lambda: publication(src, dst)), ("two_processes", lambda: two_processes(src)),
                  ("probe_p2p", lambda: probe_p2p(src, dst)), ("raw_copies", lambda: raw_copies(src, dst)),
-                 ("host_calls", lambda: host_calls(src)),
+                 ("host_calls", lambda: handoff_probe.host_calls(src)),
                  ("slots_peer", lambda: slots("peer", src, dst, args.handoffs)),
                  ("slots_host", lambda: slots("host", src, dst, args.handoffs)),
                  ("slots_peer_same_gpu", lambda: slots("peer", src, src, args.handoffs))]
@@ -465,7 +373,10 @@ def main() -> int:
                   + (f"  calls {split}" if split else ""), flush=True)
     with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
-    plot_split(results, os.path.join(args.out, "handoff_split.png"))
+    try:
+        handoff_probe.plot_split(results, os.path.join(args.out, "handoff_split.png"))
+    except ImportError as e:       # matplotlib is the test extra's: the JSON above has every figure
+        print(f"no handoff_split.png: {e}", flush=True)
     return 0
 
 

@@ -33,15 +33,10 @@ def _ctx_dict(c: ContextId) -> dict:
     return {"node": c.node, "pid": c.pid, "device": c.device, "uid": c.uid}
 
 
-# a send's and a receive's context and residency checks through Engine.is_current / Engine.owns (one driver call
-# each) where they pass, the full ContextId only for a refusal's message. False: the full path every time (the probe
-# sets both side by side: gpu_checks --handoff-checks)
-FAST_CHECKS = True
-
-
-def _require_current(ctx: ContextId, what: str, engine: Engine) -> None:
-    """Refuse to dereference `what` unless `ctx` (the context it was opened in) is current on this thread."""
-    if FAST_CHECKS and ctx == engine.ctx and engine.is_current():
+def _require_current(ctx: ContextId, what: str, engine: Engine, fast: bool = True) -> None:
+    """Refuse to dereference `what` unless `ctx` (the context it was opened in) is current on this thread. fast:
+    Engine.is_current answers where it passes (one driver call); the full path builds the refusal's message."""
+    if fast and ctx == engine.ctx and engine.is_current():
         return
     cur = cuda.current_context()
     if int(cur) == 0 and engine.ctx == ctx:  # a fresh thread has no context yet: give it the engine's
@@ -59,8 +54,10 @@ class _GpuReceiver(SlotReceiverBase):
     SPIN_US = 2000.0
 
     def __init__(self, name: str, max_bytes: int, listen_address: str | None = None, n_slots: int = 2,
-                 engine: Engine | None = None, latency_ring: int = 4096, spin_us: float | None = None):
+                 engine: Engine | None = None, latency_ring: int = 4096, spin_us: float | None = None,
+                 fast_checks: bool = True):
         self.engine = _engine_for(engine)
+        self.fast_checks = fast_checks      # _require_current's fast path (False: the full one, for the probe)
         super().__init__(name, max_bytes, listen_address, n_slots, latency_ring, spin_us)
 
     def _stream(self):
@@ -99,7 +96,7 @@ class PeerSlotReceiver(_GpuReceiver):
         self._ready = [cuda.ipc_open_event(h) for h in msg["ready"]]
 
     def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        _require_current(self.engine.ctx, f"boundary {self.name} slot {slot}", self.engine)
+        _require_current(self.engine.ctx, f"boundary {self.name} slot {slot}", self.engine, self.fast_checks)
         cuda.stream_wait_event(self._stream(), self._ready[slot])  # the copy into the slot precedes what we enqueue
         return self._bytes[slot][:_nbytes(dtype, shape)].view(dtype).view(shape)
 
@@ -156,15 +153,20 @@ class HostSlotReceiver(_GpuReceiver):
 
 
 class _GpuSender(SlotSenderBase):
-    def __init__(self, endpoint: dict, engine: Engine | None = None, latency_ring: int = 4096):
+    def __init__(self, endpoint: dict, engine: Engine | None = None, latency_ring: int = 4096,
+                 fast_checks: bool = True):
         self.engine = _engine_for(engine)
+        # the context and residency checks through Engine.is_current / Engine.owns (one driver call each) where
+        # they pass, the full ContextId only for a refusal's message; False: the full path every time (the probe
+        # sets both side by side: gpu_checks --handoff-checks)
+        self.fast_checks = fast_checks
         super().__init__(endpoint, latency_ring)
 
     def _stream(self):
         return cuda.current_stream_handle(self.engine.device.index)
 
     def _check_source(self, hidden_TD: torch.Tensor) -> int:
-        if FAST_CHECKS and self.engine.owns(hidden_TD):
+        if self.fast_checks and self.engine.owns(hidden_TD):
             return hidden_TD.numel() * hidden_TD.element_size()
         ctx = residency_of(hidden_TD, self.engine)
         if ctx != self.engine.ctx:
@@ -193,7 +195,7 @@ class PeerSlotSender(_GpuSender):
                        "ready": [cuda.ipc_export_event(e) for e in self._ready]})
 
     def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
-        _require_current(self._opened_in, f"boundary {self.name} IPC slot {slot}", self.engine)
+        _require_current(self._opened_in, f"boundary {self.name} IPC slot {slot}", self.engine, self.fast_checks)
         n = self._check_source(hidden_TD)
         src = hidden_TD.contiguous()
         s = self._stream()

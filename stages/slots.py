@@ -301,6 +301,10 @@ class SlotSenderBase(_Link):
         self._in_flight.remove(slot)
         self._free.append(slot)
 
+    def idle(self) -> bool:
+        """Every slot free, none written and unanswered: what a refused send must leave as it found (after drain)."""
+        return not self._in_flight and len(self._free) == self.endpoint["n_slots"]
+
     def drain(self, timeout: float) -> None:
         """Wait until the receiver has freed every slot (flush before shutdown; round-trip benchmarks)."""
         deadline = time.monotonic() + timeout

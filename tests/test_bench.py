@@ -156,12 +156,12 @@ def test_warm_up_lasts_until_the_last_prompt_is_prefilled():
 
 
 def test_handoff_split_plot_draws_a_probe_run(tmp_path):
-    """gpu_checks.plot_split draws the committed probe run's per-call split (full checks beside fast), and says
-    False where a run has no split to draw."""
+    """handoff_probe.plot_split must draw the committed probe run's per-call split (full checks beside fast), and
+    must say False where a run has no split to draw."""
     import json
     from pathlib import Path
 
-    from memra_pp.gpu_checks import plot_split
+    from memra_pp.handoff_probe import plot_split
     run = Path(__file__).parent.parent / "docs/results/gpu_probe_handoff_streams-2026-12-02-s13.json"
     png = tmp_path / "split.png"
     assert plot_split(json.loads(run.read_text()), str(png)) and png.stat().st_size > 10_000

@@ -73,6 +73,7 @@ def test_counters_start_at_zero_per_engine():
 
 
 def test_a_cpu_engine_owns_no_tensor_and_is_never_current():
-    """Engine.owns / is_current answer for CUDA contexts only: a CPU engine's send checks go the full way."""
+    """Engine.owns / is_current must answer False for a CPU engine (they speak for CUDA contexts only): its checks
+    go the full way."""
     e = Engine("cpu")
     assert not e.owns(torch.zeros(3)) and not e.is_current()

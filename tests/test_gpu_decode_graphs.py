@@ -210,7 +210,8 @@ def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
     """memra_pp.vmm.GrowableBuffer: a growth maps memory behind the same address, keeping what was written; a
     tensor over it keeps the buffer alive after its last other reference is gone; the memory goes back to the device
     when the tensors are collected; a growth the device cannot hold is refused with DeviceOutOfMemory, and one past
-    the reserved range with CudaError, both named."""
+    the reserved range with CudaError, both named. Its memory must belong to the device's engine by Engine.owns as
+    by residency_of."""
     import gc
     from memra_pp.cuda import CudaError
     from memra_pp.vmm import DeviceOutOfMemory, GrowableBuffer
@@ -228,6 +229,9 @@ def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
     assert torch.equal(b[:a.numel()], torch.arange(a.numel(), device=cuda, dtype=torch.float32))
     b[a.numel():].fill_(2.0)
     assert float(b[-1]) == 2.0
+    from memra_pp.engine import Engine, residency_of
+    eng = Engine(f"cuda:{cuda.index}")      # mapped memory: Engine.owns's one-call answer is residency_of's
+    assert eng.owns(b) and residency_of(b, eng) == eng.ctx
     torch.cuda.synchronize()
     assert free0 - torch.cuda.mem_get_info(cuda)[0] >= 300 << 20
     with pytest.raises(CudaError, match=r"a buffer of 1073741824 reserved bytes cannot grow to 1073741825"):

@@ -23,9 +23,10 @@ def _needs_gpu():
                          ids=["peer", "host", "peer-same-gpu", "peer-full-checks"])
 def test_slot_transport_moves_bytes_in_order(transport, same_gpu, fast):
     """Every handoff must arrive bit-exact and in order through both slots, and a third send must wait while the
-    receiver holds both slots (no reuse before free). A foreign context current, host memory and another context's
-    memory are refused with the engine named, by the fast checks (gpu_slots.FAST_CHECKS) as by the full ones, and a
-    refused send hands nothing off."""
+    receiver holds both slots (no reuse before free). A foreign context current (peer), host memory and another
+    context's memory must be refused with the engine named (the slots' fast checks; and the full ones, on the peer
+    path), a refusal must leave the sender idle with nothing handed off, and the handoff after the refusals must
+    arrive bit-exact (the last one the receiver checks)."""
     src, dst = gpu_probe.devices()
     r = gpu_probe.slots(transport, src, src if same_gpu else dst, n=300, fast=fast)
     s, rv = r["sender"], r["receiver"]
