@@ -125,17 +125,14 @@ class PointerInfo:
 def pointer_info(ptr: int) -> PointerInfo:
     init()  # idempotent; a process that only ran torch has not initialised cuda-bindings' driver table
     d = drv()
-    a = d.CUpointer_attribute
-    ctx = ck(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_CONTEXT, ptr), "cuPointerGetAttribute(CONTEXT)")
-    mt = ck(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr), "cuPointerGetAttribute(MEMORY_TYPE)")
+    ctx, mt = pointer_attribute(ptr, "CONTEXT"), pointer_attribute(ptr, "MEMORY_TYPE")
     if int(ctx):
         # The device is the owning context's (DEVICE_ORDINAL read 0 for memory of cuda:1 while cuda:0's context
         # was current on the 4xH200 machine, 2026-11-30).
         with pushed(ctx):
             dev = ck(d.cuCtxGetDevice(), "cuCtxGetDevice")
     else:
-        dev = ck(d.cuPointerGetAttribute(a.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
-                 "cuPointerGetAttribute(DEVICE_ORDINAL)")
+        dev = pointer_attribute(ptr, "DEVICE_ORDINAL")
     return PointerInfo(ctx, int(mt), int(dev))
 
 

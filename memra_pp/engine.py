@@ -115,7 +115,7 @@ class Engine:
         """This engine's context is current on the calling thread: one driver call (a handle the engine retains
         names no other context; nothing here calls cuDevicePrimaryCtxReset, which would keep the handle and change
         the context's id). False for a CPU engine, a closed one, or one inherited across a fork."""
-        if self._cu_ctx is None or self.ctx.pid != os.getpid():
+        if not self._holds_context():
             return False
         from memra_pp import cuda
 
@@ -124,16 +124,21 @@ class Engine:
     def owns(self, tensor: torch.Tensor) -> bool:
         """residency_of(tensor, self) == self.ctx in one driver call (two for memory of no context), without building
         a ContextId: a boundary send's hot path asks it of every activation. False means ask residency_of where."""
-        if self._cu_ctx is None or self.ctx.pid != os.getpid() or tensor.device.type != "cuda" \
-                or tensor.data_ptr() == 0:
+        ptr = tensor.data_ptr()
+        if not self._holds_context() or tensor.device.type != "cuda" or ptr == 0:
             return False
         from memra_pp import cuda
 
-        ctx = cuda.pointer_attribute(tensor.data_ptr(), "CONTEXT")
+        ctx = cuda.pointer_attribute(ptr, "CONTEXT")
         if int(ctx):
             return int(ctx) == int(self._cu_ctx)
         # VMM memory (expandable segments) belongs to no context: residency_of gives it to an engine of its device
-        return int(cuda.pointer_attribute(tensor.data_ptr(), "DEVICE_ORDINAL")) == self.device.index
+        return int(cuda.pointer_attribute(ptr, "DEVICE_ORDINAL")) == self.device.index
+
+    def _holds_context(self) -> bool:
+        """This process retains a CUDA context through this engine (not a CPU engine, not closed, not a copy
+        inherited across a fork): its handle then names that context and no other."""
+        return self._cu_ctx is not None and self.ctx.pid == os.getpid()
 
     def make_current(self) -> None:
         """Make this engine's context current on the calling thread (a fresh thread has none)."""

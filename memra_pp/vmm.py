@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 
-from memra_pp.cuda import CudaError, ck, drv, init
+from memra_pp.cuda import CudaError, ck, device, drv, init
 
 
 class DeviceOutOfMemory(CudaError):
@@ -13,8 +13,7 @@ class DeviceOutOfMemory(CudaError):
 
 def vmm_supported(device_index: int) -> bool:
     d = drv()
-    init()
-    dev = ck(d.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
+    dev = device(device_index)
     attr = d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
     return bool(ck(d.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)"))
 
