@@ -105,7 +105,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         st0 = dep.stats(reset=True)["stages"]
         captures0 = _graph_captures(st0)     # graph counts are never reset
         tunings0 = _tunings(st0)
-        growths0 = sum(s.get("kv_growths", 0) for s in st0)
+        growths0 = _kv_growths(st0)
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
         t0, tm0 = time.perf_counter(), time.monotonic()     # monotonic: the stages' timeline clock
@@ -141,7 +141,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             # kernel keys autotuned inside the timed run (flash-linear-attention's; a request waits for each)
             "kernel_tunings_in_run": _tunings(st) - tunings0,
             # KV pool growths inside the timed run, and how the stages' pools grow ("in place" keeps the graphs)
-            "kv_growths_in_run": sum(s.get("kv_growths", 0) for s in st) - growths0,
+            "kv_growths_in_run": _kv_growths(st) - growths0,
             "kv_growth": sorted({s.get("kv_growth", "") for s in st}),
             "steady_window_s": steady.get("window_s", 0.0),
             **({"timeline": timeline_since(st, tm0, _pct([ev[0][0] - t0 for _, ev in out if ev], 0.5), wall)}
@@ -155,6 +155,11 @@ def _graph_captures(stages: list[dict]) -> int:
 def _tunings(stages: list[dict]) -> int:
     """Kernel keys autotuned so far, summed over the stages (fla_rule.tuned_keys in each; never reset)."""
     return sum(s.get("kernel_tunings") or 0 for s in stages)
+
+
+def _kv_growths(stages: list[dict]) -> int:
+    """KV pool growths so far, summed over the stages (each stage's count survives its halts)."""
+    return sum(s.get("kv_growths", 0) for s in stages)
 
 
 def timeline_since(stages: list[dict], tm0: float, ttft_s: float, wall_s: float) -> dict:

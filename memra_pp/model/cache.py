@@ -111,8 +111,7 @@ class StageCache:
         """A zeroed pool of shape[0] blocks over a GrowableBuffer reserved for this cache's most blocks."""
         from memra_pp.vmm import GrowableBuffer
         page = self._page_bytes(shape)
-        cap = FIRST_FREE + self.max_seqs * self.max_blocks
-        buf = self._bufs[key] = GrowableBuffer(self._index(), cap * page)
+        buf = self._bufs[key] = GrowableBuffer(self._index(), self.most_blocks * page)
         buf.grow(shape[0] * page)
         return self._view(buf, shape).zero_()
 
@@ -127,6 +126,11 @@ class StageCache:
     def max_positions(self) -> int:
         """The most positions one sequence can cache (table columns x block size)."""
         return self.max_blocks * self.kv_block
+
+    @property
+    def most_blocks(self) -> int:
+        """The blocks a pool holds at most: every slot at max_context, plus the null and sink blocks."""
+        return FIRST_FREE + self.max_seqs * self.max_blocks
 
     def reserve(self, slots: list[int], ends: list[int]) -> None:
         """Give each slot enough blocks for positions < its end (a sequence keeps the blocks it has)."""
@@ -161,7 +165,7 @@ class StageCache:
         (refused with a typed error when even those do not fit), and beyond them up to doubling while the device
         keeps its headroom free."""
         n = self.n_blocks
-        cap = FIRST_FREE + self.max_seqs * self.max_blocks         # every slot at max_context
+        cap = self.most_blocks
         self._check_room(n + short)
         room = None
         if self.device.type == "cuda":
