@@ -65,8 +65,8 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
-FLAGS = {"nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre", "nogdnpre", "sample",
-         "torchsample", "anykv", "kvbuckets"}
+FLAGS = {"block", "noblock", "nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre",
+         "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets"}
 
 
 def set_mode(mode: str, defaults, text) -> None:
@@ -87,16 +87,20 @@ def set_mode(mode: str, defaults, text) -> None:
     - kvbuckets: decode_graphs.ANY_KV off (a graph per batch and KV-length bucket, the attention over the bucket,
       not the cache's whole capacity: give --max-context a deployment's, e.g. 8192, to compare at --ctx); anykv: on
       (the default since the eleventh session; the tenth's commands name it);
+    - block / noblock: one row's MoE block as one persistent kernel (kernels/moe_block.py) / as its three kernels
+      (neither: moe_block.ENABLED's default); blkAxBxCxDxE: its tiles (gate|up rows, down rows, warps: powers of
+      two; programs a multiprocessor; prefetch 1 / 0: moe_block.TILES);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
-    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_route, paged_attention
+    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_block, moe_route, \
+        paged_attention
     from memra_pp.model import decode_graphs
-    rows0, programs0, plain_bk0, small0 = defaults
+    rows0, programs0, plain_bk0, small0, block0, block_on0 = defaults
     kind, *tokens = mode.split("-")
     if kind not in ("eager", "graph"):
         raise SystemExit(f"mode {mode!r}: eager or graph first")
     on = set(tokens) & FLAGS
-    tiles, programs, plain_bk = list(small0), programs0, plain_bk0
+    tiles, programs, plain_bk, block = list(small0), programs0, plain_bk0, block0
     if "nofuse" in on:
         tiles[3:6] = (2, 512, 4)
 
@@ -111,6 +115,11 @@ def set_mode(mode: str, defaults, text) -> None:
             setting, programs = "p", int(t[1:])
         elif t[:3] == "obk" and t[3:].isdigit() and pow2(int(t[3:])):
             setting, plain_bk = "obk", int(t[3:])
+        elif t[:3] == "blk" and len(t[3:].split("x")) == 5 and t[3:].replace("x", "").isdigit() \
+                and all(int(v) > 0 and not int(v) & (int(v) - 1) for v in t[3:].split("x")[:3]) \
+                and 0 < int(t[3:].split("x")[3]) and t[3:].split("x")[4] in ("0", "1"):
+            v = [int(v) for v in t[3:].split("x")]
+            setting, block = "blk", (*v[:4], bool(v[4]))
         elif (t[:2] in ("gu", "dn") and len(t[2:].split("x")) == 3 and t[2:].replace("x", "").isdigit()
               and pow2(int(t[2:].split("x")[1]))):
             setting, i = t[:2], 0 if t[:2] == "gu" else 3
@@ -139,6 +148,10 @@ def set_mode(mode: str, defaults, text) -> None:
         raise SystemExit(f"mode {mode!r}: anykv and kvbuckets contradict each other")
     decode_graphs.ANY_KV = "kvbuckets" not in on
     gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES = programs, plain_bk, tuple(tiles)
+    if {"block", "noblock"} <= on:
+        raise SystemExit(f"mode {mode!r}: block and noblock contradict each other")
+    moe_block.ENABLED = "block" in on or (block_on0 and "noblock" not in on)
+    moe_block.TILES = block
 
 
 def main() -> int:
@@ -165,8 +178,9 @@ def main() -> int:
     bw = copy_bandwidth()
     src = open_weights(a.model, "dummy")
     mc = src.config
-    from memra_pp.kernels import fused_moe, gemv
-    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES)
+    from memra_pp.kernels import fused_moe, gemv, moe_block
+    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, moe_block.TILES,
+                moe_block.ENABLED)
     for mode in a.modes.split(","):     # every mode parsed before the model loads: a typo costs no device time
         set_mode(mode, defaults, mc.text)
     t0 = time.time()

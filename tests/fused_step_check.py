@@ -11,14 +11,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from memra_pp.kernels import fused_decode as fd, fused_moe, gemv, paged_attention as pgd  # noqa: E402
+from memra_pp.kernels import fused_decode as fd, fused_moe, gemv, moe_block, paged_attention as pgd  # noqa: E402
 from memra_pp.model import decode_graphs as dg  # noqa: E402
 from test_decode_graphs import pipelines  # noqa: E402
 
 gemv.FORCE = True
 gemv.PROGRAMS = 3       # persistent GEMVs of several row blocks a program, as at real sizes (PREFETCH's loop runs)
-for kind, splits, any_kv in (("moe", [(0, 4), (4, 8)], True),):
-    dg.ANY_KV = any_kv
+# the MoE as the router, per-pair and down kernels, then as the one block kernel (kernels/moe_block.py; its three
+# phases as three launches here)
+for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("moe", [(0, 4), (4, 8)], True, True)):
+    dg.ANY_KV, moe_block.ENABLED = any_kv, block
+    blocks = moe_block.CALLS["block_split"]
     eager, static = pipelines(kind, splits)
     fd.USE_TRITON = False          # the reference: the eager step through the torch ops
     te, le = eager.greedy([[5, 6, 7, 8]], 4)
@@ -30,7 +33,10 @@ for kind, splits, any_kv in (("moe", [(0, 4), (4, 8)], True),):
     assert d < 5e-4, (kind, d)
     ran = {k: gemv.CALLS[k] - before[k] for k in gemv.CALLS}
     ran["qk_kv_write"], ran["shared_gate"] = pgd.CALLS["qk_kv_write"] - qk, fused_moe.CALLS["shared_gate"] - sg
-    assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write", "shared_gate")), (kind, ran)
+    ran["block"] = moe_block.CALLS["block_split"] - blocks
+    assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write")), (kind, ran)
+    assert ran["shared_gate"] > 0 and (ran["block"] > 0) == block, (block, ran)     # (prefill: the per-pair kernels)
     S = static.caches[0].max_positions if any_kv else 256     # the graphs' KV length: the capacity, or the bucket
     assert [s.graphs.stats()["graphs"] for s in static.stages] == [[(1, S)]] * 2, (any_kv, static.stages[0].graphs)
-print("step ok", {**gemv.CALLS, **pgd.CALLS, "shared_gate": fused_moe.CALLS["shared_gate"]})
+print("step ok", {**gemv.CALLS, **pgd.CALLS, "shared_gate": fused_moe.CALLS["shared_gate"],
+                  "block": moe_block.CALLS["block_split"]})

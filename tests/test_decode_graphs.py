@@ -191,14 +191,15 @@ def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
     """The decode graphs' one-row step (two stages of the MoE model) through the Triton kernels in Triton's
     interpreter, float32: the GEMVs with and without their norm (kernels/gemv.py), the attention's q / k norms with
     the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels (the
-    shared gate computed early) must decode what the eager torch step decodes; the counts prove those kinds ran."""
+    shared gate computed early; then the MoE as one block kernel, kernels/moe_block.py) must decode what the eager
+    torch step decodes; the counts prove those kinds ran."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     check = os.path.join(os.path.dirname(__file__), "fused_step_check.py")
     r = subprocess.run([sys.executable, check], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "step ok" in r.stdout, r.stdout + r.stderr[-3000:]
     calls = ast.literal_eval(r.stdout.split("step ok", 1)[1].strip())
-    assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0 and calls["shared_gate"] > 0, \
-        calls
+    assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0 and calls["shared_gate"] > 0 \
+        and calls["block"] > 0, calls
 
 
 def test_fused_moe_kernels_in_the_interpreter():
@@ -215,6 +216,21 @@ def test_fused_moe_kernels_in_the_interpreter():
             "'router', 'shared', 'shared before wait', 'shared gate early', 'shared gate late', 'small', " \
             "'warm up']"
     assert r.returncode == 0 and f"moe ok {paths}" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_moe_block_kernel_in_the_interpreter():
+    """kernels/moe_block.py's one-row MoE block against the torch references (the residual and norm, the routing,
+    the routed and shared experts), by Triton's CPU interpreter in float32 and bfloat16, at program counts that
+    make every phase loop; its three phases run as three launches there (the interpreter runs programs one after
+    another: a grid barrier would never open). MoE.decode_fused takes it where enabled, else the three kernels.
+    tests/test_gpu_decode_graphs.py runs the one kernel with its barriers, compiled and in a CUDA graph."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    check = os.path.join(os.path.dirname(__file__), "moe_block_check.py")
+    for dtype in ("float32", "bfloat16"):
+        r = subprocess.run([sys.executable, check, dtype, "cpu"], env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0 and "block ok ['block split', 'decode_fused']" in r.stdout, \
+            r.stdout + r.stderr[-3000:]
 
 
 def test_moe_warm_up_rows_reach_every_variant():

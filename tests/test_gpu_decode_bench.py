@@ -154,16 +154,17 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     eighth session's step (this session's three changes off and its down tile), a typo or a down K step that would
     send the experts to the other kernel raises instead of timing the default step under the typo's label."""
     import gpu_engine_step as ges
-    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, paged_attention
+    from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_block, paged_attention
     from memra_pp.model import decode_graphs
     text = types.SimpleNamespace(moe_intermediate_size=512, shared_expert_intermediate_size=512)   # the 35B-A3B's
     for mod, name in ((gemv, "GEMV_ROWS"), (gemv, "PROGRAMS"), (gemv, "PLAIN_BK"), (gemv, "PREFETCH"),
                       (gemv, "PRELOAD"), (fused_moe, "SMALL_TILES"), (fused_moe, "SHARED_GATE_EARLY"),
                       (fused_moe, "SHARED_BEFORE_WAIT"), (fused_moe, "ENABLED"), (paged_attention, "FUSE_QK"),
                       (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT"), (greedy, "FUSED"),
-                      (decode_graphs, "ANY_KV")):
+                      (decode_graphs, "ANY_KV"), (moe_block, "ENABLED"), (moe_block, "TILES")):
         monkeypatch.setattr(mod, name, getattr(mod, name))     # every switch set_mode moves: restored after
-    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES)
+    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, moe_block.TILES,
+                moe_block.ENABLED)
     ges.set_mode("graph-nofuse", defaults, text)
     assert not (paged_attention.FUSE_QK or gemv.PREFETCH or fused_moe.SHARED_GATE_EARLY)
     assert fused_moe.SMALL_TILES[3:] == (2, 512, 4) and fused_moe.SMALL_TILES[:3] == defaults[3][:3]
@@ -173,7 +174,7 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     assert (gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES[3:]) == (264, 4096, (8, 512, 8))
     assert not fused_decode.PDL
     ges.set_mode("graph", defaults, text)          # back to the defaults, nothing carried over
-    assert (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES) == defaults
+    assert (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES) == defaults[:4]
     assert not (gemv.PRELOAD or fused_moe.SHARED_BEFORE_WAIT)
     assert gemv.PREFETCH and fused_moe.ENABLED and gdn_decode.STATE_BEFORE_WAIT
     ges.set_mode("graph-cublas-torchmoe", defaults, text)     # tokens in any order, not only at the end
@@ -186,7 +187,14 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     assert not decode_graphs.ANY_KV
     ges.set_mode("graph-anykv", defaults, text)
     assert decode_graphs.ANY_KV
+    ges.set_mode("graph-block-blk2x16x4x2x0", defaults, text)
+    assert moe_block.ENABLED and moe_block.TILES == (2, 16, 4, 2, False)
+    ges.set_mode("graph-noblock", defaults, text)
+    assert not moe_block.ENABLED and moe_block.TILES == defaults[4]
+    ges.set_mode("graph", defaults, text)
+    assert moe_block.ENABLED == defaults[5]
     for bad in ("graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0", "graph-obk3000",
-                "graph-p264-p396", "graph-gu4x1000x2", "graph-anykv-kvbuckets"):
+                "graph-p264-p396", "graph-gu4x1000x2", "graph-anykv-kvbuckets", "graph-block-noblock",
+                "graph-blk3x8x8x1x1", "graph-blk4x8x8x1", "graph-blk4x8x8x1x2", "graph-blk4x8x8x0x1"):
         with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel|given twice|contradict"):
             ges.set_mode(bad, defaults, text)

@@ -99,6 +99,21 @@ def test_fused_moe_kernels_compiled(cuda, dtype):
     assert paths in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_block_kernel_compiled(cuda, dtype):
+    """kernels/moe_block.py's one kernel with its grid barriers, compiled: against the torch references, bit for
+    bit against its three phases launched apart, within rounding of the three-kernel path, at the 35B-A3B's size
+    with one program a multiprocessor and at small sizes with few; replayed 50 times in a CUDA graph (two layers'
+    worth on one barrier) with its barrier's count back at zero and its generation advanced 4 a replay."""
+    import os
+    import subprocess
+    import sys
+    check = os.path.join(os.path.dirname(__file__), "moe_block_check.py")
+    r = subprocess.run([sys.executable, check, dtype, "cuda"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "block ok ['block', 'block = split = three kernels', 'decode_fused', 'graph']" \
+        in r.stdout, r.stdout + r.stderr[-3000:]
+
+
 def test_greedy_kernel_compiled(cuda):
     """The greedy sampling kernel, compiled, against the torch ops at the real vocabulary (248,320 logits a row);
     then sample_async on the GPU goes through it (its launch counted) and returns what the torch ops return."""

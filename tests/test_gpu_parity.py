@@ -44,7 +44,7 @@ def hf_greedy_bf16(model, prompt, n):
 @pytest.mark.parametrize("size", ["tiny", "mid", "moe"])
 def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
     """moe: the fused routing and expert kernels (kernels/fused_moe.py), in prefill and in the captured decode."""
-    from memra_pp.kernels import fused_moe, gemv, paged_attention
+    from memra_pp.kernels import fused_moe, gemv, moe_block, paged_attention
     over = MID if size == "mid" else {}
     m = build("moe" if size == "moe" else "dense", tied=False, seed=3, **over)
     m.save_pretrained(tmp_path)
@@ -58,6 +58,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
     for s, c in zip(lp.stages, lp.caches):
         s.set_decode_graphs(True, c)
     calls = dict(fused_moe.CALLS)      # module-wide, and loading ran them (MoE.warm_up): count the run's calls only
+    blocks = moe_block.CALLS["block"]
     gemv_calls, qk_calls = dict(gemv.CALLS), paged_attention.CALLS["qk_kv_write"]
     toks, lps = [], []
     for p in prompts:
@@ -86,9 +87,13 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
         print(f"prompt {len(p):4d}: identical to generate {t == ht}; greedy gap / logprob diff: ours "
               f"{o[0]:.4f} / {o[1]:.4f}, transformers' generate against itself {h[0]:.4f} / {h[1]:.4f}")
     if size == "moe":   # prefill (many pairs: grouped GEMM) and decode (one row: router kernel with the input norm,
-        #                 per-pair kernels, the tile down kernel) all ran fused
-        assert all(fused_moe.CALLS[k] > calls[k] for k in ("route", "router", "norm_router", "small", "down_tile",
-                                                          "grouped")), (calls, fused_moe.CALLS)
+        #                 per-pair kernels, the tile down kernel; or with MEMRA_PP_MOE_BLOCK=1 the block kernel) all
+        #                 ran fused
+        one_row = ("block",) if moe_block.ENABLED else ("norm_router",)
+        assert all(fused_moe.CALLS[k] > calls[k] for k in ("route", "router", "small", "down_tile", "grouped")) \
+            and (moe_block.CALLS["block"] > blocks) == moe_block.ENABLED \
+            and (fused_moe.CALLS["norm_router"] > calls["norm_router"]) != moe_block.ENABLED, \
+            (one_row, calls, fused_moe.CALLS, moe_block.CALLS)
     # one-row decode graphs: out_proj / o_proj / down through kernels/gemv.py, the input projections (and the dense
     # gate|up) with their norm in its prologue (hidden <= 2,048); the q / k norms and the KV write as one kernel
     assert all(gemv.CALLS[k] > gemv_calls[k] for k in ("gemv", "norm_gemv")), (gemv_calls, gemv.CALLS)

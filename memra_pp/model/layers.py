@@ -80,22 +80,32 @@ class MoE(Param):
                           "experts.gate_up_proj", "experts.down_proj"])
         self.top_k = top_k
         self.route_counter = None   # the router kernel's own counter (kernels/moe_route.py), made at load
+        self.block_bar = None       # the block kernel's own barrier (kernels/moe_block.py), made at load
 
     def load(self, prefix: str, src, dtype, device):
         super().load(prefix, src, dtype, device)
         self.shared_gate_up = self.fuse(["shared_expert.gate_proj", "shared_expert.up_proj"])
         self.route_counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.block_bar = torch.zeros(1, dtype=torch.int32, device=device)
 
     def decode_fused(self, h_BH, m_BH, w_norm, eps: float):
-        """The decode graphs' MoE on rms_norm(h + m): on the fused path the add and norm inside the router kernel
-        (one row; kernels/moe_route.py). Returns (h + m, the MoE's output)."""
-        from memra_pp.kernels import fused_moe
+        """The decode graphs' MoE on rms_norm(h + m): for one row where it runs, the whole block in one kernel
+        (kernels/moe_block.py); else on the fused path the add and norm inside the router kernel (one row;
+        kernels/moe_route.py). Returns (h + m, the MoE's output)."""
+        from memra_pp.kernels import fused_moe, moe_block
         from memra_pp.kernels.fused_decode import add_rms_norm
+        shared = self._shared()
+        if moe_block.takes(h_BH, m_BH, w_norm, self.gate_weight, self.top_k, self.experts_gate_up_proj,
+                           self.experts_down_proj, shared):
+            s, out, _, _ = moe_block.moe_block(h_BH, m_BH, w_norm, eps, self.gate_weight, self.top_k,
+                                               self.experts_gate_up_proj, self.experts_down_proj, shared,
+                                               self.block_bar)
+            return s, out
         if fused_moe.enabled(h_BH, self.top_k):
             h_BH, x, w, idx = fused_moe.norm_router_route(h_BH, m_BH, w_norm, eps, self.gate_weight, self.top_k,
                                                           h_BH.dtype, counter=self.route_counter)
             return h_BH, fused_moe.moe_experts(x, self.experts_gate_up_proj, self.experts_down_proj, w, idx,
-                                               self._shared())
+                                               shared)
         h_BH, x = add_rms_norm(h_BH, m_BH, w_norm, eps)
         return h_BH, self(x, None, True)
 
@@ -129,7 +139,8 @@ class MoE(Param):
         x1 = torch.randn(1, x.shape[1], generator=g, device=x.device, dtype=x.dtype)
         fused_moe.moe_experts(x1, self.experts_gate_up_proj, self.experts_down_proj,
                               *fused_moe.router_route(x1, x, self.top_k, x.dtype, counter=self.route_counter))
-        self.decode_fused(x1, x1, x[0], 1e-6)      # the router kernel with the input norm in its prologue
+        fused_moe.norm_router_route(x1, x1, x[0], 1e-6, x, self.top_k, x.dtype, counter=self.route_counter)
+        self.decode_fused(x1, x1, x[0], 1e-6)      # one row's decode step: the block kernel where it runs
 
     def forward(self, x_TH, lora=None, static: bool = False):
         """On CUDA the fused routing and experts (kernels/fused_moe.py), eager and captured alike. Otherwise

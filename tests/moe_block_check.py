@@ -1,0 +1,127 @@
+"""The one-row MoE block kernel (kernels/moe_block.py) against the torch references and the three-kernel path, on
+one device: run as `python moe_block_check.py DTYPE DEVICE` (CPU under TRITON_INTERPRET=1: the three phases as
+three launches; cuda compiled: one kernel with its grid barriers, checked bit for bit against the three launches,
+and replayed in a CUDA graph). Prints "block ok" and the paths that ran."""
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from memra_pp.kernels import fused_moe as fm
+from memra_pp.kernels import moe_block as mb
+from memra_pp.kernels.fused_decode import add_rms_norm_ref
+
+torch.manual_seed(0)
+dt = getattr(torch, sys.argv[1])
+dev = sys.argv[2]
+torch.set_default_device(dev)
+tol = 1e-5 if dt == torch.float32 else 2e-2
+eps = 1e-6
+ran = set()
+
+
+def close(a, b):
+    err = ((a.float() - b.float()).abs() - tol * b.float().abs()).max().item()
+    assert err <= tol * max(1.0, b.float().abs().max().item()), err
+
+
+def layer(E, H, I, Is):
+    """Random weights of one MoE layer: (input norm, router, gate|up, down, shared expert)."""
+    return (torch.randn(H, dtype=dt) * 0.1, torch.randn(E, H, dtype=dt) / H ** 0.5,
+            torch.randn(E, 2 * I, H, dtype=dt) / H ** 0.5, torch.randn(E, H, I, dtype=dt) / I ** 0.5,
+            (torch.randn(2 * Is, H, dtype=dt) / H ** 0.5, torch.randn(H, Is, dtype=dt) / Is ** 0.5,
+             torch.randn(1, H, dtype=dt) / H ** 0.5))
+
+
+def check(res, h, m, weights, k):
+    """The block's (s, out, w, idx) against add_rms_norm_ref, route_ref and moe_ref (on the block's own routing:
+    tied probabilities may swap experts)."""
+    lw, g, w_gu, w_d, shared = weights
+    s, out, w, idx = res
+    s0, x0 = add_rms_norm_ref(h, m, lw, eps)
+    assert torch.equal(s, s0) if dt == torch.float32 or dev == "cuda" else close(s, s0) is None
+    logits = F.linear(x0, g)
+    p = logits.float().softmax(-1)
+    rw, ridx = fm.route_ref(logits, k, dt)
+    assert torch.equal(p.gather(1, idx), p.gather(1, ridx)), (idx, ridx)
+    assert len(set(idx[0].tolist())) == k
+    close(w, rw)
+    close(out, fm.moe_ref(x0, w_gu, w_d, w, idx, shared))
+
+
+# shapes (experts, hidden, routed width, shared width, k, programs): the shared expert narrower and wider than the
+# routed ones, experts not a power of two, programs fewer than the router's rows and than the tiles (each program
+# loops), and on a GPU the 35B-A3B's (one program a multiprocessor)
+shapes = [(16, 80, 48, 40, 4, 3), (16, 80, 48, 56, 4, 5), (60, 100, 32, 32, 4, 4), (16, 64, 16, 16, 2, 7)]
+if dev == "cuda":
+    shapes += [(256, 2048, 512, 512, 8, None), (64, 256, 64, 128, 8, 20)]
+for E, H, I, Is, k, P in shapes:
+    weights = layer(E, H, I, Is)
+    lw, g, w_gu, w_d, shared = weights
+    bar = torch.zeros(1, dtype=torch.int32)
+    for _ in range(2):
+        h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
+        before = dict(mb.CALLS)
+        res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, programs=P)
+        fused = dev == "cuda"
+        assert mb.CALLS["block" if fused else "block_split"] - before["block" if fused else "block_split"] == 1
+        check(res, h, m, weights, k)
+        ran.add("block" if fused else "block split")
+        if fused:       # the barriers: the one kernel equals its three phases launched apart, bit for bit
+            split = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, split=True, programs=P)
+            assert all(torch.equal(a, b) for a, b in zip(res, split)), (E, H, I, Is, k, P)
+            # and the three-kernel path (its gate|up sums the row in other steps: within rounding)
+            s3, x3, w3, i3 = fm.norm_router_route(h, m, lw, eps, g, k, dt)
+            assert torch.equal(s3, res[0]) and torch.equal(i3, res[3]), (i3, res[3])
+            close(res[1], fm.moe_experts(x3, w_gu, w_d, w3, i3, shared))
+            ran.add("block = split = three kernels")
+    # the barrier's word back where it started: two barriers a launch, each flipping its top bit
+    assert int(bar[0]) == 0, bar.tolist()
+
+if dev == "cuda":       # captured in a CUDA graph and replayed on new inputs: the barrier needs no reset
+    E, H, I, Is, k = 256, 2048, 512, 512, 8
+    weights = layer(E, H, I, Is)
+    lw, g, w_gu, w_d, shared = weights
+    bar = torch.zeros(1, dtype=torch.int32)
+    h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
+    for _ in range(2):
+        mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar)
+        res2 = mb.moe_block(res[0], res[1], lw, eps, g, k, w_gu, w_d, shared, bar)      # two layers' worth
+    for i in range(50):
+        h.copy_(torch.randn(1, H, dtype=dt))
+        m.copy_(torch.randn(1, H, dtype=dt))
+        graph.replay()
+        if i % 10 == 0:
+            torch.cuda.synchronize()
+            check(res, h, m, weights, k)
+            check(res2, res[0], res[1], weights, k)
+    torch.cuda.synchronize()
+    assert int(bar[0]) == 0, bar.tolist()
+    ran.add("graph")
+
+# layers.MoE.decode_fused takes the block kernel where takes() holds (ENABLED, one row), else the three kernels
+from memra_pp.model.layers import MoE  # noqa: E402
+E, H, I, Is, k = 16, 80, 48, 40, 4
+lw, g, w_gu, w_d, shared = layer(E, H, I, Is)
+moe = MoE(k)
+moe.gate_weight, moe.experts_gate_up_proj, moe.experts_down_proj = g, w_gu, w_d
+moe.shared_gate_up, moe.shared_expert_down_proj_weight, moe.shared_expert_gate_weight = shared
+moe.route_counter = torch.zeros(1, dtype=torch.int32)
+moe.block_bar = torch.zeros(1, dtype=torch.int32)
+h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
+enabled = mb.ENABLED
+outs = {}
+for on in (True, False):
+    mb.ENABLED = on
+    before = sum(mb.CALLS.values()), fm.CALLS["norm_router"]
+    outs[on] = moe.decode_fused(h, m, lw, eps)
+    assert (sum(mb.CALLS.values()) - before[0], fm.CALLS["norm_router"] - before[1]) == ((1, 0) if on else (0, 1))
+mb.ENABLED = enabled
+assert torch.equal(outs[True][0], outs[False][0])
+close(outs[True][1], outs[False][1])
+ran.add("decode_fused")
+print("block ok", sorted(ran))
