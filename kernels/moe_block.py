@@ -3,16 +3,21 @@ routing, the k routed experts and the gated shared expert (kernels/fused_moe.py'
 
 At one row those are three dependent kernels, each a few microseconds of ramp and tail around its bytes (H200,
 35B-A3B, ninth session: router 6.3 + gate|up 11.4 + down 7.8 us a layer, where the block's 57 MB take 13.5 us at the
-copy bandwidth). Here one program a multiprocessor runs three phases that meet at grid barriers in memory:
-- before PDL's wait, each program loads what no kernel writes: its experts' router rows and its first shared-expert
-  gate|up tile;
+copy bandwidth). Here a persistent grid (TILES: two programs of four warps a multiprocessor) runs three phases that
+meet at grid barriers in memory:
+- before PDL's wait, each program loads what no kernel writes: its experts' router rows, the norm's and the shared
+  gate's weights, and its first shared-expert gate|up tile;
 - phase A: the residual add and norm (every program, from L2; program 0 writes the new residual), its experts'
   router logits; barrier;
-- phase B: every program routes the row itself (softmax, top-k of the logits) and computes its gate|up tiles of the
-  k + 1 pairs (shared pair first), loading each next tile before it reduces the current one; it then loads its first
-  down tile (the experts are known now) and only then waits at the second barrier, so those loads stream while the
-  slowest programs finish;
+- phase B: every program routes the row itself (the top k of the logits) and computes its gate|up tiles of the
+  k + 1 pairs (shared pair first); it then loads its first down tile (the experts are known now) and only then waits
+  at the second barrier, so those loads stream while the slowest programs finish;
 - phase C: the down tiles, each pair's product rounded, weighted and summed, plus the gated shared expert.
+
+Measured (benchmarks/moe_block_bench.py, H200, 35B-A3B, fourteenth session): 23.7 us a layer
+against 25.8 for the three kernels, of which, program by program (medians): 1.0 us norm and router, 1.0 barrier,
+2.0 routing (eight rounds of a max across the program's warps), 9.5 gate|up (12% slower programs set the barrier's
+wait), 4.9 down. Inside the whole step it gained nothing (module switch ENABLED below).
 
 The barrier (_grid_barrier) is cooperative groups' grid barrier on one int32 the caller keeps per layer, zeroed
 once: one atomic add a program, the last one flipping its top bit, so a CUDA graph replays it without a reset, for
@@ -39,7 +44,7 @@ if triton is not None:
     from memra_pp.kernels.fused_moe import _gate_up_rows, _plus_shared
 
 # layers.MoE.decode_fused takes the block kernel for one row (False: the three kernels; benchmarks compare the two).
-# Off: on the H200 the 35B-A3B's step took 2.39-2.40 ms with it against 2.39-2.43 without (thirteenth session,
+# Off: on the H200 the 35B-A3B's step took 2.39-2.40 ms with it against 2.39-2.43 without (fourteenth session,
 # docs/PERF.md), though the block alone is 0.92x its three kernels. MEMRA_PP_MOE_BLOCK=1 turns it on (GPU parity)
 ENABLED = os.environ.get("MEMRA_PP_MOE_BLOCK") == "1"
 # host-side launches (a captured graph counts once): one kernel, or the three phases as three launches
