@@ -125,7 +125,8 @@ def set_mode(mode: str, defaults, text) -> None:
             setting, i = t[:2], 0 if t[:2] == "gu" else 3
             tiles[i:i + 3] = [int(v) for v in t[2:].split("x")]
         else:
-            raise SystemExit(f"mode {mode!r}: unknown token {t!r} (pN > 0; obkN, a tile's BK: powers of two >= 16)")
+            raise SystemExit(f"mode {mode!r}: unknown token {t!r} (pN > 0; obkN, a tile's BK: powers of two >= 16; "
+                             "blkAxBxCxDxE: powers of two, programs > 0, prefetch 0 / 1)")
         if setting in seen:
             raise SystemExit(f"mode {mode!r}: a setting given twice ({setting})")
         seen.add(setting)
@@ -151,6 +152,11 @@ def set_mode(mode: str, defaults, text) -> None:
     if {"block", "noblock"} <= on:
         raise SystemExit(f"mode {mode!r}: block and noblock contradict each other")
     moe_block.ENABLED = "block" in on or (block_on0 and "noblock" not in on)
+    if "blk" in seen and not moe_block.ENABLED:
+        raise SystemExit(f"mode {mode!r}: block tiles without the block kernel (add -block)")
+    if block[2] * block[3] > 8:
+        raise SystemExit(f"mode {mode!r}: {block[3]} block programs of {block[2]} warps a multiprocessor cannot all "
+                         "be resident (at most 8 warps)")
     moe_block.TILES = block
 
 

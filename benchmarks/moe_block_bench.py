@@ -74,7 +74,8 @@ def main() -> int:
 
         try:
             us = time_graph_us(block, reps=4) / L
-        except Exception as e:     # a configuration that does not compile (registers): reported, the rest run
+        except Exception as e:     # a configuration that does not compile or cannot be resident: reported, the rest
+            #                        run
             print(f"  block {c} {spin:6s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             rows.append({"path": f"block {c} {spin}", "error": str(e)[:500]})
             continue
@@ -105,8 +106,8 @@ def main() -> int:
               f"regs {regs} spills {spills}; stamped span {span:.1f} us, last program starts at {start:.1f}; "
               "phases median/max: " + ", ".join(f"{p} {v / 1e3:.1f}/{w / 1e3:.1f}" for p, v, w in zip(PHASES, med, mx)),
               flush=True)
-    json.dump({"copy_bandwidth_Bps": bw, "floor_us": floor_us, "layers": L, "rows": rows},
-              open(os.path.join(a.out, "moe_block_bench.json"), "w"), indent=1)
+    with open(os.path.join(a.out, "moe_block_bench.json"), "w") as f:
+        json.dump({"copy_bandwidth_Bps": bw, "floor_us": floor_us, "layers": L, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -14,15 +14,18 @@ meet at grid barriers in memory:
   at the second barrier, so those loads stream while the slowest programs finish;
 - phase C: the down tiles, each pair's product rounded, weighted and summed, plus the gated shared expert.
 
-Measured (benchmarks/moe_block_bench.py, H200, 35B-A3B, fourteenth session): 23.7 us a layer
-against 25.8 for the three kernels, of which, program by program (medians): 1.0 us norm and router, 1.0 barrier,
-2.0 routing (eight rounds of a max across the program's warps), 9.5 gate|up (12% slower programs set the barrier's
-wait), 4.9 down. Inside the whole step it gained nothing (module switch ENABLED below).
+Measured (benchmarks/moe_block_bench.py, H200, 35B-A3B, fourteenth session): 23.7 us a layer against 25.8 for the
+three kernels; program by program (medians; %globaltimer stamps, which tick every 0.256 us): 1.0 us norm and router,
+1.0 barrier, 2.0 routing (eight rounds of a max across the program's warps), 9.5 gate|up (the slowest program's 11.8
+sets the barrier's wait), 4.9 down. In the whole step it gained nothing (ENABLED below).
 
 The barrier (_grid_barrier) is cooperative groups' grid barrier on one int32 the caller keeps per layer, zeroed
 once: one atomic add a program, the last one flipping its top bit, so a CUDA graph replays it without a reset, for
 ever. Every program must be resident at once: the grid is at most 256 threads a multiprocessor (any register count
-fits), and the next kernel may launch (PDL) only once all have passed the first barrier.
+fits), and no other block kernel may run on the device at the same time (each fills the register files: two at once,
+from another stream or another process under MPS, could each wait for ever on programs that cannot start). With PDL
+the next kernel launches once every program has passed the first barrier (a choice: once every program has issued the
+trigger, all are resident wherever it stands after the wait).
 
 Rounding is the per-pair kernels' (fused_moe.moe_ref's): router logits rounded to the dtype as F.linear's are; gate
 and up rounded, silu rounded, the product rounded; each pair's down product rounded, times its weight rounded, summed
@@ -60,10 +63,11 @@ TILES = (4, 4, 4, 2, False)      # (benchmarks/moe_block_bench.py, H200, 35B-A3B
 
 
 def takes(h_TH, m_TH, w_norm, gate_EH, k: int, w_gu, w_d, shared) -> bool:
-    """The block kernel serves this MoE step: one row with its residual, a shared expert, k a power of two, the
-    hidden size in one step of a program (<= 4,096), contiguous weights."""
-    return (ENABLED and _triton(h_TH) and h_TH.shape[0] == 1 and m_TH is not None and shared is not None
-            and not k & (k - 1) and k <= gate_EH.shape[0] <= 1024 and h_TH.shape[1] <= 4096
+    """The block kernel serves this MoE step: the fused MoE path on (fused_moe.ENABLED), one row with its residual,
+    a shared expert, k a power of two, the hidden size in one step of a program (<= 4,096), contiguous weights."""
+    from memra_pp.kernels import fused_moe
+    return (ENABLED and fused_moe.ENABLED and _triton(h_TH) and h_TH.shape[0] == 1 and m_TH is not None
+            and shared is not None and not k & (k - 1) and k <= gate_EH.shape[0] <= 1024 and h_TH.shape[1] <= 4096
             and h_TH.stride(1) == 1 and m_TH.stride(1) == 1
             and all(t.is_contiguous() for t in (w_norm, gate_EH, w_gu, w_d, *shared)))
 
@@ -71,12 +75,13 @@ def takes(h_TH, m_TH, w_norm, gate_EH, k: int, w_gu, w_d, shared) -> bool:
 def moe_block(h_TH, m_TH, w_norm, eps: float, gate_EH, k: int, w_gu_EIH, w_d_EHI, shared, bar,
               split: bool | None = None, programs: int | None = None, tiles=None, times=None):
     """(s, out, weights, ids) for one row: s = h + m, x = rms_norm(s) (as fused_decode.add_rms_norm rounds both),
-    the routing of x (router_route's: weights [1, k] in x's dtype, ids [1, k] int64) and out = the routed experts
-    plus the sigmoid-gated shared expert (fused_moe.moe_ref; shared = (gate|up [2Is, H], down [H, Is], gate [1, H])).
-    bar: int32 [1], zeroed once, this layer's alone (two block kernels must never run at once on one). split: the
-    three phases as three launches (None: under the interpreter only); programs: the grid (None: TILES' programs a
-    multiprocessor); times: int64 [programs, 8] for each program's clock (globaltimer, ns) at the phases' edges
-    (benchmarks/moe_block_bench.py; one kernel only)."""
+    the routing of x (weights [1, k] in x's dtype, ids [1, k] int64: router_route's ids, but where distinct logits
+    give equal float32 probabilities; its weights within a float32 ulp) and out = the routed experts plus the
+    sigmoid-gated shared expert (fused_moe.moe_ref; shared = (gate|up [2Is, H], down [H, Is], gate [1, H])).
+    bar: int32 [1], zeroed once, this layer's alone; one block kernel at a time on a device (the module docstring).
+    split: the three phases as three launches (None: under the interpreter only); programs: the grid (None: TILES'
+    programs a multiprocessor; at most that many); times: int64 [programs, 8] for each program's clock
+    (globaltimer, ns) at the phases' edges (benchmarks/moe_block_bench.py; one kernel only)."""
     T, H = h_TH.shape
     assert T == 1 and bar.dtype == torch.int32 and bar.numel() >= 1
     E = gate_EH.shape[0]
@@ -90,6 +95,7 @@ def moe_block(h_TH, m_TH, w_norm, eps: float, gate_EH, k: int, w_gu_EIH, w_d_EHI
     assert per_sm * warps <= 8, f"{per_sm} programs of {warps} warps a multiprocessor: not all resident at once"
     P = programs or per_sm * _sms(dev)
     assert P >= 2, "the grid barrier's flip needs two programs or more"
+    assert split or P <= per_sm * _sms(dev), f"{P} programs: more than {per_sm} a multiprocessor cannot all be resident"
     assert times is None or (not split and times.shape == (P, 8) and times.dtype == torch.int64)
     s = torch.empty(1, H, dtype=dt, device=dev)
     out = torch.empty(1, H, dtype=dt, device=dev)
@@ -105,7 +111,8 @@ def moe_block(h_TH, m_TH, w_norm, eps: float, gate_EH, k: int, w_gu_EIH, w_d_EHI
     if split:
         CALLS["block_split"] += 1
         for a, b, c in ((True, False, False), (False, True, False), (False, False, True)):
-            _block_kernel[(P,)](*args, bar, A=a, B=b, C=c, SYNC=False, TIME=False, PDL=False, **consts)
+            _block_kernel[(P,)](*args, bar, A=a, B=b, C=c, SYNC=False, TIME=False, PDL=False, **consts)  # (bar: t_ptr,
+            #                                                                                   unused without TIME)
     else:
         global LAST_KERNEL
         CALLS["block"] += 1
@@ -134,8 +141,8 @@ if triton is not None:
         program's warps: the softmax's two are saved too); weights exp(l - l_max) renormalised over the k, which is
         the softmax's top k renormalised. A NaN logit is taken first and makes the row NaN; ids stay k distinct real
         experts."""
-        bits = lg.to(tl.int32, bitcast=True)
-        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)         # float order as signed integers
+        bits = (lg + 0.0).to(tl.int32, bitcast=True)       # (-0.0 as +0.0, as the softmax has them equal)
+        order = tl.where(lg != lg, 0x7FFFFFFF, bits ^ ((bits >> 31) & 0x7FFFFFFF))   # float order; NaN first
         key = tl.where(offs < E, (order.to(tl.int64) << 32) | (BE - 1 - offs), -9223372036854775807 - 1)
         ks = tl.arange(0, K)
         vals = tl.zeros([K], dtype=tl.float32)
@@ -177,8 +184,9 @@ if triton is not None:
         return tl.atomic_add(ptr, 0, sem="acquire")
 
     @triton.jit
-    def _pair(q, NT, ids, ks, wgu_ptr, sgu_ptr, H, I, Is, K: tl.constexpr):
-        """Gate|up tile q's pair (0: the shared expert, j + 1: the j-th routed), its weights and their width."""
+    def _gu_tile(q, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN: tl.constexpr):
+        """Gate|up tile q's [BN, BH] gate and up rows: tile q % NT of pair q // NT (0: the shared expert, j + 1: the
+        j-th routed), nothing loaded past the last tile."""
         pair = q // NT
         if pair == 0:
             base = sgu_ptr
@@ -187,12 +195,6 @@ if triton is not None:
             e = tl.sum(tl.where(ks == pair - 1, ids, 0), 0).to(tl.int64)
             base = wgu_ptr + e * (2 * I * H)
             width = I
-        return pair, base, width
-
-    @triton.jit
-    def _gu_tile(q, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, K: tl.constexpr, BN: tl.constexpr):
-        """Gate|up tile q's [BN, BH] gate and up rows (nothing loaded past the last tile)."""
-        pair, base, width = _pair(q, NT, ids, ks, wgu_ptr, sgu_ptr, H, I, Is, K)
         n = (q % NT) * BN + tl.arange(0, BN)
         return _gate_up_rows(base, width, n, hh, H, ((n < width) & (n * 0 + q < NQ))[:, None] & hm[None, :])
 
@@ -255,7 +257,7 @@ if triton is not None:
         if SYNC:
             _grid_barrier(bar_ptr, pid, flip, ASM)
             _stamp(t_ptr, pid, 3, TIME)
-            if PDL:     # every program is resident now: the next kernel's programs cannot keep one out
+            if PDL:     # the next kernel's programs start beside ours only once all of ours have arrived
                 gdc_launch_dependents()
         if B or C:    # every program routes the row (one kernel: no program waits for another's routing)
             offs = tl.arange(0, BE)
@@ -270,13 +272,14 @@ if triton is not None:
             _stamp(t_ptr, pid, 4, TIME)
         if B:
             if pid >= NT:       # the program's first tile is a routed pair's: its expert is known only now
-                wg, wu = _gu_tile(pid, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, K, BN)
+                wg, wu = _gu_tile(pid, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
             for q in range(pid, NQ, P):
                 if PREF:
-                    ng, nu = _gu_tile(q + P, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, K, BN)
+                    ng, nu = _gu_tile(q + P, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
                 elif q != pid:
-                    wg, wu = _gu_tile(q, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, K, BN)
-                pair, base, width = _pair(q, NT, ids, ks, wgu_ptr, sgu_ptr, H, I, Is, K)
+                    wg, wu = _gu_tile(q, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
+                pair = q // NT
+                width = tl.where(pair == 0, Is, I)
                 n = (q % NT) * BN + tl.arange(0, BN)
                 gv = tl.sum(wg.to(tl.float32) * xf[None, :], 1).to(dt).to(tl.float32)
                 uv = tl.sum(wu.to(tl.float32) * xf[None, :], 1).to(dt).to(tl.float32)

@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill moestep moekern moe" (one run call is 10 minutes: split them over calls).
+# publish prefill moestep moekern moeblock moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -35,6 +35,12 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     # issue 7 on the 35B-A3B MoE dimensions: the engine step (profiled) and the deployment against transformers
     moestep) phase gpu-moe-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --batches ${MOE_B:-1,64,256} --modes ${MOE_MODES:-graph,graph-torchmoe} --profile ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
+    # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
+    # its phases stamped, then in the step both ways, interleaved
+    moeblock) phase moe-block 150 python3 -u benchmarks/moe_block_bench.py --out "$OUT/moe" --spins asm \
+                ${BLOCK_CONFIGS:+--configs $BLOCK_CONFIGS} ;
+              phase moe-block-step 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" \
+                --model preset:qwen3.5-35b-a3b --batches 1 --modes graph-sample-noblock,graph-sample-block,graph-sample-noblock,graph-sample-block ;;
     moe) phase gpu-moe-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --layouts "${MOE_LAYOUTS:-0}" --concurrency ${MOE_C:-1,64,256} --new 64 ${MOE_HF:-} ;;
     kernels) phase gpu-kernels 120 python3 -u benchmarks/gpu_kernels.py --out "$OUT" ;;
     publish) phase overlay-publish 200 python3 -u benchmarks/overlay_publish.py --tower cuda:0 --intake cuda:${PUB_INTAKE:-1} --json "$OUT/overlay_publish.json" ;;

@@ -51,31 +51,38 @@ def check(res, h, m, weights, k):
 
 # shapes (experts, hidden, routed width, shared width, k, programs): the shared expert narrower and wider than the
 # routed ones, experts not a power of two, programs fewer than the router's rows and than the tiles (each program
-# loops), and on a GPU the 35B-A3B's (one program a multiprocessor)
-shapes = [(16, 80, 48, 40, 4, 3), (16, 80, 48, 56, 4, 5), (60, 100, 32, 32, 4, 4), (16, 64, 16, 16, 2, 7)]
+# loops), more programs than tiles (some idle in every phase), and on a GPU the 35B-A3B's (the default grid: TILES'
+# programs a multiprocessor)
+shapes = [(16, 80, 48, 40, 4, 3), (16, 80, 48, 56, 4, 5), (60, 100, 32, 32, 4, 4), (16, 64, 16, 16, 2, 7),
+          (16, 64, 16, 16, 2, 40)]
 if dev == "cuda":
     shapes += [(256, 2048, 512, 512, 8, None), (64, 256, 64, 128, 8, 20)]
-for E, H, I, Is, k, P in shapes:
+# each at the default tiles, then a few shapes at others (prefetch on, wider and narrower tiles, other warps)
+runs = [(shape, None) for shape in shapes] + [(shapes[i], t) for i in (0, 1, 4)
+                                               for t in ((2, 2, 4, 2, True), (4, 8, 4, 1, True), (8, 4, 2, 4, True))]
+for (E, H, I, Is, k, P), tiles in runs:
     weights = layer(E, H, I, Is)
     lw, g, w_gu, w_d, shared = weights
     bar = torch.zeros(1, dtype=torch.int32)
     for _ in range(2):
         h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
         before = dict(mb.CALLS)
-        res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, programs=P)
+        res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, programs=P, tiles=tiles)
         fused = dev == "cuda"
         assert mb.CALLS["block" if fused else "block_split"] - before["block" if fused else "block_split"] == 1
         check(res, h, m, weights, k)
         ran.add("block" if fused else "block split")
         if fused:       # the barriers: the one kernel equals its three phases launched apart, bit for bit
-            split = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, split=True, programs=P)
+            split = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, split=True, programs=P, tiles=tiles)
             assert all(torch.equal(a, b) for a, b in zip(res, split)), (E, H, I, Is, k, P)
             # and the three-kernel path (its gate|up sums the row in other steps: within rounding)
             s3, x3, w3, i3 = fm.norm_router_route(h, m, lw, eps, g, k, dt)
-            assert torch.equal(s3, res[0]) and torch.equal(i3, res[3]), (i3, res[3])
+            p3 = F.linear(x3, g).float().softmax(-1)         # (the same probabilities: near ties may swap experts)
+            assert torch.equal(s3, res[0]) and torch.equal(p3.gather(1, i3), p3.gather(1, res[3])), (i3, res[3])
             close(res[1], fm.moe_experts(x3, w_gu, w_d, w3, i3, shared))
             ran.add("block = split = three kernels")
-    # the barrier's word back where it started: two barriers a launch, each flipping its top bit
+    # the barrier's word back where it started (on a GPU two barriers a launch each flip its top bit; the split
+    # launches never touch it). That the barriers order the phases shows in the bit-for-bit match with the split
     assert int(bar[0]) == 0, bar.tolist()
 
 if dev == "cuda":       # captured in a CUDA graph and replayed on new inputs: the barrier needs no reset
@@ -102,6 +109,31 @@ if dev == "cuda":       # captured in a CUDA graph and replayed on new inputs: t
     torch.cuda.synchronize()
     assert int(bar[0]) == 0, bar.tolist()
     ran.add("graph")
+
+# ties and NaN: equal logits go to the lowest expert first, as the router kernel takes them; a NaN row routes to k
+# distinct real experts, and its output is NaN
+E, H, I, Is, k = 16, 80, 48, 40, 4
+lw, g, w_gu, w_d, shared = layer(E, H, I, Is)
+h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
+x0 = add_rms_norm_ref(h, m, lw, eps)[1]
+g[2] = x0[0] / x0[0].float().norm().to(dt)           # the largest logit by far, then two rows that equal it
+g[9], g[5] = g[2], g[2]
+bar = torch.zeros(1, dtype=torch.int32)
+res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, programs=3)
+assert res[3][0, :3].tolist() == [2, 5, 9], res[3]
+assert torch.equal(res[3], fm.norm_router_route(h, m, lw, eps, g, k, dt)[3]), res[3]
+for nan in (float("nan"), -float("nan")):      # one NaN logit, either sign: taken first, the row NaN
+    g_nan = g.clone()
+    g_nan[11] = nan
+    res = mb.moe_block(h, m, lw, eps, g_nan, k, w_gu, w_d, shared, bar, programs=3)
+    ids = res[3][0].tolist()
+    assert ids[0] == 11 and len(set(ids)) == k and all(0 <= e < E for e in ids), ids
+    assert bool(res[1].isnan().all()), res[1]
+h[0, 7] = float("nan")      # a NaN input: every logit NaN
+res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, programs=3)
+ids = res[3][0].tolist()
+assert len(set(ids)) == k and all(0 <= e < E for e in ids) and bool(res[1].isnan().all()), (ids, res[1])
+ran.add("ties and nan")
 
 # layers.MoE.decode_fused takes the block kernel where takes() holds (ENABLED, one row), else the three kernels
 from memra_pp.model.layers import MoE  # noqa: E402

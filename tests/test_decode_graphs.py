@@ -219,17 +219,19 @@ def test_fused_moe_kernels_in_the_interpreter():
 
 
 def test_moe_block_kernel_in_the_interpreter():
-    """kernels/moe_block.py's one-row MoE block against the torch references (the residual and norm, the routing,
-    the routed and shared experts), by Triton's CPU interpreter in float32 and bfloat16, at program counts that
-    make every phase loop; its three phases run as three launches there (the interpreter runs programs one after
-    another: a grid barrier would never open). MoE.decode_fused takes it where enabled, else the three kernels.
-    tests/test_gpu_decode_graphs.py runs the one kernel with its barriers, compiled and in a CUDA graph."""
+    """kernels/moe_block.py's one-row MoE block must match the torch references (the residual and norm, the
+    routing, the routed and shared experts), by Triton's CPU interpreter in float32 and bfloat16, at program counts
+    that make every phase loop or leave programs idle, at several tiles; ties must go to the lowest expert and a NaN
+    logit of either sign must make the row NaN. Its three phases run as three launches there (the interpreter runs
+    programs one after another: a grid barrier would never open). MoE.decode_fused takes it where enabled, else the
+    three kernels. tests/test_gpu_decode_graphs.py runs the one kernel with its barriers, compiled and in a CUDA
+    graph."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     check = os.path.join(os.path.dirname(__file__), "moe_block_check.py")
     for dtype in ("float32", "bfloat16"):
         r = subprocess.run([sys.executable, check, dtype, "cpu"], env=env, capture_output=True, text=True,
                            timeout=300)
-        assert r.returncode == 0 and "block ok ['block split', 'decode_fused']" in r.stdout, \
+        assert r.returncode == 0 and "block ok ['block split', 'decode_fused', 'ties and nan']" in r.stdout, \
             r.stdout + r.stderr[-3000:]
 
 

@@ -41,12 +41,15 @@ def hf_greedy_bf16(model, prompt, n):
     return toks, [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(g.logits, toks)]
 
 
-@pytest.mark.parametrize("size", ["tiny", "mid", "moe"])
-def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
-    """moe: the fused routing and expert kernels (kernels/fused_moe.py), in prefill and in the captured decode."""
+@pytest.mark.parametrize("size", ["tiny", "mid", "moe", "moe-block"])
+def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
+    """moe: the fused routing and expert kernels (kernels/fused_moe.py), in prefill and in the captured decode;
+    moe-block: the same with the one-row decode's MoE as one block kernel (kernels/moe_block.py)."""
     from memra_pp.kernels import fused_moe, gemv, moe_block, paged_attention
+    if size == "moe-block":
+        monkeypatch.setattr(moe_block, "ENABLED", True)
     over = MID if size == "mid" else {}
-    m = build("moe" if size == "moe" else "dense", tied=False, seed=3, **over)
+    m = build("moe" if size.startswith("moe") else "dense", tied=False, seed=3, **over)
     m.save_pretrained(tmp_path)
     hf = type(m).from_pretrained(tmp_path, dtype=torch.bfloat16).to(cuda).eval()
     V = (over or TEXT)["vocab_size"]
@@ -86,14 +89,13 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size):
         ours, self_ = [max(a, b) for a, b in zip(ours, o)], [max(a, b) for a, b in zip(self_, h)]
         print(f"prompt {len(p):4d}: identical to generate {t == ht}; greedy gap / logprob diff: ours "
               f"{o[0]:.4f} / {o[1]:.4f}, transformers' generate against itself {h[0]:.4f} / {h[1]:.4f}")
-    if size == "moe":   # prefill (many pairs: grouped GEMM) and decode (one row: router kernel with the input norm,
-        #                 per-pair kernels, the tile down kernel; or with MEMRA_PP_MOE_BLOCK=1 the block kernel) all
-        #                 ran fused
-        one_row = ("block",) if moe_block.ENABLED else ("norm_router",)
+    if size.startswith("moe"):   # prefill (many pairs: grouped GEMM) and decode (one row: router kernel with the
+        #                          input norm, per-pair kernels, the tile down kernel; or, moe-block or
+        #                          MEMRA_PP_MOE_BLOCK=1, the block kernel) all ran fused
         assert all(fused_moe.CALLS[k] > calls[k] for k in ("route", "router", "small", "down_tile", "grouped")) \
             and (moe_block.CALLS["block"] > blocks) == moe_block.ENABLED \
             and (fused_moe.CALLS["norm_router"] > calls["norm_router"]) != moe_block.ENABLED, \
-            (one_row, calls, fused_moe.CALLS, moe_block.CALLS)
+            (moe_block.ENABLED, calls, fused_moe.CALLS, moe_block.CALLS)
     # one-row decode graphs: out_proj / o_proj / down through kernels/gemv.py, the input projections (and the dense
     # gate|up) with their norm in its prologue (hidden <= 2,048); the q / k norms and the KV write as one kernel
     assert all(gemv.CALLS[k] > gemv_calls[k] for k in ("gemv", "norm_gemv")), (gemv_calls, gemv.CALLS)

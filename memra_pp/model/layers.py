@@ -127,9 +127,10 @@ class MoE(Param):
     def warm_up(self):
         """Run the fused kernels once at every variant a step can pick (the router kernel, with and without the
         input norm, the per-pair kernels with and without the shared expert riding along (adapter steps add it
-        apart), the grouped GEMM at each block config with each alignment), so Triton compiles them at load, not
-        inside a running step where every waiting request would pay for it."""
-        from memra_pp.kernels import fused_moe
+        apart), the grouped GEMM at each block config with each alignment, and where it is on the one-row block
+        kernel, kernels/moe_block.py), so Triton compiles them at load, not inside a running step where every waiting
+        request would pay for it."""
+        from memra_pp.kernels import fused_moe, moe_block
         x = self.gate_weight
         if not fused_moe.enabled(x, self.top_k):
             return
@@ -139,8 +140,12 @@ class MoE(Param):
         x1 = torch.randn(1, x.shape[1], generator=g, device=x.device, dtype=x.dtype)
         fused_moe.moe_experts(x1, self.experts_gate_up_proj, self.experts_down_proj,
                               *fused_moe.router_route(x1, x, self.top_k, x.dtype, counter=self.route_counter))
-        fused_moe.norm_router_route(x1, x1, x[0], 1e-6, x, self.top_k, x.dtype, counter=self.route_counter)
-        self.decode_fused(x1, x1, x[0], 1e-6)      # one row's decode step: the block kernel where it runs
+        # one row's decode step: the block kernel where it is on, else the router kernel with the input norm, which
+        # is compiled where the block replaces it too (benchmarks switch the block off and on)
+        self.decode_fused(x1, x1, x[0], 1e-6)
+        if moe_block.takes(x1, x1, x[0], x, self.top_k, self.experts_gate_up_proj, self.experts_down_proj,
+                           self._shared()):
+            fused_moe.norm_router_route(x1, x1, x[0], 1e-6, x, self.top_k, x.dtype, counter=self.route_counter)
 
     def forward(self, x_TH, lora=None, static: bool = False):
         """On CUDA the fused routing and experts (kernels/fused_moe.py), eager and captured alike. Otherwise
