@@ -108,16 +108,16 @@ def moe_block(h_TH, m_TH, w_norm, eps: float, gate_EH, k: int, w_gu_EIH, w_d_EHI
             2 ** 31 - (P - 1), eps, H, E, I, Is, max(I, Is))
     consts = dict(K=k, BE=np2(E), RB=np2(triton.cdiv(E, P)), BH=np2(H), BN=BN, BD=BD, BI=np2(I), BIS=np2(Is),
                   PREF=pref, ASM=ACQUIRE_ASM, num_warps=warps)
+    stamps = bar if times is None else times        # (bar where there are no stamps: the kernel never touches it)
     if split:
         CALLS["block_split"] += 1
         for a, b, c in ((True, False, False), (False, True, False), (False, False, True)):
-            _block_kernel[(P,)](*args, bar, A=a, B=b, C=c, SYNC=False, TIME=False, PDL=False, **consts)  # (bar: t_ptr,
-            #                                                                                   unused without TIME)
+            _block_kernel[(P,)](*args, stamps, A=a, B=b, C=c, SYNC=False, TIME=False, PDL=False, **consts)
     else:
         global LAST_KERNEL
         CALLS["block"] += 1
-        LAST_KERNEL = _block_kernel[(P,)](*args, bar if times is None else times, A=True, B=True, C=True, SYNC=True,
-                            TIME=times is not None, **pdl(h_TH), **consts)
+        LAST_KERNEL = _block_kernel[(P,)](*args, stamps, A=True, B=True, C=True, SYNC=True, TIME=times is not None,
+                                          **pdl(h_TH), **consts)
     return s, out, w, idx
 
 
