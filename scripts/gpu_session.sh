@@ -36,11 +36,13 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     moestep) phase gpu-moe-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --batches ${MOE_B:-1,64,256} --modes ${MOE_MODES:-graph,graph-torchmoe} --profile ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
-    # its phases stamped, then in the step both ways, interleaved
+    # its phases stamped, then in the step both ways, interleaved (BLOCK_MODES: other tiles, e.g. one program of
+    # four warps a multiprocessor, graph-sample-block-blk4x4x4x1x1, which leaves the neighbours half the registers)
     moeblock) phase moe-block 150 python3 -u benchmarks/moe_block_bench.py --out "$OUT/moe" --spins asm \
                 ${BLOCK_CONFIGS:+--configs $BLOCK_CONFIGS} ;
               phase moe-block-step 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" \
-                --model preset:qwen3.5-35b-a3b --batches 1 --modes graph-sample-noblock,graph-sample-block,graph-sample-noblock,graph-sample-block ;;
+                --model preset:qwen3.5-35b-a3b --batches 1 \
+                --modes ${BLOCK_MODES:-graph-sample-noblock,graph-sample-block,graph-sample-noblock,graph-sample-block} ;;
     moe) phase gpu-moe-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --layouts "${MOE_LAYOUTS:-0}" --concurrency ${MOE_C:-1,64,256} --new 64 ${MOE_HF:-} ;;
     kernels) phase gpu-kernels 120 python3 -u benchmarks/gpu_kernels.py --out "$OUT" ;;
     publish) phase overlay-publish 200 python3 -u benchmarks/overlay_publish.py --tower cuda:0 --intake cuda:${PUB_INTAKE:-1} --json "$OUT/overlay_publish.json" ;;
