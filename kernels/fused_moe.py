@@ -32,6 +32,7 @@ if triton is not None:
     import triton.language as tl
 
     from memra_pp.kernels.fused_decode import pdl_enter
+    from memra_pp.kernels.moe_grouped import _silu_mul
 
 SMALL_PAIRS = 64       # at most this many (row, expert) pairs: the per-pair kernels, else the grouped GEMM
 ENABLED = True         # False: layers.MoE's torch paths on CUDA too (benchmarks compare the two in one run)
@@ -184,11 +185,7 @@ if triton is not None:
                 wg, wu = _gate_up_rows(w_e, width, n, kk, H, m2)
             acc_g += tl.sum(wg.to(tl.float32) * xk[None, :], 1)
             acc_u += tl.sum(wu.to(tl.float32) * xk[None, :], 1)
-        dt = h_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(h_ptr + r * IH + n, (s * u).to(dt), mask=nm)
+        tl.store(h_ptr + r * IH + n, _silu_mul(acc_g, acc_u, h_ptr.dtype.element_ty), mask=nm)
 
     @triton.jit
     def _gate_up_rows(w_e, width, n, kk, H, mask):
@@ -227,7 +224,7 @@ if triton is not None:
             w_e = w_ptr + e * (H * I)
             acc = _row_dot(h_ptr + (t * (K + S) + j) * IH, w_e, n, nm, I, BN, BK)
             tw = tl.load(tw_ptr + t * K + j).to(tl.float32)
-            total += (acc.to(dt).to(tl.float32) * tw).to(dt).to(tl.float32)
+            total += _weighted(acc, tw, dt)
         if S:
             acc = _row_dot(h_ptr + (t * (K + S) + K) * IH, ws_ptr, n, nm, Is, BN, BK)
             if SG:
@@ -244,8 +241,20 @@ if triton is not None:
         hh = tl.arange(0, BH)
         xr = tl.load(xrow + hh, mask=hh < H, other=0.0).to(tl.float32)
         gw = tl.load(wsg_ptr + hh, mask=hh < H, other=0.0).to(tl.float32)
-        gate = tl.sum(xr * gw, 0).to(dt).to(tl.float32)
+        return _sigmoid_gate(tl.sum(xr * gw, 0), dt)
+
+    @triton.jit
+    def _sigmoid_gate(dot, dt: tl.constexpr):
+        """sigmoid of the shared gate's float32 dot product, rounded as shared_ref's torch ops round (the dot, then
+        the sigmoid), as float32; also the block kernel's (moe_block.py)."""
+        gate = dot.to(dt).to(tl.float32)
         return (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _weighted(acc, tw, dt: tl.constexpr):
+        """A routed pair's float32 down product rounded, times its routing weight tw (float32), rounded, as float32:
+        what moe_experts_ref sums over k (also the block kernel's)."""
+        return (acc.to(dt).to(tl.float32) * tw).to(dt).to(tl.float32)
 
     @triton.jit
     def _plus_shared(total, acc, sig, dt: tl.constexpr):
@@ -285,7 +294,7 @@ if triton is not None:
         hp = tl.load(h_ptr + (t * (K + S) + ks)[:, None] * IH + ii[None, :], mask=kv[:, None] & im[None, :],
                      other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * hp[:, None, :], 2)                                   # [KP, BN]
-        y = (acc.to(dt).to(tl.float32) * tw[:, None]).to(dt).to(tl.float32)
+        y = _weighted(acc, tw[:, None], dt)
         total = tl.sum(tl.where(kv[:, None], y, 0.0), 0)
         if S:
             hs = tl.load(h_ptr + (t * (K + S) + K) * IH + jj, mask=jm, other=0.0).to(tl.float32)

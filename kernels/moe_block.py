@@ -44,7 +44,7 @@ from memra_pp.kernels.fused_decode import _sms, _triton, gdc_launch_dependents, 
 if triton is not None:
     import triton.language as tl
 
-    from memra_pp.kernels.fused_moe import _gate_up_rows, _plus_shared
+    from memra_pp.kernels.fused_moe import _gate_up_rows, _plus_shared, _sigmoid_gate, _silu_mul, _weighted
 
 # layers.MoE.decode_fused takes the block kernel for one row (False: the three kernels; benchmarks compare the two).
 # Off: on the H200 the 35B-A3B's step took 2.39-2.40 ms with it against 2.39-2.43 without (fourteenth session,
@@ -281,11 +281,10 @@ if triton is not None:
                 pair = q // NT
                 width = tl.where(pair == 0, Is, I)
                 n = (q % NT) * BN + tl.arange(0, BN)
-                gv = tl.sum(wg.to(tl.float32) * xf[None, :], 1).to(dt).to(tl.float32)
-                uv = tl.sum(wu.to(tl.float32) * xf[None, :], 1).to(dt).to(tl.float32)
-                sl = (gv / (1.0 + tl.exp(-gv))).to(dt).to(tl.float32)
                 row = tl.where(pair == 0, K, pair - 1)
-                tl.store(hb_ptr + row * IH + n, (sl * uv).to(dt), mask=n < width)
+                tl.store(hb_ptr + row * IH + n, _silu_mul(tl.sum(wg.to(tl.float32) * xf[None, :], 1),
+                                                          tl.sum(wu.to(tl.float32) * xf[None, :], 1), dt),
+                         mask=n < width)
                 if PREF:
                     wg, wu = ng, nu
             _stamp(t_ptr, pid, 5, TIME)
@@ -295,8 +294,7 @@ if triton is not None:
             jj = tl.arange(0, BIS)
             jm = jj < Is
             wd, ws = _down_tile(pid, ids, wd_ptr, sd_ptr, ii, im, jj, jm, H, I, Is, BD)    # before the barrier
-            gate = tl.sum(xf * wsg, 0).to(dt).to(tl.float32)
-            sig = (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+            sig = _sigmoid_gate(tl.sum(xf * wsg, 0), dt)
             if SYNC:
                 _grid_barrier(bar_ptr, pid, flip, ASM)
                 _stamp(t_ptr, pid, 6, TIME)
@@ -309,7 +307,7 @@ if triton is not None:
                 elif d != pid:
                     wd, ws = _down_tile(d, ids, wd_ptr, sd_ptr, ii, im, jj, jm, H, I, Is, BD)
                 acc = tl.sum(wd.to(tl.float32) * hp[:, None, :], 2)                        # [K, BD]
-                total = tl.sum((acc.to(dt).to(tl.float32) * tw[:, None]).to(dt).to(tl.float32), 0)
+                total = tl.sum(_weighted(acc, tw[:, None], dt), 0)
                 acc_s = tl.sum(ws.to(tl.float32) * hs[None, :], 1)
                 n = d * BD + tl.arange(0, BD)
                 tl.store(o_ptr + n, _plus_shared(total, acc_s, sig, dt).to(dt), mask=n < H)

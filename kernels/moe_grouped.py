@@ -46,6 +46,15 @@ def moe_grouped(x, w_gu, w_d, topw, topi, config=None):
 
 if triton is not None:
     @triton.jit
+    def _silu_mul(acc_g, acc_u, dt: tl.constexpr):
+        """silu(gate) * up in dt from the float32 sums of gate and up, rounded as the torch references round (each
+        sum, the silu and the product to dt); also the per-pair and block kernels' (fused_moe.py, moe_block.py)."""
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        return (s * u).to(dt)
+
+    @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
         if IEEE:
             return tl.dot(a, b, acc, input_precision="ieee")
@@ -79,11 +88,8 @@ if triton is not None:
             wu = tl.load(w_e + (I + n)[None, :] * H + kk[:, None], mask=m2, other=0.0)
             acc_g = _dot(xk, wg, acc_g, IEEE)
             acc_u = _dot(xk, wu, acc_u, IEEE)
-        dt = h_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(h_ptr + rows[:, None] * I + n[None, :], (s * u).to(dt), mask=valid[:, None] & nm[None, :])
+        tl.store(h_ptr + rows[:, None] * I + n[None, :], _silu_mul(acc_g, acc_u, h_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nm[None, :])
 
     @triton.jit(do_not_specialize=["N"])
     def _grouped_down_kernel(h_ptr, w_ptr, sp_ptr, be_ptr, tw_ptr, y_ptr, N, H, I, E, BM: tl.constexpr,
