@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from memra_pp import cuda, cuda_views, handoff_probe
+from memra_pp import cpu_pinning, cuda, cuda_views, handoff_probe
 from memra_pp.engine import ContextId, Engine, EngineCounters, residency_of
 from memra_pp.errors import ResidencyError
 from memra_pp.overlay import EmbedOverlay, overlay_publications, publish_out
@@ -143,8 +143,9 @@ def _payload(i: int, shape, device) -> torch.Tensor:
     return probe_pattern(math.prod(shape) * 2, device, i).view(torch.bfloat16).view(shape)
 
 
-def _slot_receiver(transport, dev, max_bytes, n, conn, timeout, fast=True):
+def _slot_receiver(transport, dev, max_bytes, n, conn, timeout, fast=True, cpus=None):
     try:
+        cpu_pinning.pin_process(cpus)
         r = RECEIVERS[transport]("probe", max_bytes, engine=Engine(f"cuda:{dev}"), fast_checks=fast)
         conn.send(r.endpoint())
         r.accept(timeout)
@@ -199,9 +200,10 @@ def _refusals(s, transport, dev, hdr, payload, timeout) -> dict:
     return out
 
 
-def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=True, split=False):
+def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=True, split=False, cpus=None):
     calls = handoff_probe.split_sender_calls() if split else None
     try:
+        cpu_pinning.pin_process(cpus)
         eng = Engine(f"cuda:{dev}")
         s = SENDERS[transport](endpoint, engine=eng, fast_checks=fast)
         s.connect(timeout)
@@ -230,20 +232,40 @@ def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=True, s
         s.close()
         conn.send({"ok": True, "blocked_while_held": blocked, "waited_s": round(waited, 3),
                    "cycle_us": round(cycle_us, 1), **refused, "fast_checks": s.fast_checks, "split_us": split_us,
-                   "stats": stats})
+                   "cpus": sorted(os.sched_getaffinity(0)), "stats": stats})
     except Exception:  # noqa: BLE001
         conn.send({"ok": False, "error": traceback.format_exc(limit=6)})
 
 
+def pin_sets(pin: str) -> tuple[set | None, set | None]:
+    """(receiver's CPUs, sender's CPUs) for a probe's pinning: none (the scheduler's choice), apart (disjoint
+    physical cores, half each), siblings (the two hyperthreads of one core: the case pinning avoids)."""
+    if pin == "none":
+        return None, None
+    groups = cpu_pinning.core_groups()
+    if pin == "apart":
+        if len(groups) < 2:
+            raise ValueError(f"pin apart needs two physical cores; this process may use {groups}")
+        return cpu_pinning.share(0, 2, groups), cpu_pinning.share(1, 2, groups)
+    if pin == "siblings":
+        core = next((g for g in groups if len(g) >= 2), None)
+        if core is None:
+            raise ValueError(f"pin siblings needs a core with two hyperthreads; this process may use {groups}")
+        return {core[0]}, {core[1]}
+    raise ValueError(f"pin {pin!r}: none, apart or siblings")
+
+
 def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), timeout: float = 120.0,
-          fast: bool = True, split: bool = False) -> dict:
+          fast: bool = True, split: bool = False, pin: str = "none") -> dict:
     """n handoffs of `shape` bf16 from a process on src to one on dst, the last after the sender's refusals (a
     foreign context current; a source it does not own); the sender's stats and, with split, its per-call times.
-    fast: the slots' fast_checks in both processes."""
+    fast: the slots' fast_checks in both processes; pin: where the two processes run (pin_sets)."""
+    rcpus, scpus = pin_sets(pin)
     ctx = mp.get_context("spawn")
     (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
     max_bytes = math.prod(shape) * 2
-    procs = [ctx.Process(target=_slot_receiver, args=(transport, dst, max_bytes, n, rc, timeout, fast), daemon=True)]
+    procs = [ctx.Process(target=_slot_receiver, args=(transport, dst, max_bytes, n, rc, timeout, fast, rcpus),
+                        daemon=True)]
     procs[0].start()
     try:
         if not rp.poll(timeout):
@@ -251,8 +273,8 @@ def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), ti
         ep = rp.recv()
         if "error" in ep:
             return {"receiver": ep}
-        procs.append(ctx.Process(target=_slot_sender, args=(transport, src, ep, n, shape, sc, timeout, fast, split),
-                                 daemon=True))
+        procs.append(ctx.Process(target=_slot_sender, args=(transport, src, ep, n, shape, sc, timeout, fast, split,
+                                                                 scpus), daemon=True))
         procs[1].start()
         out = {}
         for name, c in (("sender", sp), ("receiver", rp)):
@@ -320,6 +342,10 @@ def main() -> int:
     ap.add_argument("--handoff-checks", type=int, default=0, metavar="N",
                     help="also N interleaved pairs of peer handoffs with the sender's full and fast context checks "
                          "(the slots' fast_checks off / on), then one pair with every call of the send path timed")
+    ap.add_argument("--pin", type=int, default=0, metavar="N",
+                    help="also N interleaved rounds of same-GPU peer handoffs (fast checks) with the two processes "
+                         "where the scheduler puts them, on disjoint physical cores, and on one core's two "
+                         "hyperthreads (pin_none_i, pin_apart_i, pin_siblings_i)")
     ap.add_argument("--only", default="", help="comma-separated scenario name prefixes to run (default: all)")
     ap.add_argument("--plot-from", default="", metavar="JSON",
                     help="only draw handoff_split.png into --out from a gpu_probe.json written with --handoff-checks")
@@ -350,6 +376,9 @@ def main() -> int:
         for mode, fast in (("full", False), ("fast", True)):
             scenarios.append((f"checks_split_{mode}",
                               lambda fast=fast: slots("peer", src, dst, args.handoffs, fast=fast, split=True)))
+    for i in range(args.pin):
+        for pin in ("none", "apart", "siblings"):
+            scenarios.append((f"pin_{pin}_{i}", lambda pin=pin: slots("peer", src, src, args.handoffs, pin=pin)))
     if args.only:
         scenarios = [(n, f) for n, f in scenarios if n.startswith(tuple(args.only.split(",")))]
     signal.signal(signal.SIGALRM, _alarm)
@@ -366,11 +395,13 @@ def main() -> int:
         line = json.dumps(_short(results[name]), default=str)
         print(f"{name:<22} {time.monotonic() - t0:6.1f}s  {line[:1500]}", flush=True)
     for name, r in results.items():
-        if name.startswith("checks_") and r.get("sender", {}).get("ok"):
+        if name.startswith(("checks_", "pin_")) and r.get("sender", {}).get("ok"):
             st, split = r["sender"]["stats"], r["sender"].get("split_us")
+            rst = r.get("receiver", {}).get("stats", {})
             print(f"{name:<22} sender p50 {st['handoff_p50_us']:7.1f} us  p99 {st['handoff_p99_us']:7.1f}  write "
-                  f"{st.get('write_us_mean', 0):6.1f}  header {st.get('header_us_mean', 0):6.1f}"
-                  + (f"  calls {split}" if split else ""), flush=True)
+                  f"{st.get('write_us_mean', 0):6.1f}  header {st.get('header_us_mean', 0):6.1f}  receiver p50 "
+                  f"{rst.get('handoff_p50_us', float('nan')):7.1f}" + (f"  calls {split}" if split else ""),
+                  flush=True)
     with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     try:
