@@ -105,6 +105,15 @@ SHARED_GATE_EARLY = True
 # the shared pair's gate|up programs load their first K step of its (static) weights before PDL's wait, as the down
 # kernel loads its shared slice (False: after it). Not yet measured in the step: off until a device run says it pays
 SHARED_BEFORE_WAIT = False
+# the tile down kernel loads the routed ids and weights before PDL's wait: the router wrote them two kernels back,
+# which every kernel has finished once the gate|up kernel has passed its own wait (fused_decode.pdl_enter), so after
+# the wait the down slices' loads are issued at once instead of one round trip later. Only the ids: the slices
+# themselves before the wait lost (eleventh session, results/down-before-wait-tried-2026-12-01-s11.diff)
+DOWN_IDS_BEFORE_WAIT = True
+# the tile down kernel's last launch (Triton's compiled kernel: benchmarks read its registers, which set how many of
+# its programs a multiprocessor holds: 108 on the H200's Triton at the 35B-A3B's one-row tile, four a multiprocessor,
+# every one of the 512 programs resident at once; fifteenth session)
+LAST_DOWN = None
 
 
 def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
@@ -129,10 +138,12 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     BI, BIs = triton.next_power_of_2(I), triton.next_power_of_2(Is)
     if (down or SMALL_DOWN) == "tile" and max(BI, BIs) <= BK2:
+        global LAST_DOWN
         CALLS["down_tile"] += 1
-        _small_down_tile_kernel[(T, triton.cdiv(H, BN2))](
+        LAST_DOWN = _small_down_tile_kernel[(T, triton.cdiv(H, BN2))](
             h, w_d, w_sd, x, w_sg, sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k,
-            KP=triton.next_power_of_2(k), S=S, SG=SG, BN=BN2, BI=BI, BIS=BIs, BH=BH, num_warps=warps2, **pdl(x))
+            KP=triton.next_power_of_2(k), S=S, SG=SG, IDPRE=DOWN_IDS_BEFORE_WAIT, BN=BN2, BI=BI, BIS=BIs, BH=BH,
+            num_warps=warps2, **pdl(x))
         return out
     _small_down_kernel[(T, triton.cdiv(H, BN2))](
         h, w_d, w_sd, x, w_sg, sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, S=S, SG=SG, BN=BN2, BK=BK2,
@@ -266,12 +277,13 @@ if triton is not None:
     @triton.jit
     def _small_down_tile_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, sg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I,
                                 Is, IH, K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SG: tl.constexpr,
-                                BN: tl.constexpr, BI: tl.constexpr, BIS: tl.constexpr, BH: tl.constexpr,
-                                PDL: tl.constexpr):
+                                IDPRE: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr, BIS: tl.constexpr,
+                                BH: tl.constexpr, PDL: tl.constexpr):
         """_small_down_kernel's sum with every routed pair's [BN, I] slice of its expert loaded as one [KP, BN, BI]
         tile (and the shared expert's beside it) before any is reduced: the loads are in flight together. The shared
-        expert's slice is loaded before PDL's wait (the routed experts are known only after it); SG: its gate is
-        loaded (the gate|up kernel computed it), else computed here."""
+        expert's slice is loaded before PDL's wait; IDPRE: the routed ids and weights too (the router's, two kernels
+        back: DOWN_IDS_BEFORE_WAIT), else after it. SG: the shared gate is loaded (the gate|up kernel computed it),
+        else computed here."""
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < H
@@ -280,13 +292,17 @@ if triton is not None:
             jj = tl.arange(0, BIS)
             jm = jj < Is
             ws = tl.load(ws_ptr + n[:, None] * Is + jj[None, :], mask=nm[:, None] & jm[None, :], other=0.0)
-        pdl_enter(PDL)
-        if SG:
-            sig = tl.load(sg_ptr + t).to(tl.float32)       # beside the ids: one round trip for both
         ks = tl.arange(0, KP)
         kv = ks < K
-        e = tl.load(i_ptr + t * K + ks, mask=kv, other=0).to(tl.int64)
-        tw = tl.load(tw_ptr + t * K + ks, mask=kv, other=0.0).to(tl.float32)
+        if IDPRE:
+            e = tl.load(i_ptr + t * K + ks, mask=kv, other=0).to(tl.int64)
+            tw = tl.load(tw_ptr + t * K + ks, mask=kv, other=0.0).to(tl.float32)
+        pdl_enter(PDL)
+        if SG:
+            sig = tl.load(sg_ptr + t).to(tl.float32)       # beside the ids (IDPRE: beside the slices' loads)
+        if not IDPRE:
+            e = tl.load(i_ptr + t * K + ks, mask=kv, other=0).to(tl.int64)
+            tw = tl.load(tw_ptr + t * K + ks, mask=kv, other=0.0).to(tl.float32)
         ii = tl.arange(0, BI)
         im = ii < I
         w = tl.load(w_ptr + e[:, None, None] * (H * I) + n[None, :, None] * I + ii[None, None, :],

@@ -62,6 +62,18 @@ for rows in sorted({router_rows, 8}):
     for T, E_, H_, k in [(1, 256, 2048, 8), (3, 16, 80, 4), (8, 60, 100, 4), (5, 7, 33, 2), (9, 16, 80, 4)]:
         routed(T, E_, H_, k)
 mr.ROUTER_ROWS = router_rows
+# a NaN router row makes that logit NaN: the row's weights NaN as route_ref's, its ids k distinct real experts
+x, g = torch.randn(1, 64, dtype=dt), torch.randn(16, 64, dtype=dt) / 8
+g[5] = float("nan")
+w, idx = fm.router_route(x, g, 4, dt)
+assert bool(fm.route_ref(torch.nn.functional.linear(x, g), 4, dt)[0].isnan().all()) and bool(w.isnan().all()), w
+assert bool(((idx >= 0) & (idx < 16)).all()) and len(set(idx[0].tolist())) == 4, idx
+# tied logits (equal router rows): the lowest experts first, as the argmax rounds take them
+g = torch.randn(16, 64, dtype=dt) / 8
+g[[2, 7, 9, 12]] = g[0] * 0 + 3 * x[0] / x[0].norm()
+w, idx = fm.router_route(x, g, 4, dt)
+assert idx[0].tolist() == [2, 7, 9, 12], idx
+ran.add("router nan and ties")
 
 
 # the MoE's input norm inside the router kernel (one row whose hidden fits one step of it; else add_rms_norm, then
@@ -197,6 +209,14 @@ for early in (True, False):
     check_small([(1, 4), (3, 3)], (shared, wide), tiles=(4, 32, 2, 4, 64, 4))
 fm.SHARED_GATE_EARLY, fm.SHARED_BEFORE_WAIT = True, False
 ran.add("shared before wait")
+# the tile down kernel's routed ids and weights loaded after PDL's wait (DOWN_IDS_BEFORE_WAIT off; on above)
+assert fm.DOWN_IDS_BEFORE_WAIT
+fm.DOWN_IDS_BEFORE_WAIT = False
+before = fm.CALLS["down_tile"]
+check_small([(1, 4), (3, 3)], (None, shared), down="tile")
+assert fm.CALLS["down_tile"] - before == 4, fm.CALLS
+fm.DOWN_IDS_BEFORE_WAIT = True
+ran.add("down ids after wait")
 
 # a NaN or inf logit: that row's ids stay k distinct real experts, and every other row's output is unchanged
 for T in (3, 20):           # the per-pair kernels, and the grouped GEMM through the alignment kernel

@@ -212,9 +212,9 @@ def test_fused_moe_kernels_in_the_interpreter():
     check = os.path.join(os.path.dirname(__file__), "fused_moe_check.py")
     r = subprocess.run([sys.executable, check, "float32", "cpu"], env=env, capture_output=True, text=True,
                        timeout=300)
-    paths = "['align', 'down loop', 'down tile', 'grouped16x64', 'grouped64x64', 'nan row', 'norm router', 'route', " \
-            "'router', 'shared', 'shared before wait', 'shared gate early', 'shared gate late', 'small', " \
-            "'warm up']"
+    paths = "['align', 'down ids after wait', 'down loop', 'down tile', 'grouped16x64', 'grouped64x64', 'nan row', " \
+            "'norm router', 'route', 'router', 'router nan and ties', 'shared', 'shared before wait', " \
+            "'shared gate early', 'shared gate late', 'small', 'warm up']"
     assert r.returncode == 0 and f"moe ok {paths}" in r.stdout, r.stdout + r.stderr[-3000:]
 
 

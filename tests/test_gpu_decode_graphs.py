@@ -93,9 +93,9 @@ def test_fused_moe_kernels_compiled(cuda, dtype):
     check = os.path.join(os.path.dirname(__file__), "fused_moe_check.py")
     r = subprocess.run([sys.executable, check, dtype, "cuda"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "moe ok" in r.stdout, r.stderr[-3000:]
-    paths = "['align', 'down loop', 'down tile', 'graph', 'grouped16x64', 'grouped64x128', 'grouped64x64', " \
-            "'nan row', 'norm router', 'route', 'router', 'shared', 'shared before wait', 'shared gate early', " \
-            "'shared gate late', 'small', 'warm up']"
+    paths = "['align', 'down ids after wait', 'down loop', 'down tile', 'graph', 'grouped16x64', 'grouped64x128', " \
+            "'grouped64x64', 'nan row', 'norm router', 'route', 'router', 'router nan and ties', 'shared', " \
+            "'shared before wait', 'shared gate early', 'shared gate late', 'small', 'warm up']"
     assert paths in r.stdout, r.stdout
 
 
