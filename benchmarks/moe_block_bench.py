@@ -8,7 +8,8 @@ where a layer's time goes, program by program.
 
     python -u benchmarks/moe_block_bench.py --out DIR [--layers 8] [--configs 4x8x8x1x1,4x4x4x2x0,...]
 
-A configuration: gate|up rows a tile x down rows a tile x warps x programs a multiprocessor x prefetch (1/0).
+A configuration: gate|up rows a tile x down rows a tile x warps x programs a multiprocessor x prefetch (1/0), and
+optionally rN: at most N registers a thread (moe_block.MAXNREG), e.g. 4x4x4x2x0r128.
 """
 from __future__ import annotations
 
@@ -64,8 +65,10 @@ def main() -> int:
     print(f"  three kernels                     {base:6.2f} us a layer ({floor_us / base:.0%} of floor)", flush=True)
     for spin, c in [(sp, c) for sp in a.spins.split(",") for c in a.configs.split(",")]:
         mb.ACQUIRE_ASM = spin == "asm"
-        BN, BD, warps, per_sm, pref = (int(v) for v in c.split("x"))
+        shape, _, reg = c.partition("r")
+        BN, BD, warps, per_sm, pref = (int(v) for v in shape.split("x"))
         tiles = (BN, BD, warps, per_sm, bool(pref))
+        mb.MAXNREG = int(reg) if reg else None
 
         def block(times=None):
             for i, ly in enumerate(layers):

@@ -60,6 +60,10 @@ ACQUIRE_ASM = True
 # the current one is reduced). Programs x warps <= 8 a multiprocessor: 256 threads at most, which fit an SM at any
 # register count, so every program of the grid is resident at once (the barriers need it)
 TILES = (4, 4, 4, 2, False)      # (benchmarks/moe_block_bench.py, H200, 35B-A3B: 23.7 us a layer, 8 warps 27.0)
+# the one kernel's registers a thread at most (ptxas's maxnreg; None: as many as it wants, 249 at TILES). Fewer would
+# leave room for the next kernel's programs beside the block's, but they spill: 128 took 64.0 us a layer (172
+# spilled), 168 took 47.8 (100 spilled), against 23.7 (benchmarks/moe_block_bench.py, fifteenth session)
+MAXNREG = None
 
 
 def takes(h_TH, m_TH, w_norm, gate_EH, k: int, w_gu, w_d, shared) -> bool:
@@ -116,8 +120,9 @@ def moe_block(h_TH, m_TH, w_norm, eps: float, gate_EH, k: int, w_gu_EIH, w_d_EHI
     else:
         global LAST_KERNEL
         CALLS["block"] += 1
+        regs = {} if MAXNREG is None else {"maxnreg": MAXNREG}
         LAST_KERNEL = _block_kernel[(P,)](*args, stamps, A=True, B=True, C=True, SYNC=True, TIME=times is not None,
-                                          **pdl(h_TH), **consts)
+                                          **pdl(h_TH), **regs, **consts)
     return s, out, w, idx
 
 

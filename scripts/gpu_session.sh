@@ -33,11 +33,13 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1;0,1,2,3" --concurrency 64,256 ;;
     engine) phase gpu-engine-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64,256 --modes graph --profile ;;
     # issue 7 on the 35B-A3B MoE dimensions: the engine step (profiled) and the deployment against transformers
+    # (--profile also writes each profiled step's critical path: profile-*.txt and critical_path.png)
     moestep) phase gpu-moe-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --batches ${MOE_B:-1,64,256} --modes ${MOE_MODES:-graph,graph-torchmoe} --profile ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
-    # its phases stamped, then in the step both ways, interleaved (BLOCK_MODES: other tiles, e.g. one program of
-    # four warps a multiprocessor, graph-sample-block-blk4x4x4x1x1, which leaves the neighbours half the registers)
+    # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and
+    # register caps, e.g. 4x4x4x2x0r168 / graph-sample-block-reg168; the fifteenth session's lower-register tries
+    # were all slower alone: docs/PERF.md)
     moeblock) phase moe-block 150 python3 -u benchmarks/moe_block_bench.py --out "$OUT/moe" --spins asm \
                 ${BLOCK_CONFIGS:+--configs $BLOCK_CONFIGS} ;
               phase moe-block-step 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" \
