@@ -6,8 +6,10 @@ memory floor, eager against CUDA graphs, side by side in one run (and a profile 
         [--ctx 192] [--profile] [--prefill 64x128,32x128]
 
 The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
-work of a step). The floor of a step: every weight once + each sequence's fp32 recurrent state read and written +
-its KV read, over the device-to-device copy bandwidth measured in this run.
+work of a step). With --profile, each mode's profiled step is also split into its critical path: each kernel's
+exposed time, the part of its span past every kernel before it (PDL overlaps neighbours), written to
+profile-MODE-BATCH.txt and drawn in critical_path.png. The floor of a step: every weight once + each sequence's
+fp32 recurrent state read and written + its KV read, over the device-to-device copy bandwidth measured in this run.
 """
 from __future__ import annotations
 
@@ -35,6 +37,71 @@ def kernel_summary(prof, top: int = 30) -> str:
     for name, (k, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
         lines.append(f"{us / 1e3:8.3f} ms {us / max(total, 1e-9):6.1%} {k:6d}x {us / k:8.1f} us  {name}")
     return "\n".join(lines)
+
+
+def critical_path(prof) -> dict:
+    """Where one profiled step's wall time goes when kernels overlap (PDL): the kernels in order of their start, each
+    charged with the part of its span past the latest end before it (its exposed time), and an idle gap before it
+    charged to it apart. By kernel name: {name: [count, device us, exposed us, idle us]}; the exposed and idle times
+    sum to the step's span."""
+    from torch.autograd import DeviceType
+    ks = sorted(((e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
+                 if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
+    by: dict[str, list] = {}
+    latest = ks[0][0] if ks else 0.0
+    for start, end, name in ks:
+        d = by.setdefault(name, [0, 0.0, 0.0, 0.0])
+        d[0] += 1
+        d[1] += end - start
+        if start > latest:
+            d[3] += start - latest
+        if end > latest:
+            d[2] += end - max(latest, start)
+            latest = end
+    return by
+
+
+def critical_text(by: dict, top: int = 30) -> str:
+    if not by:
+        return "no kernels profiled"
+    exposed, idle, dev = (sum(v[i] for v in by.values()) for i in (2, 3, 1))
+    lines = [f"{sum(v[0] for v in by.values())} kernels over {(exposed + idle) / 1e3:.3f} ms: exposed "
+             f"{exposed / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms, device time {dev / 1e3:.3f} ms",
+             "   exposed     idle   device  count  exposed/kernel  name"]
+    for name, (k, dev, exp, gap) in sorted(by.items(), key=lambda kv: -(kv[1][2] + kv[1][3]))[:top]:
+        lines.append(f"{exp / 1e3:7.3f} ms {gap / 1e3:6.3f} {dev / 1e3:8.3f} {k:6d} {exp / k:10.2f} us  {name}")
+    return "\n".join(lines)
+
+
+def plot_critical(rows: list, png: str, top: int = 10) -> bool:
+    """A panel per profiled (mode, batch): each kernel name's exposed time (its share of the step's critical path)
+    beside its device time, per step; the idle gaps (host time between the profiled step's launches, outside its
+    graph) in the title. False where nothing was profiled."""
+    rows = [r for r in rows if r.get("critical")]
+    if not rows:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 2.2 + 0.42 * top * len(rows)), squeeze=False)
+    for ax, r in zip(axes[:, 0], rows):
+        items = sorted(r["critical"].items(), key=lambda kv: -kv[1][2])[:top][::-1]
+        idle = sum(v[3] for v in r["critical"].values())
+        names = [f"{n[:40]} ({v[0]}x)" for n, v in items]
+        y = range(len(items))
+        ax.barh([i + 0.2 for i in y], [v[1] / 1e3 for _, v in items], 0.4, label="device time", color="#bbbbbb")
+        ax.barh([i - 0.2 for i in y], [v[2] / 1e3 for _, v in items], 0.4, label="exposed (critical path)",
+                color="#1f77b4")
+        ax.set_yticks(list(y), names, fontsize=8)
+        ax.set_xlabel("ms per step")
+        ax.set_title(f"{r['mode']}, batch {r['batch']}: step {r['step_ms']:.2f} ms, floor {r['floor_ms']:.2f} ms "
+                     f"(profiled: exposed {sum(v[2] for v in r['critical'].values()) / 1e3:.2f} ms, host gaps "
+                     f"{idle / 1e3:.2f} ms)", fontsize=9)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def matmul_only_ms(model, B: int, iters: int = 10) -> float:
@@ -65,8 +132,8 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
-FLAGS = {"block", "noblock", "nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref", "nosgate", "opre", "spre",
-         "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets"}
+FLAGS = {"nodnids", "block", "noblock", "nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref",
+         "nosgate", "opre", "spre", "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets"}
 
 
 def set_mode(mode: str, defaults, text) -> None:
@@ -80,8 +147,9 @@ def set_mode(mode: str, defaults, text) -> None:
     - nofuse: all three off, and the eighth session's down tile (2, 512, 4): the eighth session's step;
     - opre: gemv.PRELOAD (out_proj / o_proj's first K step before PDL's wait; nothing where obkN >= their K, which
       runs them in one step); spre: fused_moe.SHARED_BEFORE_WAIT (the shared pair's first K step before the wait);
-      nogdnpre: gdn_decode.STATE_BEFORE_WAIT off (the GDN step's state tile after the wait, as before the tenth
-      session); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
+      nodnids: fused_moe.DOWN_IDS_BEFORE_WAIT off (the down kernel's routed ids after PDL's wait, as before the
+      fifteenth session); nogdnpre: gdn_decode.STATE_BEFORE_WAIT off (the GDN step's state tile after the wait,
+      as before the tenth session); obkN: the plain GEMV's K step (gemv.PLAIN_BK);
     - sample: each step followed by the deployment's greedy sampling (sampling.sample_async: kernels/greedy.py),
       the next step fed from its tokens on the device; torchsample: the same with the torch ops (greedy.FUSED off);
     - kvbuckets: decode_graphs.ANY_KV off (a graph per batch and KV-length bucket, the attention over the bucket,
@@ -89,18 +157,19 @@ def set_mode(mode: str, defaults, text) -> None:
       (the default since the eleventh session; the tenth's commands name it);
     - block / noblock: one row's MoE block as one persistent kernel (kernels/moe_block.py) / as its three kernels
       (neither: moe_block.ENABLED's default); blkAxBxCxDxE: its tiles (gate|up rows, down rows, warps: powers of
-      two; programs a multiprocessor; prefetch 1 / 0: moe_block.TILES);
+      two; programs a multiprocessor; prefetch 1 / 0: moe_block.TILES); regN: its registers a thread at most
+      (moe_block.MAXNREG);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_block, moe_route, \
         paged_attention
     from memra_pp.model import decode_graphs
-    rows0, programs0, plain_bk0, small0, block0, block_on0 = defaults
+    rows0, programs0, plain_bk0, small0, block0, block_on0, maxnreg0 = defaults
     kind, *tokens = mode.split("-")
     if kind not in ("eager", "graph"):
         raise SystemExit(f"mode {mode!r}: eager or graph first")
     on = set(tokens) & FLAGS
-    tiles, programs, plain_bk, block = list(small0), programs0, plain_bk0, block0
+    tiles, programs, plain_bk, block, maxnreg = list(small0), programs0, plain_bk0, block0, maxnreg0
     if "nofuse" in on:
         tiles[3:6] = (2, 512, 4)
 
@@ -120,13 +189,15 @@ def set_mode(mode: str, defaults, text) -> None:
                 and 0 < int(t[3:].split("x")[3]) and t[3:].split("x")[4] in ("0", "1"):
             v = [int(v) for v in t[3:].split("x")]
             setting, block = "blk", (*v[:4], bool(v[4]))
+        elif t[:3] == "reg" and t[3:].isdigit() and 24 <= int(t[3:]) <= 255:
+            setting, maxnreg = "reg", int(t[3:])
         elif (t[:2] in ("gu", "dn") and len(t[2:].split("x")) == 3 and t[2:].replace("x", "").isdigit()
               and pow2(int(t[2:].split("x")[1]))):
             setting, i = t[:2], 0 if t[:2] == "gu" else 3
             tiles[i:i + 3] = [int(v) for v in t[2:].split("x")]
         else:
             raise SystemExit(f"mode {mode!r}: unknown token {t!r} (pN > 0; obkN, a tile's BK: powers of two >= 16; "
-                             "blkAxBxCxDxE: powers of two, programs > 0, prefetch 0 / 1)")
+                             "blkAxBxCxDxE: powers of two, programs > 0, prefetch 0 / 1; regN: 24 to 255)")
         if setting in seen:
             raise SystemExit(f"mode {mode!r}: a setting given twice ({setting})")
         seen.add(setting)
@@ -144,6 +215,7 @@ def set_mode(mode: str, defaults, text) -> None:
     gemv.PRELOAD = "opre" in on
     fused_moe.SHARED_BEFORE_WAIT = "spre" in on
     gdn_decode.STATE_BEFORE_WAIT = "nogdnpre" not in on
+    fused_moe.DOWN_IDS_BEFORE_WAIT = "nodnids" not in on
     greedy.FUSED = "torchsample" not in on
     if {"anykv", "kvbuckets"} <= on:
         raise SystemExit(f"mode {mode!r}: anykv and kvbuckets contradict each other")
@@ -152,12 +224,12 @@ def set_mode(mode: str, defaults, text) -> None:
     if {"block", "noblock"} <= on:
         raise SystemExit(f"mode {mode!r}: block and noblock contradict each other")
     moe_block.ENABLED = "block" in on or (block_on0 and "noblock" not in on)
-    if "blk" in seen and not moe_block.ENABLED:
-        raise SystemExit(f"mode {mode!r}: block tiles without the block kernel (add -block)")
+    if seen & {"blk", "reg"} and not moe_block.ENABLED:
+        raise SystemExit(f"mode {mode!r}: block tiles or registers without the block kernel (add -block)")
     if block[2] * block[3] > 8:
         raise SystemExit(f"mode {mode!r}: {block[3]} block programs of {block[2]} warps a multiprocessor cannot all "
                          "be resident (at most 8 warps)")
-    moe_block.TILES = block
+    moe_block.TILES, moe_block.MAXNREG = block, maxnreg
 
 
 def main() -> int:
@@ -186,7 +258,7 @@ def main() -> int:
     mc = src.config
     from memra_pp.kernels import fused_moe, gemv, moe_block
     defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, moe_block.TILES,
-                moe_block.ENABLED)
+                moe_block.ENABLED, moe_block.MAXNREG)
     for mode in a.modes.split(","):     # every mode parsed before the model loads: a typo costs no device time
         set_mode(mode, defaults, mc.text)
     t0 = time.time()
@@ -200,6 +272,7 @@ def main() -> int:
            "rows": []}
     for mode in a.modes.split(","):
         set_mode(mode, defaults, mc.text)
+        fused_moe.LAST_DOWN = None
         graph = mode.startswith("graph")
         model.set_decode_graphs(False, cache)      # drop graphs captured under the previous mode
         model.set_decode_graphs(graph, cache)
@@ -231,10 +304,15 @@ def main() -> int:
                    "of_floor": floor_ms / ms, "bytes": by, "any_kv": decode_graphs.ANY_KV}
             if mode == "graph":
                 row["matmul_only_ms"] = matmul_only_ms(model, B)
+            kern = fused_moe.LAST_DOWN      # the tile down kernel the step ran last (registers: its occupancy)
+            if kern is not None and getattr(kern, "n_regs", None) is not None:
+                row["down_tile_regs"], row["down_tile_spills"] = kern.n_regs, kern.n_spills
             rep["rows"].append(row)
             print(f"  {mode:5s} batch {B:4d}: {ms:7.2f} ms/step, {B / ms * 1e3:8.1f} tokens/s, floor "
                   f"{floor_ms:.2f} ms -> {floor_ms / ms:.0%} of floor"
-                  + (f", matmuls alone {row['matmul_only_ms']:.2f} ms" if "matmul_only_ms" in row else ""),
+                  + (f", matmuls alone {row['matmul_only_ms']:.2f} ms" if "matmul_only_ms" in row else "")
+                  + (f", down tile kernel {row['down_tile_regs']} registers, {row['down_tile_spills']} spilled"
+                     if "down_tile_regs" in row else ""),
                   flush=True)
             if a.profile:
                 from torch.profiler import ProfilerActivity, profile
@@ -243,9 +321,15 @@ def main() -> int:
                     torch.cuda.synchronize()
                 table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
                 ks = kernel_summary(prof)
-                open(os.path.join(a.out, f"profile-{mode}-{B}.txt"), "w").write(ks + "\n\n" + table)
-                print(ks, flush=True)
+                row["critical"] = critical_path(prof)
+                crit = critical_text(row["critical"])
+                open(os.path.join(a.out, f"profile-{mode}-{B}.txt"), "w").write(ks + "\n\n" + crit + "\n\n" + table)
+                print(ks + "\n" + crit, flush=True)
             json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
+        try:
+            plot_critical(rep["rows"], os.path.join(a.out, "critical_path.png"))
+        except ImportError as e:       # matplotlib is the test extra's: the JSON has every figure
+            print(f"no critical_path.png: {e}", flush=True)
         for B, n in shapes:     # prefill: B fresh prompts of n tokens as one step (chunk = B * n tokens)
             b = StepBatch(list(range(B)), [0] * B, [n] * B, StepBatch.text_positions([0] * B, [n] * B), [True] * B)
             ids = torch.randint(4, mc.text.vocab_size, (B * n,), device="cuda")

@@ -159,12 +159,14 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     text = types.SimpleNamespace(moe_intermediate_size=512, shared_expert_intermediate_size=512)   # the 35B-A3B's
     for mod, name in ((gemv, "GEMV_ROWS"), (gemv, "PROGRAMS"), (gemv, "PLAIN_BK"), (gemv, "PREFETCH"),
                       (gemv, "PRELOAD"), (fused_moe, "SMALL_TILES"), (fused_moe, "SHARED_GATE_EARLY"),
-                      (fused_moe, "SHARED_BEFORE_WAIT"), (fused_moe, "ENABLED"), (paged_attention, "FUSE_QK"),
+                      (fused_moe, "SHARED_BEFORE_WAIT"), (fused_moe, "DOWN_IDS_BEFORE_WAIT"),
+                      (fused_moe, "ENABLED"), (paged_attention, "FUSE_QK"),
                       (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT"), (greedy, "FUSED"),
-                      (decode_graphs, "ANY_KV"), (moe_block, "ENABLED"), (moe_block, "TILES")):
+                      (decode_graphs, "ANY_KV"), (moe_block, "ENABLED"), (moe_block, "TILES"),
+                      (moe_block, "MAXNREG")):
         monkeypatch.setattr(mod, name, getattr(mod, name))     # every switch set_mode moves: restored after
     defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, moe_block.TILES,
-                moe_block.ENABLED)
+                moe_block.ENABLED, moe_block.MAXNREG)
     ges.set_mode("graph-nofuse", defaults, text)
     assert not (paged_attention.FUSE_QK or gemv.PREFETCH or fused_moe.SHARED_GATE_EARLY)
     assert fused_moe.SMALL_TILES[3:] == (2, 512, 4) and fused_moe.SMALL_TILES[:3] == defaults[3][:3]
@@ -179,6 +181,9 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     assert gemv.PREFETCH and fused_moe.ENABLED and gdn_decode.STATE_BEFORE_WAIT
     ges.set_mode("graph-cublas-torchmoe", defaults, text)     # tokens in any order, not only at the end
     assert gemv.GEMV_ROWS == 0 and not fused_moe.ENABLED
+    assert fused_moe.DOWN_IDS_BEFORE_WAIT
+    ges.set_mode("graph-nodnids", defaults, text)
+    assert not fused_moe.DOWN_IDS_BEFORE_WAIT
     ges.set_mode("graph-torchsample", defaults, text)
     assert not greedy.FUSED
     ges.set_mode("graph-sample", defaults, text)
@@ -189,14 +194,44 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     assert decode_graphs.ANY_KV
     ges.set_mode("graph-block-blk2x16x4x2x0", defaults, text)
     assert moe_block.ENABLED and moe_block.TILES == (2, 16, 4, 2, False)
+    assert moe_block.MAXNREG is None
+    ges.set_mode("graph-block-reg128", defaults, text)
+    assert moe_block.ENABLED and moe_block.MAXNREG == 128 and moe_block.TILES == defaults[4]
     ges.set_mode("graph-noblock", defaults, text)
-    assert not moe_block.ENABLED and moe_block.TILES == defaults[4]
+    assert not moe_block.ENABLED and moe_block.TILES == defaults[4] and moe_block.MAXNREG == defaults[6]
     ges.set_mode("graph", defaults, text)
     assert moe_block.ENABLED == defaults[5]
     for bad in ("graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0", "graph-obk3000",
                 "graph-p264-p396", "graph-gu4x1000x2", "graph-anykv-kvbuckets", "graph-block-noblock",
                 "graph-block-blk3x8x8x1x1", "graph-block-blk4x8x8x1", "graph-block-blk4x8x8x1x2",
-                "graph-block-blk4x8x8x0x1", "graph-block-blk4x4x8x2x0", "graph-blk4x4x4x2x0"):
+                "graph-block-blk4x8x8x0x1", "graph-block-blk4x4x8x2x0", "graph-blk4x4x4x2x0",
+                "graph-reg128", "graph-block-reg16", "graph-block-reg256", "graph-block-reg128-reg96"):
         with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel|given twice|contradict|"
                                              "without the block|resident"):
             ges.set_mode(bad, defaults, text)
+
+
+def test_critical_path_charges_each_kernel_what_it_adds_to_the_step(tmp_path):
+    """gpu_engine_step.critical_path: kernels overlapping under PDL are charged only their part past the latest end
+    before them; an idle gap goes to the kernel after it apart; exposed plus idle is the step's span; host events
+    are not kernels. plot_critical draws a panel per profiled row."""
+    import gpu_engine_step as ges
+    from torch.autograd import DeviceType
+
+    def ev(name, start, end, dev=DeviceType.CUDA):
+        return types.SimpleNamespace(name=name, device_type=dev, time_range=types.SimpleNamespace(start=start, end=end))
+
+    prof = types.SimpleNamespace(events=lambda: [
+        ev("b", 8.0, 20.0), ev("a", 0.0, 10.0), ev("host", 0.0, 100.0, DeviceType.CPU),
+        ev("c", 12.0, 15.0),            # wholly inside b: nothing exposed
+        ev("a", 25.0, 30.0)])           # after an idle gap of 5
+    by = ges.critical_path(prof)
+    assert by == {"a": [2, 15.0, 15.0, 5.0], "b": [1, 12.0, 10.0, 0.0], "c": [1, 3.0, 0.0, 0.0]}
+    assert sum(v[2] + v[3] for v in by.values()) == 30.0
+    assert "4 kernels over 0.030 ms: exposed 0.025 ms, idle 0.005 ms" in ges.critical_text(by)
+    assert ges.critical_path(types.SimpleNamespace(events=lambda: [])) == {}
+    rows = [{"mode": "graph", "batch": 1, "step_ms": 0.03, "floor_ms": 0.02, "critical": by},
+            {"mode": "eager", "batch": 1, "step_ms": 0.05, "floor_ms": 0.02}]
+    png = tmp_path / "critical_path.png"
+    assert ges.plot_critical(rows, str(png)) and png.stat().st_size > 1000
+    assert not ges.plot_critical(rows[1:], str(tmp_path / "none.png"))
