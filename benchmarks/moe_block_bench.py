@@ -25,6 +25,17 @@ from moe_kernels import time_graph_us
 PHASES = ("wait", "norm+router", "barrier 1", "routing", "gate|up", "barrier 2", "down")
 
 
+def parse_config(c: str):
+    """((BN, BD, warps, programs a multiprocessor, prefetch), registers cap or None) of "AxBxCxDxE[rN]"."""
+    shape, r, reg = c.partition("r")
+    v = shape.split("x")
+    if len(v) != 5 or not all(x.isdigit() for x in v) or (r and not reg.isdigit()):
+        raise SystemExit(f"config {c!r}: AxBxCxDxE (gate|up rows, down rows, warps, programs a multiprocessor, "
+                         "prefetch 0 / 1), optionally rN (at most N registers), e.g. 4x4x4x2x0r168")
+    BN, BD, warps, per_sm, pref = (int(x) for x in v)
+    return (BN, BD, warps, per_sm, bool(pref)), (int(reg) if reg else None)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -32,6 +43,7 @@ def main() -> int:
     ap.add_argument("--configs", default="4x4x4x2x0,2x4x4x2x1,2x4x4x2x0,4x4x8x1x1,2x2x4x2x1,4x8x8x1x1,2x4x8x1x1")
     ap.add_argument("--spins", default="asm,atomic", help="the barrier's wait: ld.acquire (asm), atomic adds of 0")
     a = ap.parse_args()
+    configs = {c: parse_config(c) for c in a.configs.split(",")}     # a typo fails before any device time
     os.makedirs(a.out, exist_ok=True)
     from memra_pp.kernels import fused_moe as fm
     from memra_pp.kernels import moe_block as mb
@@ -65,10 +77,8 @@ def main() -> int:
     print(f"  three kernels                     {base:6.2f} us a layer ({floor_us / base:.0%} of floor)", flush=True)
     for spin, c in [(sp, c) for sp in a.spins.split(",") for c in a.configs.split(",")]:
         mb.ACQUIRE_ASM = spin == "asm"
-        shape, _, reg = c.partition("r")
-        BN, BD, warps, per_sm, pref = (int(v) for v in shape.split("x"))
-        tiles = (BN, BD, warps, per_sm, bool(pref))
-        mb.MAXNREG = int(reg) if reg else None
+        tiles, mb.MAXNREG = configs[c]
+        per_sm = tiles[3]
 
         def block(times=None):
             for i, ly in enumerate(layers):
@@ -109,6 +119,7 @@ def main() -> int:
               f"regs {regs} spills {spills}; stamped span {span:.1f} us, last program starts at {start:.1f}; "
               "phases median/max: " + ", ".join(f"{p} {v / 1e3:.1f}/{w / 1e3:.1f}" for p, v, w in zip(PHASES, med, mx)),
               flush=True)
+    mb.MAXNREG = None
     with open(os.path.join(a.out, "moe_block_bench.json"), "w") as f:
         json.dump({"copy_bandwidth_Bps": bw, "floor_us": floor_us, "layers": L, "rows": rows}, f, indent=1)
     return 0

@@ -131,6 +131,8 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
     SG = S and SHARED_GATE_EARLY
     sg = torch.empty(T, dtype=x.dtype, device=x.device) if SG else h      # the shared gate a row (SG)
     BH = triton.next_power_of_2(H)
+    # topi and topw are written before this launch (a router kernel, torch ops, a copy), never between it and the
+    # down kernel's: the down kernel reads them before its PDL wait (DOWN_IDS_BEFORE_WAIT)
     _small_gate_up_kernel[(T * (k + S), triton.cdiv(IH, BN))](
         x, w_gu, w_sgu, w_sg, sg, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, SG=SG,
         SPRE=S and SHARED_BEFORE_WAIT, BN=BN, BK=BK, BH=BH, num_warps=warps, **pdl(x))
@@ -159,7 +161,8 @@ if triton is not None:
         """Program (row t, pair j, tile of the width): h[t*(K+S) + j, n] = silu(x_t . W[n]) * (x_t . W[I + n]),
         W the j-th routed expert's gate|up, or for j = K (S: a shared expert) the shared expert's. SG: the shared
         pair's first program also stores the row's shared gate sigmoid(x_t . w_gate) to sg[t] (_shared_gate). SPRE:
-        the shared pair's programs load their first K step of its weights before PDL's wait."""
+        the shared pair's programs load their first K step of its weights before PDL's wait. Every program passes
+        pdl_enter before it can return: the down kernel after it relies on that (DOWN_IDS_BEFORE_WAIT)."""
         r = tl.program_id(0)
         t = r // (K + S)
         j = r % (K + S)

@@ -1,9 +1,6 @@
-"""Which CPUs a process runs on: the physical cores it may use, and pinning every thread of it to a set of them.
-
-Two processes that hand a boundary off spin on shared memory (stages/mailbox.py's receiver polls for up to its
-spin time). Where the scheduler puts the spinner on the hyperthread sibling of the sender's core, every instruction
-of the sender's send path runs at about half speed. Pinning neighbouring processes to different physical cores is
-the remedy measured by `memra_pp.gpu_checks --pin` (docs/PERF.md). Linux only; elsewhere nothing is pinned.
+"""Which CPUs a process runs on: the physical cores it may use, disjoint shares of them, every thread of a process
+pinned to one. Used by the boundary probe (`memra_pp.gpu_checks --pin`) to ask whether a receiver polling its
+mailbox slows the sender beside it; the runtime does not pin (docs/PERF.md, fifteenth session). Linux only.
 """
 from __future__ import annotations
 
@@ -53,7 +50,9 @@ def share(index: int, count: int, groups: list[tuple[int, ...]] | None = None) -
 
 def pin_process(cpus: set[int]) -> int:
     """Every thread of this process on `cpus` (threads started later inherit it); the number of threads pinned.
-    sched_setaffinity(0) moves only the calling thread, so each task of /proc/self/task is moved by its id."""
+    sched_setaffinity(0) moves only the calling thread, so each task of /proc/self/task is moved by its id. A thread
+    started by a not yet pinned thread between the listing and the loop keeps the old mask: call this before
+    starting threads of one's own."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return 0
     tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
@@ -62,6 +61,24 @@ def pin_process(cpus: set[int]) -> int:
         try:
             os.sched_setaffinity(tid, cpus)
             done += 1
-        except (ProcessLookupError, PermissionError):    # a thread that ended meanwhile
+        except ProcessLookupError:      # the thread ended after the listing
             pass
     return done
+
+
+def probe_pair(pin: str) -> tuple[set | None, set | None]:
+    """(receiver's CPUs, sender's CPUs) for a two-process probe: none (the scheduler's choice), apart (disjoint
+    physical cores, half each), siblings (the two hyperthreads of one core: the case pinning would avoid)."""
+    if pin == "none":
+        return None, None
+    groups = core_groups()
+    if pin == "apart":
+        if len(groups) < 2:
+            raise ValueError(f"pin apart needs two physical cores; this process may use {groups}")
+        return share(0, 2, groups), share(1, 2, groups)
+    if pin == "siblings":
+        core = next((g for g in groups if len(g) >= 2), None)
+        if core is None:
+            raise ValueError(f"pin siblings needs a core with two hyperthreads; this process may use {groups}")
+        return {core[0]}, {core[1]}
+    raise ValueError(f"pin {pin!r}: none, apart or siblings")

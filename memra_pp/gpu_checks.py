@@ -166,7 +166,7 @@ def _slot_receiver(transport, dev, max_bytes, n, conn, timeout, fast=True, cpus=
             else:
                 r.free(hdr["slot"])
         conn.send({"ok": True, "bad": bad, "in_order": seqs == list(range(n)), "slots": slots[:6],
-                   "stats": r.stats()})
+                   "cpus": sorted(os.sched_getaffinity(0)), "stats": r.stats()})
         conn.poll(timeout)  # the sender unmaps before the slots are freed
         r.close()
     except Exception:  # noqa: BLE001 - reported to the parent
@@ -237,30 +237,12 @@ def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=True, s
         conn.send({"ok": False, "error": traceback.format_exc(limit=6)})
 
 
-def pin_sets(pin: str) -> tuple[set | None, set | None]:
-    """(receiver's CPUs, sender's CPUs) for a probe's pinning: none (the scheduler's choice), apart (disjoint
-    physical cores, half each), siblings (the two hyperthreads of one core: the case pinning avoids)."""
-    if pin == "none":
-        return None, None
-    groups = cpu_pinning.core_groups()
-    if pin == "apart":
-        if len(groups) < 2:
-            raise ValueError(f"pin apart needs two physical cores; this process may use {groups}")
-        return cpu_pinning.share(0, 2, groups), cpu_pinning.share(1, 2, groups)
-    if pin == "siblings":
-        core = next((g for g in groups if len(g) >= 2), None)
-        if core is None:
-            raise ValueError(f"pin siblings needs a core with two hyperthreads; this process may use {groups}")
-        return {core[0]}, {core[1]}
-    raise ValueError(f"pin {pin!r}: none, apart or siblings")
-
-
 def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), timeout: float = 120.0,
           fast: bool = True, split: bool = False, pin: str = "none") -> dict:
     """n handoffs of `shape` bf16 from a process on src to one on dst, the last after the sender's refusals (a
     foreign context current; a source it does not own); the sender's stats and, with split, its per-call times.
-    fast: the slots' fast_checks in both processes; pin: where the two processes run (pin_sets)."""
-    rcpus, scpus = pin_sets(pin)
+    fast: the slots' fast_checks in both processes; pin: where the two processes run (cpu_pinning.probe_pair)."""
+    rcpus, scpus = cpu_pinning.probe_pair(pin)
     ctx = mp.get_context("spawn")
     (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
     max_bytes = math.prod(shape) * 2
@@ -376,8 +358,8 @@ def main() -> int:
         for mode, fast in (("full", False), ("fast", True)):
             scenarios.append((f"checks_split_{mode}",
                               lambda fast=fast: slots("peer", src, dst, args.handoffs, fast=fast, split=True)))
-    for i in range(args.pin):
-        for pin in ("none", "apart", "siblings"):
+    for i in range(args.pin):       # the order turns each round: a run's first scenario pays for its start
+        for pin in ("none", "apart", "siblings")[i % 3:] + ("none", "apart", "siblings")[:i % 3]:
             scenarios.append((f"pin_{pin}_{i}", lambda pin=pin: slots("peer", src, src, args.handoffs, pin=pin)))
     if args.only:
         scenarios = [(n, f) for n, f in scenarios if n.startswith(tuple(args.only.split(",")))]

@@ -9,11 +9,13 @@ from memra_pp import cpu_pinning
 
 
 def test_parse_list_reads_ranges_and_singles():
+    """A kernel CPU list must read as the set of its ranges and single CPUs."""
     assert cpu_pinning._parse_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert cpu_pinning._parse_list("5") == {5}
 
 
 def test_core_groups_cover_the_allowed_cpus_once():
+    """The physical cores must cover this process's CPUs, each once; a CPU alone must be a core of its own."""
     allowed = set(os.sched_getaffinity(0))
     groups = cpu_pinning.core_groups()
     flat = [c for g in groups for c in g]
@@ -22,6 +24,8 @@ def test_core_groups_cover_the_allowed_cpus_once():
 
 
 def test_share_splits_whole_cores_disjointly():
+    """Shares must be whole cores, disjoint and as even as the cores allow, round robin where processes outnumber
+    cores; an index out of range or no cores must be refused, naming both."""
     groups = [(0, 8), (1, 9), (2, 10)]
     assert cpu_pinning.share(0, 2, groups) == {0, 8, 1, 9}
     assert cpu_pinning.share(1, 2, groups) == {2, 10}
@@ -35,6 +39,8 @@ def test_share_splits_whole_cores_disjointly():
 
 
 def test_pin_process_moves_every_thread_and_later_ones_inherit():
+    """Pinning must move a thread already running as well as the caller, threads started after must inherit the mask,
+    and an empty set must change nothing."""
     before = os.sched_getaffinity(0)
     one = {min(before)}
     started, stop = threading.Event(), threading.Event()
@@ -65,20 +71,29 @@ def test_pin_process_moves_every_thread_and_later_ones_inherit():
 
 
 def test_probe_pinnings_are_disjoint_or_refused():
-    from memra_pp import gpu_checks
-    assert gpu_checks.pin_sets("none") == (None, None)
+    """The probe's pinnings must give the two processes disjoint cores (apart) or one core's two hyperthreads
+    (siblings), or be refused naming what the machine lacks; an unknown pinning must be refused naming the three."""
+    assert cpu_pinning.probe_pair("none") == (None, None)
     groups = cpu_pinning.core_groups()
     if len(groups) >= 2:
-        r, s = gpu_checks.pin_sets("apart")
+        r, s = cpu_pinning.probe_pair("apart")
         assert r and s and not r & s and r | s == {c for g in groups for c in g}
     else:
         with pytest.raises(ValueError, match="two physical cores"):
-            gpu_checks.pin_sets("apart")
+            cpu_pinning.probe_pair("apart")
     if any(len(g) >= 2 for g in groups):
-        r, s = gpu_checks.pin_sets("siblings")
+        r, s = cpu_pinning.probe_pair("siblings")
         assert len(r) == len(s) == 1 and r != s
     else:
         with pytest.raises(ValueError, match="two hyperthreads"):
-            gpu_checks.pin_sets("siblings")
+            cpu_pinning.probe_pair("siblings")
+    # both branches on a machine with hyperthreads (this one may have none)
+    real = cpu_pinning.core_groups
+    cpu_pinning.core_groups = lambda allowed=None: [(0, 8), (1, 9)]
+    try:
+        assert cpu_pinning.probe_pair("siblings") == ({0}, {8})
+        assert cpu_pinning.probe_pair("apart") == ({0, 8}, {1, 9})
+    finally:
+        cpu_pinning.core_groups = real
     with pytest.raises(ValueError, match="none, apart or siblings"):
-        gpu_checks.pin_sets("near")
+        cpu_pinning.probe_pair("near")

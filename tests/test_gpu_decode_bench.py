@@ -212,10 +212,11 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
 
 
 def test_critical_path_charges_each_kernel_what_it_adds_to_the_step(tmp_path):
-    """gpu_engine_step.critical_path: kernels overlapping under PDL are charged only their part past the latest end
-    before them; an idle gap goes to the kernel after it apart; exposed plus idle is the step's span; host events
-    are not kernels. plot_critical draws a panel per profiled row."""
-    import gpu_engine_step as ges
+    """step_profile.critical_path: a kernel overlapping others under PDL must be charged only its part past the latest
+    end before it, an idle gap must go to the kernel after it apart, exposed plus idle must be the step's span, and
+    host events must not count as kernels. plot_critical must draw a panel per profiled row, and nothing without
+    one."""
+    import step_profile as ges
     from torch.autograd import DeviceType
 
     def ev(name, start, end, dev=DeviceType.CUDA):
