@@ -161,6 +161,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=192)
     ap.add_argument("--max-context", type=int, default=0, help="the cache's capacity a sequence (0: ctx + 64)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warm-s", type=float, default=0.3, help="seconds of steps before each (mode, batch) is timed")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prefill", default="", help="also time prefill steps: comma-separated SEQSxTOKENS (e.g. "
                     "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown)")
@@ -210,8 +211,12 @@ def main() -> int:
                 return out
 
             fused_moe.LAST_DOWN = None      # set again only if this batch's step runs the tile down kernel
-            for _ in range(3):
+            # three steps at least, and --warm-s of them: after three alone, the fifteenth session's runs timed a
+            # run's first mode 0.02-0.05 ms slower than the same mode later
+            warm_end, i = time.perf_counter() + a.warm_s, 0
+            while i < 3 or time.perf_counter() < warm_end:
                 step()
+                i += 1
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(a.iters):
