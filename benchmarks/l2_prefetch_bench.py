@@ -21,6 +21,7 @@ import os
 import torch
 
 from gpu_decode import copy_bandwidth      # benchmarks/ is on the path
+from moe_kernels import time_graph_us
 
 try:
     import triton
@@ -29,24 +30,9 @@ except ImportError:         # the CPU machine: the module imports, main() refuse
     triton = None
 
 
-def graph_us(fn, replays: int = 200) -> float:
-    """Device time of one call of fn, captured once in a CUDA graph and replayed."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(replays):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    del g
-    return a.elapsed_time(b) / replays * 1e3
+def graph_us(fn) -> float:
+    """Device time of one call of fn, captured once in a CUDA graph and replayed 200 times."""
+    return time_graph_us(fn, reps=1, replays=200)
 
 
 if triton is not None:
