@@ -55,6 +55,14 @@ FLAGS = {"steal", "nosteal", "nodnids", "block", "noblock", "nopdl", "cublas", "
          "nosgate", "opre", "spre", "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets"}
 
 
+def switch_defaults() -> tuple:
+    """The switches set_mode reads its defaults from, as the modules hold them before any mode has moved them:
+    (GEMV rows, GEMV programs, plain K step, per-pair MoE tiles, block tiles, block on, block registers, stealing)."""
+    from memra_pp.kernels import fused_moe, gemv, moe_block
+    return (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, moe_block.TILES, moe_block.ENABLED,
+            moe_block.MAXNREG, moe_block.STEAL)
+
+
 def set_mode(mode: str, defaults, text) -> None:
     """Set the kernels' switches for one mode: "eager" or "graph", then "-"-separated tokens. A token not known
     here raises (a typo would otherwise time the default step under its label).
@@ -105,11 +113,8 @@ def set_mode(mode: str, defaults, text) -> None:
             setting, programs = "p", int(t[1:])
         elif t[:3] == "obk" and t[3:].isdigit() and pow2(int(t[3:])):
             setting, plain_bk = "obk", int(t[3:])
-        elif t[:3] == "blk" and len(t[3:].split("x")) == 5 and t[3:].replace("x", "").isdigit() \
-                and all(int(v) > 0 and not int(v) & (int(v) - 1) for v in t[3:].split("x")[:3]) \
-                and 0 < int(t[3:].split("x")[3]) and t[3:].split("x")[4] in ("0", "1"):
-            v = [int(v) for v in t[3:].split("x")]
-            setting, block = "blk", (*v[:4], bool(v[4]))
+        elif t[:3] == "blk" and moe_block.parse_tiles(t[3:]) is not None:
+            setting, block = "blk", moe_block.parse_tiles(t[3:])
         elif t[:3] == "reg" and t[3:].isdigit() and 24 <= int(t[3:]) <= 255:
             setting, maxnreg = "reg", int(t[3:])
         elif (t[:2] in ("gu", "dn") and len(t[2:].split("x")) == 3 and t[2:].replace("x", "").isdigit()
@@ -181,9 +186,8 @@ def main() -> int:
     bw = copy_bandwidth()
     src = open_weights(a.model, "dummy")
     mc = src.config
-    from memra_pp.kernels import fused_moe, gemv, moe_block
-    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, moe_block.TILES,
-                moe_block.ENABLED, moe_block.MAXNREG, moe_block.STEAL)
+    from memra_pp.kernels import fused_moe
+    defaults = switch_defaults()
     for mode in a.modes.split(","):     # every mode parsed before the model loads: a typo costs no device time
         set_mode(mode, defaults, mc.text)
     t0 = time.time()

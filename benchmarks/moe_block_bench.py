@@ -29,13 +29,14 @@ PHASES = ("wait", "norm+router", "barrier 1", "routing", "gate|up", "barrier 2",
 
 def parse_config(c: str):
     """((BN, BD, warps, programs a multiprocessor, prefetch), steal, registers cap or None) of "AxBxCxDxE[s][rN]"."""
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)x([01])(s?)(?:r(\d+))?", c)
-    if m is None or (m[5] == "1" and m[6]):
-        raise SystemExit(f"config {c!r}: AxBxCxDxE (gate|up rows, down rows, warps, programs a multiprocessor, "
-                         "prefetch 0 / 1), then optionally s (tiles from a counter; not with prefetch 1) and rN (at "
-                         "most N registers), e.g. 4x4x4x2x0s or 4x4x4x2x0r168")
-    BN, BD, warps, per_sm, pref = (int(m[i]) for i in range(1, 6))
-    return (BN, BD, warps, per_sm, bool(pref)), bool(m[6]), (int(m[7]) if m[7] else None)
+    from memra_pp.kernels import moe_block as mb
+    m = re.fullmatch(r"([0-9x]+)(s?)(?:r(\d+))?", c)
+    tiles = mb.parse_tiles(m[1]) if m else None
+    if tiles is None or (tiles[4] and m[2]):
+        raise SystemExit(f"config {c!r}: AxBxCxDxE (gate|up rows, down rows, warps: powers of two; programs a "
+                         "multiprocessor; prefetch 0 / 1), then optionally s (tiles from a counter; not with prefetch "
+                         "1) and rN (at most N registers), e.g. 4x4x4x2x0s or 4x4x4x2x0r168")
+    return tiles, bool(m[2]), (int(m[3]) if m[3] else None)
 
 
 def main() -> int:

@@ -72,6 +72,18 @@ MAXNREG = None
 STEAL = False
 
 
+def parse_tiles(spec: str):
+    """TILES from "AxBxCxDxE" (the benchmarks' spelling): gate|up rows, down rows and warps powers of two, programs
+    a multiprocessor > 0, prefetch 0 / 1; None where it is not that."""
+    v = spec.split("x")
+    if len(v) != 5 or not all(x.isdigit() for x in v) or v[4] not in ("0", "1"):
+        return None
+    n = [int(x) for x in v]
+    if not all(x > 0 and not x & (x - 1) for x in n[:3]) or n[3] <= 0:
+        return None
+    return (*n[:4], bool(n[4]))
+
+
 def takes(h_TH, m_TH, w_norm, gate_EH, k: int, w_gu, w_d, shared) -> bool:
     """The block kernel serves this MoE step: the fused MoE path on (fused_moe.ENABLED), one row with its residual,
     a shared expert, k a power of two, the hidden size in one step of a program (<= 4,096), contiguous weights."""

@@ -358,8 +358,9 @@ def main() -> int:
         for mode, fast in (("full", False), ("fast", True)):
             scenarios.append((f"checks_split_{mode}",
                               lambda fast=fast: slots("peer", src, dst, args.handoffs, fast=fast, split=True)))
+    pins = ("none", "apart", "siblings")
     for i in range(args.pin):       # the order turns each round: a run's first scenario pays for its start
-        for pin in ("none", "apart", "siblings")[i % 3:] + ("none", "apart", "siblings")[:i % 3]:
+        for pin in pins[i % 3:] + pins[:i % 3]:
             scenarios.append((f"pin_{pin}_{i}", lambda pin=pin: slots("peer", src, src, args.handoffs, pin=pin)))
     if args.only:
         scenarios = [(n, f) for n, f in scenarios if n.startswith(tuple(args.only.split(",")))]

@@ -70,7 +70,7 @@ def test_pin_process_moves_every_thread_and_later_ones_inherit():
     assert cpu_pinning.pin_process(set()) == 0 and os.sched_getaffinity(0) == before
 
 
-def test_probe_pinnings_are_disjoint_or_refused():
+def test_probe_pinnings_are_disjoint_or_refused(monkeypatch):
     """The probe's pinnings must give the two processes disjoint cores (apart) or one core's two hyperthreads
     (siblings), or be refused naming what the machine lacks; an unknown pinning must be refused naming the three."""
     assert cpu_pinning.probe_pair("none") == (None, None)
@@ -87,13 +87,9 @@ def test_probe_pinnings_are_disjoint_or_refused():
     else:
         with pytest.raises(ValueError, match="two hyperthreads"):
             cpu_pinning.probe_pair("siblings")
-    # both branches on a machine with hyperthreads (this one may have none)
-    real = cpu_pinning.core_groups
-    cpu_pinning.core_groups = lambda allowed=None: [(0, 8), (1, 9)]
-    try:
-        assert cpu_pinning.probe_pair("siblings") == ({0}, {8})
-        assert cpu_pinning.probe_pair("apart") == ({0, 8}, {1, 9})
-    finally:
-        cpu_pinning.core_groups = real
     with pytest.raises(ValueError, match="none, apart or siblings"):
         cpu_pinning.probe_pair("near")
+    # both branches on a machine with hyperthreads (this one may have none)
+    monkeypatch.setattr(cpu_pinning, "core_groups", lambda allowed=None: [(0, 8), (1, 9)])
+    assert cpu_pinning.probe_pair("siblings") == ({0}, {8})
+    assert cpu_pinning.probe_pair("apart") == ({0, 8}, {1, 9})

@@ -165,8 +165,7 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
                       (decode_graphs, "ANY_KV"), (moe_block, "ENABLED"), (moe_block, "TILES"),
                       (moe_block, "MAXNREG"), (moe_block, "STEAL")):
         monkeypatch.setattr(mod, name, getattr(mod, name))     # every switch set_mode moves: restored after
-    defaults = (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, moe_block.TILES,
-                moe_block.ENABLED, moe_block.MAXNREG, moe_block.STEAL)
+    defaults = ges.switch_defaults()
     ges.set_mode("graph-nofuse", defaults, text)
     assert not (paged_attention.FUSE_QK or gemv.PREFETCH or fused_moe.SHARED_GATE_EARLY)
     assert fused_moe.SMALL_TILES[3:] == (2, 512, 4) and fused_moe.SMALL_TILES[:3] == defaults[3][:3]
