@@ -51,16 +51,16 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
-FLAGS = {"steal", "nosteal", "nodnids", "block", "noblock", "nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref",
+FLAGS = {"nodnids", "block", "noblock", "nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref",
          "nosgate", "opre", "spre", "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets"}
 
 
 def switch_defaults() -> tuple:
     """The switches set_mode reads its defaults from, as the modules hold them before any mode has moved them:
-    (GEMV rows, GEMV programs, plain K step, per-pair MoE tiles, block tiles, block on, block registers, stealing)."""
+    (GEMV rows, GEMV programs, plain K step, per-pair MoE tiles, block tiles, block on, block registers)."""
     from memra_pp.kernels import fused_moe, gemv, moe_block
     return (gemv.GEMV_ROWS, gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES, moe_block.TILES, moe_block.ENABLED,
-            moe_block.MAXNREG, moe_block.STEAL)
+            moe_block.MAXNREG)
 
 
 def set_mode(mode: str, defaults, text) -> None:
@@ -86,14 +86,13 @@ def set_mode(mode: str, defaults, text) -> None:
     - block / noblock: one row's MoE block as one persistent kernel (kernels/moe_block.py) / as its three kernels
       (neither: moe_block.ENABLED's default); blkAxBxCxDxE: its tiles (gate|up rows, down rows, warps: powers of
       two; programs a multiprocessor; prefetch 1 / 0: moe_block.TILES); regN: its registers a thread at most
-      (moe_block.MAXNREG); steal / nosteal: its gate|up tiles taken from a counter or not (moe_block.STEAL; not
-      with prefetch);
+      (moe_block.MAXNREG);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_block, moe_route, \
         paged_attention
     from memra_pp.model import decode_graphs
-    rows0, programs0, plain_bk0, small0, block0, block_on0, maxnreg0, steal0 = defaults
+    rows0, programs0, plain_bk0, small0, block0, block_on0, maxnreg0 = defaults
     kind, *tokens = mode.split("-")
     if kind not in ("eager", "graph"):
         raise SystemExit(f"mode {mode!r}: eager or graph first")
@@ -147,14 +146,11 @@ def set_mode(mode: str, defaults, text) -> None:
         raise SystemExit(f"mode {mode!r}: anykv and kvbuckets contradict each other")
     decode_graphs.ANY_KV = "kvbuckets" not in on
     gemv.PROGRAMS, gemv.PLAIN_BK, fused_moe.SMALL_TILES = programs, plain_bk, tuple(tiles)
-    if {"block", "noblock"} <= on or {"steal", "nosteal"} <= on:
-        raise SystemExit(f"mode {mode!r}: block and noblock, or steal and nosteal, contradict each other")
+    if {"block", "noblock"} <= on:
+        raise SystemExit(f"mode {mode!r}: block and noblock contradict each other")
     moe_block.ENABLED = "block" in on or (block_on0 and "noblock" not in on)
-    if (seen & {"blk", "reg"} or on & {"steal", "nosteal"}) and not moe_block.ENABLED:
-        raise SystemExit(f"mode {mode!r}: block tiles, registers or stealing without the block kernel (add -block)")
-    moe_block.STEAL = "steal" in on or (steal0 and "nosteal" not in on)
-    if "steal" in on and block[4]:
-        raise SystemExit(f"mode {mode!r}: steal takes tiles without prefetch (blkAxBxCxDx0)")
+    if seen & {"blk", "reg"} and not moe_block.ENABLED:
+        raise SystemExit(f"mode {mode!r}: block tiles or registers without the block kernel (add -block)")
     if block[2] * block[3] > 8:
         raise SystemExit(f"mode {mode!r}: {block[3]} block programs of {block[2]} warps a multiprocessor cannot all "
                          "be resident (at most 8 warps)")

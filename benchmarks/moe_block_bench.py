@@ -8,9 +8,8 @@ where a layer's time goes, program by program.
 
     python -u benchmarks/moe_block_bench.py --out DIR [--layers 8] [--configs 4x8x8x1x1,4x4x4x2x0,...]
 
-A configuration: gate|up rows a tile x down rows a tile x warps x programs a multiprocessor x prefetch (1/0), then
-optionally s: the gate|up tiles taken from a counter (moe_block.STEAL; not with prefetch), and rN: at most N
-registers a thread (moe_block.MAXNREG), e.g. 4x4x4x2x0s or 4x4x4x2x0r128.
+A configuration: gate|up rows a tile x down rows a tile x warps x programs a multiprocessor x prefetch (1/0), and
+optionally rN: at most N registers a thread (moe_block.MAXNREG), e.g. 4x4x4x2x0r128.
 """
 from __future__ import annotations
 
@@ -28,22 +27,22 @@ PHASES = ("wait", "norm+router", "barrier 1", "routing", "gate|up", "barrier 2",
 
 
 def parse_config(c: str):
-    """((BN, BD, warps, programs a multiprocessor, prefetch), steal, registers cap or None) of "AxBxCxDxE[s][rN]"."""
+    """((BN, BD, warps, programs a multiprocessor, prefetch), registers cap or None) of "AxBxCxDxE[rN]"."""
     from memra_pp.kernels import moe_block as mb
-    m = re.fullmatch(r"([0-9x]+)(s?)(?:r(\d+))?", c)
+    m = re.fullmatch(r"([0-9x]+)(?:r(\d+))?", c)
     tiles = mb.parse_tiles(m[1]) if m else None
-    if tiles is None or (tiles[4] and m[2]):
+    if tiles is None:
         raise SystemExit(f"config {c!r}: AxBxCxDxE (gate|up rows, down rows, warps: powers of two; programs a "
-                         "multiprocessor; prefetch 0 / 1), then optionally s (tiles from a counter; not with prefetch "
-                         "1) and rN (at most N registers), e.g. 4x4x4x2x0s or 4x4x4x2x0r168")
-    return tiles, bool(m[2]), (int(m[3]) if m[3] else None)
+                         "multiprocessor; prefetch 0 / 1), then optionally rN (at most N registers), e.g. "
+                         "4x4x4x2x0r168")
+    return tiles, (int(m[2]) if m[2] else None)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--configs", default="4x4x4x2x0,4x4x4x2x0s,2x2x4x2x0s,2x4x4x2x1,2x2x4x2x1,4x4x8x1x1")
+    ap.add_argument("--configs", default="4x4x4x2x0,2x4x4x2x1,2x4x4x2x0,4x4x8x1x1,2x2x4x2x1,4x8x8x1x1,2x4x8x1x1")
     ap.add_argument("--spins", default="asm,atomic", help="the barrier's wait: ld.acquire (asm), atomic adds of 0")
     a = ap.parse_args()
     configs = {c: parse_config(c) for c in a.configs.split(",")}     # a typo fails before any device time
@@ -62,7 +61,7 @@ def main() -> int:
             sh=(torch.randn(2 * Is, H, dtype=dt, device=dev) / H ** 0.5, torch.randn(H, Is, dtype=dt, device=dev)
                 / Is ** 0.5, torch.randn(1, H, dtype=dt, device=dev) / H ** 0.5),
             h=torch.randn(1, H, dtype=dt, device=dev), m=torch.randn(1, H, dtype=dt, device=dev),
-            bar=torch.zeros(2, dtype=torch.int32, device=dev), cnt=torch.zeros(1, dtype=torch.int32, device=dev)))
+            bar=torch.zeros(1, dtype=torch.int32, device=dev), cnt=torch.zeros(1, dtype=torch.int32, device=dev)))
     bw = copy_bandwidth()
     floor_us = (E * H + (k + 1) * 3 * H * I) * 2 / bw * 1e6
     print(f"copy {bw / 1e12:.2f} TB/s; a layer's bytes {(E * H + (k + 1) * 3 * H * I) * 2 / 1e6:.1f} MB, floor "
@@ -80,7 +79,7 @@ def main() -> int:
     print(f"  three kernels                     {base:6.2f} us a layer ({floor_us / base:.0%} of floor)", flush=True)
     for spin, c in [(sp, c) for sp in a.spins.split(",") for c in a.configs.split(",")]:
         mb.ACQUIRE_ASM = spin == "asm"
-        tiles, mb.STEAL, mb.MAXNREG = configs[c]
+        tiles, mb.MAXNREG = configs[c]
         per_sm = tiles[3]
 
         def block(times=None):
@@ -122,7 +121,7 @@ def main() -> int:
               f"regs {regs} spills {spills}; stamped span {span:.1f} us, last program starts at {start:.1f}; "
               "phases median/max: " + ", ".join(f"{p} {v / 1e3:.1f}/{w / 1e3:.1f}" for p, v, w in zip(PHASES, med, mx)),
               flush=True)
-    mb.STEAL, mb.MAXNREG = False, None
+    mb.MAXNREG = None
     with open(os.path.join(a.out, "moe_block_bench.json"), "w") as f:
         json.dump({"copy_bandwidth_Bps": bw, "floor_us": floor_us, "layers": L, "rows": rows}, f, indent=1)
     return 0

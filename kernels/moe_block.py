@@ -64,12 +64,6 @@ TILES = (4, 4, 4, 2, False)      # (benchmarks/moe_block_bench.py, H200, 35B-A3B
 # leave room for the next kernel's programs beside the block's, but they spill: 128 took 64.0 us a layer (172
 # spilled), 168 took 47.8 (100 spilled), against 23.7 (benchmarks/moe_block_bench.py, fifteenth session)
 MAXNREG = None
-# phase B's gate|up tiles after each program's first are taken from a counter in memory (one atomic add a tile,
-# issued as the tile's loads are), so programs that stream faster take more of them; False: program p takes tiles p,
-# p + programs, ... (TILES' prefetch runs only that way). The fourteenth session's stamps put the slowest program's
-# gate|up 2.3 us behind the median's at equal tile counts: bandwidth, not work. Written after the fifteenth
-# session's device time: not yet measured, so off
-STEAL = False
 
 
 def parse_tiles(spec: str):
@@ -100,13 +94,12 @@ def moe_block(h_TH, m_TH, w_norm, eps: float, gate_EH, k: int, w_gu_EIH, w_d_EHI
     the routing of x (weights [1, k] in x's dtype, ids [1, k] int64: router_route's ids, but where distinct logits
     give equal float32 probabilities; its weights within a float32 ulp) and out = the routed experts plus the
     sigmoid-gated shared expert (fused_moe.moe_ref; shared = (gate|up [2Is, H], down [H, Is], gate [1, H])).
-    bar: int32 [2], zeroed once, this layer's alone (the barrier's word, and STEAL's tile counter, which the kernel
-    zeroes again after its second barrier); one block kernel at a time on a device (the module docstring).
+    bar: int32 [1], zeroed once, this layer's alone; one block kernel at a time on a device (the module docstring).
     split: the three phases as three launches (None: under the interpreter only); programs: the grid (None: TILES'
     programs a multiprocessor; at most that many); times: int64 [programs, 8] for each program's clock
     (globaltimer, ns) at the phases' edges (benchmarks/moe_block_bench.py; one kernel only)."""
     T, H = h_TH.shape
-    assert T == 1 and bar.dtype == torch.int32 and bar.numel() >= 2
+    assert T == 1 and bar.dtype == torch.int32 and bar.numel() >= 1
     E = gate_EH.shape[0]
     I = w_d_EHI.shape[2]
     w_sgu, w_sd, w_sg = shared
@@ -130,7 +123,7 @@ def moe_block(h_TH, m_TH, w_norm, eps: float, gate_EH, k: int, w_gu_EIH, w_d_EHI
     args = (h_TH, m_TH, w_norm, s, gate_EH, logits, w_gu_EIH, w_d_EHI, w_sgu, w_sd, w_sg, hb, out, w, idx, bar,
             2 ** 31 - (P - 1), eps, H, E, I, Is, max(I, Is))
     consts = dict(K=k, BE=np2(E), RB=np2(triton.cdiv(E, P)), BH=np2(H), BN=BN, BD=BD, BI=np2(I), BIS=np2(Is),
-                  PREF=pref, STEAL=STEAL and not pref, ASM=ACQUIRE_ASM, num_warps=warps)
+                  PREF=pref, ASM=ACQUIRE_ASM, num_warps=warps)
     stamps = bar if times is None else times        # (bar where there are no stamps: the kernel never touches it)
     if split:
         CALLS["block_split"] += 1
@@ -223,16 +216,6 @@ if triton is not None:
         return _gate_up_rows(base, width, n, hh, H, ((n < width) & (n * 0 + q < NQ))[:, None] & hm[None, :])
 
     @triton.jit
-    def _gu_store(q, wg, wu, xf, hb_ptr, NT, K: tl.constexpr, I, Is, IH, BN: tl.constexpr, dt: tl.constexpr):
-        """Gate|up tile q's silu(gate) * up rows from its weights (wg, wu) and the normed row xf, stored to hb."""
-        pair = q // NT
-        width = tl.where(pair == 0, Is, I)
-        n = (q % NT) * BN + tl.arange(0, BN)
-        row = tl.where(pair == 0, K, pair - 1)
-        tl.store(hb_ptr + row * IH + n, _silu_mul(tl.sum(wg.to(tl.float32) * xf[None, :], 1),
-                                                  tl.sum(wu.to(tl.float32) * xf[None, :], 1), dt), mask=n < width)
-
-    @triton.jit
     def _down_tile(d, ids, wd_ptr, sd_ptr, ii, im, jj, jm, H, I, Is, BD: tl.constexpr):
         """Down tile d: the routed pairs' [K, BD, BI] slices of their experts' down rows and the shared expert's
         [BD, BIS] (nothing loaded past the hidden size)."""
@@ -247,14 +230,13 @@ if triton is not None:
     def _block_kernel(h_ptr, m_ptr, lw_ptr, s_ptr, g_ptr, l_ptr, wgu_ptr, wd_ptr, sgu_ptr, sd_ptr, sg_ptr, hb_ptr,
                       o_ptr, w_ptr, i_ptr, bar_ptr, flip, eps, H, E, I, Is, IH, t_ptr, K: tl.constexpr,
                       BE: tl.constexpr, RB: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                      BI: tl.constexpr, BIS: tl.constexpr, PREF: tl.constexpr, STEAL: tl.constexpr, A: tl.constexpr,
-                      B: tl.constexpr, C: tl.constexpr, SYNC: tl.constexpr, TIME: tl.constexpr, ASM: tl.constexpr,
+                      BI: tl.constexpr, BIS: tl.constexpr, PREF: tl.constexpr, A: tl.constexpr, B: tl.constexpr,
+                      C: tl.constexpr, SYNC: tl.constexpr, TIME: tl.constexpr, ASM: tl.constexpr,
                       PDL: tl.constexpr):
         """Phases A (norm, router logits), B (routing, gate|up), C (down): all three with SYNC (barriers between),
         or the one named (split launches). hb: the pairs' silu(gate) * up rows (routed j at row j, shared at K).
         PREF: each next tile's weights loaded before the current one is reduced (else one tile at a time: other
-        programs on the multiprocessor keep loads in flight). STEAL (not with PREF): a program's gate|up tiles after
-        its first come from the counter at bar[1], which program 0 zeroes in phase C. TIME: clock stamps to t."""
+        programs on the multiprocessor keep loads in flight). TIME: clock stamps to t."""
         pid = tl.program_id(0)
         _stamp(t_ptr, pid, 0, TIME)
         P = tl.num_programs(0)
@@ -308,23 +290,20 @@ if triton is not None:
         if B:
             if pid >= NT:       # the program's first tile is a routed pair's: its expert is known only now
                 wg, wu = _gu_tile(pid, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
-            if STEAL:
-                q = pid
-                while q < NQ:
-                    if q != pid:
-                        wg, wu = _gu_tile(q, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
-                    nq = P + tl.atomic_add(bar_ptr + 1, 1, sem="relaxed")     # in flight beside the tile's loads
-                    _gu_store(q, wg, wu, xf, hb_ptr, NT, K, I, Is, IH, BN, dt)
-                    q = nq
-            else:
-                for q in range(pid, NQ, P):
-                    if PREF:
-                        ng, nu = _gu_tile(q + P, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
-                    elif q != pid:
-                        wg, wu = _gu_tile(q, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
-                    _gu_store(q, wg, wu, xf, hb_ptr, NT, K, I, Is, IH, BN, dt)
-                    if PREF:
-                        wg, wu = ng, nu
+            for q in range(pid, NQ, P):
+                if PREF:
+                    ng, nu = _gu_tile(q + P, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
+                elif q != pid:
+                    wg, wu = _gu_tile(q, NQ, NT, ids, ks, wgu_ptr, sgu_ptr, hh, hm, H, I, Is, BN)
+                pair = q // NT
+                width = tl.where(pair == 0, Is, I)
+                n = (q % NT) * BN + tl.arange(0, BN)
+                row = tl.where(pair == 0, K, pair - 1)
+                tl.store(hb_ptr + row * IH + n, _silu_mul(tl.sum(wg.to(tl.float32) * xf[None, :], 1),
+                                                          tl.sum(wu.to(tl.float32) * xf[None, :], 1), dt),
+                         mask=n < width)
+                if PREF:
+                    wg, wu = ng, nu
             _stamp(t_ptr, pid, 5, TIME)
         if C:
             ii = tl.arange(0, BI)
@@ -336,9 +315,6 @@ if triton is not None:
             if SYNC:
                 _grid_barrier(bar_ptr, pid, flip, ASM)
                 _stamp(t_ptr, pid, 6, TIME)
-            if STEAL:       # every program has taken its last ticket: the counter back to zero for the next launch
-                if pid == 0:
-                    tl.store(bar_ptr + 1, 0)
             hp = tl.load(hb_ptr + ks[:, None] * IH + ii[None, :], mask=im[None, :], other=0.0,
                          volatile=True).to(tl.float32)
             hs = tl.load(hb_ptr + K * IH + jj, mask=jm, other=0.0, volatile=True).to(tl.float32)

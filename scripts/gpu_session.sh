@@ -44,7 +44,7 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
                 ${BLOCK_CONFIGS:+--configs $BLOCK_CONFIGS} ;
               phase moe-block-step 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" \
                 --model preset:qwen3.5-35b-a3b --batches 1 \
-                --modes ${BLOCK_MODES:-graph-sample-noblock,graph-sample-block,graph-sample-block-steal,graph-sample-noblock,graph-sample-block,graph-sample-block-steal} ;;
+                --modes ${BLOCK_MODES:-graph-sample-noblock,graph-sample-block,graph-sample-noblock,graph-sample-block} ;;
     # MoE target 1's remaining lever, alone first: is an L2-resident input projection faster, and does a side stream
     # that prefetches it during a latency window pay (docs/PERF.md, fifteenth session; written then, not yet run)
     l2) phase l2-prefetch 200 python3 -u benchmarks/l2_prefetch_bench.py --out "$OUT/l2" ;;

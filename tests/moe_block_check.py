@@ -57,31 +57,20 @@ shapes = [(16, 80, 48, 40, 4, 3), (16, 80, 48, 56, 4, 5), (60, 100, 32, 32, 4, 4
           (16, 64, 16, 16, 2, 40)]
 if dev == "cuda":
     shapes += [(256, 2048, 512, 512, 8, None), (64, 256, 64, 128, 8, 20)]
-# each at the default tiles, then a few shapes at others (prefetch on, wider and narrower tiles, other warps), and
-# with the gate|up tiles taken from the counter (STEAL) at tiles without prefetch, checked bit for bit against the
-# same inputs without it
-runs = [(shape, None, False) for shape in shapes] + [(shapes[i], t, False) for i in (0, 1, 4) for t in (
-    (2, 2, 4, 2, True), (4, 8, 4, 1, True), (8, 4, 2, 4, True))] + [(shape, t, True) for shape in shapes for t in (
-        None, (2, 2, 4, 2, False))]
-steal = mb.STEAL
-for (E, H, I, Is, k, P), tiles, mb.STEAL in runs:
+# each at the default tiles, then a few shapes at others (prefetch on, wider and narrower tiles, other warps)
+runs = [(shape, None) for shape in shapes] + [(shapes[i], t) for i in (0, 1, 4)
+                                               for t in ((2, 2, 4, 2, True), (4, 8, 4, 1, True), (8, 4, 2, 4, True))]
+for (E, H, I, Is, k, P), tiles in runs:
     weights = layer(E, H, I, Is)
     lw, g, w_gu, w_d, shared = weights
-    bar = torch.zeros(2, dtype=torch.int32)
+    bar = torch.zeros(1, dtype=torch.int32)
     for _ in range(2):
         h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
         before = dict(mb.CALLS)
         res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, programs=P, tiles=tiles)
         fused = dev == "cuda"
         assert mb.CALLS["block" if fused else "block_split"] - before["block" if fused else "block_split"] == 1
-        if mb.STEAL:     # the tiles taken from the counter: the same bits as each program's own tiles
-            mb.STEAL = False
-            own = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, programs=P, tiles=tiles)
-            mb.STEAL = True
-            assert all(torch.equal(a, b) for a, b in zip(res, own)), (E, H, I, Is, k, P, tiles)
-            ran.add("steal")
-        else:
-            check(res, h, m, weights, k)
+        check(res, h, m, weights, k)
         ran.add("block" if fused else "block split")
         if fused:       # the barriers: the one kernel equals its three phases launched apart, bit for bit
             split = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, split=True, programs=P, tiles=tiles)
@@ -93,37 +82,33 @@ for (E, H, I, Is, k, P), tiles, mb.STEAL in runs:
             close(res[1], fm.moe_experts(x3, w_gu, w_d, w3, i3, shared))
             ran.add("block = split = three kernels")
     # the barrier's word back where it started (on a GPU two barriers a launch each flip its top bit; the split
-    # launches never touch it), and STEAL's counter zeroed again. That the barriers order the phases shows in the
-    # bit-for-bit match with the split
-    assert bar.tolist() == [0, 0], bar.tolist()
-mb.STEAL = steal
+    # launches never touch it). That the barriers order the phases shows in the bit-for-bit match with the split
+    assert int(bar[0]) == 0, bar.tolist()
 
-if dev == "cuda":       # captured in a CUDA graph and replayed on new inputs: the barrier (and STEAL's counter)
-    for mb.STEAL in (False, True):      # needs no reset
-        E, H, I, Is, k = 256, 2048, 512, 512, 8
-        weights = layer(E, H, I, Is)
-        lw, g, w_gu, w_d, shared = weights
-        bar = torch.zeros(2, dtype=torch.int32)
-        h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
-        for _ in range(2):
-            mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar)
-            res2 = mb.moe_block(res[0], res[1], lw, eps, g, k, w_gu, w_d, shared, bar)      # two layers' worth
-        for i in range(50):
-            h.copy_(torch.randn(1, H, dtype=dt))
-            m.copy_(torch.randn(1, H, dtype=dt))
-            graph.replay()
-            if i % 10 == 0:
-                torch.cuda.synchronize()
-                check(res, h, m, weights, k)
-                check(res2, res[0], res[1], weights, k)
-        torch.cuda.synchronize()
-        assert bar.tolist() == [0, 0], bar.tolist()
-        ran.add("graph steal" if mb.STEAL else "graph")
-    mb.STEAL = steal
+if dev == "cuda":       # captured in a CUDA graph and replayed on new inputs: the barrier needs no reset
+    E, H, I, Is, k = 256, 2048, 512, 512, 8
+    weights = layer(E, H, I, Is)
+    lw, g, w_gu, w_d, shared = weights
+    bar = torch.zeros(1, dtype=torch.int32)
+    h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
+    for _ in range(2):
+        mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar)
+        res2 = mb.moe_block(res[0], res[1], lw, eps, g, k, w_gu, w_d, shared, bar)      # two layers' worth
+    for i in range(50):
+        h.copy_(torch.randn(1, H, dtype=dt))
+        m.copy_(torch.randn(1, H, dtype=dt))
+        graph.replay()
+        if i % 10 == 0:
+            torch.cuda.synchronize()
+            check(res, h, m, weights, k)
+            check(res2, res[0], res[1], weights, k)
+    torch.cuda.synchronize()
+    assert int(bar[0]) == 0, bar.tolist()
+    ran.add("graph")
 
 # ties and NaN: equal logits go to the lowest expert first, as the router kernel takes them; a NaN row routes to k
 # distinct real experts, and its output is NaN
@@ -133,7 +118,7 @@ h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
 x0 = add_rms_norm_ref(h, m, lw, eps)[1]
 g[2] = x0[0] / x0[0].float().norm().to(dt)           # the largest logit by far, then two rows that equal it
 g[9], g[5] = g[2], g[2]
-bar = torch.zeros(2, dtype=torch.int32)
+bar = torch.zeros(1, dtype=torch.int32)
 res = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, programs=3)
 assert res[3][0, :3].tolist() == [2, 5, 9], res[3]
 assert torch.equal(res[3], fm.norm_router_route(h, m, lw, eps, g, k, dt)[3]), res[3]
@@ -158,7 +143,7 @@ moe = MoE(k)
 moe.gate_weight, moe.experts_gate_up_proj, moe.experts_down_proj = g, w_gu, w_d
 moe.shared_gate_up, moe.shared_expert_down_proj_weight, moe.shared_expert_gate_weight = shared
 moe.route_counter = torch.zeros(1, dtype=torch.int32)
-moe.block_bar = torch.zeros(2, dtype=torch.int32)
+moe.block_bar = torch.zeros(1, dtype=torch.int32)
 h, m = torch.randn(1, H, dtype=dt), torch.randn(1, H, dtype=dt)
 enabled = mb.ENABLED
 outs = {}

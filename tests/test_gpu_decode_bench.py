@@ -163,7 +163,7 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
                       (fused_moe, "ENABLED"), (paged_attention, "FUSE_QK"),
                       (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT"), (greedy, "FUSED"),
                       (decode_graphs, "ANY_KV"), (moe_block, "ENABLED"), (moe_block, "TILES"),
-                      (moe_block, "MAXNREG"), (moe_block, "STEAL")):
+                      (moe_block, "MAXNREG")):
         monkeypatch.setattr(mod, name, getattr(mod, name))     # every switch set_mode moves: restored after
     defaults = ges.switch_defaults()
     ges.set_mode("graph-nofuse", defaults, text)
@@ -198,20 +198,15 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     assert moe_block.ENABLED and moe_block.MAXNREG == 128 and moe_block.TILES == defaults[4]
     ges.set_mode("graph-noblock", defaults, text)
     assert not moe_block.ENABLED and moe_block.TILES == defaults[4] and moe_block.MAXNREG == defaults[6]
-    ges.set_mode("graph-block-steal", defaults, text)
-    assert moe_block.ENABLED and moe_block.STEAL
-    ges.set_mode("graph-block-nosteal", defaults, text)
-    assert moe_block.ENABLED and not moe_block.STEAL
     ges.set_mode("graph", defaults, text)
-    assert moe_block.ENABLED == defaults[5] and moe_block.STEAL == defaults[7]
+    assert moe_block.ENABLED == defaults[5]
     for bad in ("graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0", "graph-obk3000",
                 "graph-p264-p396", "graph-gu4x1000x2", "graph-anykv-kvbuckets", "graph-block-noblock",
                 "graph-block-blk3x8x8x1x1", "graph-block-blk4x8x8x1", "graph-block-blk4x8x8x1x2",
                 "graph-block-blk4x8x8x0x1", "graph-block-blk4x4x8x2x0", "graph-blk4x4x4x2x0",
-                "graph-reg128", "graph-block-reg16", "graph-block-reg256", "graph-block-reg128-reg96",
-                "graph-steal", "graph-block-steal-nosteal", "graph-block-steal-blk4x4x4x2x1"):
+                "graph-reg128", "graph-block-reg16", "graph-block-reg256", "graph-block-reg128-reg96"):
         with pytest.raises(SystemExit, match="unknown token|eager or graph|loop kernel|given twice|contradict|"
-                                             "without the block|resident|without prefetch"):
+                                             "without the block|resident"):
             ges.set_mode(bad, defaults, text)
 
 

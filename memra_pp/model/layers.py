@@ -80,13 +80,13 @@ class MoE(Param):
                           "experts.gate_up_proj", "experts.down_proj"])
         self.top_k = top_k
         self.route_counter = None   # the router kernel's own counter (kernels/moe_route.py), made at load
-        self.block_bar = None       # the block kernel's barrier word and tile counter (kernels/moe_block.py)
+        self.block_bar = None       # the block kernel's own barrier (kernels/moe_block.py), made at load
 
     def load(self, prefix: str, src, dtype, device):
         super().load(prefix, src, dtype, device)
         self.shared_gate_up = self.fuse(["shared_expert.gate_proj", "shared_expert.up_proj"])
         self.route_counter = torch.zeros(1, dtype=torch.int32, device=device)
-        self.block_bar = torch.zeros(2, dtype=torch.int32, device=device)
+        self.block_bar = torch.zeros(1, dtype=torch.int32, device=device)
 
     def decode_fused(self, h_BH, m_BH, w_norm, eps: float):
         """The decode graphs' MoE on rms_norm(h + m): for one row where it runs, the whole block in one kernel
