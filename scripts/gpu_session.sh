@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill moestep moekern moeblock l2 moe" (one run call is 10 minutes: split them over calls).
+# publish prefill moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -48,6 +48,9 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     # MoE target 1's remaining lever, alone first: is an L2-resident input projection faster, and does a side stream
     # that prefetches it during a latency window pay (docs/PERF.md, fifteenth session; written then, not yet run)
     l2) phase l2-prefetch 200 python3 -u benchmarks/l2_prefetch_bench.py --out "$OUT/l2" ;;
+    # the megakernel's premise: a weight loaded into shared memory or registers during a latency window (grid
+    # barriers in one persistent CUDA kernel, NVRTC-compiled), against reading it after (docs/PERF.md, sixteenth)
+    smem) phase smem-preload 200 python3 -u benchmarks/smem_preload_bench.py --out "$OUT/smem" ;;
     moe) phase gpu-moe-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --layouts "${MOE_LAYOUTS:-0}" --concurrency ${MOE_C:-1,64,256} --new 64 ${MOE_HF:-} ;;
     kernels) phase gpu-kernels 120 python3 -u benchmarks/gpu_kernels.py --out "$OUT" ;;
     publish) phase overlay-publish 200 python3 -u benchmarks/overlay_publish.py --tower cuda:0 --intake cuda:${PUB_INTAKE:-1} --json "$OUT/overlay_publish.json" ;;

@@ -235,3 +235,30 @@ def test_critical_path_charges_each_kernel_what_it_adds_to_the_step(tmp_path):
     png = tmp_path / "critical_path.png"
     assert ges.plot_critical(rows, str(png)) and png.stat().st_size > 1000
     assert not ges.plot_critical(rows[1:], str(tmp_path / "none.png"))
+
+
+def test_smem_preload_window_reference_follows_the_kernels_phases():
+    """smem_preload_bench.expected_tick, the reference the kernel's barriers are checked against: phase w reads
+    buffer w % 2 (each CTA its right neighbour's value) and writes the other, so an odd window ends in buffer 1 and
+    leaves buffer 0 as the phase before it wrote it."""
+    import smem_preload_bench as spb
+    t0 = torch.arange(8, dtype=torch.float32)
+    assert torch.equal(spb.expected_tick(t0, 0), t0)
+    one = spb.expected_tick(t0, 1)
+    assert one[:4].tolist() == [0, 1, 2, 3] and one[4:].tolist() == [1.5, 2.0, 2.5, 1.0]
+    three = spb.expected_tick(t0, 3)
+    b1 = torch.tensor([1.5, 2.0, 2.5, 1.0])
+    b0 = b1.roll(-1) * 0.5 + 1.0
+    assert torch.equal(three[:4], b0) and torch.equal(three[4:], b0.roll(-1) * 0.5 + 1.0)
+
+
+def test_smem_preload_spans_split_on_the_flush():
+    """smem_preload_bench.split_spans: a run of the named kernels is cut by any other kernel (each replay's flush),
+    and its span runs from its first start to its latest end, even where an earlier kernel ends last (PDL)."""
+    import smem_preload_bench as spb
+    ks = [(0, 50, "reduce_kernel"), (55, 56, "_tick"), (57, 58, "_tick"), (57.5, 62, "_gemv_kernel"),
+          (70, 120, "reduce_kernel"), (125, 131, "_gemv_kernel"), (126, 133, "_tick"),
+          (140, 190, "reduce_kernel")]
+    assert spb.split_spans(ks, ("_tick", "_gemv_kernel")) == [7, 8]
+    assert spb.split_spans(ks, ("_gemv_kernel",)) == [4.5, 6]
+    assert spb.split_spans(ks[:1], ("_tick",)) == []

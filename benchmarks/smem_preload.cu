@@ -1,0 +1,132 @@
+// One GEMV y = W x (W [N, K] bf16 row-major, x [K] bf16, y [N] bf16) after a window of grid-wide barriers, in one
+// persistent kernel: the question of benchmarks/smem_preload_bench.py (issue 7, MoE target 1). Each CTA owns R
+// contiguous rows of W (R * K * 2 bytes, one contiguous span). MODE:
+//   0  the GEMV reads W from global memory after the window (what a kernel boundary leaves);
+//   1  each CTA copies its rows into shared memory with cp.async before the window, and the GEMV reads them there;
+//   2  each thread loads its share of the rows into registers before the window (what Triton could express);
+//   3  the window alone, no GEMV (the baseline the others are charged against).
+// The control warp issues no weight loads, so the barrier's fence has none of the preload to wait for. In the first
+// run the barrier ran on a loading warp and the window hid none of the preload; that its fence waited for the warp's
+// loads in flight is the likely cause, not a measured one (docs/PERF.md, sixteenth session).
+// No includes: bf16 travels as unsigned short, so NVRTC needs no header.
+
+#ifndef K
+#define K 4096
+#endif
+#ifndef R
+#define R 16
+#endif
+#define WARPS 8                     // the warps that load and multiply
+#define THREADS (WARPS * 32 + 32)  // and one more, the control warp: the window's ticks and barriers
+#define CTL (WARPS * 32)
+#define RW (R / WARPS)              // rows a warp
+#define V (K / 8 / 32)              // 16-byte vectors a lane a row
+
+typedef unsigned short bf16;
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Generation barrier over the grid (every CTA resident): bar[0] counts arrivals, bar[1] is the generation. The
+// generation is read before arriving, and the last arrival zeroes the count before it bumps the generation, so it
+// needs no reset between launches or graph replays.
+__device__ __forceinline__ void grid_barrier(unsigned* bar) {
+    __syncthreads();
+    if (threadIdx.x == CTL) {
+        unsigned gen = ld_acquire(bar + 1);
+        __threadfence();
+        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+            atomicExch(bar, 0u);
+            __threadfence();
+            atomicAdd(bar + 1, 1u);
+        } else {
+            while (ld_acquire(bar + 1) == gen) {
+            }
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float hi(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ float dot8(uint4 a, uint4 b, float acc) {
+    acc = fmaf(lo(a.x), lo(b.x), acc); acc = fmaf(hi(a.x), hi(b.x), acc);
+    acc = fmaf(lo(a.y), lo(b.y), acc); acc = fmaf(hi(a.y), hi(b.y), acc);
+    acc = fmaf(lo(a.z), lo(b.z), acc); acc = fmaf(hi(a.z), hi(b.z), acc);
+    acc = fmaf(lo(a.w), lo(b.w), acc); acc = fmaf(hi(a.w), hi(b.w), acc);
+    return acc;
+}
+
+__device__ __forceinline__ bf16 to_bf16(float f) {      // round to nearest even (finite inputs)
+    unsigned u = __float_as_uint(f);
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y, unsigned* bar,
+             float* tick, int window, int mode) {
+    extern __shared__ uint4 smem[];                 // R * K * 2 bytes (modes 1; allocated in every mode)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t r0 = (size_t)blockIdx.x * R;
+    const uint4* wg = reinterpret_cast<const uint4*>(W + r0 * K);
+    uint4 reg[RW][V];
+    if (mode == 1) {
+        unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+        for (int i = threadIdx.x; i < R * K / 8 && threadIdx.x < CTL; i += CTL)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s + 16u * i), "l"(wg + i) : "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    } else if (mode == 2 && warp < WARPS) {
+#pragma unroll
+        for (int j = 0; j < RW; ++j)
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+                reg[j][v] = __ldg(wg + (size_t)(warp * RW + j) * (K / 8) + v * 32 + lane);
+    }
+    for (int w = 0; w < window; ++w) {      // a dependent tick across CTAs, then the barrier
+        if (threadIdx.x == CTL) {
+            const float* src = tick + (w & 1) * gridDim.x;
+            float* dst = tick + ((w + 1) & 1) * gridDim.x;
+            dst[blockIdx.x] = __ldcg(src + (blockIdx.x + 1) % gridDim.x) * 0.5f + 1.0f;
+        }
+        grid_barrier(bar);
+    }
+    if (mode == 3)
+        return;
+    if (mode == 1) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();
+    }
+    if (warp == WARPS)
+        return;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+        const int r = warp * RW + j;
+        if (mode == 0) {
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+                reg[j][v] = __ldcs(wg + (size_t)r * (K / 8) + v * 32 + lane);
+        } else if (mode == 1) {
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+                reg[j][v] = smem[r * (K / 8) + v * 32 + lane];
+        }
+    }
+    float acc[RW];
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+        acc[j] = 0.f;
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+            acc[j] = dot8(reg[j][v], __ldg(xv + v * 32 + lane), acc[j]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+        if (lane == 0)
+            y[r0 + warp * RW + j] = to_bf16(acc[j]);
+    }
+}
