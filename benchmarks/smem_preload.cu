@@ -5,9 +5,11 @@
 //   1  each CTA copies its rows into shared memory with cp.async before the window, and the GEMV reads them there;
 //   2  each thread loads its share of the rows into registers before the window (what Triton could express);
 //   3  the window alone, no GEMV (the baseline the others are charged against).
-// The control warp issues no weight loads, so the barrier's fence has none of the preload to wait for. In the first
-// run the barrier ran on a loading warp and the window hid none of the preload; that its fence waited for the warp's
-// loads in flight is the likely cause, not a measured one (docs/PERF.md, sixteenth session).
+// The window runs on one thread of the control warp, which issues no weight loads, and the worker warps meet it at
+// one __syncthreads after the window. In the first run every warp took part in each barrier's __syncthreads and
+// thread 0 (a loading warp's) ran its fence, and the window hid none of the preload: a fence waits for its thread's
+// memory operations, and a bar.sync for every participating thread's loads (ptxas waited on the preload's
+// scoreboard before the first BAR.SYNC). That is the likely cause, not a measured one (docs/PERF.md, sixteenth).
 // No includes: bf16 travels as unsigned short, so NVRTC needs no header.
 
 #ifndef K
@@ -21,6 +23,8 @@
 #define CTL (WARPS * 32)
 #define RW (R / WARPS)              // rows a warp
 #define V (K / 8 / 32)              // 16-byte vectors a lane a row
+static_assert(K % 256 == 0, "a lane reads whole 16-byte vectors of every row");
+static_assert(R % WARPS == 0, "every worker warp takes the same rows");
 
 typedef unsigned short bf16;
 
@@ -30,24 +34,20 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     return v;
 }
 
-// Generation barrier over the grid (every CTA resident): bar[0] counts arrivals, bar[1] is the generation. The
-// generation is read before arriving, and the last arrival zeroes the count before it bumps the generation, so it
-// needs no reset between launches or graph replays.
+// Generation barrier over the grid, run by one thread a CTA (every CTA resident): bar[0] counts arrivals, bar[1] is
+// the generation. The generation is read before arriving, and the last arrival zeroes the count before it bumps the
+// generation, so it needs no reset between launches or graph replays.
 __device__ __forceinline__ void grid_barrier(unsigned* bar) {
-    __syncthreads();
-    if (threadIdx.x == CTL) {
-        unsigned gen = ld_acquire(bar + 1);
+    unsigned gen = ld_acquire(bar + 1);
+    __threadfence();
+    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+        atomicExch(bar, 0u);
         __threadfence();
-        if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-            atomicExch(bar, 0u);
-            __threadfence();
-            atomicAdd(bar + 1, 1u);
-        } else {
-            while (ld_acquire(bar + 1) == gen) {
-            }
+        atomicAdd(bar + 1, 1u);
+    } else {
+        while (ld_acquire(bar + 1) == gen) {
         }
     }
-    __syncthreads();
 }
 
 __device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
@@ -69,7 +69,7 @@ __device__ __forceinline__ bf16 to_bf16(float f) {      // round to nearest even
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y, unsigned* bar,
              float* tick, int window, int mode) {
-    extern __shared__ uint4 smem[];                 // R * K * 2 bytes (modes 1; allocated in every mode)
+    extern __shared__ uint4 smem[];                 // R * K * 2 bytes (read in mode 1; allocated in every mode)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t r0 = (size_t)blockIdx.x * R;
     const uint4* wg = reinterpret_cast<const uint4*>(W + r0 * K);
@@ -86,14 +86,15 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
             for (int v = 0; v < V; ++v)
                 reg[j][v] = __ldg(wg + (size_t)(warp * RW + j) * (K / 8) + v * 32 + lane);
     }
-    for (int w = 0; w < window; ++w) {      // a dependent tick across CTAs, then the barrier
-        if (threadIdx.x == CTL) {
+    if (threadIdx.x == CTL) {
+        for (int w = 0; w < window; ++w) {      // a dependent tick across CTAs, then the barrier
             const float* src = tick + (w & 1) * gridDim.x;
             float* dst = tick + ((w + 1) & 1) * gridDim.x;
             dst[blockIdx.x] = __ldcg(src + (blockIdx.x + 1) % gridDim.x) * 0.5f + 1.0f;
+            grid_barrier(bar);
         }
-        grid_barrier(bar);
     }
+    __syncthreads();                        // the workers meet the window's end once
     if (mode == 3)
         return;
     if (mode == 1) {

@@ -28,6 +28,7 @@ import torch
 from gpu_decode import copy_bandwidth      # benchmarks/ is on the path
 
 N, K, R = 2048, 4096, 16                    # the 35B-A3B's out_proj; R rows a CTA (smem_preload.cu's defaults)
+THREADS = 288                               # smem_preload.cu: eight worker warps and the control warp
 MODES = {0: "from memory after the window", 1: "shared memory, cp.async before the window",
          2: "registers, loaded before the window", 3: "the window alone"}
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smem_preload.cu")
@@ -73,12 +74,14 @@ class Kernel:
         ck(self.d.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem),
            "cuFuncSetAttribute")
         self.regs = ck(self.d.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, self.fn), "cuFuncGetAttribute")
+        self.per_sm = ck(self.d.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn, THREADS, self.smem),
+                         "cuOccupancyMaxActiveBlocksPerMultiprocessor")
 
     def launch(self, W, x, y, bar, tick, window: int, mode: int) -> None:
         s = self.d.CUstream(torch.cuda.current_stream().cuda_stream)
         args = ((W.data_ptr(), x.data_ptr(), y.data_ptr(), bar.data_ptr(), tick.data_ptr(), window, mode),
                 (ctypes.c_void_p,) * 5 + (ctypes.c_int, ctypes.c_int))
-        self.ck(self.d.cuLaunchKernel(self.fn, N // R, 1, 1, 288, 1, 1, self.smem, s, args, 0), "cuLaunchKernel")
+        self.ck(self.d.cuLaunchKernel(self.fn, N // R, 1, 1, THREADS, 1, 1, self.smem, s, args, 0), "cuLaunchKernel")
 
 
 def split_spans(kernels, names) -> list[float]:
@@ -100,7 +103,7 @@ def device_span_us(fn, *name_sets, replays: int = 100):
     """For each of `name_sets`, the median over `replays` replays of a CUDA graph of fn of the span of its kernels
     so named, in us (one float for one set, else a list), from CUPTI's timestamps (torch.profiler). The flush in fn
     sets L2's state and is not timed, so nothing measured apart is subtracted (the first run's subtraction of the
-    flush was uncertain by about 4 us)."""
+    flush was uncertain by 3-4 us)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     fn()
@@ -172,6 +175,10 @@ def main() -> int:
     W = torch.randn(N, K, dtype=torch.bfloat16, device=dev) / K ** 0.5      # torch's context is current from here
     major, minor = torch.cuda.get_device_capability(dev)
     k = Kernel(cubin_for(f"sm_{major}{minor}", a.cubin))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    if k.per_sm * sms < N // R:     # the grid barrier would spin forever on CTAs that never start
+        raise SystemExit(f"smem_preload_bench: {N // R} CTAs must be resident at once; this GPU holds "
+                         f"{k.per_sm} a multiprocessor on {sms}")
     x = torch.randn(1, K, dtype=torch.bfloat16, device=dev)
     y = torch.empty(N, dtype=torch.bfloat16, device=dev)
     bar = torch.zeros(2, dtype=torch.int32, device=dev)
@@ -198,7 +205,7 @@ def main() -> int:
 
     def flush():
         if a.flush == "read":
-            torch.sum(scratch, dtype=torch.float32, out=flushed)
+            torch.sum(scratch, 0, dtype=torch.float32, out=flushed)
         else:
             scratch.fill_(1.0)
 
@@ -207,6 +214,12 @@ def main() -> int:
           f"({W.numel() * 2 / bw * 1e6:.2f} us at the copy bandwidth); kernel {k.regs} registers, {k.smem // 1024} KB "
           f"shared; L2 emptied by a {a.flush} of {a.flush_mb} MB before each replay (not timed)", flush=True)
     rows = []
+    hot = device_span_us(lambda: gemv.linear(x, W), ("_gemv_kernel",))
+    cold = device_span_us(lambda: (flush(), gemv.linear(x, W)), ("_gemv_kernel",))
+    rows.append({"label": "the Triton GEMV, weight in L2", "mode": "l2", "window": 0, "us": hot, "added_us": None})
+    rows.append({"label": "the Triton GEMV, L2 emptied", "mode": "cold", "window": 0, "us": cold, "added_us": None})
+    print(f"  the Triton GEMV's own span: weight in L2 {hot:.2f} us, after L2 was emptied {cold:.2f} us (the L2 "
+          "question, without a subtraction)", flush=True)
     for window in windows:
         alone = device_span_us(lambda: (flush(), k.launch(W, x, y, bar, tick, window, 3)), ("preload_gemv",))
         rows.append({"label": "persistent: " + MODES[3], "mode": 3, "window": window, "us": alone,

@@ -45,12 +45,14 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
               phase moe-block-step 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" \
                 --model preset:qwen3.5-35b-a3b --batches 1 \
                 --modes ${BLOCK_MODES:-graph-sample-noblock,graph-sample-block,graph-sample-noblock,graph-sample-block} ;;
-    # MoE target 1's remaining lever, alone first: is an L2-resident input projection faster, and does a side stream
-    # that prefetches it during a latency window pay (docs/PERF.md, fifteenth session; written then, not yet run)
+    # is an L2-resident input projection faster, and does a side stream that prefetches it during a latency window
+    # pay (docs/PERF.md, sixteenth session: not shown faster; its timing has caveats, smem's L2 rows re-ask it)
     l2) phase l2-prefetch 200 python3 -u benchmarks/l2_prefetch_bench.py --out "$OUT/l2" ;;
     # the megakernel's premise: a weight loaded into shared memory or registers during a latency window (grid
-    # barriers in one persistent CUDA kernel, NVRTC-compiled), against reading it after (docs/PERF.md, sixteenth)
-    smem) phase smem-preload 200 python3 -u benchmarks/smem_preload_bench.py --out "$OUT/smem" ;;
+    # barriers in one persistent CUDA kernel, NVRTC-compiled), against reading it after, with L2 emptied by a read
+    # and by a write (docs/PERF.md, sixteenth session)
+    smem) phase smem-preload 150 python3 -u benchmarks/smem_preload_bench.py --out "$OUT/smem" ;
+          phase smem-preload-write 150 python3 -u benchmarks/smem_preload_bench.py --out "$OUT/smem-write" --flush write ;;
     moe) phase gpu-moe-decode 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --layouts "${MOE_LAYOUTS:-0}" --concurrency ${MOE_C:-1,64,256} --new 64 ${MOE_HF:-} ;;
     kernels) phase gpu-kernels 120 python3 -u benchmarks/gpu_kernels.py --out "$OUT" ;;
     publish) phase overlay-publish 200 python3 -u benchmarks/overlay_publish.py --tower cuda:0 --intake cuda:${PUB_INTAKE:-1} --json "$OUT/overlay_publish.json" ;;
