@@ -202,44 +202,50 @@ def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
         and calls["block"] > 0, calls
 
 
+def _interpret_at_once(script: str, argvs, timeout: int = 600) -> list:
+    """tests/`script` run under Triton's interpreter once per argument list, all at once (the interpreter keeps one
+    core busy, and CI has two): [(returncode, stdout, stderr)] in order; none is left running."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    check = os.path.join(os.path.dirname(__file__), script)
+    runs = [subprocess.Popen([sys.executable, check, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for argv in argvs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in runs]
+    finally:
+        for p in runs:      # a timeout or an error leaves no interpreter running
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(runs, outs)]
+
+
 def test_fused_moe_kernels_in_the_interpreter():
     """The fused MoE routing and experts (kernels/fused_moe.py: the router kernel, the per-pair kernels with both
     down kernels, with and without the shared expert riding in them, and the grouped GEMM over pairs sorted by
     expert, with its alignment) against their torch references, by Triton's CPU interpreter, in
     float32 (the interpreter's bfloat16 tl.dot is wrong); tests/test_gpu_decode_graphs.py runs it compiled in both
-    dtypes and inside a CUDA graph."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    check = os.path.join(os.path.dirname(__file__), "fused_moe_check.py")
-    r = subprocess.run([sys.executable, check, "float32", "cpu"], env=env, capture_output=True, text=True,
-                       timeout=600)     # 231 s on a slow day of the 2-core VM
-    paths = "['align', 'down ids after wait', 'down loop', 'down tile', 'grouped16x64', 'grouped64x64', 'nan row', " \
-            "'norm router', 'route', 'router', 'router nan and ties', 'shared', 'shared before wait', " \
-            "'shared gate early', 'shared gate late', 'small', 'warm up']"
-    assert r.returncode == 0 and f"moe ok {paths}" in r.stdout, r.stdout + r.stderr[-3000:]
+    dtypes and inside a CUDA graph. The check's two halves run at once (about 2 minutes each here, 4 in one)."""
+    ran = set()
+    for code, out, err in _interpret_at_once("fused_moe_check.py", [("float32", "cpu", "1"), ("float32", "cpu", "2")]):
+        assert code == 0 and "moe ok " in out, out + err[-3000:]
+        ran |= set(ast.literal_eval(out.split("moe ok ", 1)[1].strip()))
+    assert sorted(ran) == ['align', 'down ids after wait', 'down loop', 'down tile', 'grouped16x64', 'grouped64x64',
+                           'nan row', 'norm router', 'route', 'router', 'router nan and ties', 'shared',
+                           'shared before wait', 'shared gate early', 'shared gate late', 'small', 'warm up']
 
 
 def test_moe_block_kernel_in_the_interpreter():
     """kernels/moe_block.py's one-row MoE block must match the torch references (the residual and norm, the
-    routing, the routed and shared experts), by Triton's CPU interpreter in float32 and bfloat16, at program counts
-    that make every phase loop or leave programs idle, at several tiles; ties must go to the lowest expert and a NaN
-    logit of either sign must make the row NaN. Its three phases run as three launches there (the interpreter runs
-    programs one after another: a grid barrier would never open). MoE.decode_fused takes it where enabled, else the
-    three kernels. tests/test_gpu_decode_graphs.py runs the one kernel with its barriers, compiled and in a CUDA
-    graph."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    check = os.path.join(os.path.dirname(__file__), "moe_block_check.py")
-    # both dtypes at once: the interpreter is one core each, and CI has two
-    runs = {dtype: subprocess.Popen([sys.executable, check, dtype, "cpu"], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for dtype in ("float32", "bfloat16")}
-    try:
-        outs = {dtype: p.communicate(timeout=600) for dtype, p in runs.items()}
-    finally:
-        for p in runs.values():     # a timeout or an error leaves no interpreter running
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for dtype, (out, err) in outs.items():
-        assert runs[dtype].returncode == 0 and "block ok ['block split', 'decode_fused', 'ties and nan']" in out, \
+    routing, the routed and shared experts), by Triton's CPU interpreter in float32 and bfloat16 (at once), at
+    program counts that make every phase loop or leave programs idle, at several tiles; ties must go to the lowest
+    expert and a NaN logit of either sign must make the row NaN. Its three phases run as three launches there (the
+    interpreter runs programs one after another: a grid barrier would never open). MoE.decode_fused takes it where
+    enabled, else the three kernels. tests/test_gpu_decode_graphs.py runs the one kernel with its barriers, compiled
+    and in a CUDA graph."""
+    dtypes = ("float32", "bfloat16")
+    for dtype, (code, out, err) in zip(dtypes, _interpret_at_once("moe_block_check.py",
+                                                                  [(d, "cpu") for d in dtypes])):
+        assert code == 0 and "block ok ['block split', 'decode_fused', 'ties and nan']" in out, \
             dtype + ": " + out + err[-3000:]
 
 
