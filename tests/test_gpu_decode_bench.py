@@ -201,8 +201,7 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     ges.set_mode("graph", defaults, text)
     assert moe_block.ENABLED == defaults[5]
     for bad in ("graph-block-steal", "graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0",
-                "graph-obk3000",
-                "graph-p264-p396", "graph-gu4x1000x2", "graph-anykv-kvbuckets", "graph-block-noblock",
+                "graph-obk3000", "graph-p264-p396", "graph-gu4x1000x2", "graph-anykv-kvbuckets", "graph-block-noblock",
                 "graph-block-blk3x8x8x1x1", "graph-block-blk4x8x8x1", "graph-block-blk4x8x8x1x2",
                 "graph-block-blk4x8x8x0x1", "graph-block-blk4x4x8x2x0", "graph-blk4x4x4x2x0",
                 "graph-reg128", "graph-block-reg16", "graph-block-reg256", "graph-block-reg128-reg96"):
