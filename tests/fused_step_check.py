@@ -5,7 +5,8 @@ MoE kernels. It must decode what the eager step decodes through the torch ops: s
 5e-4. With decode_graphs.ANY_KV on (the default: one graph for every length, the attention over the cache's capacity,
 each sequence's splits from its length), whatever the environment says; a graph per KV bucket runs the same kernels
 but the attention's (tests/fused_decode_check.py checks it both ways). Run under TRITON_INTERPRET=1
-(tests/test_decode_graphs.py does); prints the fused kinds' launch counts."""
+(tests/test_decode_graphs.py does, the two MoE ways at once: `fused_step_check.py [all|noblock|block]`); prints the
+fused kinds' launch counts."""
 import sys
 from pathlib import Path
 
@@ -15,11 +16,15 @@ from memra_pp.kernels import fused_decode as fd, fused_moe, gemv, moe_block, pag
 from memra_pp.model import decode_graphs as dg  # noqa: E402
 from test_decode_graphs import pipelines  # noqa: E402
 
+which = sys.argv[1] if len(sys.argv) > 1 else "all"
+assert which in ("all", "noblock", "block"), which
 gemv.FORCE = True
 gemv.PROGRAMS = 3       # persistent GEMVs of several row blocks a program, as at real sizes (PREFETCH's loop runs)
 # the MoE as the router, per-pair and down kernels, then as the one block kernel (kernels/moe_block.py; its three
 # phases as three launches here)
 for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("moe", [(0, 4), (4, 8)], True, True)):
+    if which != "all" and block != (which == "block"):
+        continue
     dg.ANY_KV, moe_block.ENABLED = any_kv, block
     blocks = moe_block.CALLS["block_split"]
     eager, static = pipelines(kind, splits)

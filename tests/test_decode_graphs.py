@@ -187,21 +187,6 @@ def test_fused_decode_kernels_in_the_interpreter(dtype):
     assert r.returncode == 0 and "fused ok" in r.stdout, r.stderr[-3000:]
 
 
-def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
-    """The decode graphs' one-row step (two stages of the MoE model) through the Triton kernels in Triton's
-    interpreter, float32: the GEMVs with and without their norm (kernels/gemv.py), the attention's q / k norms with
-    the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels (the
-    shared gate computed early; then the MoE as one block kernel, kernels/moe_block.py) must decode what the eager
-    torch step decodes; the counts prove those kinds ran."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    check = os.path.join(os.path.dirname(__file__), "fused_step_check.py")
-    r = subprocess.run([sys.executable, check], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "step ok" in r.stdout, r.stdout + r.stderr[-3000:]
-    calls = ast.literal_eval(r.stdout.split("step ok", 1)[1].strip())
-    assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0 and calls["shared_gate"] > 0 \
-        and calls["block"] > 0, calls
-
-
 def _interpret_at_once(script: str, argvs, timeout: int = 600) -> list:
     """tests/`script` run under Triton's interpreter once per argument list, all at once (the interpreter keeps one
     core busy, and CI has two): [(returncode, stdout, stderr)] in order; none is left running."""
@@ -217,6 +202,20 @@ def _interpret_at_once(script: str, argvs, timeout: int = 600) -> list:
                 p.kill()
                 p.wait()
     return [(p.returncode, out, err) for p, (out, err) in zip(runs, outs)]
+
+
+def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
+    """The decode graphs' one-row step (two stages of the MoE model) through the Triton kernels in Triton's
+    interpreter, float32: the GEMVs with and without their norm (kernels/gemv.py), the attention's q / k norms with
+    the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels (the
+    shared gate computed early; then, in a second process at the same time, the MoE as one block kernel,
+    kernels/moe_block.py) must decode what the eager torch step decodes; the counts prove those kinds ran."""
+    for which, (code, out, err) in zip(("noblock", "block"), _interpret_at_once("fused_step_check.py",
+                                                                              [("noblock",), ("block",)])):
+        assert code == 0 and "step ok" in out, which + ": " + out + err[-3000:]
+        calls = ast.literal_eval(out.split("step ok", 1)[1].strip())
+        assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0 \
+            and calls["shared_gate"] > 0 and (calls["block"] > 0) == (which == "block"), (which, calls)
 
 
 def test_fused_moe_kernels_in_the_interpreter():
