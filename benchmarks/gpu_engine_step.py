@@ -112,8 +112,8 @@ def set_mode(mode: str, defaults, text) -> None:
             setting, programs = "p", int(t[1:])
         elif t[:3] == "obk" and t[3:].isdigit() and pow2(int(t[3:])):
             setting, plain_bk = "obk", int(t[3:])
-        elif t[:3] == "blk" and moe_block.parse_tiles(t[3:]) is not None:
-            setting, block = "blk", moe_block.parse_tiles(t[3:])
+        elif t[:3] == "blk" and (parsed := moe_block.parse_tiles(t[3:])) is not None:
+            setting, block = "blk", parsed
         elif t[:3] == "reg" and t[3:].isdigit() and 24 <= int(t[3:]) <= 255:
             setting, maxnreg = "reg", int(t[3:])
         elif (t[:2] in ("gu", "dn") and len(t[2:].split("x")) == 3 and t[2:].replace("x", "").isdigit()

@@ -17,8 +17,9 @@ import torch
 from gpu_kernels import time_ms
 
 
-def time_graph_us(fn, reps: int = 20, replays: int = 5) -> float:
-    """Device time per call: `reps` calls captured in one CUDA graph (as a decode step runs them), replayed."""
+def captured(fn, reps: int = 1):
+    """fn called once (compiled, warmed), then `reps` calls of it captured in one CUDA graph, replayed once: the
+    graph."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -27,6 +28,12 @@ def time_graph_us(fn, reps: int = 20, replays: int = 5) -> float:
             fn()
     g.replay()
     torch.cuda.synchronize()
+    return g
+
+
+def time_graph_us(fn, reps: int = 20, replays: int = 5) -> float:
+    """Device time per call: `reps` calls captured in one CUDA graph (as a decode step runs them), replayed."""
+    g = captured(fn, reps)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(replays):

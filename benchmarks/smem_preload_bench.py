@@ -26,6 +26,8 @@ import os
 import torch
 
 from gpu_decode import copy_bandwidth      # benchmarks/ is on the path
+from moe_kernels import captured
+from step_profile import device_kernels
 
 N, K, R = 2048, 4096, 16                    # the 35B-A3B's out_proj; R rows a CTA (smem_preload.cu's defaults)
 THREADS = 288                               # smem_preload.cu: eight worker warps and the control warp
@@ -104,21 +106,13 @@ def device_span_us(fn, *name_sets, replays: int = 100):
     so named, in us (one float for one set, else a list), from CUPTI's timestamps (torch.profiler). The flush in fn
     sets L2's state and is not timed, so nothing measured apart is subtracted (the first run's subtraction of the
     flush was uncertain by 3-4 us)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
+    g = captured(fn)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                if e.device_type == DeviceType.CUDA)
+    ks = device_kernels(prof)
     out = []
     for names in name_sets:
         spans = split_spans(ks, names)

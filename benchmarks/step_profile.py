@@ -5,13 +5,11 @@ from __future__ import annotations
 
 def kernel_summary(prof, top: int = 30) -> str:
     """Device time of one profiled step by kernel name: how many kernels, and where the time goes."""
-    from torch.autograd import DeviceType
     by: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            d = by.setdefault(e.name[:90], [0, 0.0])
-            d[0] += 1
-            d[1] += e.time_range.elapsed_us()
+    for start, end, name in device_kernels(prof):
+        d = by.setdefault(name[:90], [0, 0.0])
+        d[0] += 1
+        d[1] += end - start
     total = sum(v[1] for v in by.values())
     n = sum(v[0] for v in by.values())
     lines = [f"{n} kernels, {total / 1e3:.2f} ms device time"]
@@ -20,14 +18,19 @@ def kernel_summary(prof, top: int = 30) -> str:
     return "\n".join(lines)
 
 
+def device_kernels(prof) -> list:
+    """The profile's device kernels as (start us, end us, name), in order of their start."""
+    from torch.autograd import DeviceType
+    return sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
+
+
 def critical_path(prof) -> dict:
     """Where one profiled step's wall time goes when kernels overlap (PDL): the kernels in order of their start, each
     charged with the part of its span past the latest end before it (its exposed time), and an idle gap before it
     charged to it apart. By kernel name: {name: [count, device us, exposed us, idle us]}; the exposed and idle times
     together sum to the step's span."""
-    from torch.autograd import DeviceType
-    ks = sorted(((e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
-                 if e.device_type == DeviceType.CUDA), key=lambda k: k[0])
+    ks = [(start, end, name[:90]) for start, end, name in device_kernels(prof)]
     by: dict[str, list] = {}
     latest = ks[0][0] if ks else 0.0
     for start, end, name in ks:

@@ -175,21 +175,10 @@ def test_gdn_decode_reference_is_the_recurrence():
     assert torch.equal(pool[[1, 3, 5]], before[[1, 3, 5]])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_kernels_in_the_interpreter(dtype):
-    """The decode kernels (RMSNorm + residual on strided rows, gated norm, silu-mul, the conv step in place at the
-    slots, the Gated DeltaNet step from raw projections with one and several value tiles, and the in-place step of
-    kernels/gdn_decode.py) against their torch references, by Triton's CPU interpreter;
-    tests/test_gpu_decode_graphs.py runs the same check compiled on the GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    check = os.path.join(os.path.dirname(__file__), "fused_decode_check.py")
-    r = subprocess.run([sys.executable, check, dtype, "cpu"], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "fused ok" in r.stdout, r.stderr[-3000:]
-
-
 def _interpret_at_once(script: str, argvs, timeout: int = 600) -> list:
     """tests/`script` run under Triton's interpreter once per argument list, all at once (the interpreter keeps one
-    core busy, and CI has two): [(returncode, stdout, stderr)] in order; none is left running."""
+    core busy, and CI has two): [(returncode, stdout, stderr)] in order; none is left running. A check's time limit:
+    `timeout` seconds (TimeoutExpired past it)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     check = os.path.join(os.path.dirname(__file__), script)
     runs = [subprocess.Popen([sys.executable, check, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -202,6 +191,16 @@ def _interpret_at_once(script: str, argvs, timeout: int = 600) -> list:
                 p.kill()
                 p.wait()
     return [(p.returncode, out, err) for p, (out, err) in zip(runs, outs)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_kernels_in_the_interpreter(dtype):
+    """The decode kernels (RMSNorm + residual on strided rows, gated norm, silu-mul, the conv step in place at the
+    slots, the Gated DeltaNet step from raw projections with one and several value tiles, and the in-place step of
+    kernels/gdn_decode.py) against their torch references, by Triton's CPU interpreter;
+    tests/test_gpu_decode_graphs.py runs the same check compiled on the GPU."""
+    [(code, out, err)] = _interpret_at_once("fused_decode_check.py", [(dtype, "cpu")], timeout=300)
+    assert code == 0 and "fused ok" in out, err[-3000:]
 
 
 def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
@@ -274,11 +273,9 @@ def test_moe_model_through_the_fused_moe_kernels_matches_transformers():
     with every MoE layer through the fused routing and expert kernels, in Triton's interpreter in float32: the same
     greedy tokens as transformers and logprobs within 5e-4 (the GPU runs the same kernels compiled, bf16 parity in
     tests/test_gpu_parity.py). All three kernel paths must have run."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    check = os.path.join(os.path.dirname(__file__), "fused_moe_parity_check.py")
-    r = subprocess.run([sys.executable, check], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "parity ok" in r.stdout, r.stdout + r.stderr[-3000:]
-    calls = ast.literal_eval(r.stdout.split("parity ok", 1)[1].strip())     # the CALLS dict, printed
+    [(code, out, err)] = _interpret_at_once("fused_moe_parity_check.py", [()])
+    assert code == 0 and "parity ok" in out, out + err[-3000:]
+    calls = ast.literal_eval(out.split("parity ok", 1)[1].strip())     # the CALLS dict, printed
     assert calls["route"] > 0 and calls["small"] > 0 and calls["grouped"] > 0, calls
 
 
