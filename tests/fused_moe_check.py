@@ -117,23 +117,26 @@ if part in ("all", "1"):
         ran.add("align")
 
 
+    # (the interpreter runs the kernel's E + 1 programs one by one, about 0.03 s each: there, 256 experts at one
+    # shape, the 1,024-id steps at 60 and 8, and the other Tritons' way at a few shapes; all of them compiled)
+    cpu = dev == "cpu"
     hist_mask = moe_align._HIST_MASK
     for hm in sorted({hist_mask, False}):
         moe_align._HIST_MASK = hm
         shapes = [(1, 8, 256, 16), (37, 4, 16, 16), (64, 8, 256, 16), (64, 8, 256, 64), (256, 8, 256, 16),
                   (150, 4, 16, 64), (90, 8, 40, 64), (256, 8, 60, 64), (200, 8, 8, 16)]
-        if dev == "cpu" and hm != hist_mask:    # (the interpreter is slow: the other Tritons' way at a few shapes; all
-            shapes = shapes[:2] + shapes[5:7]   # of them compiled)
+        if cpu:
+            shapes = shapes[:2] + shapes[5:7] + (shapes[7:] if hm == hist_mask else [])
         for T, k, E_, BM in shapes:
             aligned(torch.stack([torch.randperm(E_)[:k] for _ in range(T)]), E_, BM)
-        for E_, BM in [(256, 16), (60, 64)]:
+        for E_, BM in [(40 if cpu else 256, 16), (60, 64)]:
             aligned(torch.randint(0, 5, (64, 8)), E_, BM)               # most experts without a pair
             aligned(torch.full((256, 8), E_ - 1), E_, BM)               # all on the last expert
             aligned(torch.zeros(1, 8, dtype=torch.long), E_, BM)       # one row, all on the first
     moe_align._HIST_MASK = hist_mask
     # ids outside [0, E) (route makes none): skipped, nothing written outside the rows, the rest where align_ref puts
     # them without those pairs, then padding
-    for E_, BM in [(60, 16), (256, 64)]:
+    for E_, BM in [(60, 16), (40 if cpu else 256, 64)]:
         idx = torch.randint(0, E_, (40, 8))
         idx[0, 0], idx[3, 2], idx[5, 1], idx[7, 7] = E_, -1, 2 ** 32 + 1, E_ + 100
         sp, be = fm.align(idx, E_, BM)
@@ -159,8 +162,10 @@ if part in ("all", "1"):
             continue
         assert bool((flat[rows[rows < N]] == e).all()) and bool((rows < N).any())
 
-# the experts: per-pair kernels (few pairs), grouped GEMM (many; every block-size config), odd sizes (masks)
-E, H, I = 16, 80, 48
+# the experts: per-pair kernels (few pairs), grouped GEMM (many; every block-size config), odd sizes (masks). The
+# per-pair kernels run a program for every 4 columns of a pair's gate|up, so in the interpreter, which runs them one
+# by one (about 0.04 s each), the experts are half as wide
+E, H, I = 16, 80, 48 if dev == "cuda" else 24
 w_gu = torch.randn(E, 2 * I, H, dtype=dt) / H ** 0.5
 w_d = torch.randn(E, H, I, dtype=dt) / I ** 0.5
 def shared_expert(Is):
@@ -169,18 +174,19 @@ def shared_expert(Is):
 
 
 # the shared expert, narrower and wider than the routed ones (the per-pair kernels mask both; h rows are the wider)
-shared, wide = shared_expert(40), shared_expert(56)
+shared, wide = (shared_expert(40), shared_expert(56)) if dev == "cuda" else (shared_expert(20), shared_expert(28))
 if part in ("all", "1"):
     for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
         if dev == "cpu" and T > 600:
             continue            # the interpreter is slow: the 64-row blocks are checked compiled
         x = torch.randn(T, H, dtype=dt)
-        w, idx = routing(T, E, k)
+        # (the interpreter: the routing kernel's program a row checked up to 40 rows; beyond, the reference routes)
+        w, idx = routing(T, E, k) if dev == "cuda" or T <= 40 else fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
         out = fm.moe_experts(x, w_gu, w_d, w, idx)
         close(out, fm.moe_experts_ref(x, w_gu, w_d, w, idx))
         ran.add("small" if T * k <= fm.SMALL_PAIRS else "grouped{}x{}".format(*fm.grouped_config(T * k)))
-        if T <= 40:
-            for sh in (shared, wide):
+        if T <= 40:     # (the interpreter: the wider shared expert at the per-pair kernels' most rows only)
+            for sh in (shared, wide) if dev == "cuda" or T == 16 else (shared,):
                 close(fm.moe_experts(x, w_gu, w_d, w, idx, sh), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
             ran.add("shared")
 
@@ -188,27 +194,35 @@ if part in ("all", "1"):
 if part in ("all", "2"):
     def check_small(shapes, experts, **kw):
         """_moe_small against moe_ref for rows (T, k) routed at random, with each shared expert of `experts` (or
-        None)."""
+        None). Returns the calls made."""
         for T, k in shapes:
             x = torch.randn(T, H, dtype=dt)
             w, idx = fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
             for sh in experts:
                 close(fm._moe_small(x, w_gu, w_d, w, idx, sh, **kw), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
+        return len(shapes) * len(experts)
 
 
+    # The interpreter runs each program one by one (the per-pair kernels' about 0.02-0.05 s each, the loop down
+    # kernel's 0.1), so there each variant runs at the fewest (shapes, shared experts) that reach it; compiled, all.
+    cpu = dev == "cpu"
     # the per-pair down kernel both ways ("loop": a row's pairs one after another; "tile": every pair's slice in one
     # tile), k not a power of two (the tile's masked pair rows), without the shared expert and with both widths; the
-    # shared gate computed by the gate|up kernel (SHARED_GATE_EARLY) and by every down program
+    # shared gate computed by the gate|up kernel (SHARED_GATE_EARLY) and by every down program (late: only rows with
+    # a shared expert have a gate to compute)
     for early in (True, False):
         fm.SHARED_GATE_EARLY = early
         for down in ("loop", "tile"):
             before, gates = fm.CALLS["down_tile"], fm.CALLS["shared_gate"]
-            # (the interpreter is slow: 16 rows of 4, the per-pair kernels' most, run compiled only here; in the
-            # interpreter through moe_experts above)
-            shapes = [(1, 4), (5, 4), (3, 3)] + ([(16, 4)] if dev != "cpu" else []) if early else [(1, 4), (3, 3)]
-            check_small(shapes, (None, shared, wide), down=down)
-            assert (fm.CALLS["down_tile"] - before == 3 * len(shapes)) == (down == "tile"), fm.CALLS
-            assert fm.CALLS["shared_gate"] - gates == (2 * len(shapes) if early else 0), fm.CALLS
+            # (16 rows of 4, the per-pair kernels' most, run in the interpreter through moe_experts above)
+            shapes = [(1, 4), (5, 4), (3, 3)] + ([(16, 4)] if not cpu else []) if early else [(1, 4), (3, 3)]
+            experts = (None, shared, wide) if early else (shared, wide)
+            if cpu and (down == "loop" or not early):
+                shapes, experts = shapes[-1:], experts[-2:] if down == "tile" else experts[:1] + experts[-1:]
+            calls = check_small(shapes, experts, down=down)
+            assert fm.CALLS["down_tile"] - before == (calls if down == "tile" else 0), fm.CALLS
+            assert fm.CALLS["shared_gate"] - gates == (len(shapes) * sum(e is not None for e in experts)
+                                                       if early else 0), fm.CALLS
             ran.add(f"down {down}")
         ran.add("shared gate early" if early else "shared gate late")
     fm.SHARED_GATE_EARLY = True
@@ -216,15 +230,16 @@ if part in ("all", "2"):
     # step only: the gate|up K in several steps with a ragged last one (BK 32, H 80), with the early gate and without
     for early in (True, False):
         fm.SHARED_GATE_EARLY, fm.SHARED_BEFORE_WAIT = early, True
-        check_small([(1, 4), (3, 3)], (shared, wide), tiles=(4, 32, 2, 4, 64, 4))
+        check_small([(1, 4), (3, 3)] if early or not cpu else [(3, 3)], (shared, wide) if early or not cpu
+                    else (wide,), tiles=(4, 32, 2, 4, 64, 4))
     fm.SHARED_GATE_EARLY, fm.SHARED_BEFORE_WAIT = True, False
     ran.add("shared before wait")
     # the tile down kernel's routed ids and weights loaded after PDL's wait (DOWN_IDS_BEFORE_WAIT off; on above)
     assert fm.DOWN_IDS_BEFORE_WAIT
     fm.DOWN_IDS_BEFORE_WAIT = False
     before = fm.CALLS["down_tile"]
-    check_small([(1, 4), (3, 3)], (None, shared), down="tile")
-    assert fm.CALLS["down_tile"] - before == 4, fm.CALLS
+    calls = check_small([(3, 3)] if cpu else [(1, 4), (3, 3)], (None, shared), down="tile")
+    assert fm.CALLS["down_tile"] - before == calls, fm.CALLS
     fm.DOWN_IDS_BEFORE_WAIT = True
     ran.add("down ids after wait")
 

@@ -9,10 +9,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from memra_pp.kernels import fused_moe  # noqa: E402
 from test_model_parity import check  # noqa: E402
 
-# the per-pair kernels at 16 rows of an expert a program, where the H200's tiles take 4: a quarter of the programs
+# the per-pair kernels at 32 rows of an expert a program, where the H200's tiles take 4: an eighth of the programs
 # (the interpreter runs each one by one; tests/fused_moe_check.py checks the released tiles)
-fused_moe.SMALL_TILES = (16,) + fused_moe.SMALL_TILES[1:3] + (16,) + fused_moe.SMALL_TILES[4:]
-# prompts of 1 to 40 tokens (the interpreter is slow; test_model_parity runs up to 130 through the torch paths): the
-# prefill's 74 tokens still take the grouped GEMM over several blocks, the decode batch the per-pair kernels
-check("moe", False, 2, chunk=None, prompts=[(5, 17, 42), tuple(range(1, 41)), (7,), tuple(range(200, 230))])
+fused_moe.SMALL_TILES = (32,) + fused_moe.SMALL_TILES[1:3] + (32,) + fused_moe.SMALL_TILES[4:]
+# prompts of 1 to 24 tokens (the interpreter is slow, the routing kernel a program a row; test_model_parity runs up to
+# 130 through the torch paths): the prefill's 44 tokens (88 pairs) still take the grouped GEMM over several blocks,
+# the decode batch the per-pair kernels
+check("moe", False, 2, chunk=None, prompts=[(5, 17, 42), tuple(range(1, 25)), (7,), tuple(range(200, 216))])
 print("parity ok", fused_moe.CALLS)

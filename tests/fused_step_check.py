@@ -20,6 +20,9 @@ which = sys.argv[1] if len(sys.argv) > 1 else "all"
 assert which in ("all", "noblock", "block"), which
 gemv.FORCE = True
 gemv.PROGRAMS = 3       # persistent GEMVs of several row blocks a program, as at real sizes (PREFETCH's loop runs)
+# the per-pair MoE kernels at 32 rows of an expert a program, where the H200's tiles take 4: an eighth of the programs
+# (the interpreter runs each one by one; tests/fused_moe_check.py checks the released tiles)
+fused_moe.SMALL_TILES = (32,) + fused_moe.SMALL_TILES[1:3] + (32,) + fused_moe.SMALL_TILES[4:]
 # the MoE as the router, per-pair and down kernels, then as the one block kernel (kernels/moe_block.py; its three
 # phases as three launches here)
 for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("moe", [(0, 4), (4, 8)], True, True)):

@@ -193,14 +193,15 @@ def _interpret_at_once(script: str, argvs, timeout: int = 600) -> list:
     return [(p.returncode, out, err) for p, (out, err) in zip(runs, outs)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_kernels_in_the_interpreter(dtype):
+def test_fused_decode_kernels_in_the_interpreter():
     """The decode kernels (RMSNorm + residual on strided rows, gated norm, silu-mul, the conv step in place at the
     slots, the Gated DeltaNet step from raw projections with one and several value tiles, and the in-place step of
-    kernels/gdn_decode.py) against their torch references, by Triton's CPU interpreter;
-    tests/test_gpu_decode_graphs.py runs the same check compiled on the GPU."""
-    [(code, out, err)] = _interpret_at_once("fused_decode_check.py", [(dtype, "cpu")], timeout=300)
-    assert code == 0 and "fused ok" in out, err[-3000:]
+    kernels/gdn_decode.py) against their torch references, by Triton's CPU interpreter, in float32 and bfloat16 at
+    once; tests/test_gpu_decode_graphs.py runs the same check compiled on the GPU."""
+    dtypes = ("float32", "bfloat16")
+    for dtype, (code, out, err) in zip(dtypes, _interpret_at_once("fused_decode_check.py", [(d, "cpu") for d in dtypes],
+                                                                  timeout=300)):
+        assert code == 0 and "fused ok" in out, dtype + ": " + err[-3000:]
 
 
 def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
