@@ -4,7 +4,10 @@
 //   0  the GEMV reads W from global memory after the window (what a kernel boundary leaves);
 //   1  each CTA copies its rows into shared memory with cp.async before the window, and the GEMV reads them there;
 //   2  each thread loads its share of the rows into registers before the window (what Triton could express);
-//   3  the window alone, no GEMV (the baseline the others are charged against).
+//   3  the window alone, no GEMV (the baseline the others are charged against);
+//   4  one thread copies the CTA's rows into shared memory with TMA bulk copies (cp.async.bulk, completing on an
+//      mbarrier) before the window: the copy engine's path, not the load/store units' (the third run's question:
+//      do the preload's loads hold the window's own loads and atomics back in the SM's memory pipeline?).
 // The window runs on one thread of the control warp, which issues no weight loads, and the worker warps meet it at
 // one __syncthreads after the window. In the first run every warp took part in each barrier's __syncthreads and
 // thread 0 (a loading warp's) ran its fence, and the window hid none of the preload: a fence waits for its thread's
@@ -23,8 +26,10 @@
 #define CTL (WARPS * 32)
 #define RW (R / WARPS)              // rows a warp
 #define V (K / 8 / 32)              // 16-byte vectors a lane a row
+#define BULK 16384                  // bytes a TMA bulk copy (mode 4)
 static_assert(K % 256 == 0, "a lane reads whole 16-byte vectors of every row");
 static_assert(R % WARPS == 0, "every worker warp takes the same rows");
+static_assert((R * K * 2) % BULK == 0 && R * K * 2 < (1 << 20), "whole bulk copies, within an mbarrier's count");
 
 typedef unsigned short bf16;
 
@@ -34,20 +39,57 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     return v;
 }
 
+__device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // Generation barrier over the grid, run by one thread a CTA (every CTA resident): bar[0] counts arrivals, bar[1] is
 // the generation. The generation is read before arriving, and the last arrival zeroes the count before it bumps the
 // generation, so it needs no reset between launches or graph replays.
-__device__ __forceinline__ void grid_barrier(unsigned* bar) {
-    unsigned gen = ld_acquire(bar + 1);
-    __threadfence();
+// KIND asks the third run's question, whether the barrier's memory ordering waits for the SM's preload:
+//   bit 1 drops the release fences (__threadfence: a MEMBAR.SC.GPU and a CCTL.IVALL, an invalidation of L1);
+//   bit 4 uses fence.acq_rel.gpu for them instead (a MEMBAR.ALL.GPU);
+//   bit 2 spins with relaxed loads instead of acquire loads (each acquire load is followed by a CCTL.IVALL).
+// Kinds 1, 2 and 3 do not order the ticks by the memory model; the benchmark checks every kind's values and reports
+// a kind whose window came out wrong.
+__device__ __forceinline__ unsigned ld_gen(const unsigned* p, int kind) {
+    return (kind & 2) ? ld_relaxed(p) : ld_acquire(p);
+}
+
+__device__ __forceinline__ void release(int kind) {
+    if (kind & 4)
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    else if (!(kind & 1))
+        __threadfence();
+}
+
+__device__ __forceinline__ void grid_barrier(unsigned* bar, int kind) {
+    unsigned gen = ld_gen(bar + 1, kind);
+    release(kind);
     if (atomicAdd(bar, 1u) == gridDim.x - 1) {
         atomicExch(bar, 0u);
-        __threadfence();
+        release(kind);
         atomicAdd(bar + 1, 1u);
     } else {
-        while (ld_acquire(bar + 1) == gen) {
+        while (ld_gen(bar + 1, kind) == gen) {
         }
     }
+}
+
+__device__ __forceinline__ unsigned long long now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Waits until the mbarrier at shared address mb completes its phase 0 (mode 4's bulk copies all landed).
+__device__ __forceinline__ void mbar_wait(unsigned mb) {
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+                     " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(mb) : "memory");
 }
 
 __device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
@@ -68,39 +110,63 @@ __device__ __forceinline__ bf16 to_bf16(float f) {      // round to nearest even
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y, unsigned* bar,
-             float* tick, int window, int mode) {
-    extern __shared__ uint4 smem[];                 // R * K * 2 bytes (read in mode 1; allocated in every mode)
+             float* tick, int window, int mode, int kind, unsigned long long* stamp) {
+    extern __shared__ uint4 smem[];                 // R * K * 2 bytes (read in modes 1, 4; allocated in every mode)
+    __shared__ __align__(8) unsigned long long mbar;    // mode 4's copies complete on it
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t r0 = (size_t)blockIdx.x * R;
     const uint4* wg = reinterpret_cast<const uint4*>(W + r0 * K);
     uint4 reg[RW][V];
+    // stamps a CTA (globaltimer, ns), where the benchmark asks where the time after the window goes: 0 entry,
+    // 1 thread 0's preload issued, 2 thread 0's preload landed (modes 1, 4), 3 the window's end (control warp),
+    // 4 thread 0's row stored. (No stamp after the workers' __syncthreads: its BAR.SYNC.DEFER_BLOCKING lets the
+    // warp read the timer before the barrier opens, so the first run's stamp there read 0.26 us.)
+    unsigned long long* st = stamp + blockIdx.x * 5;
+    if (threadIdx.x == 0)
+        st[0] = now();
     if (mode == 1) {
         unsigned s = (unsigned)__cvta_generic_to_shared(smem);
         for (int i = threadIdx.x; i < R * K / 8 && threadIdx.x < CTL; i += CTL)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s + 16u * i), "l"(wg + i) : "memory");
         asm volatile("cp.async.commit_group;" ::: "memory");
+        if (threadIdx.x == 0)
+            st[1] = now();
+        asm volatile("cp.async.wait_all;" ::: "memory");    // the workers wait for their copies during the window
+        if (threadIdx.x == 0)
+            st[2] = now();
+    } else if (mode == 4 && threadIdx.x == 0) {
+        const unsigned mb = (unsigned)__cvta_generic_to_shared(&mbar), s = (unsigned)__cvta_generic_to_shared(smem);
+        const unsigned bytes = R * K * 2, chunk = BULK;
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(mb) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(mb), "r"(bytes) : "memory");
+        for (unsigned o = 0; o < bytes; o += chunk)
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                         :: "r"(s + o), "l"(reinterpret_cast<const char*>(wg) + o), "r"(chunk), "r"(mb) : "memory");
+        st[1] = now();
+        mbar_wait(mb);
+        st[2] = now();
     } else if (mode == 2 && warp < WARPS) {
 #pragma unroll
         for (int j = 0; j < RW; ++j)
 #pragma unroll
             for (int v = 0; v < V; ++v)
                 reg[j][v] = __ldg(wg + (size_t)(warp * RW + j) * (K / 8) + v * 32 + lane);
+        if (threadIdx.x == 0)
+            st[1] = now();
     }
     if (threadIdx.x == CTL) {
         for (int w = 0; w < window; ++w) {      // a dependent tick across CTAs, then the barrier
             const float* src = tick + (w & 1) * gridDim.x;
             float* dst = tick + ((w + 1) & 1) * gridDim.x;
             dst[blockIdx.x] = __ldcg(src + (blockIdx.x + 1) % gridDim.x) * 0.5f + 1.0f;
-            grid_barrier(bar);
+            grid_barrier(bar, kind);
         }
+        st[3] = now();
     }
-    __syncthreads();                        // the workers meet the window's end once
+    __syncthreads();                        // the workers meet the window's end once (and every cp.async landed)
     if (mode == 3)
         return;
-    if (mode == 1) {
-        asm volatile("cp.async.wait_all;" ::: "memory");
-        __syncthreads();
-    }
     if (warp == WARPS)
         return;
     const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -111,7 +177,7 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
 #pragma unroll
             for (int v = 0; v < V; ++v)
                 reg[j][v] = __ldcs(wg + (size_t)r * (K / 8) + v * 32 + lane);
-        } else if (mode == 1) {
+        } else if (mode == 1 || mode == 4) {
 #pragma unroll
             for (int v = 0; v < V; ++v)
                 reg[j][v] = smem[r * (K / 8) + v * 32 + lane];
@@ -130,4 +196,6 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
         if (lane == 0)
             y[r0 + warp * RW + j] = to_bf16(acc[j]);
     }
+    if (threadIdx.x == 0)
+        st[4] = now();
 }

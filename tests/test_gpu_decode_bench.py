@@ -262,3 +262,25 @@ def test_smem_preload_spans_split_on_the_flush():
     assert spb.split_spans(ks, ("_tick", "_gemv_kernel")) == [7, 8]
     assert spb.split_spans(ks, ("_gemv_kernel",)) == [4.5, 6]
     assert spb.split_spans(ks[:1], ("_tick",)) == []
+
+
+def test_smem_preload_lead_is_measured_from_the_last_kernel_before():
+    """smem_preload_bench.lead_us: each GEMV's start minus the end of the last tiny kernel before it, negative where
+    the GEMV started first (PDL); a GEMV with no tiny kernel before it since the last one counts nothing."""
+    import smem_preload_bench as spb
+    ks = [(0, 50, "reduce_kernel"), (55, 56, "_tick"), (57, 60, "_tick"), (58, 66, "_gemv_kernel"),
+          (70, 120, "reduce_kernel"), (125, 126, "_tick"), (127.5, 133, "_gemv_kernel"), (140, 150, "_gemv_kernel")]
+    assert spb.lead_us(ks, "_tick", "_gemv_kernel") == [-2, 1.5]
+    assert spb.lead_us(ks[:3], "_tick", "_gemv_kernel") == []
+
+
+def test_smem_preload_stamps_are_read_from_the_first_entry():
+    """smem_preload_bench.stamp_table: each stamp's median and latest CTA in us from the earliest entry; a stamp
+    some CTA did not write (zero: a mode without that point) is left out."""
+    import smem_preload_bench as spb
+    st = torch.zeros(3, len(spb.STAMPS), dtype=torch.int64)
+    st[:, 0] = torch.tensor([1000, 2000, 1500])
+    st[:, 3] = torch.tensor([31000, 30000, 32000])
+    st[:2, 1] = 5000
+    tab = spb.stamp_table(st)
+    assert tab == {"entry": (0.5, 1.0), "window's end": (30.0, 31.0)}
