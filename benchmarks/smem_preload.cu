@@ -80,7 +80,7 @@ __device__ __forceinline__ void grid_barrier(unsigned* bar, int kind) {
 
 __device__ __forceinline__ unsigned long long now() {
     unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");     // not moved past loads or stores
     return t;
 }
 

@@ -1,8 +1,8 @@
 """The fused MoE kernels (kernels/fused_moe.py) against their torch references, on one device: run as
 `python fused_moe_check.py DTYPE DEVICE [PART]` (CPU under TRITON_INTERPRET=1, or cuda compiled; PART 1 (routing,
-alignment, the experts at several row counts) or 2 (the per-pair kernels' variants, warm-up) runs one half, about
-equal in the interpreter, so two processes can share the work; all by default). Prints "moe ok" and the paths that
-ran."""
+alignment, the experts at several row counts) or 2 (the router with the norm, the per-pair kernels' variants,
+warm-up) runs one half, about equal in the interpreter, so two processes can share the work; all by default).
+Prints "moe ok" and the paths that ran."""
 import sys
 
 import torch
@@ -16,6 +16,7 @@ from memra_pp.kernels.moe_align import ALIGN_KERNEL_PAIRS
 torch.manual_seed(0)
 dt = getattr(torch, sys.argv[1])
 dev = sys.argv[2]
+cpu = dev == "cpu"      # Triton's interpreter: fewer programs where the compiled check runs them all
 part = sys.argv[3] if len(sys.argv) > 3 else "all"     # 1 / 2: about equal halves in Triton's interpreter
 assert part in ("all", "1", "2"), part
 torch.set_default_device(dev)
@@ -81,31 +82,6 @@ if part in ("all", "1"):
     ran.add("router nan and ties")
 
 
-    # the MoE's input norm inside the router kernel (one row whose hidden fits one step of it; else add_rms_norm, then
-    # router_route): the new residual and the normed row as add_rms_norm gives them, the routing of that row
-    def norm_routed(T, E_, H_, k, taken):
-        from memra_pp.kernels.fused_decode import add_rms_norm_ref
-        h, r = torch.randn(T, H_, dtype=dt), torch.randn(T, H_, dtype=dt)
-        lw, g = torch.randn(H_, dtype=dt) * 0.1, torch.randn(E_, H_, dtype=dt) / H_ ** 0.5
-        before = fm.CALLS["norm_router"]
-        s_, x_, w, idx = fm.norm_router_route(h, r, lw, 1e-6, g, k, dt)
-        assert (fm.CALLS["norm_router"] - before == 1) == taken, fm.CALLS
-        s0, x0 = add_rms_norm_ref(h, r, lw, 1e-6)
-        # the new residual bit for bit (the interpreter rounds to bfloat16 its own way); the normed row within rounding
-        assert torch.equal(s_, s0) if dt == torch.float32 or dev == "cuda" else close(s_, s0) is None
-        close(x_, x0)
-        logits = torch.nn.functional.linear(x_, g)
-        p = logits.float().softmax(-1)
-        assert torch.equal(p.gather(1, idx), p.gather(1, fm.route_ref(logits, k, dt)[1])), idx
-        close(w, fm.route_ref(logits, k, dt)[0])
-        assert int(device_counters(mr._COUNTERS, h.device)) == 0
-        ran.add("norm router")
-
-
-    for T, E_, H_, k, taken in [(1, 256, 2048, 8, True), (1, 60, 100, 4, True), (2, 16, 80, 4, False),
-                                (1, 16, 4100, 4, False)]:
-        norm_routed(T, E_, H_, k, taken)
-
     # align: the kernel equals the torch ops (up to ALIGN_KERNEL_PAIRS; beyond, the torch ops), at both block sizes:
     # one row, 512 and 2,048 pairs, 256 experts and a few (not a power of two), distinct experts a row, experts with
     # no pair, every pair on one expert; both ways of counting (tl.histogram's mask, or bin 0 and a correction on
@@ -119,7 +95,6 @@ if part in ("all", "1"):
 
     # (the interpreter runs the kernel's E + 1 programs one by one, about 0.03 s each: there, 256 experts at one
     # shape, the 1,024-id steps at 60 and 8, and the other Tritons' way at a few shapes; all of them compiled)
-    cpu = dev == "cpu"
     hist_mask = moe_align._HIST_MASK
     for hm in sorted({hist_mask, False}):
         moe_align._HIST_MASK = hm
@@ -165,7 +140,7 @@ if part in ("all", "1"):
 # the experts: per-pair kernels (few pairs), grouped GEMM (many; every block-size config), odd sizes (masks). The
 # per-pair kernels run a program for every 4 columns of a pair's gate|up, so in the interpreter, which runs them one
 # by one (about 0.04 s each), the experts are half as wide
-E, H, I = 16, 80, 48 if dev == "cuda" else 24
+E, H, I = 16, 80, 24 if cpu else 48
 w_gu = torch.randn(E, 2 * I, H, dtype=dt) / H ** 0.5
 w_d = torch.randn(E, H, I, dtype=dt) / I ** 0.5
 def shared_expert(Is):
@@ -174,24 +149,50 @@ def shared_expert(Is):
 
 
 # the shared expert, narrower and wider than the routed ones (the per-pair kernels mask both; h rows are the wider)
-shared, wide = (shared_expert(40), shared_expert(56)) if dev == "cuda" else (shared_expert(20), shared_expert(28))
+shared, wide = (shared_expert(20), shared_expert(28)) if cpu else (shared_expert(40), shared_expert(56))
 if part in ("all", "1"):
     for T, k in [(1, 4), (5, 4), (16, 4), (17, 4), (40, 4), (520, 4), (4100, 4)]:
-        if dev == "cpu" and T > 600:
+        if cpu and T > 600:
             continue            # the interpreter is slow: the 64-row blocks are checked compiled
         x = torch.randn(T, H, dtype=dt)
         # (the interpreter: the routing kernel's program a row checked up to 40 rows; beyond, the reference routes)
-        w, idx = routing(T, E, k) if dev == "cuda" or T <= 40 else fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
+        w, idx = routing(T, E, k) if not cpu or T <= 40 else fm.route_ref(torch.randn(T, E, dtype=dt), k, dt)
         out = fm.moe_experts(x, w_gu, w_d, w, idx)
         close(out, fm.moe_experts_ref(x, w_gu, w_d, w, idx))
         ran.add("small" if T * k <= fm.SMALL_PAIRS else "grouped{}x{}".format(*fm.grouped_config(T * k)))
         if T <= 40:     # (the interpreter: the wider shared expert at the per-pair kernels' most rows only)
-            for sh in (shared, wide) if dev == "cuda" or T == 16 else (shared,):
+            for sh in (shared, wide) if not cpu or T == 16 else (shared,):
                 close(fm.moe_experts(x, w_gu, w_d, w, idx, sh), fm.moe_ref(x, w_gu, w_d, w, idx, sh))
             ran.add("shared")
 
 
 if part in ("all", "2"):
+    # the MoE's input norm inside the router kernel (one row whose hidden fits one step of it; else add_rms_norm, then
+    # router_route): the new residual and the normed row as add_rms_norm gives them, the routing of that row
+    def norm_routed(T, E_, H_, k, taken):
+        from memra_pp.kernels.fused_decode import add_rms_norm_ref
+        h, r = torch.randn(T, H_, dtype=dt), torch.randn(T, H_, dtype=dt)
+        lw, g = torch.randn(H_, dtype=dt) * 0.1, torch.randn(E_, H_, dtype=dt) / H_ ** 0.5
+        before = fm.CALLS["norm_router"]
+        s_, x_, w, idx = fm.norm_router_route(h, r, lw, 1e-6, g, k, dt)
+        assert (fm.CALLS["norm_router"] - before == 1) == taken, fm.CALLS
+        s0, x0 = add_rms_norm_ref(h, r, lw, 1e-6)
+        # the new residual bit for bit (the interpreter rounds to bfloat16 its own way); the normed row within rounding
+        assert torch.equal(s_, s0) if dt == torch.float32 or dev == "cuda" else close(s_, s0) is None
+        close(x_, x0)
+        logits = torch.nn.functional.linear(x_, g)
+        p = logits.float().softmax(-1)
+        assert torch.equal(p.gather(1, idx), p.gather(1, fm.route_ref(logits, k, dt)[1])), idx
+        close(w, fm.route_ref(logits, k, dt)[0])
+        assert int(device_counters(mr._COUNTERS, h.device)) == 0
+        ran.add("norm router")
+
+
+    for T, E_, H_, k, taken in [(1, 256, 2048, 8, True), (1, 60, 100, 4, True), (2, 16, 80, 4, False),
+                                (1, 16, 4100, 4, False)]:
+        norm_routed(T, E_, H_, k, taken)
+
+
     def check_small(shapes, experts, **kw):
         """_moe_small against moe_ref for rows (T, k) routed at random, with each shared expert of `experts` (or
         None). Returns the calls made."""
@@ -205,7 +206,6 @@ if part in ("all", "2"):
 
     # The interpreter runs each program one by one (the per-pair kernels' about 0.02-0.05 s each, the loop down
     # kernel's 0.1), so there each variant runs at the fewest (shapes, shared experts) that reach it; compiled, all.
-    cpu = dev == "cpu"
     # the per-pair down kernel both ways ("loop": a row's pairs one after another; "tile": every pair's slice in one
     # tile), k not a power of two (the tile's masked pair rows), without the shared expert and with both widths; the
     # shared gate computed by the gate|up kernel (SHARED_GATE_EARLY) and by every down program (late: only rows with
@@ -254,7 +254,7 @@ if part in ("all", "2"):
         close(out[2:], fm.moe_experts_ref(x[2:], w_gu, w_d, w[2:], idx[2:]))
         ran.add("nan row")
 
-    if dev == "cuda":       # captured in a CUDA graph (static shapes, no host sync), replayed on new inputs
+    if not cpu:             # captured in a CUDA graph (static shapes, no host sync), replayed on new inputs
         T, k = 64, 4
         x = torch.randn(T, H, dtype=dt)
         logits = torch.randn(T, E, dtype=dt)
@@ -293,7 +293,7 @@ if part in ("all", "2"):
     moe.experts_gate_up_proj, moe.experts_down_proj = w_gu, w_d
     moe.shared_gate_up, moe.shared_expert_down_proj_weight, moe.shared_expert_gate_weight = shared
     before = dict(fm.CALLS)
-    if dev == "cpu":
+    if cpu:
         moe.WARM_ROWS = (1, 3, 40)      # the interpreter is slow; compiled, every size the GPU warms
     moe.warm_up()
     assert all(fm.CALLS[p] > before[p] for p in ("router", "norm_router", "small", "down_tile", "grouped")), \

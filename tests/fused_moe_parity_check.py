@@ -14,6 +14,6 @@ from test_model_parity import check  # noqa: E402
 fused_moe.SMALL_TILES = (32,) + fused_moe.SMALL_TILES[1:3] + (32,) + fused_moe.SMALL_TILES[4:]
 # prompts of 1 to 24 tokens (the interpreter is slow, the routing kernel a program a row; test_model_parity runs up to
 # 130 through the torch paths): the prefill's 44 tokens (88 pairs) still take the grouped GEMM over several blocks,
-# the decode batch the per-pair kernels
-check("moe", False, 2, chunk=None, prompts=[(5, 17, 42), tuple(range(1, 25)), (7,), tuple(range(200, 216))])
+# the decode batch the per-pair kernels (four tokens: the prefill's, then three batched decode steps)
+check("moe", False, 2, chunk=None, prompts=[(5, 17, 42), tuple(range(1, 25)), (7,), tuple(range(200, 216))], new=4)
 print("parity ok", fused_moe.CALLS)

@@ -17,6 +17,7 @@ from memra_pp.model import decode_graphs as dg  # noqa: E402
 from test_decode_graphs import pipelines  # noqa: E402
 
 which = sys.argv[1] if len(sys.argv) > 1 else "all"
+NEW = 3         # a token from the prefill, then two decode steps (the second reads the first's KV and state)
 assert which in ("all", "noblock", "block"), which
 gemv.FORCE = True
 gemv.PROGRAMS = 3       # persistent GEMVs of several row blocks a program, as at real sizes (PREFETCH's loop runs)
@@ -32,10 +33,10 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     blocks = moe_block.CALLS["block_split"]
     eager, static = pipelines(kind, splits)
     fd.USE_TRITON = False          # the reference: the eager step through the torch ops
-    te, le = eager.greedy([[5, 6, 7, 8]], 4)
+    te, le = eager.greedy([[5, 6, 7, 8]], NEW)
     fd.USE_TRITON = True
     before, qk, sg = dict(gemv.CALLS), pgd.CALLS["qk_kv_write"], fused_moe.CALLS["shared_gate"]
-    ts, ls = static.greedy([[5, 6, 7, 8]], 4)
+    ts, ls = static.greedy([[5, 6, 7, 8]], NEW)
     assert ts == te, (kind, ts, te)
     d = max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y))
     assert d < 5e-4, (kind, d)

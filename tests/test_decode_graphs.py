@@ -223,7 +223,7 @@ def test_fused_moe_kernels_in_the_interpreter():
     down kernels, with and without the shared expert riding in them, and the grouped GEMM over pairs sorted by
     expert, with its alignment) against their torch references, by Triton's CPU interpreter, in
     float32 (the interpreter's bfloat16 tl.dot is wrong); tests/test_gpu_decode_graphs.py runs it compiled in both
-    dtypes and inside a CUDA graph. The check's two halves run at once (about 2 minutes each here, 4 in one)."""
+    dtypes and inside a CUDA graph. The check's two halves run at once (about 1.5 minutes each here)."""
     ran = set()
     for code, out, err in _interpret_at_once("fused_moe_check.py", [("float32", "cpu", "1"), ("float32", "cpu", "2")]):
         assert code == 0 and "moe ok " in out, out + err[-3000:]
@@ -270,7 +270,7 @@ def test_moe_warm_up_rows_reach_every_variant():
 
 
 def test_moe_model_through_the_fused_moe_kernels_matches_transformers():
-    """The whole MoE model (two stages, prompts of 1 to 40 tokens prefilled together, then decoded as one batch)
+    """The whole MoE model (two stages, prompts of 1 to 24 tokens prefilled together, then decoded as one batch)
     with every MoE layer through the fused routing and expert kernels, in Triton's interpreter in float32: the same
     greedy tokens as transformers and logprobs within 5e-4 (the GPU runs the same kernels compiled, bf16 parity in
     tests/test_gpu_parity.py). All three kernel paths must have run."""

@@ -10,12 +10,12 @@ SPLITS = {1: [(0, 8)], 2: [(0, 3), (3, 8)], 3: [(0, 2), (2, 5), (5, 8)]}
 NEW = 8
 
 
-def check(kind, tied, n_stages, chunk, prompts=PROMPTS):
+def check(kind, tied, n_stages, chunk, prompts=PROMPTS, new=NEW):
     _, path = tiny_checkpoint(kind, tied)
     lp = LocalPipeline(SafetensorsSource(path), SPLITS[n_stages])
-    toks, lps = lp.greedy([list(p) for p in prompts], NEW, chunk=chunk)
+    toks, lps = lp.greedy([list(p) for p in prompts], new, chunk=chunk)
     for p, t, l in zip(prompts, toks, lps):
-        ht, hl = hf_reference(kind, tied, p, NEW)
+        ht, hl = hf_reference(kind, tied, p, new)
         assert t == ht, f"prompt of {len(p)} tokens: {t} != transformers {ht}"
         assert max(abs(a - b) for a, b in zip(l, hl)) < 5e-4
 
