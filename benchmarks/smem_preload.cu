@@ -10,9 +10,10 @@
 //      do the preload's loads hold the window's own loads and atomics back in the SM's memory pipeline?).
 // The window runs on one thread of the control warp, which issues no weight loads, and the worker warps meet it at
 // one __syncthreads after the window. In the first run every warp took part in each barrier's __syncthreads and
-// thread 0 (a loading warp's) ran its fence, and the window hid none of the preload: a fence waits for its thread's
-// memory operations, and a bar.sync for every participating thread's loads (ptxas waited on the preload's
-// scoreboard before the first BAR.SYNC). That is the likely cause, not a measured one (docs/PERF.md, sixteenth).
+// thread 0 (a loading warp's) ran its fence; that was suspected of making the window wait for the preload. The
+// control warp did not change the result, nor did the barrier kinds: the stamps showed the preload pushing the
+// window's end back by 2.8-4.1 us in every preloading mode, TMA's too, as the window's requests wait behind it in
+// the memory system (docs/PERF.md, seventeenth session).
 // No includes: bf16 travels as unsigned short, so NVRTC needs no header.
 
 #ifndef K

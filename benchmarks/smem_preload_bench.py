@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import os
 
@@ -127,6 +128,17 @@ def lead_us(kernels, before: str, after: str) -> list[float]:
     return out
 
 
+@functools.cache
+def _mark() -> torch.Tensor:
+    return torch.zeros(1, device="cuda")
+
+
+def cut() -> None:
+    """A one-element fill: in a profile it ends a run of the named kernels (split_spans), so runs side by side are
+    not merged into one."""
+    _mark().zero_()
+
+
 def device_span_us(fn, *name_sets, replays: int = 100, runs: int = 1, lead: tuple[str, str] | None = None):
     """For each of `name_sets`, the median over `replays` replays of a CUDA graph of fn of the span of its kernels
     so named, in us (one float for one set, else a list), from CUPTI's timestamps (torch.profiler). The flush in fn
@@ -135,12 +147,7 @@ def device_span_us(fn, *name_sets, replays: int = 100, runs: int = 1, lead: tupl
     exactly, and the last of each replay's is timed (the ones before it warm the code). lead=(before, after): also
     the median of lead_us, last in the list."""
     from torch.profiler import ProfilerActivity, profile
-    mark = torch.zeros(1, device="cuda")
-
-    def marked():       # a one-element fill ends each replay's run, so back-to-back replays are not merged into one
-        mark.zero_()
-        fn()
-    g = captured(marked)
+    g = captured(lambda: (cut(), fn()))     # back-to-back replays would merge into one run
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             g.replay()
@@ -245,7 +252,7 @@ def main() -> int:
     W2, y2 = torch.randn_like(W), torch.empty_like(y)     # the code-warming launch's own weight and output
     bar = torch.zeros(2, dtype=torch.int32, device=dev)
     tick = torch.rand(2 * (N // R), dtype=torch.float32, device=dev)
-    tick2, mark = torch.zeros_like(tick), torch.zeros(1, device=dev)
+    tick2 = torch.zeros_like(tick)
     ticks = torch.ones(256, dtype=torch.float32, device=dev)
     scratch = torch.ones(a.flush_mb * 2 ** 20 // 4, dtype=torch.float32, device=dev)
     flushed = torch.empty((), dtype=torch.float32, device=dev)
@@ -293,7 +300,7 @@ def main() -> int:
             flush()
             if a.warm_code:
                 k.launch(W2, x, y2, bar, tick2, 0, mode, kind)
-                mark.zero_()
+                cut()
             k.launch(W, x, y, bar, tick, window, mode, kind)
         return run
 
@@ -343,8 +350,8 @@ def main() -> int:
         persistent(windows[-1], mode, 0)()
         torch.cuda.synchronize()
         stamps[mode] = stamp_table(k.stamps)
-        print(f"    {MODES[mode]:42s} " + "; ".join(f"{n} {m:.2f} / {x:.2f}" for n, (m, x) in stamps[mode].items()),
-              flush=True)
+        print(f"    {MODES[mode]:42s} "
+              + "; ".join(f"{n} {med:.2f} / {late:.2f}" for n, (med, late) in stamps[mode].items()), flush=True)
     with open(os.path.join(a.out, "smem_preload_bench.json"), "w") as f:
         json.dump({"copy_bandwidth_Bps": bw, "flush": a.flush, "window_in_l2": a.window_in_l2,
                    "warm_code": a.warm_code, "N": N, "K": K, "rows_per_cta": R, "registers": k.regs,

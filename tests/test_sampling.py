@@ -59,10 +59,6 @@ def test_greedy_kernel_in_the_interpreter():
     each row's last program) against the torch ops it replaces, by Triton's CPU interpreter: ties across and within
     blocks, NaN, +inf and all -inf rows, strided rows, 64 rows three times (its counters reset themselves);
     tests/test_gpu_decode_graphs.py runs it compiled at the real vocabulary."""
-    import os
-    import subprocess
-    import sys
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    check = os.path.join(os.path.dirname(__file__), "greedy_check.py")
-    r = subprocess.run([sys.executable, check, "cpu"], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "greedy ok 9" in r.stdout, r.stdout + r.stderr[-3000:]
+    from test_decode_graphs import _interpret_at_once
+    [(code, out, err)] = _interpret_at_once("greedy_check.py", [("cpu",)], timeout=300)
+    assert code == 0 and "greedy ok 9" in out, out + err[-3000:]
