@@ -42,3 +42,38 @@ def graphs_per_kv_bucket(monkeypatch):
     the tests that count graphs by key expect (those of ANY_KV turn it on themselves, after this)."""
     import memra_pp.model.decode_graphs as dg
     monkeypatch.setattr(dg, "ANY_KV", False)
+
+
+# -- the Triton-interpreter checks in the background (tests/interp.py) -------------------------------------------
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read an interpreter check run last, so that their checks have the session to run in."""
+    marked = [i for i in items if i.get_closest_marker("interpreter")]
+    if marked:
+        items[:] = [i for i in items if not i.get_closest_marker("interpreter")] + marked
+
+
+def pytest_collection_finish(session):
+    """Starts the selected tests' checks in the background (none for --collect-only)."""
+    if session.config.option.collectonly:
+        return
+    import interp
+    names = []
+    for item in session.items:
+        m = item.get_closest_marker("interpreter")
+        if m is not None and m.args[0] not in names:
+            assert m.args[0] in interp.CHECKS, f"{item.nodeid}: no interpreter check named {m.args[0]!r}"
+            names.append(m.args[0])
+    interp.start(names)
+
+
+def pytest_sessionfinish(session):
+    import interp
+    if interp.BACKGROUND is not None:
+        interp.BACKGROUND.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    import interp
+    if interp.BACKGROUND is not None:
+        terminalreporter.write_line(interp.BACKGROUND.summary())

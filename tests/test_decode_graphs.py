@@ -2,13 +2,11 @@
 length, the MoE's all-experts form, the in-place Gated DeltaNet step) must decode exactly what the eager step
 decodes. On CPU the same static step runs uncaptured (capture=False); tests/test_gpu_decode_graphs.py captures."""
 import ast
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import interp
 from conftest_models import tiny_checkpoint
 from memra_pp.kernels.gdn_decode import gdn_decode_ref
 from memra_pp.model.decode_graphs import DecodeGraphs, bucket
@@ -175,49 +173,31 @@ def test_gdn_decode_reference_is_the_recurrence():
     assert torch.equal(pool[[1, 3, 5]], before[[1, 3, 5]])
 
 
-def _interpret_at_once(script: str, argvs, timeout: int = 600) -> list:
-    """tests/`script` run under Triton's interpreter once per argument list, all at once (the interpreter keeps one
-    core busy, and CI has two): [(returncode, stdout, stderr)] in order; none is left running. A check's time limit:
-    `timeout` seconds (TimeoutExpired past it)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    check = os.path.join(os.path.dirname(__file__), script)
-    runs = [subprocess.Popen([sys.executable, check, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for argv in argvs]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in runs]
-    finally:
-        for p in runs:      # a timeout or an error leaves no interpreter running
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [(p.returncode, out, err) for p, (out, err) in zip(runs, outs)]
-
-
+@pytest.mark.interpreter("fused_decode")
 def test_fused_decode_kernels_in_the_interpreter():
     """The decode kernels (RMSNorm + residual on strided rows, gated norm, silu-mul, the conv step in place at the
     slots, the Gated DeltaNet step from raw projections with one and several value tiles, and the in-place step of
     kernels/gdn_decode.py) against their torch references, by Triton's CPU interpreter, in float32 and bfloat16 at
     once; tests/test_gpu_decode_graphs.py runs the same check compiled on the GPU."""
-    dtypes = ("float32", "bfloat16")
-    for dtype, (code, out, err) in zip(dtypes, _interpret_at_once("fused_decode_check.py", [(d, "cpu") for d in dtypes],
-                                                                  timeout=300)):
+    for dtype, (code, out, err) in zip(("float32", "bfloat16"), interp.results("fused_decode")):
         assert code == 0 and "fused ok" in out, dtype + ": " + err[-3000:]
 
 
+@pytest.mark.interpreter("fused_step")
 def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
     """The decode graphs' one-row step (two stages of the MoE model) through the Triton kernels in Triton's
     interpreter, float32: the GEMVs with and without their norm (kernels/gemv.py), the attention's q / k norms with
     the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels (the
     shared gate computed early; then, in a second process at the same time, the MoE as one block kernel,
     kernels/moe_block.py) must decode what the eager torch step decodes; the counts prove those kinds ran."""
-    for which, (code, out, err) in zip(("noblock", "block"), _interpret_at_once("fused_step_check.py",
-                                                                              [("noblock",), ("block",)])):
+    for which, (code, out, err) in zip(("noblock", "block"), interp.results("fused_step")):
         assert code == 0 and "step ok" in out, which + ": " + out + err[-3000:]
         calls = ast.literal_eval(out.split("step ok", 1)[1].strip())
         assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0 \
             and calls["shared_gate"] > 0 and (calls["block"] > 0) == (which == "block"), (which, calls)
 
 
+@pytest.mark.interpreter("fused_moe")
 def test_fused_moe_kernels_in_the_interpreter():
     """The fused MoE routing and experts (kernels/fused_moe.py: the router kernel, the per-pair kernels with both
     down kernels, with and without the shared expert riding in them, and the grouped GEMM over pairs sorted by
@@ -225,7 +205,7 @@ def test_fused_moe_kernels_in_the_interpreter():
     float32 (the interpreter's bfloat16 tl.dot is wrong); tests/test_gpu_decode_graphs.py runs it compiled in both
     dtypes and inside a CUDA graph. The check's two halves run at once (about 1.5 minutes each here)."""
     ran = set()
-    for code, out, err in _interpret_at_once("fused_moe_check.py", [("float32", "cpu", "1"), ("float32", "cpu", "2")]):
+    for code, out, err in interp.results("fused_moe"):
         assert code == 0 and "moe ok " in out, out + err[-3000:]
         ran |= set(ast.literal_eval(out.split("moe ok ", 1)[1].strip()))
     assert sorted(ran) == ['align', 'down ids after wait', 'down loop', 'down tile', 'grouped16x64', 'grouped64x64',
@@ -233,6 +213,7 @@ def test_fused_moe_kernels_in_the_interpreter():
                            'shared before wait', 'shared gate early', 'shared gate late', 'small', 'warm up']
 
 
+@pytest.mark.interpreter("moe_block")
 def test_moe_block_kernel_in_the_interpreter():
     """kernels/moe_block.py's one-row MoE block must match the torch references (the residual and norm, the
     routing, the routed and shared experts), by Triton's CPU interpreter in float32 and bfloat16 (at once), at
@@ -241,9 +222,7 @@ def test_moe_block_kernel_in_the_interpreter():
     interpreter runs programs one after another: a grid barrier would never open). MoE.decode_fused takes it where
     enabled, else the three kernels. tests/test_gpu_decode_graphs.py runs the one kernel with its barriers, compiled
     and in a CUDA graph."""
-    dtypes = ("float32", "bfloat16")
-    for dtype, (code, out, err) in zip(dtypes, _interpret_at_once("moe_block_check.py",
-                                                                  [(d, "cpu") for d in dtypes])):
+    for dtype, (code, out, err) in zip(("float32", "bfloat16"), interp.results("moe_block")):
         assert code == 0 and "block ok ['block split', 'decode_fused', 'ties and nan']" in out, \
             dtype + ": " + out + err[-3000:]
 
@@ -269,12 +248,13 @@ def test_moe_warm_up_rows_reach_every_variant():
         assert {variant(T * k) for T in MoE(k).warm_rows()} == every, k
 
 
+@pytest.mark.interpreter("moe_parity")
 def test_moe_model_through_the_fused_moe_kernels_matches_transformers():
     """The whole MoE model (two stages, prompts of 1 to 24 tokens prefilled together, then decoded as one batch)
     with every MoE layer through the fused routing and expert kernels, in Triton's interpreter in float32: the same
     greedy tokens as transformers and logprobs within 5e-4 (the GPU runs the same kernels compiled, bf16 parity in
     tests/test_gpu_parity.py). All three kernel paths must have run."""
-    [(code, out, err)] = _interpret_at_once("fused_moe_parity_check.py", [()])
+    [(code, out, err)] = interp.results("moe_parity")
     assert code == 0 and "parity ok" in out, out + err[-3000:]
     calls = ast.literal_eval(out.split("parity ok", 1)[1].strip())     # the CALLS dict, printed
     assert calls["route"] > 0 and calls["small"] > 0 and calls["grouped"] > 0, calls

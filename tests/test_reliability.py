@@ -15,7 +15,7 @@ from conftest_models import hf_reference, tiny_checkpoint
 from memra_pp.errors import StageFailed
 
 SHORT, LONG = (5, 17, 42), tuple((i * 7) % 250 + 1 for i in range(440))
-DECODE_NEW, PREFILL_NEW = 200, 6
+DECODE_NEW, PREFILL_NEW = 64, 6      # 64: the decode is still running when the kill lands (3 tokens + 0.15 s)
 
 
 def config(path, n, recover="error"):

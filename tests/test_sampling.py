@@ -54,11 +54,12 @@ def test_bad_params_refused(kw, msg):
         SamplingParams(**kw).validate()
 
 
+@pytest.mark.interpreter("greedy")
 def test_greedy_kernel_in_the_interpreter():
     """The greedy sampling kernel (kernels/greedy.py: argmax and logprob over blocks of the vocabulary, combined by
     each row's last program) against the torch ops it replaces, by Triton's CPU interpreter: ties across and within
     blocks, NaN, +inf and all -inf rows, strided rows, 64 rows three times (its counters reset themselves);
     tests/test_gpu_decode_graphs.py runs it compiled at the real vocabulary."""
-    from test_decode_graphs import _interpret_at_once
-    [(code, out, err)] = _interpret_at_once("greedy_check.py", [("cpu",)], timeout=300)
+    import interp
+    [(code, out, err)] = interp.results("greedy")
     assert code == 0 and "greedy ok 9" in out, out + err[-3000:]
