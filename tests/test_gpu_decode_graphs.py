@@ -227,7 +227,9 @@ def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
     tensor over it keeps the buffer alive after its last other reference is gone; the memory goes back to the device
     when the tensors are collected; a growth the device cannot hold is refused with DeviceOutOfMemory, and one past
     the reserved range with CudaError, both named. Its memory must belong to the device's engine by Engine.owns as
-    by residency_of."""
+    by residency_of. The GPU may be shared with other test processes (scripts/gpu_parallel.sh), which allocate and
+    free between two readings of the device's free memory (in s18 one reading was 100 MB off): the buffer maps its
+    whole gigabyte and the readings must move by half of it."""
     import gc
     from memra_pp.cuda import CudaError
     from memra_pp.vmm import DeviceOutOfMemory, GrowableBuffer
@@ -239,8 +241,8 @@ def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
     assert buf.mapped == -(-(3 << 20) // buf.granularity) * buf.granularity
     a = buf.tensor(3 << 20).view(torch.float32)
     a.copy_(torch.arange(a.numel(), device=cuda, dtype=torch.float32))
-    buf.grow(300 << 20)
-    b = buf.tensor(300 << 20).view(torch.float32)
+    buf.grow(1 << 30)
+    b = buf.tensor(1 << 30).view(torch.float32)
     assert b.data_ptr() == a.data_ptr() == buf.base
     assert torch.equal(b[:a.numel()], torch.arange(a.numel(), device=cuda, dtype=torch.float32))
     b[a.numel():].fill_(2.0)
@@ -249,7 +251,7 @@ def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
     eng = Engine(f"cuda:{cuda.index}")      # mapped memory: Engine.owns's one-call answer is residency_of's
     assert eng.owns(b) and residency_of(b, eng) == eng.ctx
     torch.cuda.synchronize()
-    assert free0 - torch.cuda.mem_get_info(cuda)[0] >= 300 << 20
+    assert free0 - torch.cuda.mem_get_info(cuda)[0] >= 1 << 29
     with pytest.raises(CudaError, match=r"a buffer of 1073741824 reserved bytes cannot grow to 1073741825"):
         buf.grow((1 << 30) + 1)
     del buf, a
@@ -259,7 +261,7 @@ def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
     free1 = torch.cuda.mem_get_info(cuda)[0]
     del b
     gc.collect()
-    assert torch.cuda.mem_get_info(cuda)[0] - free1 >= 300 << 20    # (torch's own blocks and kernels stay)
+    assert torch.cuda.mem_get_info(cuda)[0] - free1 >= 1 << 29      # (torch's own blocks and kernels stay)
     total = torch.cuda.mem_get_info(cuda)[1]
     huge = GrowableBuffer(cuda.index, 2 * total)
     with pytest.raises(DeviceOutOfMemory, match=rf"cuMemCreate\(\d+\) on cuda:{cuda.index}: out of memory"):
