@@ -52,7 +52,7 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
 
 
 FLAGS = {"nodnids", "block", "noblock", "nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref",
-         "nosgate", "opre", "spre", "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets"}
+         "nosgate", "opre", "spre", "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets", "norouter", "nohop"}
 
 
 def switch_defaults() -> tuple:
@@ -87,6 +87,8 @@ def set_mode(mode: str, defaults, text) -> None:
       (neither: moe_block.ENABLED's default); blkAxBxCxDxE: its tiles (gate|up rows, down rows, warps: powers of
       two; programs a multiprocessor; prefetch 1 / 0: moe_block.TILES); regN: its registers a thread at most
       (moe_block.MAXNREG);
+    - norouter / nohop: premises only, the MoE's outputs wrong (fused_moe.PREMISE_ROUTE): the router kernel
+      replaced by the add and norm alone with a fixed routing / by nothing at all (the three-kernel path only);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_block, moe_route, \
@@ -155,6 +157,12 @@ def set_mode(mode: str, defaults, text) -> None:
         raise SystemExit(f"mode {mode!r}: {block[3]} block programs of {block[2]} warps a multiprocessor cannot all "
                          "be resident (at most 8 warps)")
     moe_block.TILES, moe_block.MAXNREG = block, maxnreg
+    if {"norouter", "nohop"} <= on:
+        raise SystemExit(f"mode {mode!r}: norouter and nohop contradict each other")
+    if {"norouter", "nohop"} & on and (moe_block.ENABLED or not fused_moe.ENABLED):
+        raise SystemExit(f"mode {mode!r}: norouter / nohop replace the router kernel of the three-kernel MoE path "
+                         "(add -noblock; not with -torchmoe)")
+    fused_moe.PREMISE_ROUTE = "fixed" if "norouter" in on else "skip" if "nohop" in on else None
 
 
 def main() -> int:

@@ -7,7 +7,11 @@
 //   3  the window alone, no GEMV (the baseline the others are charged against);
 //   4  one thread copies the CTA's rows into shared memory with TMA bulk copies (cp.async.bulk, completing on an
 //      mbarrier) before the window: the copy engine's path, not the load/store units' (the third run's question:
-//      do the preload's loads hold the window's own loads and atomics back in the SM's memory pipeline?).
+//      do the preload's loads hold the window's own loads and atomics back in the SM's memory pipeline?);
+//   5  mode 4's copies paced across the window: the control thread issues copy c at the start of the first phase w
+//      with (c + 1) * window <= (w + 1) * CHUNKS (every copy issued by the last phase; all at once for no window), so
+//      the weight streams in at the window's pace and not in one 16.8 MB burst (the eighteenth session's question:
+//      does a paced stream still push the window back?).
 // The window runs on one thread of the control warp, which issues no weight loads, and the worker warps meet it at
 // one __syncthreads after the window. In the first run every warp took part in each barrier's __syncthreads and
 // thread 0 (a loading warp's) ran its fence; that was suspected of making the window wait for the preload. The
@@ -27,7 +31,8 @@
 #define CTL (WARPS * 32)
 #define RW (R / WARPS)              // rows a warp
 #define V (K / 8 / 32)              // 16-byte vectors a lane a row
-#define BULK 16384                  // bytes a TMA bulk copy (mode 4)
+#define BULK 16384                  // bytes a TMA bulk copy (modes 4, 5)
+#define CHUNKS (R * K * 2 / BULK)   // bulk copies a CTA
 static_assert(K % 256 == 0, "a lane reads whole 16-byte vectors of every row");
 static_assert(R % WARPS == 0, "every worker warp takes the same rows");
 static_assert((R * K * 2) % BULK == 0 && R * K * 2 < (1 << 20), "whole bulk copies, within an mbarrier's count");
@@ -85,12 +90,29 @@ __device__ __forceinline__ unsigned long long now() {
     return t;
 }
 
-// Waits until the mbarrier at shared address mb completes its phase 0 (mode 4's bulk copies all landed).
+// Waits until the mbarrier at shared address mb completes its phase 0 (mode 4's or 5's bulk copies all landed).
 __device__ __forceinline__ void mbar_wait(unsigned mb) {
     unsigned done = 0;
     while (!done)
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
                      " selp.u32 %0, 1, 0, p;\n}" : "=r"(done) : "r"(mb) : "memory");
+}
+
+__device__ __forceinline__ unsigned shared_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// Modes 4 and 5: the CTA's mbarrier set up for one arrival and the whole span's bytes (one thread).
+__device__ __forceinline__ void tma_init(unsigned long long* mbar) {
+    const unsigned mb = shared_addr(mbar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(mb) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(mb), "r"(R * K * 2) : "memory");
+}
+
+// Bulk copy c of the CTA's span (BULK bytes) into shared memory, completing on the mbarrier.
+__device__ __forceinline__ void tma_chunk(uint4* smem, const uint4* wg, unsigned long long* mbar, int c) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(shared_addr(smem) + c * BULK), "l"(reinterpret_cast<const char*>(wg) + (size_t)c * BULK),
+                    "r"(BULK), "r"(shared_addr(mbar)) : "memory");
 }
 
 __device__ __forceinline__ float lo(unsigned w) { return __uint_as_float(w << 16); }
@@ -112,14 +134,15 @@ __device__ __forceinline__ bf16 to_bf16(float f) {      // round to nearest even
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y, unsigned* bar,
              float* tick, int window, int mode, int kind, unsigned long long* stamp) {
-    extern __shared__ uint4 smem[];                 // R * K * 2 bytes (read in modes 1, 4; allocated in every mode)
-    __shared__ __align__(8) unsigned long long mbar;    // mode 4's copies complete on it
+    extern __shared__ uint4 smem[];                 // R * K * 2 bytes (read in modes 1, 4, 5; allocated in every mode)
+    __shared__ __align__(8) unsigned long long mbar;    // mode 4's or 5's copies complete on it
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t r0 = (size_t)blockIdx.x * R;
     const uint4* wg = reinterpret_cast<const uint4*>(W + r0 * K);
     uint4 reg[RW][V];
     // stamps a CTA (globaltimer, ns), where the benchmark asks where the time after the window goes: 0 entry,
-    // 1 thread 0's preload issued, 2 thread 0's preload landed (modes 1, 4), 3 the window's end (control warp),
+    // 1 thread 0's preload issued, 2 thread 0's preload landed (modes 1, 4; in mode 5 the control thread's last
+    // copy issued and every copy landed, both after the window's end), 3 the window's end (control warp),
     // 4 thread 0's row stored. (No stamp after the workers' __syncthreads: its BAR.SYNC.DEFER_BLOCKING lets the
     // warp read the timer before the barrier opens, so the first run's stamp there read 0.26 us.)
     unsigned long long* st = stamp + blockIdx.x * 5;
@@ -136,16 +159,11 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
         if (threadIdx.x == 0)
             st[2] = now();
     } else if (mode == 4 && threadIdx.x == 0) {
-        const unsigned mb = (unsigned)__cvta_generic_to_shared(&mbar), s = (unsigned)__cvta_generic_to_shared(smem);
-        const unsigned bytes = R * K * 2, chunk = BULK;
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(mb) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(mb), "r"(bytes) : "memory");
-        for (unsigned o = 0; o < bytes; o += chunk)
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                         :: "r"(s + o), "l"(reinterpret_cast<const char*>(wg) + o), "r"(chunk), "r"(mb) : "memory");
+        tma_init(&mbar);
+        for (int c = 0; c < CHUNKS; ++c)
+            tma_chunk(smem, wg, &mbar, c);
         st[1] = now();
-        mbar_wait(mb);
+        mbar_wait(shared_addr(&mbar));
         st[2] = now();
     } else if (mode == 2 && warp < WARPS) {
 #pragma unroll
@@ -157,13 +175,25 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
             st[1] = now();
     }
     if (threadIdx.x == CTL) {
+        int c = 0;                              // mode 5: the next bulk copy to issue
+        if (mode == 5)
+            tma_init(&mbar);
         for (int w = 0; w < window; ++w) {      // a dependent tick across CTAs, then the barrier
+            for (; mode == 5 && c < CHUNKS && (c + 1) * window <= (w + 1) * CHUNKS; ++c)
+                tma_chunk(smem, wg, &mbar, c);
             const float* src = tick + (w & 1) * gridDim.x;
             float* dst = tick + ((w + 1) & 1) * gridDim.x;
             dst[blockIdx.x] = __ldcg(src + (blockIdx.x + 1) % gridDim.x) * 0.5f + 1.0f;
             grid_barrier(bar, kind);
         }
         st[3] = now();
+        if (mode == 5) {
+            for (; c < CHUNKS; ++c)             // none left after a window; every copy without one
+                tma_chunk(smem, wg, &mbar, c);
+            st[1] = now();
+            mbar_wait(shared_addr(&mbar));
+            st[2] = now();
+        }
     }
     __syncthreads();                        // the workers meet the window's end once (and every cp.async landed)
     if (mode == 3)
@@ -178,7 +208,7 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
 #pragma unroll
             for (int v = 0; v < V; ++v)
                 reg[j][v] = __ldcs(wg + (size_t)r * (K / 8) + v * 32 + lane);
-        } else if (mode == 1 || mode == 4) {
+        } else if (mode == 1 || mode >= 4) {
 #pragma unroll
             for (int v = 0; v < V; ++v)
                 reg[j][v] = smem[r * (K / 8) + v * 32 + lane];

@@ -6,17 +6,19 @@ it keeps DRAM idle for several microseconds a layer.
 One persistent CUDA kernel (benchmarks/smem_preload.cu, compiled with NVRTC for this GPU), 128 CTAs of 16 rows each
 and a control warp, runs a window of n grid-wide barriers (each CTA reads another's value of the phase before), then
 the GEMV, with the weight read (mode 0) from memory after the window; (1) into shared memory by cp.async before the
-window; (2) into registers before the window; (4) into shared memory by TMA bulk copies before the window; (3) no
-GEMV: the window alone. Each at every barrier kind (KINDS: with and without the memory model's fences and acquire
-loads). Beside it, today's path: n dependent tiny kernels, then the step's Triton GEMV (kernels/gemv.py). Each
-figure is the median over 100 replays of a CUDA graph of the device span of the timed kernels, from CUPTI's
-timestamps; each replay first empties L2 (by reading a buffer: clean lines, as a decode step leaves L2; --flush
-write leaves it dirty), untimed, then brings the window's few bytes back into L2 (--window-cold does not), then runs
-the same mode once on another weight of the same size, so the timed launch finds its code on chip (--code-cold does
-not). What the GEMV adds is each row minus its window alone. Last, one launch of each mode at the longest window
-leaves its CTAs' stamps (STAMPS): when the preload was issued and landed, when the window ended.
+window; (2) into registers before the window; (4) into shared memory by TMA bulk copies before the window; (5) the
+same copies paced across the window, a few each phase; (3) no GEMV: the window alone. Each at every barrier kind
+(KINDS: with and without the memory model's fences and acquire loads). Beside it, today's path: n dependent tiny
+kernels, then the step's Triton GEMV (kernels/gemv.py). Each figure is the median over 100 replays of a CUDA graph of
+the device span of the timed kernels, from CUPTI's timestamps; each replay first empties L2 (by reading a buffer:
+clean lines, as a decode step leaves L2; --flush write leaves it dirty), untimed, then brings the window's few bytes
+back into L2 (--window-cold does not), then runs the same mode once on another weight of the same size, so the timed
+launch finds its code on chip (--code-cold does not). What the GEMV adds is each row minus its window alone. Last, one
+launch of each mode at the longest window leaves its CTAs' stamps (STAMPS): when the preload was issued and landed,
+when the window ended.
 
-    python -u benchmarks/smem_preload_bench.py --out DIR [--window 0,4,16] [--kinds 0,1,2,3,4] [--cubin FILE]
+    python -u benchmarks/smem_preload_bench.py --out DIR [--window 0,4,16] [--kinds 0,1,2,3,4] [--modes 0,1,2,4,5]
+        [--cubin FILE]
 
 --cubin loads a cubin built elsewhere (nvcc -cubin -arch=sm_90 benchmarks/smem_preload.cu) where NVRTC is missing.
 """
@@ -40,8 +42,8 @@ KINDS = {0: "fences (__threadfence), acquire spin", 1: "no fences, acquire spin"
          3: "no fences, relaxed spin", 4: "fence.acq_rel, acquire spin"}       # smem_preload.cu's barrier kinds
 MODES = {0: "from memory after the window", 1: "shared memory, cp.async before the window",
          2: "registers, loaded before the window", 3: "the window alone",
-         4: "shared memory, TMA bulk copies before the window"}
-GEMVS = (0, 1, 2, 4)                        # the modes with a GEMV
+         4: "shared memory, TMA bulk copies before the window", 5: "shared memory, TMA copies paced in the window"}
+GEMVS = (0, 1, 2, 4, 5)                     # the modes with a GEMV
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smem_preload.cu")
 
 
@@ -220,6 +222,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--window", default="0,4,16", help="dependent phases before the GEMV")
     ap.add_argument("--kinds", default="0,1,2,3,4", help="the grid barrier's kinds (KINDS, smem_preload.cu)")
+    ap.add_argument("--modes", default=",".join(map(str, GEMVS)),
+                    help="the GEMV modes to check and time (MODES; the window alone, 3, always runs)")
     ap.add_argument("--cubin", default=None, help="a prebuilt cubin instead of NVRTC")
     ap.add_argument("--flush-mb", type=int, default=192)
     ap.add_argument("--flush", default="read", choices=("read", "write"),
@@ -232,6 +236,9 @@ def main() -> int:
     a = ap.parse_args()
     windows = [int(v) for v in a.window.split(",")]
     kinds = [int(v) for v in a.kinds.split(",")]
+    gemvs = [int(v) for v in a.modes.split(",")]
+    if not set(gemvs) <= set(GEMVS):
+        raise SystemExit(f"smem_preload_bench: --modes takes GEMV modes from {GEMVS}, not {a.modes}")
     if not torch.cuda.is_available():
         print("smem_preload_bench needs a CUDA GPU", flush=True)
         return 2
@@ -261,7 +268,7 @@ def main() -> int:
     # the kernel is checked before it is timed: every mode's product, and the window's values after the barriers
     checked, disordered = [], {}
     for kind in kinds:
-        for mode in GEMVS:
+        for mode in gemvs:
             for window in (0, 3, 16):
                 y.zero_()
                 t0 = tick.clone()
@@ -322,7 +329,7 @@ def main() -> int:
             rows.append({"label": "persistent: " + MODES[3], "mode": 3, "kind": kind, "window": window,
                          "us": alone, "added_us": None})
             print(f"  window {window:2d}, barrier {kind}: {MODES[3]:42s} {alone:7.2f} us", flush=True)
-            for mode in GEMVS:
+            for mode in gemvs:
                 t = device_span_us(persistent(window, mode, kind), ("preload_gemv",), runs=runs)
                 rows.append({"label": "persistent: " + MODES[mode], "mode": mode, "kind": kind, "window": window,
                              "us": t, "added_us": t - alone})
@@ -345,7 +352,7 @@ def main() -> int:
     stamps = {}
     print(f"  stamps, window {windows[-1]}, barrier 0 (us from the first CTA's entry: median / latest CTA):",
           flush=True)
-    for mode in (3,) + GEMVS:
+    for mode in [3] + gemvs:
         k.stamps.zero_()
         persistent(windows[-1], mode, 0)()
         torch.cuda.synchronize()

@@ -38,6 +38,30 @@ SMALL_PAIRS = 64       # at most this many (row, expert) pairs: the per-pair ker
 ENABLED = True         # False: layers.MoE's torch paths on CUDA too (benchmarks compare the two in one run)
 
 
+# Benchmarks only (gpu_engine_step's norouter / nohop tokens; the MoE's outputs are then wrong): what the router's
+# dependent kernel costs in the decode step, the most that moving it into out_proj's tail could save. "fixed": the
+# add and norm alone (fused_decode.add_rms_norm) in the router kernel's place, every row routed to experts 0..k-1 at
+# equal weights; "skip": no kernel at all, the experts read m as their normed row and h goes on unchanged.
+PREMISE_ROUTE = None
+_PREMISE: dict = {}      # (rows, k, dtype, device) -> the fixed (weights, ids), made on the step before capture
+
+
+def premise_route(h_BH, m_BH, w_norm, eps: float, k: int):
+    """norm_router_route's (h, x, weights, ids) under PREMISE_ROUTE (benchmarks only)."""
+    key = (h_BH.shape[0], k, h_BH.dtype, h_BH.device)
+    if key not in _PREMISE:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("premise_route's fixed routing is made on the warm-up step before a capture")
+        B = h_BH.shape[0]
+        _PREMISE[key] = (torch.full((B, k), 1.0 / k, dtype=h_BH.dtype, device=h_BH.device),
+                         torch.arange(k, device=h_BH.device).repeat(B, 1))
+    w, idx = _PREMISE[key]
+    if PREMISE_ROUTE == "skip":
+        return h_BH, m_BH, w, idx
+    from memra_pp.kernels.fused_decode import add_rms_norm
+    return (*add_rms_norm(h_BH, m_BH, w_norm, eps), w, idx)
+
+
 def enabled(x: torch.Tensor, k: int) -> bool:
     """The fused path serves x (CUDA, or CPU under Triton's interpreter); route() keeps the torch routing where k
     is not a power of two."""

@@ -163,7 +163,7 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
                       (fused_moe, "ENABLED"), (paged_attention, "FUSE_QK"),
                       (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT"), (greedy, "FUSED"),
                       (decode_graphs, "ANY_KV"), (moe_block, "ENABLED"), (moe_block, "TILES"),
-                      (moe_block, "MAXNREG")):
+                      (moe_block, "MAXNREG"), (fused_moe, "PREMISE_ROUTE")):
         monkeypatch.setattr(mod, name, getattr(mod, name))     # every switch set_mode moves: restored after
     defaults = ges.switch_defaults()
     ges.set_mode("graph-nofuse", defaults, text)
@@ -199,7 +199,16 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     ges.set_mode("graph-noblock", defaults, text)
     assert not moe_block.ENABLED and moe_block.TILES == defaults[4] and moe_block.MAXNREG == defaults[6]
     ges.set_mode("graph", defaults, text)
-    assert moe_block.ENABLED == defaults[5]
+    assert moe_block.ENABLED == defaults[5] and fused_moe.PREMISE_ROUTE is None
+    ges.set_mode("graph-noblock-norouter", defaults, text)
+    assert fused_moe.PREMISE_ROUTE == "fixed"
+    ges.set_mode("graph-noblock-nohop", defaults, text)
+    assert fused_moe.PREMISE_ROUTE == "skip"
+    ges.set_mode("graph-noblock", defaults, text)
+    assert fused_moe.PREMISE_ROUTE is None
+    for bad in ("graph-block-norouter", "graph-noblock-torchmoe-nohop", "graph-noblock-norouter-nohop"):
+        with pytest.raises(SystemExit, match="three-kernel MoE path|contradict"):
+            ges.set_mode(bad, defaults, text)
     for bad in ("graph-block-steal", "graph-nosgates", "graph-p264x", "graphs", "graph-dn4x256x4", "graph-p0",
                 "graph-obk3000", "graph-p264-p396", "graph-gu4x1000x2", "graph-anykv-kvbuckets", "graph-block-noblock",
                 "graph-block-blk3x8x8x1x1", "graph-block-blk4x8x8x1", "graph-block-blk4x8x8x1x2",
@@ -284,3 +293,25 @@ def test_smem_preload_stamps_are_read_from_the_first_entry():
     st[:2, 1] = 5000
     tab = spb.stamp_table(st)
     assert tab == {"entry": (0.5, 1.0), "window's end": (30.0, 31.0)}
+
+
+def test_premise_route_fixes_the_routing_and_skips_the_router():
+    """fused_moe.premise_route (benchmarks' norouter / nohop only): "fixed" is the add and norm with experts 0..k-1
+    at equal weights, "skip" hands m on as the normed row and h unchanged; the fixed routing is made once, outside
+    a capture, and the same tensors come back after."""
+    from memra_pp.kernels import fused_moe
+    from memra_pp.kernels.fused_decode import add_rms_norm_ref
+    h, m, wn = torch.randn(2, 16), torch.randn(2, 16), torch.randn(16)
+    try:
+        fused_moe.PREMISE_ROUTE = "fixed"
+        s, x, w, idx = fused_moe.premise_route(h, m, wn, 1e-6, 4)
+        rs, rx = add_rms_norm_ref(h, m, wn, 1e-6)
+        torch.testing.assert_close(s, rs)
+        torch.testing.assert_close(x, rx)
+        assert torch.equal(idx, torch.arange(4).repeat(2, 1)) and torch.equal(w, torch.full((2, 4), 0.25))
+        fused_moe.PREMISE_ROUTE = "skip"
+        s2, x2, w2, idx2 = fused_moe.premise_route(h, m, wn, 1e-6, 4)
+        assert s2 is h and x2 is m and w2 is w and idx2 is idx
+    finally:
+        fused_moe.PREMISE_ROUTE = None
+        fused_moe._PREMISE.clear()

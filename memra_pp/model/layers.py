@@ -102,8 +102,11 @@ class MoE(Param):
                                                self.block_bar)
             return s, out
         if fused_moe.enabled(h_BH, self.top_k):
-            h_BH, x, w, idx = fused_moe.norm_router_route(h_BH, m_BH, w_norm, eps, self.gate_weight, self.top_k,
-                                                          h_BH.dtype, counter=self.route_counter)
+            if fused_moe.PREMISE_ROUTE:     # benchmarks only: the router's cost in the step (wrong outputs)
+                h_BH, x, w, idx = fused_moe.premise_route(h_BH, m_BH, w_norm, eps, self.top_k)
+            else:
+                h_BH, x, w, idx = fused_moe.norm_router_route(h_BH, m_BH, w_norm, eps, self.gate_weight, self.top_k,
+                                                              h_BH.dtype, counter=self.route_counter)
             return h_BH, fused_moe.moe_experts(x, self.experts_gate_up_proj, self.experts_down_proj, w, idx,
                                                shared)
         h_BH, x = add_rms_norm(h_BH, m_BH, w_norm, eps)
