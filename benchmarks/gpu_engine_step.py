@@ -88,7 +88,8 @@ def set_mode(mode: str, defaults, text) -> None:
       two; programs a multiprocessor; prefetch 1 / 0: moe_block.TILES); regN: its registers a thread at most
       (moe_block.MAXNREG);
     - norouter / nohop: premises only, the MoE's outputs wrong (fused_moe.PREMISE_ROUTE): the router kernel
-      replaced by the add and norm alone with a fixed routing / by nothing at all (the three-kernel path only);
+      replaced by the add and norm alone with a fixed routing / by nothing at all (the three-kernel path only; at
+      batch 1 only, where the fixed routing reads as many experts as a real one);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_block, moe_route, \
@@ -161,7 +162,7 @@ def set_mode(mode: str, defaults, text) -> None:
         raise SystemExit(f"mode {mode!r}: norouter and nohop contradict each other")
     if {"norouter", "nohop"} & on and (moe_block.ENABLED or not fused_moe.ENABLED):
         raise SystemExit(f"mode {mode!r}: norouter / nohop replace the router kernel of the three-kernel MoE path "
-                         "(add -noblock; not with -torchmoe)")
+                         "(the block kernel off: -noblock where MEMRA_PP_MOE_BLOCK turns it on; not with -torchmoe)")
     fused_moe.PREMISE_ROUTE = "fixed" if "norouter" in on else "skip" if "nohop" in on else None
 
 

@@ -142,7 +142,8 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
     uint4 reg[RW][V];
     // stamps a CTA (globaltimer, ns), where the benchmark asks where the time after the window goes: 0 entry,
     // 1 thread 0's preload issued, 2 thread 0's preload landed (modes 1, 4; in mode 5 the control thread's last
-    // copy issued and every copy landed, both after the window's end), 3 the window's end (control warp),
+    // copy issued, and every copy landed, seen after the window's end; the eighteenth session's run stamped the
+    // issue after the window too), 3 the window's end (control warp),
     // 4 thread 0's row stored. (No stamp after the workers' __syncthreads: its BAR.SYNC.DEFER_BLOCKING lets the
     // warp read the timer before the barrier opens, so the first run's stamp there read 0.26 us.)
     unsigned long long* st = stamp + blockIdx.x * 5;
@@ -179,8 +180,10 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
         if (mode == 5)
             tma_init(&mbar);
         for (int w = 0; w < window; ++w) {      // a dependent tick across CTAs, then the barrier
-            for (; mode == 5 && c < CHUNKS && (c + 1) * window <= (w + 1) * CHUNKS; ++c)
+            for (; mode == 5 && c < CHUNKS && (c + 1) * window <= (w + 1) * CHUNKS; ++c) {
                 tma_chunk(smem, wg, &mbar, c);
+                st[1] = now();                  // the last copy's issue wins
+            }
             const float* src = tick + (w & 1) * gridDim.x;
             float* dst = tick + ((w + 1) & 1) * gridDim.x;
             dst[blockIdx.x] = __ldcg(src + (blockIdx.x + 1) % gridDim.x) * 0.5f + 1.0f;
@@ -188,9 +191,10 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
         }
         st[3] = now();
         if (mode == 5) {
-            for (; c < CHUNKS; ++c)             // none left after a window; every copy without one
+            for (; c < CHUNKS; ++c) {           // none left after a window; every copy without one
                 tma_chunk(smem, wg, &mbar, c);
-            st[1] = now();
+                st[1] = now();
+            }
             mbar_wait(shared_addr(&mbar));
             st[2] = now();
         }

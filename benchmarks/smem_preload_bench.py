@@ -236,7 +236,7 @@ def main() -> int:
     a = ap.parse_args()
     windows = [int(v) for v in a.window.split(",")]
     kinds = [int(v) for v in a.kinds.split(",")]
-    gemvs = [int(v) for v in a.modes.split(",")]
+    gemvs = [int(v) for v in a.modes.split(",") if v.strip()]      # none: the window alone
     if not set(gemvs) <= set(GEMVS):
         raise SystemExit(f"smem_preload_bench: --modes takes GEMV modes from {GEMVS}, not {a.modes}")
     if not torch.cuda.is_available():

@@ -41,13 +41,16 @@ ENABLED = True         # False: layers.MoE's torch paths on CUDA too (benchmarks
 # Benchmarks only (gpu_engine_step's norouter / nohop tokens; the MoE's outputs are then wrong): what the router's
 # dependent kernel costs in the decode step, the most that moving it into out_proj's tail could save. "fixed": the
 # add and norm alone (fused_decode.add_rms_norm) in the router kernel's place, every row routed to experts 0..k-1 at
-# equal weights; "skip": no kernel at all, the experts read m as their normed row and h goes on unchanged.
+# equal weights; "skip": no kernel at all, the experts read m as their normed row and h goes on unchanged. At more
+# than one row the fixed routing reads fewer experts than a real one would: a premise for batch 1 only.
 PREMISE_ROUTE = None
 _PREMISE: dict = {}      # (rows, k, dtype, device) -> the fixed (weights, ids), made on the step before capture
 
 
 def premise_route(h_BH, m_BH, w_norm, eps: float, k: int):
     """norm_router_route's (h, x, weights, ids) under PREMISE_ROUTE (benchmarks only)."""
+    if PREMISE_ROUTE not in ("fixed", "skip"):
+        raise ValueError(f"fused_moe.PREMISE_ROUTE is 'fixed' or 'skip', not {PREMISE_ROUTE!r}")
     key = (h_BH.shape[0], k, h_BH.dtype, h_BH.device)
     if key not in _PREMISE:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

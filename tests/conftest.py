@@ -64,7 +64,8 @@ def pytest_collection_finish(session):
         if m is not None and m.args[0] not in names:
             assert m.args[0] in interp.CHECKS, f"{item.nodeid}: no interpreter check named {m.args[0]!r}"
             names.append(m.args[0])
-    interp.start(names)
+    # beside other tests under SCHED_IDLE; where only these tests were selected, at normal priority
+    interp.start(names, idle=not all(i.get_closest_marker("interpreter") for i in session.items))
 
 
 def pytest_sessionfinish(session):

@@ -5,9 +5,12 @@ A test that reads a check carries `@pytest.mark.interpreter(NAME)` (NAME a key o
 conftest.py starts the selected tests' runs when collection ends, at most one a core at once, under SCHED_IDLE (the
 kernel gives them only cycles no other process wants: the Ray deployments' tests, whose heartbeats and deadlines
 are timed, run as if they were not there) and moves those tests to the end of the session, where they find their
-runs done or nearly. A test run alone (or a check no test was marked for) starts its runs when it asks, as before.
-What it asserts is unchanged: each run's return code and output. A run's time limit counts from when its test
-starts waiting: before that, a run may wait long for idle cycles."""
+runs done or nearly. Where only such tests were selected, the runs start at normal priority, and a check no
+selected test was marked for starts when it is asked for. What a test asserts is unchanged: each run's return code
+and output. A run's time limit counts from when its test starts waiting; before that, a run may wait long for idle
+cycles. When its test starts waiting, a run is given normal priority back where the system lets a process raise
+one (root, or RLIMIT_NICE); elsewhere it keeps SCHED_IDLE, which at the end of the session, with no other test
+left, costs it nothing. A run left behind by a killed session ends by itself when its check does."""
 from __future__ import annotations
 
 import os
@@ -30,12 +33,27 @@ CHECKS = {
 }
 
 
-def _idle() -> None:
-    """In the child before exec: the lowest CPU priority there is (SCHED_IDLE), else nice 19."""
+def _idle(pid: int) -> None:
+    """The lowest CPU priority there is (SCHED_IDLE), else nice 19, for a process of ours just started (set from
+    here, not by a preexec_fn, which can deadlock a child forked from a process with threads). Threads it starts
+    later inherit it."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        os.nice(19)
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, 19)
+        except OSError:         # it has already exited
+            pass
+
+
+def _normal(pid: int) -> None:
+    """Normal priority back for every thread of the process, where the system lets us (else it stays idle)."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+    except (AttributeError, OSError):
+        pass
 
 
 class Run:
@@ -46,14 +64,25 @@ class Run:
         self.err = tempfile.TemporaryFile("w+")
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         self.p = subprocess.Popen([sys.executable, os.path.join(HERE, script), *argv], env=env, stdout=self.out,
-                                  stderr=self.err, text=True, preexec_fn=_idle if background else None)
+                                  stderr=self.err, text=True)
+        if background:
+            _idle(self.p.pid)
+        self.ended = None       # time.monotonic() when it was first seen ended (by its test or the loop)
+
+    def done(self) -> bool:
+        if self.ended is None and self.p.poll() is not None:
+            self.ended = time.monotonic()
+        return self.ended is not None
 
     def result(self, timeout: float) -> tuple[int, str, str]:
         """(returncode, stdout, stderr); TimeoutExpired (the process killed) past `timeout` seconds from now."""
+        if not self.done():
+            _normal(self.p.pid)
         try:
             self.p.wait(timeout=timeout)
         finally:
             self.kill()
+            self.done()
         self.out.seek(0)
         self.err.seek(0)
         return self.p.returncode, self.out.read(), self.err.read()
@@ -68,14 +97,15 @@ class Background:
     """The session's queued runs, started in order, at most `cores` at once (a thread starts the next as one ends).
     STATS: when each started and ended, and how long tests waited for them."""
 
-    def __init__(self, names: list[str], cores: int):
+    def __init__(self, names: list[str], cores: int, idle: bool = True):
         self.queue = [(n, i) for n in names for i in range(len(CHECKS[n][1]))]
         self.runs: dict = {}                    # (name, i) -> Run, once started
+        self.failed: dict = {}                  # (name, i) -> the error that kept it from starting
+        self.idle = idle
         self.cores = max(1, cores)
         self.lock = threading.Condition()
         self.t0 = time.monotonic()
         self.waited = 0.0
-        self.ended: dict = {}                   # (name, i) -> seconds into the session it ended
         self.stop = False
         self.thread = threading.Thread(target=self._loop, daemon=True, name="interpreter-checks")
         self.thread.start()
@@ -83,14 +113,15 @@ class Background:
     def _loop(self) -> None:
         with self.lock:
             while not self.stop:
-                for key, r in self.runs.items():
-                    if key not in self.ended and r.p.poll() is not None:
-                        self.ended[key] = time.monotonic() - self.t0
-                live = [k for k in self.runs if k not in self.ended]
+                live = [k for k, r in self.runs.items() if not r.done()]
                 while self.queue and len(live) < self.cores:
                     key = self.queue.pop(0)
                     script, argvs, _ = CHECKS[key[0]]
-                    self.runs[key] = Run(script, argvs[key[1]], background=True)
+                    try:
+                        self.runs[key] = Run(script, argvs[key[1]], background=self.idle)
+                    except Exception as e:  # noqa: BLE001 - its test raises it
+                        self.failed[key] = e
+                        continue
                     live.append(key)
                 if not live and not self.queue:
                     return
@@ -99,11 +130,13 @@ class Background:
     def has(self, name: str) -> bool:
         """Whether the session queued the check `name` (under the lock: the loop moves a run from the queue)."""
         with self.lock:
-            return any(k[0] == name for k in self.queue + list(self.runs))
+            return any(k[0] == name for k in self.queue + list(self.runs) + list(self.failed))
 
     def run(self, key) -> Run:
         """The run for key, started now (at normal priority) if it was still queued."""
         with self.lock:
+            if key in self.failed:
+                raise RuntimeError(f"the interpreter check {key} could not start") from self.failed[key]
             if key not in self.runs:
                 self.queue.remove(key)
                 script, argvs, _ = CHECKS[key[0]]
@@ -121,19 +154,21 @@ class Background:
             r.kill()
 
     def summary(self) -> str:
-        done = [self.ended[k] for k in self.runs if k in self.ended]
+        done = [r.ended - self.t0 for r in self.runs.values() if r.done()]
         last = max(done) if done else 0.0
-        return (f"interpreter checks: {len(self.runs)} runs in the background (SCHED_IDLE, {self.cores} at once), "
+        how = "SCHED_IDLE" if self.idle else "normal priority: only their tests were selected"
+        return (f"interpreter checks: {len(self.runs)} runs in the background ({how}, {self.cores} at once), "
                 f"the last done {last:.0f} s into the session; tests waited {self.waited:.0f} s for them")
 
 
 BACKGROUND: Background | None = None        # set by conftest.py when collection ends
 
 
-def start(names: list[str]) -> None:
+def start(names: list[str], idle: bool = True) -> None:
+    """Starts the checks `names` in the background (idle: under SCHED_IDLE, beside other tests)."""
     global BACKGROUND
     if names:
-        BACKGROUND = Background(names, len(os.sched_getaffinity(0)))
+        BACKGROUND = Background(names, len(os.sched_getaffinity(0)), idle)
 
 
 def results(name: str) -> list[tuple[int, str, str]]:

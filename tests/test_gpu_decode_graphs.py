@@ -228,8 +228,8 @@ def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
     when the tensors are collected; a growth the device cannot hold is refused with DeviceOutOfMemory, and one past
     the reserved range with CudaError, both named. Its memory must belong to the device's engine by Engine.owns as
     by residency_of. The GPU may be shared with other test processes (scripts/gpu_parallel.sh), which allocate and
-    free between two readings of the device's free memory (in s18 one reading was 100 MB off): the buffer maps its
-    whole gigabyte and the readings must move by half of it."""
+    free between two readings of the device's free memory (in s18 one reading was 100 MiB off): the buffer maps its
+    whole GiB and the readings must move by half of it."""
     import gc
     from memra_pp.cuda import CudaError
     from memra_pp.vmm import DeviceOutOfMemory, GrowableBuffer
@@ -242,6 +242,7 @@ def test_growable_buffer_keeps_its_address_and_frees_its_memory(cuda):
     a = buf.tensor(3 << 20).view(torch.float32)
     a.copy_(torch.arange(a.numel(), device=cuda, dtype=torch.float32))
     buf.grow(1 << 30)
+    assert buf.mapped == 1 << 30
     b = buf.tensor(1 << 30).view(torch.float32)
     assert b.data_ptr() == a.data_ptr() == buf.base
     assert torch.equal(b[:a.numel()], torch.arange(a.numel(), device=cuda, dtype=torch.float32))

@@ -64,13 +64,16 @@ class Stream(threading.Thread):
         assert len(self.tokens) >= n, (self.tokens, self.error)
 
 
-def interrupt(dep, c, i, how, **kw):
-    """Kill stage i while one request decodes and one is mid-prefill; returns (decode, prefill, kill time)."""
+def interrupt(dep, c, i, how, running=(), **kw):
+    """Kill stage i while one request decodes and one is mid-prefill (and the streams `running` are still going);
+    returns (decode, prefill, kill time)."""
     dec = Stream(c, SHORT, DECODE_NEW, **kw)
     dec.wait_tokens(3)
     pre = Stream(c, LONG, PREFILL_NEW)
     time.sleep(0.15)
     assert not pre.tokens, "the long prompt must still be in prefill when the stage is killed"
+    for s in (dec, *running):
+        assert s.t_end is None and len(s.tokens) < DECODE_NEW, "a decode must still be running when the stage dies"
     t_kill = time.monotonic()
     kill(dep, i, how)
     dec.join(60)
@@ -127,7 +130,7 @@ def test_replay_completes_interrupted_requests(ray_cluster):
         want_long = hf_reference("dense", False, LONG, PREFILL_NEW)[0]
         for i, how in ((0, "ray.kill"), (2, "SIGKILL")):
             sampled = Stream(c, SHORT, DECODE_NEW, **seeded)
-            dec, pre, _ = interrupt(dep, c, i, how)
+            dec, pre, _ = interrupt(dep, c, i, how, running=(sampled,))
             sampled.join(60)
             assert dec.error is None and pre.error is None and sampled.error is None, \
                 (dec.error, pre.error, sampled.error)
