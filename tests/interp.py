@@ -74,10 +74,13 @@ class Run:
             self.ended = time.monotonic()
         return self.ended is not None
 
-    def result(self, timeout: float) -> tuple[int, str, str]:
-        """(returncode, stdout, stderr); TimeoutExpired (the process killed) past `timeout` seconds from now."""
+    def normal(self) -> None:
+        """Normal priority back, where the system allows it (its test is waiting for it now)."""
         if not self.done():
             _normal(self.p.pid)
+
+    def result(self, timeout: float) -> tuple[int, str, str]:
+        """(returncode, stdout, stderr); TimeoutExpired (the process killed) past `timeout` seconds from now."""
         try:
             self.p.wait(timeout=timeout)
         finally:
@@ -94,8 +97,8 @@ class Run:
 
 
 class Background:
-    """The session's queued runs, started in order, at most `cores` at once (a thread starts the next as one ends).
-    STATS: when each started and ended, and how long tests waited for them."""
+    """The session's queued runs, started in order, at most `cores` at once (a thread starts the next as one ends);
+    summary() says when the last ended and how long tests waited for them."""
 
     def __init__(self, names: list[str], cores: int, idle: bool = True):
         self.queue = [(n, i) for n in names for i in range(len(CHECKS[n][1]))]
@@ -179,6 +182,8 @@ def results(name: str) -> list[tuple[int, str, str]]:
     if bg is not None and bg.has(name):
         t = time.monotonic()
         runs = [bg.run((name, i)) for i in range(len(argvs))]
+        for r in runs:
+            r.normal()
         try:
             return [r.result(limit) for r in runs]
         finally:
