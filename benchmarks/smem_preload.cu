@@ -150,7 +150,7 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
     if (threadIdx.x == 0)
         st[0] = now();
     if (mode == 1) {
-        unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+        const unsigned s = shared_addr(smem);
         for (int i = threadIdx.x; i < R * K / 8 && threadIdx.x < CTL; i += CTL)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s + 16u * i), "l"(wg + i) : "memory");
         asm volatile("cp.async.commit_group;" ::: "memory");
@@ -176,13 +176,14 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
             st[1] = now();
     }
     if (threadIdx.x == CTL) {
-        int c = 0;                              // mode 5: the next bulk copy to issue
+        int c = 0;                              // mode 5: the next bulk copy to issue, and when the last went out
+        unsigned long long issued = 0;          // (a register: no stamp store on the window's chain)
         if (mode == 5)
             tma_init(&mbar);
         for (int w = 0; w < window; ++w) {      // a dependent tick across CTAs, then the barrier
             for (; mode == 5 && c < CHUNKS && (c + 1) * window <= (w + 1) * CHUNKS; ++c) {
                 tma_chunk(smem, wg, &mbar, c);
-                st[1] = now();                  // the last copy's issue wins
+                issued = now();
             }
             const float* src = tick + (w & 1) * gridDim.x;
             float* dst = tick + ((w + 1) & 1) * gridDim.x;
@@ -193,8 +194,9 @@ preload_gemv(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __res
         if (mode == 5) {
             for (; c < CHUNKS; ++c) {           // none left after a window; every copy without one
                 tma_chunk(smem, wg, &mbar, c);
-                st[1] = now();
+                issued = now();
             }
+            st[1] = issued;
             mbar_wait(shared_addr(&mbar));
             st[2] = now();
         }

@@ -6,12 +6,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import interp  # noqa: E402
 from memra_pp.kernels import fused_moe  # noqa: E402
 from test_model_parity import check  # noqa: E402
 
-# the per-pair kernels at 32 rows of an expert a program, where the H200's tiles take 4: an eighth of the programs
-# (the interpreter runs each one by one; tests/fused_moe_check.py checks the released tiles)
-fused_moe.SMALL_TILES = (32,) + fused_moe.SMALL_TILES[1:3] + (32,) + fused_moe.SMALL_TILES[4:]
+interp.coarse_moe_tiles()
 # prompts of 1 to 24 tokens (the interpreter is slow, the routing kernel a program a row; test_model_parity runs up to
 # 130 through the torch paths): the prefill's 44 tokens (88 pairs) still take the grouped GEMM over several blocks,
 # the decode batch the per-pair kernels (four tokens: the prefill's, then three batched decode steps)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import interp  # noqa: E402
 from memra_pp.kernels import fused_decode as fd, fused_moe, gemv, moe_block, paged_attention as pgd  # noqa: E402
 from memra_pp.model import decode_graphs as dg  # noqa: E402
 from test_decode_graphs import pipelines  # noqa: E402
@@ -21,9 +22,7 @@ NEW = 3         # a token from the prefill, then two decode steps (the second re
 assert which in ("all", "noblock", "block"), which
 gemv.FORCE = True
 gemv.PROGRAMS = 3       # persistent GEMVs of several row blocks a program, as at real sizes (PREFETCH's loop runs)
-# the per-pair MoE kernels at 32 rows of an expert a program, where the H200's tiles take 4: an eighth of the programs
-# (the interpreter runs each one by one; tests/fused_moe_check.py checks the released tiles)
-fused_moe.SMALL_TILES = (32,) + fused_moe.SMALL_TILES[1:3] + (32,) + fused_moe.SMALL_TILES[4:]
+interp.coarse_moe_tiles()
 # the MoE as the router, per-pair and down kernels, then as the one block kernel (kernels/moe_block.py; its three
 # phases as three launches here)
 for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("moe", [(0, 4), (4, 8)], True, True)):

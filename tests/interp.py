@@ -178,21 +178,26 @@ def results(name: str) -> list[tuple[int, str, str]]:
     """The check `name`'s runs, [(returncode, stdout, stderr)] in its argument lists' order; the background's runs
     where the session started them, else all of them now, at once. None is left running."""
     script, argvs, limit = CHECKS[name]
-    bg = BACKGROUND
-    if bg is not None and bg.has(name):
-        t = time.monotonic()
+    bg = BACKGROUND if BACKGROUND is not None and BACKGROUND.has(name) else None
+    t = time.monotonic()
+    if bg is not None:
         runs = [bg.run((name, i)) for i in range(len(argvs))]
         for r in runs:
             r.normal()
-        try:
-            return [r.result(limit) for r in runs]
-        finally:
-            for r in runs:
-                r.kill()
-            bg.waited += time.monotonic() - t
-    runs = [Run(script, argv, background=False) for argv in argvs]
+    else:
+        runs = [Run(script, argv, background=False) for argv in argvs]
     try:
         return [r.result(limit) for r in runs]
     finally:
         for r in runs:
             r.kill()
+        if bg is not None:
+            bg.waited += time.monotonic() - t
+
+
+def coarse_moe_tiles() -> None:
+    """For the checks that run whole steps in the interpreter: the per-pair MoE kernels at 32 rows of an expert a
+    program, where the H200's tiles take 4, so an eighth of the programs (the interpreter runs each one by one;
+    tests/fused_moe_check.py checks the released tiles)."""
+    from memra_pp.kernels import fused_moe
+    fused_moe.SMALL_TILES = (32,) + fused_moe.SMALL_TILES[1:3] + (32,) + fused_moe.SMALL_TILES[4:]
