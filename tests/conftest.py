@@ -1,7 +1,12 @@
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+# One intra-op thread for torch in this process (and the checks it starts), read when torch loads: the tests' tensors
+# are tiny, so a second OpenMP thread only spins (measured: the same wall time, a third less CPU), and that CPU is
+# what the interpreter checks in the background (tests/interp.py) run on. The stages set their own (deployment.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 
