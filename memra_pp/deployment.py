@@ -17,7 +17,6 @@ import ray
 
 from .errors import ConfigError
 from .rayutil import get as _get
-from .model.weights import open_weights
 from .placement.planner import Plan, make_plan
 from .placement.schema import Placement, load_placement
 
@@ -42,6 +41,7 @@ class Deployment:
     # -- boot -------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, config, detached: bool = False) -> "Deployment":
+        from .model.weights import open_weights     # (torch: here, not for connect's CLI clients)
         placement = load_placement(config)
         mc = open_weights(placement.model.path, placement.model.format).config
         plan = make_plan(placement, mc)
@@ -185,6 +185,7 @@ class Deployment:
     @property
     def model_config(self):
         if getattr(self, "_mc", None) is None:
+            from .model.weights import open_weights
             m = self.placement.model
             self._mc = open_weights(m.path, m.format).config
         return self._mc
