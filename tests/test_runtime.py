@@ -1,6 +1,7 @@
 """Through memra_pp.launch (real Ray, one process per stage, shared-memory slots), generations must equal
 transformers' for 1, 2 and 3 CPU stages, one request at a time and with 16 requests in flight."""
 import asyncio
+import contextlib
 
 import pytest
 
@@ -17,6 +18,30 @@ def config(path, n_stages, **sched):
             "scheduler": {"max_batch": 16, "max_context": 512, "prefill_chunk": 48, **sched}}
 
 
+@pytest.fixture(scope="module")
+def dense(ray_cluster):
+    """dense(n): the dense model's n-stage deployment of config(), launched at its first use and shared by the
+    tests below that only generate with it (a stage process costs seconds of CPU to start); they read its counters
+    as differences from their own start. Shut down when the module ends."""
+    deps = {}
+
+    def get(n_stages):
+        if n_stages not in deps:
+            deps[n_stages] = memra_pp.launch(config(tiny_checkpoint("dense", False)[1], n_stages))
+        return deps[n_stages]
+    yield get
+    for dep in deps.values():
+        dep.shutdown()
+
+
+def grown(dep, before):
+    """Each stage's counters now minus `before` (a stats() taken earlier): what happened in between."""
+    def num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return [{k: v - b[k] for k, v in s.items() if num(v) and num(b.get(k))}
+            for s, b in zip(dep.stats()["stages"], before)]
+
+
 def assert_same(kind, tied, prompt, r):
     ht, hl = hf_reference(kind, tied, tuple(prompt), NEW)
     assert r.token_ids == ht and r.finish_reason == "length"
@@ -25,11 +50,13 @@ def assert_same(kind, tied, prompt, r):
 
 @pytest.mark.parametrize("n_stages", [1, 2, 3])
 @pytest.mark.parametrize("kind,tied", [("dense", False), ("moe", True)])
-def test_launch_parity(ray_cluster, kind, tied, n_stages):
+def test_launch_parity(request, ray_cluster, kind, tied, n_stages):
     """One request at a time, then 16 concurrent (chunked prefill interleaved with decode), must match."""
     _, path = tiny_checkpoint(kind, tied)
-    with memra_pp.launch(config(path, n_stages)) as dep:
+    with (contextlib.nullcontext(request.getfixturevalue("dense")(n_stages)) if kind == "dense"   # shared
+          else memra_pp.launch(config(path, n_stages))) as dep:
         assert [s.index for s in dep.plan.stages] == list(range(n_stages))
+        before = dep.stats()["stages"]
         c = dep.client()
         for p in PROMPTS:
             assert_same(kind, tied, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
@@ -39,7 +66,7 @@ def test_launch_parity(ray_cluster, kind, tied, n_stages):
             return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
         for p, r in zip(many, asyncio.run(go())):
             assert_same(kind, tied, p, r)
-        st = dep.stats()["stages"]
+        st = grown(dep, before)
         assert all(s["microbatches"] > 0 for s in st), st
         if n_stages > 1:
             assert all(s["handoffs"] > 0 for s in st), "boundary slots must have carried the microbatches"
@@ -49,52 +76,51 @@ def test_launch_parity(ray_cluster, kind, tied, n_stages):
             assert st[0]["async_steps"] > 0, st
 
 
-def test_async_steps_drop_tokens_after_a_stop(ray_cluster):
+def test_async_steps_drop_tokens_after_a_stop(dense):
     """One stage cuts step n+1 before step n's tokens are read, so a sequence that ends on a stop token at step n
     already has step n+1 on the device: that token must be dropped, and the slot it wrote into must serve the
     next request correctly. Requests with and without stops run together; the stop lands at different steps."""
     kind, tied = "dense", False
-    _, path = tiny_checkpoint(kind, tied)
-    with memra_pp.launch(config(path, 1)) as dep:
-        c = dep.client()
-        refs = {p: hf_reference(kind, tied, p, NEW)[0] for p in PROMPTS}
+    dep = dense(1)
+    before = dep.stats()["stages"]
+    c = dep.client()
+    refs = {p: hf_reference(kind, tied, p, NEW)[0] for p in PROMPTS}
 
-        async def go():
-            return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, stop_token_ids=[refs[p][k]])
-                                          for k, p in zip((2, 4, 0, 6), PROMPTS)])
-        for k, p, r in zip((2, 4, 0, 6), PROMPTS, asyncio.run(go())):
-            first = refs[p].index(refs[p][k])      # the stop id may occur earlier in the reference
-            assert r.token_ids == refs[p][:first + 1] and r.finish_reason == "stop", (p, r)
-        for p in PROMPTS:                          # the slots the dropped steps wrote into serve new requests
-            assert_same(kind, tied, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
-        st = dep.stats()["stages"][0]
-        assert st["async_steps"] > 0 and st["async_dropped"] > 0, st
+    async def go():
+        return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, stop_token_ids=[refs[p][k]])
+                                      for k, p in zip((2, 4, 0, 6), PROMPTS)])
+    for k, p, r in zip((2, 4, 0, 6), PROMPTS, asyncio.run(go())):
+        first = refs[p].index(refs[p][k])      # the stop id may occur earlier in the reference
+        assert r.token_ids == refs[p][:first + 1] and r.finish_reason == "stop", (p, r)
+    for p in PROMPTS:                          # the slots the dropped steps wrote into serve new requests
+        assert_same(kind, tied, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
+    st = grown(dep, before)[0]
+    assert st["async_steps"] > 0 and st["async_dropped"] > 0, st
 
 
 @pytest.mark.parametrize("n_stages", [1, 2])
-def test_a_request_joins_a_running_batch(ray_cluster, n_stages):
+def test_a_request_joins_a_running_batch(dense, n_stages):
     """Continuous batching: a request submitted while another decodes joins the next step, never waits for the
     running one to finish (with one stage the tokens come back synchronously, so the intake must still drain its
     inbox between microbatches)."""
     import threading
     import time
-    _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(config(path, n_stages)) as dep:
-        c = dep.client()
-        c.generate([5, 6], max_new_tokens=2)                         # warm
-        times, started = [], threading.Event()
+    dep = dense(n_stages)
+    c = dep.client()
+    c.generate([5, 6], max_new_tokens=2)                         # warm
+    times, started = [], threading.Event()
 
-        def consume():
-            for e in c.stream([5, 17, 42], max_new_tokens=400, stop_token_ids=[]):
-                times.append((time.monotonic(), len(e.token_ids)))
-                started.set()
+    def consume():
+        for e in c.stream([5, 17, 42], max_new_tokens=400, stop_token_ids=[]):
+            times.append((time.monotonic(), len(e.token_ids)))
+            started.set()
 
-        th = threading.Thread(target=consume)
-        th.start()
-        assert started.wait(60)
-        short = c.generate([7, 8, 9], max_new_tokens=3, stop_token_ids=[])
-        t_short = time.monotonic()
-        th.join(120)
+    th = threading.Thread(target=consume)
+    th.start()
+    assert started.wait(60)
+    short = c.generate([7, 8, 9], max_new_tokens=3, stop_token_ids=[])
+    t_short = time.monotonic()
+    th.join(120)
     assert len(short.token_ids) == 3 and sum(k for _, k in times) == 400
     after = sum(k for t, k in times if t > t_short)
     assert after > 100, f"the short request waited for the long one: only {after} of its 400 tokens came after"
