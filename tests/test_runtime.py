@@ -50,10 +50,10 @@ def assert_same(kind, tied, prompt, r):
 
 @pytest.mark.parametrize("n_stages", [1, 2, 3])
 @pytest.mark.parametrize("kind,tied", [("dense", False), ("moe", True)])
-def test_launch_parity(request, ray_cluster, kind, tied, n_stages):
+def test_launch_parity(dense, kind, tied, n_stages):
     """One request at a time, then 16 concurrent (chunked prefill interleaved with decode), must match."""
     _, path = tiny_checkpoint(kind, tied)
-    with (contextlib.nullcontext(request.getfixturevalue("dense")(n_stages)) if kind == "dense"   # shared
+    with (contextlib.nullcontext(dense(n_stages)) if kind == "dense"   # shared (dense launches at its first call)
           else memra_pp.launch(config(path, n_stages))) as dep:
         assert [s.index for s in dep.plan.stages] == list(range(n_stages))
         before = dep.stats()["stages"]
