@@ -59,6 +59,9 @@ class Battery:
                     and sec["splice_wrote_nothing"] and sec["torch_still_works"]
                 self.row("secondary_context", "rows allocated by cuCtxCreate on stage 0's device refused at "
                          "construction, splice and publication source (three messages)", ok, sec)
+            else:
+                self.row("secondary_context", "not applicable: stage 0 is not a CUDA device (no second context "
+                         "to create on it)", None, sec)
             pub = get(a0.run_check.remote("same_context_publication"), 60, "publication check")
             self.row("same_context_publication", "FORCE within one context publishes byte-identically; AUTO "
                      "aliases the rows", pub["auto_aliases"] and pub["auto_published"] == 0 and
@@ -70,7 +73,8 @@ class Battery:
         report = {"config": self.base, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
                   "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                  "passed": all(r["outcome"] != "FAIL" for r in self.rows) and any(r["outcome"] == "PASS" for r in self.rows),
+                  "passed": all(r["outcome"] != "FAIL" for r in self.rows)
+                  and any(r["outcome"] == "PASS" for r in self.rows),
                   "rows": self.rows}
         return report
 
@@ -131,22 +135,41 @@ class Battery:
                  moved == (1 if cross else 0) and st[0]["splices"] > 0 and len(r.token_ids) == NEW,
                  {"publications_moved": moved, "splices": st[0]["splices"], "tokens": r.token_ids})
         self.image_tokens = r.token_ids
+        self.image_crosses = cross
+
+    NEVER_FORCE = ("never_refuses", "force_publishes")
 
     def never_and_force(self) -> None:
         import memra_pp
-        if len(self.base["stages"]) < 2 or not hasattr(self, "image_tokens"):
+        if not hasattr(self, "image_tokens"):
+            for check in self.NEVER_FORCE:
+                self.row(check, "not applicable: the model has no vision tower (no image overlay)", None, {})
             return
-        with memra_pp.launch(self.variant(overlay_publish="never")) as dep:
-            prompt, imgs = self._image_request(dep)
-            try:
-                dep.client().generate(prompt, images=imgs, max_new_tokens=NEW)
-                refused = "NOT REFUSED"
-            except ResidencyError as e:
-                refused = str(e)
-            still = self.tokens(dep)
-            self.row("never_refuses", "overlay_publish: never across contexts refuses the request with "
-                     "ResidencyError; the deployment keeps serving", refused != "NOT REFUSED" and all(still),
-                     {"message": refused, "served_after": [len(t) for t in still]})
+        if self.image_crosses:
+            with memra_pp.launch(self.variant(overlay_publish="never")) as dep:
+                prompt, imgs = self._image_request(dep)
+                try:
+                    dep.client().generate(prompt, images=imgs, max_new_tokens=NEW)
+                    refused = "NOT REFUSED"
+                except ResidencyError as e:
+                    refused = str(e)
+                still = self.tokens(dep)
+                self.row("never_refuses", "overlay_publish: never across contexts refuses the request with "
+                         "ResidencyError; the deployment keeps serving", refused != "NOT REFUSED" and all(still),
+                         {"message": refused, "served_after": [len(t) for t in still]})
+        else:
+            # The tower shares the intake's engine: no image row crosses a context, so `never` has nothing to
+            # refuse. What must hold instead: the request is served, with the auto tokens and no publication.
+            self.row("never_refuses", "not applicable: the tower runs on the intake engine (no image crosses a "
+                     "context)", None, {})
+            with memra_pp.launch(self.variant(overlay_publish="never")) as dep:
+                prompt, imgs = self._image_request(dep)
+                r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, stop_token_ids=[])
+                moved = dep.stats()["stages"][0]["overlay_publications"]
+                self.row("never_within_context", "overlay_publish: never with the tower on the intake engine "
+                         "serves the image request (one context: nothing to refuse) with the auto tokens",
+                         r.token_ids == self.image_tokens and moved == 0,
+                         {"publications": moved, "tokens_equal": r.token_ids == self.image_tokens})
         with memra_pp.launch(self.variant(overlay_publish="force")) as dep:
             prompt, imgs = self._image_request(dep)
             r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, stop_token_ids=[])
@@ -160,13 +183,18 @@ class Battery:
         gpu = [s for s in stages if str(s.get("device", "cpu")).startswith("cuda")]
         runs = {}
         if len(stages) < 2:
-            self.row("pipeline_equals_one_stage", "not applicable: one stage", None, {})
+            for check in ("pipeline_equals_one_stage", "transport_peer", "transport_host",
+                          "transports_bit_identical"):
+                self.row(check, "not applicable: one stage (no boundary)", None, {})
             return
         with memra_pp.launch(self.variant(stages=[dict(stages[-1], layers="auto")])) as dep:
             runs["one_stage"] = self.tokens(dep)
         self.row("pipeline_equals_one_stage", f"{len(stages)} stages give the tokens of one stage",
                  ref == runs["one_stage"], {"tokens_equal": ref == runs["one_stage"]})
         if len(gpu) < 2:
+            for check in ("transport_peer", "transport_host", "transports_bit_identical"):
+                self.row(check, "not applicable: fewer than two CUDA stages (the transport is shared memory)",
+                         None, {"cuda_stages": len(gpu)})
             return
         hashes = {}
         for kind in ("peer", "host"):
@@ -185,7 +213,8 @@ class Battery:
 
 
 def main(args) -> int:
-    b = Battery(args.config, out=args.out)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print   # --json: stdout is JSON only
+    b = Battery(args.config, progress=say, out=args.out)
     try:
         report = b.run()
     except MemraError as e:
