@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .rayutil import get as _get
 from .placement.planner import Plan, make_plan
 from .placement.schema import Placement, load_placement
+from .switches import check_environment
 
 log = logging.getLogger("memra_pp")
 
@@ -43,6 +44,7 @@ class Deployment:
     def launch(cls, config, detached: bool = False) -> "Deployment":
         from .model.weights import open_weights     # (torch: here, not for connect's CLI clients)
         placement = load_placement(config)
+        check_environment()     # the MEMRA_PP_* switches the stages will receive: known names, 0 or 1
         mc = open_weights(placement.model.path, placement.model.format).config
         plan = make_plan(placement, mc)
         for w in plan.warnings:

@@ -359,3 +359,31 @@ def test_stage_actors_take_the_runtime_switches_from_the_driver(monkeypatch):
     assert Deployment._make_actor(types.SimpleNamespace(name="p"), s, object(), False) == "actor"
     env = seen["runtime_env"]["env_vars"]
     assert env["MEMRA_PP_ANY_KV_GRAPHS"] == "1" and env["OMP_NUM_THREADS"] == "2" and "SOMETHING_ELSE" not in env
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("MEMRA_PP_KV_IN_PLACE", "false", "MEMRA_PP_KV_IN_PLACE='false': a switch is 0 or 1 (default 1"),
+    ("MEMRA_PP_ANY_KV_GRAPHS", "", "MEMRA_PP_ANY_KV_GRAPHS='': a switch is 0 or 1"),
+    ("MEMRA_PP_MOE_BLOK", "1", "MEMRA_PP_MOE_BLOK is not a memra_pp switch (known: MEMRA_PP_ANY_KV_GRAPHS"),
+])
+def test_runtime_switches_refuse_what_they_do_not_know(monkeypatch, tmp_path, name, value, message):
+    """A MEMRA_PP_* variable is a known switch set to 0 or 1; a typo in its name or value is a ConfigError naming
+    it, raised by launch before any Ray work (the stages would otherwise run with the default silently), and by
+    the switch's own reader. Values 0/1 (with spaces) read as they say."""
+    from memra_pp import switches
+    import memra_pp
+    env = {"MEMRA_PP_KV_IN_PLACE": " 0 ", "MEMRA_PP_MOE_BLOCK": "1"}
+    assert switches.check_environment(env) == {"MEMRA_PP_ANY_KV_GRAPHS": True, "MEMRA_PP_KV_IN_PLACE": False,
+                                                "MEMRA_PP_MOE_BLOCK": True}
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        switches.check_environment()
+    assert message in str(e.value)
+    if name in switches.SWITCHES:
+        with pytest.raises(ConfigError, match="a switch is 0 or 1"):
+            switches.flag(name)
+    from memra_pp.defaults import ensure_tiny
+    cfg = {"name": "sw", "model": {"path": str(ensure_tiny())}, "stages": [{"device": "cpu"}]}
+    with pytest.raises(ConfigError) as e:
+        memra_pp.launch(cfg)
+    assert message in str(e.value)

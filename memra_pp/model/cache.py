@@ -19,17 +19,17 @@ MEMRA_PP_KV_IN_PLACE=0, or a driver without the virtual memory API) a growth rep
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .config import TextConfig
+from ..switches import flag
 from .kv_memory import FIRST_FREE, fits, growth_size, headroom, kv_budget
 
 NULL, SINK = 0, 1      # the null block, the scratch slot's sink block (FIRST_FREE: the first block given out)
 # CUDA pools grow in place (GrowableBuffer). Off, a growth copies every pool into a larger one and drops the decode
 # graphs: H200, 35B-A3B, 64 concurrent of 128 in, 256 out, two graphs were captured again mid-run (twelfth session)
-IN_PLACE = os.environ.get("MEMRA_PP_KV_IN_PLACE", "1") != "0"
+IN_PLACE = flag("MEMRA_PP_KV_IN_PLACE")
 
 
 class StageCache:

@@ -13,11 +13,11 @@ growth where the step's KV kernels are the torch references (their indexing bake
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .batch import StepBatch
+from ..switches import flag
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
 MIN_KV = 256
@@ -28,7 +28,7 @@ MIN_KV = 256
 # step 2.43 / 2.42 ms against 2.43 / 2.38 at one row, 19.26 / 19.22 against 19.24 / 19.23 at 64; a deployment's
 # batch-1 decode (128 in, 256 out) 412.9 tokens/s against 173.2, which captured mid-run (docs/PERF.md, eleventh
 # session). The stage processes' environment turns it off: MEMRA_PP_ANY_KV_GRAPHS=0
-ANY_KV = os.environ.get("MEMRA_PP_ANY_KV_GRAPHS", "1") != "0"
+ANY_KV = flag("MEMRA_PP_ANY_KV_GRAPHS")
 
 
 class CaptureFailed(RuntimeError):
