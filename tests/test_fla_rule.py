@@ -33,3 +33,27 @@ def test_tune_once_keeps_the_first_winner_and_counts_keys(monkeypatch):
     assert tuner.run(1) == "b" and tuner.configs == ["b"]
     assert tuner.run(2) == "b" and tuner.run(0) == "b"     # new keys: the first winner, nothing tuned
     assert tuner.runs == 3 and fla_rule.tuned_keys() == before + 1
+
+
+def test_available_tells_absent_from_broken(monkeypatch, tmp_path, caplog):
+    """fla absent: False, silently (the torch/Triton forms serve). fla installed but failing to import: False,
+    with the reason in a warning and in WHY_NOT (a stage's gdn_backend then says it), never swallowed."""
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(fla_rule, "WHY_NOT", None)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "none")] + [p for p in sys.path if "site-packages" not in p])
+    with caplog.at_level("WARNING", logger=fla_rule.__name__):
+        assert fla_rule.available() is False
+    assert fla_rule.WHY_NOT is None and not caplog.records, "absent fla is not an error"
+    pkg = tmp_path / "broken" / "fla" / "ops"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "gated_delta_rule.py").write_text("raise RuntimeError('built for triton 9.9')\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "broken")] + sys.path)
+    with caplog.at_level("WARNING", logger=fla_rule.__name__):
+        assert fla_rule.available() is False
+    assert fla_rule.WHY_NOT == "RuntimeError: built for triton 9.9"
+    assert "installed but cannot be used (RuntimeError: built for triton 9.9)" in caplog.text
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)

@@ -15,15 +15,33 @@ Every other key fla tunes on is fixed by the model's dimensions. `tuned_keys()` 
 process (stage stats report it: a timed run that tunes nothing has the same count before and after)."""
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
 
+log = logging.getLogger(__name__)
+
+
+WHY_NOT: str | None = None      # why an installed fla could not be used (None: absent, or usable)
+
 
 def available() -> bool:
+    """fla is installed, imports, and CUDA is here. fla is optional: absent (no message), the torch/Triton forms
+    serve. Installed but broken (built for another triton, say) is said once in a warning and kept in WHY_NOT:
+    the stage then runs the slower forms, and whoever reads the log or gdn_backend should know why."""
+    global WHY_NOT
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception:  # fla is optional: absent on CPU machines, or built for another triton
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "fla":
+            return False
+        WHY_NOT = f"{type(e).__name__}: {e}"
+    except Exception as e:
+        WHY_NOT = f"{type(e).__name__}: {e}"
+    if WHY_NOT is not None:
+        log.warning("flash-linear-attention is installed but cannot be used (%s); the gated delta rule runs on "
+                    "memra_pp's own kernels", WHY_NOT)
         return False
     return torch.cuda.is_available()
 

@@ -127,7 +127,10 @@ class StageModel(nn.Module):
             if moe is not None:         # the MoE kernels compile now (they are shared by every layer)
                 moe.warm_up()
             from . import fla_rule
-            if fla_rule.available():
+            use_fla = fla_rule.available()
+            if fla_rule.WHY_NOT:        # installed but broken: said in gdn_backend (stage stats) too
+                self.gdn_backend = f"torch (fla unusable: {fla_rule.WHY_NOT})"
+            if use_fla:
                 rule = fla_rule.FlaRule()
                 gdn = [layer for layer in self.layers if not layer.full]
                 for layer in gdn:
