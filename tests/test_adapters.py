@@ -79,10 +79,10 @@ def check_mixed(kind, tied, n_stages, chunk=None):
     lp = pipeline(kind, tied, SPLITS[n_stages])
     toks, lps = lp.greedy([list(p) for p in PROMPTS], NEW, chunk=chunk, adapter_slots=SLOTS)
     changed = 0
-    for p, s, t, l in zip(PROMPTS, SLOTS, toks, lps):
+    for p, s, t, l in zip(PROMPTS, SLOTS, toks, lps, strict=True):
         ht, hl = peft_reference(kind, tied, "A" if s == 0 else "B", p) if s >= 0 else hf_reference(kind, tied, p, NEW)
         assert t == ht, f"slot {s}, prompt of {len(p)} tokens: {t} != reference {ht}"
-        assert max(abs(a - b) for a, b in zip(l, hl)) < 5e-4
+        assert max(abs(a - b) for a, b in zip(l, hl, strict=True)) < 5e-4
         changed += s >= 0 and t != hf_reference(kind, tied, p, NEW)[0]
     assert changed >= 2, "the adapters must change some greedy tokens, or the test is vacuous"
 

@@ -26,10 +26,10 @@ def hf_from_source(model, src):
 
 def assert_parity(model, src, splits, prompts=PROMPTS, new=6):
     toks, lps = LocalPipeline(src, splits).greedy(prompts, new)
-    for p, t, l in zip(prompts, toks, lps):
+    for p, t, l in zip(prompts, toks, lps, strict=True):
         ht, hl = hf_greedy(model, p, new)
         assert t == ht
-        assert max(abs(a - b) for a, b in zip(l, hl)) < 5e-4
+        assert max(abs(a - b) for a, b in zip(l, hl, strict=True)) < 5e-4
 
 
 @pytest.mark.parametrize("kind", ["dense_text-s404", "moe_text-s414"])

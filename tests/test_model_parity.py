@@ -14,10 +14,10 @@ def check(kind, tied, n_stages, chunk, prompts=PROMPTS, new=NEW):
     _, path = tiny_checkpoint(kind, tied)
     lp = LocalPipeline(SafetensorsSource(path), SPLITS[n_stages])
     toks, lps = lp.greedy([list(p) for p in prompts], new, chunk=chunk)
-    for p, t, l in zip(prompts, toks, lps):
+    for p, t, l in zip(prompts, toks, lps, strict=True):
         ht, hl = hf_reference(kind, tied, p, new)
         assert t == ht, f"prompt of {len(p)} tokens: {t} != transformers {ht}"
-        assert max(abs(a - b) for a, b in zip(l, hl)) < 5e-4
+        assert max(abs(a - b) for a, b in zip(l, hl, strict=True)) < 5e-4
 
 
 @pytest.mark.parametrize("n_stages", [1, 2, 3])
@@ -56,8 +56,8 @@ def test_grouped_prefill_equals_one_at_a_time(kind, monkeypatch):
     lp = LocalPipeline(src, [(0, 3), (3, 8)], max_seqs=len(prompts))
     toks, lps = lp.greedy(prompts, 6, chunk=8)
     assert max(seen) == 3, seen          # three 20-token prompts in chunks of 8, 8, 4 ran together
-    for p, t, l in zip(prompts, toks, lps):
+    for p, t, l in zip(prompts, toks, lps, strict=True):
         alone = LocalPipeline(src, [(0, 8)], max_seqs=1)
         ta, la = alone.greedy([p], 6)
         assert t == ta[0]
-        assert max(abs(a - b) for a, b in zip(l, la[0])) < 5e-4
+        assert max(abs(a - b) for a, b in zip(l, la[0], strict=True)) < 5e-4

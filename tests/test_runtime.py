@@ -39,13 +39,13 @@ def grown(dep, before):
     def num(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool)
     return [{k: v - b[k] for k, v in s.items() if num(v) and num(b.get(k))}
-            for s, b in zip(dep.stats()["stages"], before)]
+            for s, b in zip(dep.stats()["stages"], before, strict=True)]
 
 
 def assert_same(kind, tied, prompt, r):
     ht, hl = hf_reference(kind, tied, tuple(prompt), NEW)
     assert r.token_ids == ht and r.finish_reason == "length"
-    assert max(abs(a - b) for a, b in zip(r.logprobs, hl)) < 5e-4
+    assert max(abs(a - b) for a, b in zip(r.logprobs, hl, strict=True)) < 5e-4
 
 
 @pytest.mark.parametrize("n_stages", [1, 2, 3])
@@ -64,7 +64,7 @@ def test_launch_parity(dense, kind, tied, n_stages):
 
         async def go():
             return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
-        for p, r in zip(many, asyncio.run(go())):
+        for p, r in zip(many, asyncio.run(go()), strict=True):
             assert_same(kind, tied, p, r)
         st = grown(dep, before)
         assert all(s["microbatches"] > 0 for s in st), st
@@ -89,7 +89,7 @@ def test_async_steps_drop_tokens_after_a_stop(dense):
     async def go():
         return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, stop_token_ids=[refs[p][k]])
                                       for k, p in zip((2, 4, 0, 6), PROMPTS)])
-    for k, p, r in zip((2, 4, 0, 6), PROMPTS, asyncio.run(go())):
+    for k, p, r in zip((2, 4, 0, 6), PROMPTS, asyncio.run(go()), strict=True):
         first = refs[p].index(refs[p][k])      # the stop id may occur earlier in the reference
         assert r.token_ids == refs[p][:first + 1] and r.finish_reason == "stop", (p, r)
     for p in PROMPTS:                          # the slots the dropped steps wrote into serve new requests
@@ -150,7 +150,7 @@ def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
 
         async def go():
             return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
-        for p, r in zip(many, asyncio.run(go())):
+        for p, r in zip(many, asyncio.run(go()), strict=True):
             assert_same("dense", False, p, r)
         with pytest.raises(memra_pp.errors.InputError, match="KV cache holds 256 positions"):
             c.generate(list(range(1, 301)), max_new_tokens=NEW)

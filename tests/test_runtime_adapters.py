@@ -34,10 +34,10 @@ def test_mixed_adapters_match_peft(ray_cluster, n, tied):
         async def go():
             return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, adapter=w)
                                           for p, w in zip(PROMPTS, which)])
-        for p, w, r in zip(PROMPTS, which, asyncio.run(go())):
+        for p, w, r in zip(PROMPTS, which, asyncio.run(go()), strict=True):
             ref = peft_reference("dense", tied, w.upper(), p) if w else hf_reference("dense", tied, p, NEW)
             assert r.token_ids == ref[0]
-            assert max(abs(x - y) for x, y in zip(r.logprobs, ref[1])) < 5e-4
+            assert max(abs(x - y) for x, y in zip(r.logprobs, ref[1], strict=True)) < 5e-4
 
 
 def test_adapter_refusals_keep_serving(ray_cluster):
@@ -124,5 +124,5 @@ def test_a_recovered_stage_reloads_its_adapter_and_the_kv_budget_is_measured_aga
         dep.wait_ready(90)
         r = dep.client().generate(list(PROMPTS[0]), max_new_tokens=NEW, adapter="a", logprobs=True, timeout=60)
         ref = peft_reference("dense", False, "A", PROMPTS[0])
-        assert r.token_ids == ref[0] and max(abs(x - y) for x, y in zip(r.logprobs, ref[1])) < 5e-4
+        assert r.token_ids == ref[0] and max(abs(x - y) for x, y in zip(r.logprobs, ref[1], strict=True)) < 5e-4
         assert dep.stats()["stages"][0]["kv_rebudgets"] == 2

@@ -35,7 +35,7 @@ def hf_image_greedy(model, p, imgs):
             mm_token_type_ids=(ids == IMG).long(), max_new_tokens=NEW, do_sample=False, output_logits=True,
             return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     toks = g.sequences[0, len(p):].tolist()
-    return toks, [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(g.logits, toks)]
+    return toks, [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(g.logits, toks, strict=True)]
 
 
 def cfg(path, n, engine="primary", publish="auto", chunk=8):
@@ -62,7 +62,7 @@ def test_image_prompts_match_transformers(ray_cluster, n, engine):
         for r, imgs in ((r1, imgs1), (r2, imgs2)):
             ht, hl = hf_image_greedy(model, prompt_for(imgs), imgs)
             assert r.token_ids == ht
-            assert max(abs(a - b) for a, b in zip(r.logprobs, hl)) < 5e-4
+            assert max(abs(a - b) for a, b in zip(r.logprobs, hl, strict=True)) < 5e-4
         assert r3.token_ids == hf_reference("dense", False, (5, 17, 42), NEW)[0]
         st = dep.stats()["stages"]
         cross = dep.plan.tower_index != dep.plan.intake_index

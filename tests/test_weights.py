@@ -31,10 +31,10 @@ _ROOT = Path(tempfile.mkdtemp(prefix="memra-weights-"))
 def check_tokens(src, reference):
     """Greedy tokens through 2 stages must equal `reference(prompt)` and logprobs stay within 5e-4."""
     toks, lps = LocalPipeline(src, SPLIT).greedy([list(p) for p in PROMPTS], NEW)
-    for p, t, l in zip(PROMPTS, toks, lps):
+    for p, t, l in zip(PROMPTS, toks, lps, strict=True):
         ht, hl = reference(p)
         assert t == ht, f"prompt of {len(p)} tokens: {t} != transformers {ht}"
-        assert max(abs(a - b) for a, b in zip(l, hl)) < 5e-4
+        assert max(abs(a - b) for a, b in zip(l, hl, strict=True)) < 5e-4
 
 
 @functools.lru_cache(maxsize=None)

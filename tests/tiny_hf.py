@@ -53,5 +53,5 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int):
                            do_sample=False, output_logits=True, return_dict_in_generate=True,
                            eos_token_id=None, pad_token_id=0)
     toks = g.sequences[0, len(prompt):].tolist()
-    lps = [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(g.logits, toks)]
+    lps = [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(g.logits, toks, strict=True)]
     return toks, lps
