@@ -267,10 +267,12 @@ class Client:
     def generate(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, logprobs: bool = True,
                  stop_token_ids: list[int] | None = None, adapter: str | None = None, images=None,
-                 timeout: float | None = None) -> Result:
+                 timeout: float | None = None, **unknown) -> Result:
+        # `unknown` only collects misspelt keywords, so that _submit refuses them with InputError as stream and
+        # agenerate do (a bare TypeError is not a memra_pp error)
         tr, q, ids = self._submit(prompt, max_new_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-            stop_token_ids=stop_token_ids, adapter=adapter, images=images))
+            stop_token_ids=stop_token_ids, adapter=adapter, images=images, **unknown))
         toks, lps, finish = [], [], "length"
         for t, l, f in self._events(tr, q, timeout or self.dep.placement.timeouts.step_s * 10):
             toks += t

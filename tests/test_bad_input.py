@@ -192,7 +192,7 @@ def test_unknown_keyword_refused_before_submit(dep):
     before anything reaches the deployment, and the deployment must keep serving."""
     import asyncio
     c = dep.client()
-    with pytest.raises(TypeError):
+    with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
         c.generate([5, 17], max_new_tokens=2, temprature=0.5)
     with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
         next(iter(c.stream([5, 17], max_new_tokens=2, temprature=0.5)))
