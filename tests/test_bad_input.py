@@ -128,7 +128,8 @@ def broken_copy(tmp_path, how):
 
 @pytest.mark.parametrize("how", ["truncated", "header"])
 def test_corrupt_safetensors(ray_cluster, tmp_path, how):
-    """A truncated or corrupt safetensors file must give ConfigError naming the file; then a launch serves."""
+    """A truncated or corrupt safetensors file must give ConfigError naming the file (launch reads the header
+    itself, before it makes any stage actor)."""
     d, f = broken_copy(tmp_path, how)
     with pytest.raises(ConfigError, match=str(f)):
         memra_pp.launch({"name": "badst", "model": {"path": str(d)}, "stages": [{"device": "cpu"}]})
@@ -181,10 +182,19 @@ def test_failed_launch_stops_the_ray_it_started(tmp_path):
     assert "CONFIGERROR True False" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-def test_stage_failed_is_typed(dep):
-    """StageFailed carries the stage index and is a MemraError (callers catch one base)."""
-    e = StageFailed("stage 1 failed", stage=1)
-    assert e.stage == 1 and isinstance(e, memra_pp.MemraError)
+def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
+    """A request in flight when its client is closed (shutdown closes every client) must end with StageFailed, a
+    MemraError (callers catch one base), before its budget is spent; the intake must drop it and the deployment
+    must serve. (StageFailed naming a lost stage's index is provoked by test_reliability.py's stage kills.)"""
+    c = dep.client()
+    it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, stop_token_ids=[])
+    got = list(next(it).token_ids)
+    c.close()
+    with pytest.raises(StageFailed, match="the client was closed") as ei:
+        for ev in it:
+            got += ev.token_ids
+    assert isinstance(ei.value, memra_pp.MemraError) and len(got) < CTX - 3, (ei.value, len(got))
+    serves(dep)
 
 
 def test_unknown_keyword_refused_before_submit(dep):

@@ -62,7 +62,8 @@ def test_stop_token_and_context_limit():
     s.add(req(1, n=6, new=10))
     ev = run_to_end(s, token=7)
     assert [e.finish for e in ev if e.rid == "r0"] == ["stop"]
-    ev = run_to_end(s)
+    r1 = [e for e in ev if e.rid == "r1"]      # 7 is no stop of r1's: it runs into max_context (6 + 3 > 8)
+    assert sum(len(e.tokens) for e in r1) == 3 and [e.finish for e in r1 if e.finish] == ["length"], r1
     s2 = Scheduler(max_batch=1, microbatches=1, prefill_chunk=16, max_context=8)
     s2.add(req(1, n=6, new=10))
     ev = run_to_end(s2, token=9)
