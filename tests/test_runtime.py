@@ -157,3 +157,63 @@ def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
         assert_same("dense", False, PROMPTS[0], c.generate(list(PROMPTS[0]), max_new_tokens=NEW, logprobs=True))
         st = dep.stats()["stages"]
     assert st[0]["kv_pages"] == 4 and st[0]["kv_admission_waits"] > 0 and st[0]["kv_pages_reserved"] == 0, st[0]
+
+
+@pytest.mark.parametrize("n_stages", [1, 2])
+def test_sampled_logprobs_are_the_raw_distributions(dense, n_stages):
+    """A sampled request's logprobs[i] must be log_softmax (temperature 1) of the model's logits at the position
+    that produced token_ids[i], whatever the temperature and filters (DESIGN.md's contract; the reference is one
+    transformers forward over prompt + generated tokens), and a seeded request must reproduce its draws."""
+    import torch
+    model, _ = tiny_checkpoint("dense", False)
+    c = dense(n_stages).client()
+    p = list(PROMPTS[0])
+    kw = dict(max_new_tokens=NEW, temperature=0.7, top_k=40, seed=1234, logprobs=True)
+    r, again = c.generate(p, **kw), c.generate(p, **kw)
+    assert (again.token_ids, again.logprobs) == (r.token_ids, r.logprobs), "a seeded request must reproduce"
+    assert r.token_ids != hf_reference("dense", False, tuple(p), NEW)[0], "sampled like greedy: the test is vacuous"
+    ids = torch.tensor([p + r.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+    at = torch.arange(len(p) - 1, len(p) - 1 + NEW)
+    want = torch.log_softmax(logits[at], -1)[torch.arange(NEW), torch.tensor(r.token_ids)].tolist()
+    assert len(r.token_ids) == len(r.logprobs) == NEW and r.finish_reason == "length"
+    assert max(abs(a - b) for a, b in zip(r.logprobs, want, strict=True)) < 5e-4, (r.logprobs, want)
+
+
+def test_logprobs_off_zero_tokens_and_no_tokenizer(dense):
+    """logprobs=False must give None logprobs from generate, agenerate and every stream event; max_new_tokens=0
+    must end at once with no tokens, finish_reason 'length' (the scheduler's documented budget; a model without
+    eos generates exactly max_new_tokens); a model dir without tokenizer.json gives r.text None and refuses a text
+    prompt with InputError. The deployment must serve a normal request after all of these."""
+    c = dense(2).client()
+    p = list(PROMPTS[0])
+    ref = hf_reference("dense", False, tuple(p), NEW)[0]
+    r = c.generate(p, max_new_tokens=NEW, logprobs=False)
+    assert (r.token_ids, r.logprobs, r.text, r.prompt_tokens) == (ref, None, None, len(p)), r
+    ar = asyncio.run(c.agenerate(p, max_new_tokens=NEW, logprobs=False))
+    assert (ar.token_ids, ar.logprobs) == (ref, None), ar
+    evs = list(c.stream(p, max_new_tokens=NEW, logprobs=False))
+    assert [t for e in evs for t in e.token_ids] == ref and all(e.logprobs is None for e in evs), evs
+    for r in (c.generate(p, max_new_tokens=0), asyncio.run(c.agenerate(p, max_new_tokens=0))):
+        assert (r.token_ids, r.logprobs, r.finish_reason, r.prompt_tokens) == ([], [], "length", len(p)), r
+    evs = list(c.stream(p, max_new_tokens=0))
+    assert [t for e in evs for t in e.token_ids] == [] and evs[-1].finish_reason == "length", evs
+    with pytest.raises(memra_pp.errors.InputError, match="a text prompt needs a tokenizer.json"):
+        c.generate("hello", max_new_tokens=2)
+    assert_same("dense", False, p, c.generate(p, max_new_tokens=NEW, logprobs=True))
+
+
+def test_stats_has_the_documented_keys(dense):
+    """dep.stats() must return {"stages": [...]} with one entry per stage, in order, holding at least the keys
+    DESIGN.md's public API lists, with the plan's device and layers."""
+    dep = dense(2)
+    st = dep.stats()
+    assert list(st) == ["stages"] and len(st["stages"]) == 2
+    documented = {"index", "device", "layers", "busy", "microbatches", "handoffs", "handoff_p50_us", "handoff_p99_us",
+                  "overlay_publications", "splices"}
+    for s, ps in zip(st["stages"], dep.plan.stages, strict=True):
+        assert documented <= set(s), sorted(documented - set(s))
+        assert s["index"] == ps.index and str(s["device"]) == str(ps.device), (s, ps)
+        assert list(s["layers"]) == [ps.layer_start, ps.layer_end], (s["layers"], ps)
+        assert 0 <= s["busy"] <= 1 and s["handoff_p99_us"] >= s["handoff_p50_us"] >= 0, s
