@@ -9,6 +9,7 @@ import memra_pp
 from conftest_models import hf_reference, tiny_checkpoint
 from memra_pp.errors import ConfigError, InputError
 from test_adapters import NEW, PROMPTS, REFUSALS, _edit, adapter, peft_reference
+from test_runtime_vision import hf_image_greedy, image, prompt_for
 
 
 def cfg(path, n, max_loras=2, max_rank=8):
@@ -19,7 +20,8 @@ def cfg(path, n, max_loras=2, max_rank=8):
 
 @pytest.mark.parametrize("n,tied", [(1, False), (2, True), (3, False)])
 def test_mixed_adapters_match_peft(ray_cluster, n, tied):
-    """Requests naming adapter A, adapter B or none, in flight together, must each match their reference."""
+    """Requests naming adapter A, adapter B or none, in flight together, must each match their reference; so must
+    one naming adapter A with an image (PEFT's model given the pixel_values), which the adapter must change."""
     _, path = tiny_checkpoint("dense", tied)
     with memra_pp.launch(cfg(path, n)) as dep:
         kv0 = dep.stats()["stages"][0]["kv_pages"]
@@ -31,13 +33,20 @@ def test_mixed_adapters_match_peft(ray_cluster, n, tied):
         c = dep.client()
         which = ["a", "b", None, "b"]
 
+        imgs = [image(5)]
+
         async def go():
             return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, adapter=w)
-                                          for p, w in zip(PROMPTS, which)])
-        for p, w, r in zip(PROMPTS, which, asyncio.run(go()), strict=True):
+                                          for p, w in zip(PROMPTS, which)],
+                                        c.agenerate(prompt_for(imgs), max_new_tokens=NEW, adapter="a", images=imgs))
+        *rs, ri = asyncio.run(go())
+        for p, w, r in zip(PROMPTS, which, rs, strict=True):
             ref = peft_reference("dense", tied, w.upper(), p) if w else hf_reference("dense", tied, p, NEW)
             assert r.token_ids == ref[0]
             assert max(abs(x - y) for x, y in zip(r.logprobs, ref[1], strict=True)) < 5e-4
+        ref = hf_image_greedy(adapter("dense", tied, "A")[0], prompt_for(imgs), imgs)
+        assert ri.token_ids == ref[0] != hf_image_greedy(tiny_checkpoint("dense", tied)[0], prompt_for(imgs), imgs)[0]
+        assert max(abs(x - y) for x, y in zip(ri.logprobs, ref[1], strict=True)) < 5e-4
 
 
 def test_adapter_refusals_keep_serving(ray_cluster):
