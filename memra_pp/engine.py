@@ -32,6 +32,7 @@ class ContextId:
 class EngineCounters:
     """What an engine did, for non-vacuity checks (a path that claims to run must move its counter)."""
     splices: int = 0
+    mid_span_splices: int = 0  # splices whose chunk began strictly inside an image span: a prefill chunk cut it
     publications: int = 0  # overlays landed here by host bounce
 
 

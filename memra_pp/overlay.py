@@ -128,6 +128,7 @@ class EmbedOverlay:
             if lo < hi:
                 embedded_TD[lo - chunk_off:hi - chunk_off].copy_(self.rows[r + lo - p:r + hi - p])
                 written += hi - lo
+                engine.counters.mid_span_splices += int(p < chunk_off)  # lo == chunk_off < hi <= p + k
         if written:
             if self.rows.is_cuda:
                 # The copy was enqueued on the current stream: the rows' memory must not be recycled by their

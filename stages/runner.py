@@ -274,6 +274,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         st["overlay_publications"] = self.engine.counters.publications
         st["publications_via_slot"] = self.pub_inbox.landed if self.pub_inbox is not None else 0
         st["splices"] = self.engine.counters.splices
+        st["mid_span_splices"] = self.engine.counters.mid_span_splices
         st["rss_bytes"] = rss_bytes()
         return st
 

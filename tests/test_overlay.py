@@ -146,12 +146,14 @@ def test_window_clips_rebases_and_aliases():
 
 
 def test_splice_chunks_cutting_through_spans_match_one_splice():
-    """Chunked splicing must write exactly the rows a whole-prompt splice writes, counting chunks that wrote."""
+    """Chunked splicing must write exactly the rows a whole-prompt splice writes, counting chunks that wrote and,
+    apart, chunks that began strictly inside a span (a chunk beginning where a span begins cuts nothing)."""
     e = Engine("cpu")
     rows = _rows()
     ov = EmbedOverlay(e, rows, [(2, 0, 3), (8, 3, 3)])
     whole = torch.zeros(12, H)
     assert ov.splice_into(e, whole, 0) == 6
+    assert (e.counters.splices, e.counters.mid_span_splices) == (1, 0)
     expect = torch.zeros(12, H)
     expect[2:5], expect[8:11] = rows[0:3], rows[3:6]
     assert torch.equal(whole, expect)
@@ -162,9 +164,11 @@ def test_splice_chunks_cutting_through_spans_match_one_splice():
         ov.splice_into(e2, chunk, off)
         chunked.append(chunk)
     assert torch.equal(torch.cat(chunked), expect)
-    assert e2.counters.splices == 3
+    assert (e2.counters.splices, e2.counters.mid_span_splices) == (3, 1)  # [4,8) began inside [2,5); [8,12) did not
     empty = torch.zeros(2, H)
     assert ov.splice_into(e2, empty, 5) == 0 and e2.counters.splices == 3  # nothing written, nothing counted
+    assert e2.counters.mid_span_splices == 1
+    assert ov.splice_into(e2, torch.zeros(1, H), 10) == 1 and e2.counters.mid_span_splices == 2  # inside [8,11)
 
 
 def test_splice_refuses_wrong_width():

@@ -70,6 +70,9 @@ def test_image_prompts_match_transformers(ray_cluster, n, engine):
         # across actors the rows' bytes come through the intake's publication slots, not Ray's object store
         assert st[0]["publications_via_slot"] == (2 if cross else 0)
         assert st[0]["splices"] > 0
+        # non-vacuity: image 1's span is prompt positions [3, 9) of 12, and its first chunk ends at 5..8 (a budget of
+        # 8 tokens, of which the 3-token text request may take its share first), so its second begins inside the span
+        assert st[0]["mid_span_splices"] > 0, "no prefill chunk cut through an image span"
 
 
 def test_force_publishes_and_never_refuses(ray_cluster):
