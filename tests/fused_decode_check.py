@@ -23,7 +23,7 @@ def ref(fn, *a):
 
 def close(a, b, tol):
     a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         d = ((x.float() - y.float()).abs() - tol * y.float().abs()).max().item()   # within tol, relative
         assert d <= tol, d
     return True

@@ -37,7 +37,7 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     before, qk, sg = dict(gemv.CALLS), pgd.CALLS["qk_kv_write"], fused_moe.CALLS["shared_gate"]
     ts, ls = static.greedy([[5, 6, 7, 8]], NEW)
     assert ts == te, (kind, ts, te)
-    d = max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y))
+    d = max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True))
     assert d < 5e-4, (kind, d)
     ran = {k: gemv.CALLS[k] - before[k] for k in gemv.CALLS}
     ran["qk_kv_write"], ran["shared_gate"] = pgd.CALLS["qk_kv_write"] - qk, fused_moe.CALLS["shared_gate"] - sg

@@ -76,7 +76,7 @@ for (E, H, I, Is, k, P), tiles in runs:
         ran.add("block" if fused else "block split")
         if fused:       # the barriers: the one kernel equals its three phases launched apart, bit for bit
             split = mb.moe_block(h, m, lw, eps, g, k, w_gu, w_d, shared, bar, split=True, programs=P, tiles=tiles)
-            assert all(torch.equal(a, b) for a, b in zip(res, split)), (E, H, I, Is, k, P)
+            assert all(torch.equal(a, b) for a, b in zip(res, split, strict=True)), (E, H, I, Is, k, P)
             # and the three-kernel path (its gate|up sums the row in other steps: within rounding)
             s3, x3, w3, i3 = fm.norm_router_route(h, m, lw, eps, g, k, dt)
             p3 = F.linear(x3, g).float().softmax(-1)         # (the same probabilities: near ties may swap experts)

@@ -25,7 +25,7 @@ def pipelines(kind, splits, max_seqs=6, max_context=1024):
     src = SafetensorsSource(path)
     eager = LocalPipeline(src, splits, max_seqs=max_seqs, max_context=max_context)
     static = LocalPipeline(src, splits, max_seqs=max_seqs, max_context=max_context)
-    for s, c in zip(static.stages, static.caches):
+    for s, c in zip(static.stages, static.caches, strict=True):
         s.graphs = DecodeGraphs(s, c, max_seqs, capture=False)
     return eager, static
 
@@ -40,7 +40,7 @@ def test_static_decode_equals_eager(kind, splits, n):
     te, le = eager.greedy(prompts, 12)
     ts, ls = static.greedy(prompts, 12)
     assert ts == te
-    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
+    assert max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True)) < 5e-4
     for s in static.stages:
         st = s.graphs.stats()
         assert st["replays"] == 11 and st["graphs"] == [({3: 4, 1: 1}[n], 256)], st
@@ -57,7 +57,7 @@ def test_kv_growth_drops_and_recaptures():
     te, le = eager.greedy(prompts, 12)
     ts, ls = static.greedy(prompts, 12)
     assert ts == te
-    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
+    assert max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True)) < 5e-4
     g = static.stages[0].graphs
     assert c.grown == 1 and c.n_blocks == 20 and [len(o) for o in c.owned] == [8, 1, 0]
     assert g.captures == 2 and g.stats()["graphs"] == [(2, 512)], g.stats()
@@ -75,8 +75,8 @@ def test_crossing_a_kv_bucket(monkeypatch, any_kv):
     te, le = eager.greedy(prompts, 12)
     ts, ls = static.greedy(prompts, 12)
     assert ts == te
-    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
-    for st, c in zip(static.stages, static.caches):
+    assert max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True)) < 5e-4
+    for st, c in zip(static.stages, static.caches, strict=True):
         want = [(2, c.max_positions)] if any_kv else [(2, 256), (2, 512)]
         assert st.graphs.stats()["graphs"] == want and st.graphs.captures == len(want), st.graphs.stats()
 
@@ -126,8 +126,8 @@ def test_every_batch_bucket_captured_at_load(monkeypatch):
     te, le = eager.greedy(prompts, 8)
     ts, ls = static.greedy(prompts, 8)
     assert ts == te
-    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
-    for s, c in zip(static.stages, static.caches):
+    assert max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True)) < 5e-4
+    for s, c in zip(static.stages, static.caches, strict=True):
         st = s.graphs.stats()
         assert st == {"captures": 4, "replays": 7, "graphs": [(b, c.max_positions) for b in (1, 2, 4, 8)]}, st
 
@@ -179,7 +179,7 @@ def test_fused_decode_kernels_in_the_interpreter():
     slots, the Gated DeltaNet step from raw projections with one and several value tiles, and the in-place step of
     kernels/gdn_decode.py) against their torch references, by Triton's CPU interpreter, in float32 and bfloat16 at
     once; tests/test_gpu_decode_graphs.py runs the same check compiled on the GPU."""
-    for dtype, (code, out, err) in zip(("float32", "bfloat16"), interp.results("fused_decode")):
+    for dtype, (code, out, err) in zip(("float32", "bfloat16"), interp.results("fused_decode"), strict=True):
         assert code == 0 and "fused ok" in out, dtype + ": " + err[-3000:]
 
 
@@ -190,7 +190,7 @@ def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
     the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels (the
     shared gate computed early; then, in a second process at the same time, the MoE as one block kernel,
     kernels/moe_block.py) must decode what the eager torch step decodes; the counts prove those kinds ran."""
-    for which, (code, out, err) in zip(("noblock", "block"), interp.results("fused_step")):
+    for which, (code, out, err) in zip(("noblock", "block"), interp.results("fused_step"), strict=True):
         assert code == 0 and "step ok" in out, which + ": " + out + err[-3000:]
         calls = ast.literal_eval(out.split("step ok", 1)[1].strip())
         assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0 \
@@ -222,7 +222,7 @@ def test_moe_block_kernel_in_the_interpreter():
     interpreter runs programs one after another: a grid barrier would never open). MoE.decode_fused takes it where
     enabled, else the three kernels. tests/test_gpu_decode_graphs.py runs the one kernel with its barriers, compiled
     and in a CUDA graph."""
-    for dtype, (code, out, err) in zip(("float32", "bfloat16"), interp.results("moe_block")):
+    for dtype, (code, out, err) in zip(("float32", "bfloat16"), interp.results("moe_block"), strict=True):
         assert code == 0 and "block ok ['block split', 'decode_fused', 'ties and nan']" in out, \
             dtype + ": " + out + err[-3000:]
 
@@ -315,7 +315,7 @@ def test_padding_garbage_never_reaches_a_real_row():
     te, le = eager.greedy(prompts, 6)
     ts, ls = static.greedy(prompts, 6)
     assert ts == te
-    assert max(abs(a - b) for x, y in zip(le, ls) for a, b in zip(x, y)) < 5e-4
+    assert max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True)) < 5e-4
     for c in static.caches:
         sink = c.table[c.scratch, 0].item()
         assert sink != 0 and c.table[c.scratch].eq(sink).all() and sink not in c.free_blocks

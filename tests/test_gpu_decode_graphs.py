@@ -52,7 +52,7 @@ def test_captured_decode_equals_eager(cuda, kind, splits):
     prompts = [[5, 6, 7], list(range(20, 45)), [9], list(range(100, 230))]
     eager = LocalPipeline(src, splits, dtype=torch.bfloat16, device=cuda, max_seqs=6)
     graphed = LocalPipeline(src, splits, dtype=torch.bfloat16, device=cuda, max_seqs=6)
-    for s, c in zip(graphed.stages, graphed.caches):
+    for s, c in zip(graphed.stages, graphed.caches, strict=True):
         s.set_decode_graphs(True, c)
     te, le = eager.greedy(prompts, 16)
     tg, lg = graphed.greedy(prompts, 16)
@@ -61,14 +61,15 @@ def test_captured_decode_equals_eager(cuda, kind, splits):
         assert st["replays"] == 15 and st["captures"] == 1 and st["graphs"] == [(4, 256)], st
     # logprobs compare while the tokens agree: after a bf16 near tie flips, the two continue different sequences
     worst = max(abs(le[i][j] - lg[i][j]) for i in range(len(prompts))
-                for j in range(next((j for j, (a, b) in enumerate(zip(te[i], tg[i])) if a != b), len(te[i]))))
+                for j in range(next((j for j, (a, b) in enumerate(zip(te[i], tg[i], strict=True)) if a != b),
+                                    len(te[i]))))
     print(f"{kind}: tokens equal {tg == te}, worst logprob diff {worst:.2e} (up to each first difference)")
     if kind == "dense":     # the graphs run the fused kernels (merged GEMVs, one-pass norms): bf16 rounding only
         assert tg == te and worst < 2e-2
     else:   # top-k routing is discontinuous: a one-ulp bf16 change (the graphs' fused norms) at a router near tie
         # swaps an expert (measured 2026-12-01 on the H200 with the all-experts path: 6.0e-2 before a flip, 3 of 4
         # equal; eager and captured now both run kernels/fused_moe.py)
-        assert sum(a == b for a, b in zip(tg, te)) >= 3 and worst < 1e-1
+        assert sum(a == b for a, b in zip(tg, te, strict=True)) >= 3 and worst < 1e-1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -201,7 +202,7 @@ def test_captured_decode_survives_kv_growth(cuda, monkeypatch, in_place, triton)
     prompts = [[4 + i % 200 for i in range(446)], [7, 8]]   # 7 + 1 pages of 64, every free one; 446 + 12: an 8th
     eager = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=1024)
     graphed = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=1024)
-    for s, c in zip(graphed.stages, graphed.caches):
+    for s, c in zip(graphed.stages, graphed.caches, strict=True):
         s.set_decode_graphs(True, c)
     graphed.greedy([[5, 6, 7], [9]], 4)                        # a graph over the first pools
     ptrs = [[t.data_ptr() for t in (*c.k.values(), *c.v.values())] for c in graphed.caches]
@@ -211,7 +212,7 @@ def test_captured_decode_survives_kv_growth(cuda, monkeypatch, in_place, triton)
     assert tg == te
     assert all(c.grown == 1 for c in graphed.caches)
     assert [c.copy_growth for c in graphed.caches] == [None if in_place else "MEMRA_PP_KV_IN_PLACE=0"] * 2
-    for s, c, p, r in zip(graphed.stages, graphed.caches, ptrs, replays):
+    for s, c, p, r in zip(graphed.stages, graphed.caches, ptrs, replays, strict=True):
         assert s.graphs is not None and s.graphs_failed is None, s.graphs_failed
         assert s.graphs.stats()["graphs"] == [(2, 1024)] and s.graphs.replays >= r + 11, (s.graphs.stats(), r)
         if in_place:        # the pools keep their addresses; the one graph is replayed over them if it can be
@@ -282,12 +283,12 @@ def test_one_captured_graph_serves_every_kv_length(cuda, monkeypatch):
     prompts = [[4 + i % 200 for i in range(250)], [7, 8]]     # positions 250 .. 265: across 256
     eager = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=4096)
     graphed = LocalPipeline(src, [(0, 4), (4, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=2, max_context=4096)
-    for s, c in zip(graphed.stages, graphed.caches):
+    for s, c in zip(graphed.stages, graphed.caches, strict=True):
         s.set_decode_graphs(True, c)
     te, le = eager.greedy(prompts, 16)
     tg, lg = graphed.greedy(prompts, 16)
     assert tg == te
-    assert max(abs(a - b) for x, y in zip(le, lg) for a, b in zip(x, y)) < 2e-2
-    for s, c in zip(graphed.stages, graphed.caches):
+    assert max(abs(a - b) for x, y in zip(le, lg, strict=True) for a, b in zip(x, y, strict=True)) < 2e-2
+    for s, c in zip(graphed.stages, graphed.caches, strict=True):
         assert s.graphs_failed is None, s.graphs_failed
         assert s.graphs.captures == 1 and s.graphs.stats()["graphs"] == [(2, c.max_positions)], s.graphs.stats()

@@ -38,7 +38,7 @@ def hf_greedy_bf16(model, prompt, n):
         g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                            output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     toks = g.sequences[0, len(prompt):].tolist()
-    return toks, [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(g.logits, toks)]
+    return toks, [float(torch.log_softmax(l[0].float(), -1)[t]) for l, t in zip(g.logits, toks, strict=True)]
 
 
 @pytest.mark.parametrize("size", ["tiny", "mid", "moe", "moe-block"])
@@ -58,7 +58,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     src = SafetensorsSource(tmp_path)
     lp = LocalPipeline(src, [(0, 3), (3, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=10)
     assert lp.stages[0].gdn_backend == "fla", "the GPU path must run the flash-linear-attention kernels"
-    for s, c in zip(lp.stages, lp.caches):
+    for s, c in zip(lp.stages, lp.caches, strict=True):
         s.set_decode_graphs(True, c)
     calls = dict(fused_moe.CALLS)      # module-wide, and loading ran them (MoE.warm_up): count the run's calls only
     blocks = moe_block.CALLS["block"]
@@ -79,14 +79,15 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
         lp = lsm[torch.arange(16), torch.tensor(t, device=cuda)]
         return lsm.max(-1).values - lp, lp
 
-    for p, t, l in zip(prompts, toks, lps):
+    for p, t, l in zip(prompts, toks, lps, strict=True):
         ht, hl = hf_greedy_bf16(hf, p, 16)
         same += t == ht
         gap, lp = teacher_forced(p, t)
         hgap, hlp = teacher_forced(p, ht)
         o = [gap.max().item(), (lp - torch.tensor(l, device=cuda)).abs().max().item()]
         h = [hgap.max().item(), (hlp - torch.tensor(hl, device=cuda)).abs().max().item()]
-        ours, self_ = [max(a, b) for a, b in zip(ours, o)], [max(a, b) for a, b in zip(self_, h)]
+        ours = [max(a, b) for a, b in zip(ours, o, strict=True)]
+        self_ = [max(a, b) for a, b in zip(self_, h, strict=True)]
         print(f"prompt {len(p):4d}: identical to generate {t == ht}; greedy gap / logprob diff: ours "
               f"{o[0]:.4f} / {o[1]:.4f}, transformers' generate against itself {h[0]:.4f} / {h[1]:.4f}")
     if size.startswith("moe"):   # prefill (many pairs: grouped GEMM) and decode (one row: router kernel with the
