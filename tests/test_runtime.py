@@ -204,6 +204,40 @@ def test_logprobs_off_zero_tokens_and_no_tokenizer(dense):
     assert_same("dense", False, p, c.generate(p, max_new_tokens=NEW, logprobs=True))
 
 
+def test_stream_text_pieces_with_a_tokenizer(ray_cluster):
+    """With a tokenizer.json in the model dir, each stream event's text must be the new text its token ids complete:
+    the pieces so far must equal the decode of the ids so far, short only of text held back while that decode ends
+    in an incomplete UTF-8 character; the last event's flush must make the pieces' concatenation the decode of every
+    generated id, which must also be generate's r.text for the same (greedy) ids. The embedded default's tiny
+    checkpoint is the only model with a tokenizer here (no shared deployment has one): one stage of it."""
+    from memra_pp.defaults import ensure_tiny
+    from memra_pp.demo import PROMPTS as TEXTS
+    from memra_pp.model.tokenizer import REPLACEMENT
+    cfg = {"name": "tok", "model": {"path": str(ensure_tiny()), "dtype": "float32"},
+           "stages": [{"device": "cpu", "num_cpus": 0.1}], "scheduler": {"max_batch": 4, "max_context": 256}}
+    held = 0
+    with memra_pp.launch(cfg) as dep:
+        c, tok = dep.client(), dep.tokenizer
+        assert tok is not None
+        for text in TEXTS[:3]:
+            evs = list(c.stream(text, max_new_tokens=24))
+            assert [e.finish_reason for e in evs[:-1]] == [None] * (len(evs) - 1) and evs[-1].finish_reason, evs
+            ids, pieces = [], []
+            for e in evs:
+                assert isinstance(e.text, str), e
+                ids += e.token_ids
+                pieces.append(e.text)
+                full, got = tok.decode(ids), "".join(pieces)
+                assert full.startswith(got) and (got == full or (full.endswith(REPLACEMENT) and e is not evs[-1])), \
+                    (text, ids, pieces, full)
+                held += got != full
+            r = c.generate(text, max_new_tokens=24)
+            assert ids and r.token_ids == ids, (text, ids, r.token_ids)
+            assert "".join(pieces) == r.text == tok.decode(ids), (text, pieces, r.text)
+    # non-vacuity: the random tiny model emits lone UTF-8 bytes, so some event's text was held back (an empty piece)
+    assert held > 0, "no stream event held text back: the partial-character path never ran"
+
+
 def test_stats_has_the_documented_keys(dense):
     """dep.stats() must return {"stages": [...]} with one entry per stage, in order, holding at least the keys
     DESIGN.md's public API lists, with the plan's device and layers."""
