@@ -15,9 +15,12 @@ from memra_pp.stages.channel import ChannelListener, connect
 from memra_pp.stages.shm_slots import SlotReceiver, SlotSender
 
 PAYLOADS = [("[64, 64] float32", (64, 64), torch.float32), ("[64, 5120] bfloat16", (64, 5120), torch.bfloat16),
+            ("[64, 64] float32, mailbox + every header on the socket", (64, 64), torch.float32),
+            ("[64, 5120] bfloat16, mailbox + every header on the socket", (64, 5120), torch.bfloat16),
             ("[64, 64] float32, header mailbox", (64, 64), torch.float32),
             ("[64, 5120] bfloat16, header mailbox", (64, 5120), torch.bfloat16)]
-SPIN_US = [0.0, 0.0, 2000.0, 2000.0]      # the last receiver polls a shared-memory header mailbox (stages/mailbox.py)
+SPIN_US = [0.0, 0.0, 2000.0, 2000.0, 2000.0, 2000.0]  # these receivers poll a header mailbox (stages/mailbox.py)
+EVERY = [False, False, True, True, False, False]       # the protocol before the mailbox's control words, side by side
 WARMUP = 100
 
 
@@ -51,9 +54,9 @@ def _child(n, threads, ping_r, pong_w, chan_addr, endpoints, results):
             rtt.append(time.perf_counter_ns() - t0)
     rows.append(_row("channel round trip (header only)", rtt))
     ch.close()
-    for (name, shape, dtype), ep in zip(PAYLOADS, endpoints):
+    for (name, shape, dtype), ep, every in zip(PAYLOADS, endpoints, EVERY, strict=True):
         x = torch.randn(shape).to(dtype)
-        s = SlotSender(ep)
+        s = SlotSender(ep, every_frame_on_socket=every)
         s.connect(10.0)
         enq, cycle = [], []
         for i in range(WARMUP + n):  # streaming: the receiver frees as it goes, so slots are usually free
@@ -71,7 +74,8 @@ def _child(n, threads, ping_r, pong_w, chan_addr, endpoints, results):
         s.send({"kind": "done", "mb": -1})
         st = s.stats()
         rows.append({**_row(f"{name} sender enqueue", enq), "write_us_mean": round(st["write_us_mean"], 1),
-                     "header_us_mean": round(st["header_us_mean"], 1)})
+                     "header_us_mean": round(st["header_us_mean"], 1), "socket_headers": st["socket_headers"],
+                     "mailbox_headers": st["mailbox_headers"]})
         rows.append(_row(f"{name} full cycle (send -> credit back)", cycle))
         s.close()
     results.send(rows)
@@ -131,8 +135,8 @@ def main() -> None:
         return
     print(f"{'path':<72}{'p50 us':>10}{'p99 us':>10}")
     for r in rows:
-        split = (f"   (mean: data path {r['write_us_mean']:.1f} us, header {r['header_us_mean']:.1f} us)"
-                 if "write_us_mean" in r else "")
+        split = (f"   (mean: data path {r['write_us_mean']:.1f} us, header {r['header_us_mean']:.1f} us; "
+                 f"{r['socket_headers']} headers on the socket)" if "write_us_mean" in r else "")
         print(f"{r['path']:<72}{r['p50_us']:>10.1f}{r['p99_us']:>10.1f}{split}")
 
 

@@ -200,12 +200,13 @@ def _refusals(s, transport, dev, hdr, payload, timeout) -> dict:
     return out
 
 
-def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=True, split=False, cpus=None):
+def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=True, split=False, cpus=None,
+                 every=False):
     calls = handoff_probe.split_sender_calls() if split else None
     try:
         cpu_pinning.pin_process(cpus)
         eng = Engine(f"cuda:{dev}")
-        s = SENDERS[transport](endpoint, engine=eng, fast_checks=fast)
+        s = SENDERS[transport](endpoint, engine=eng, fast_checks=fast, every_frame_on_socket=every)
         s.connect(timeout)
         hdr = {"kind": "probe", "mb": 0}
         s.send(dict(hdr, seq=0), _payload(0, shape, eng.device), timeout)
@@ -238,10 +239,11 @@ def _slot_sender(transport, dev, endpoint, n, shape, conn, timeout, fast=True, s
 
 
 def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), timeout: float = 120.0,
-          fast: bool = True, split: bool = False, pin: str = "none") -> dict:
+          fast: bool = True, split: bool = False, pin: str = "none", every: bool = False) -> dict:
     """n handoffs of `shape` bf16 from a process on src to one on dst, the last after the sender's refusals (a
     foreign context current; a source it does not own); the sender's stats and, with split, its per-call times.
-    fast: the slots' fast_checks in both processes; pin: where the two processes run (cpu_pinning.probe_pair)."""
+    fast: the slots' fast_checks in both processes; pin: where the two processes run (cpu_pinning.probe_pair);
+    every: the sender writes every header to the socket too (the protocol before the mailbox's control words)."""
     rcpus, scpus = cpu_pinning.probe_pair(pin)
     ctx = mp.get_context("spawn")
     (rp, rc), (sp, sc) = ctx.Pipe(), ctx.Pipe()
@@ -256,7 +258,7 @@ def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), ti
         if "error" in ep:
             return {"receiver": ep}
         procs.append(ctx.Process(target=_slot_sender, args=(transport, src, ep, n, shape, sc, timeout, fast, split,
-                                                                 scpus), daemon=True))
+                                                                 scpus, every), daemon=True))
         procs[1].start()
         out = {}
         for name, c in (("sender", sp), ("receiver", rp)):
@@ -328,6 +330,9 @@ def main() -> int:
                     help="also N interleaved rounds of same-GPU peer handoffs (fast checks) with the two processes "
                          "where the scheduler puts them, on disjoint physical cores, and on one core's two "
                          "hyperthreads (pin_none_i, pin_apart_i, pin_siblings_i)")
+    ap.add_argument("--socket-pairs", type=int, default=0, metavar="N",
+                    help="also N interleaved pairs of peer handoffs with every header on the socket too (sock_every_i) "
+                         "and with the socket only where the receiver sleeps in it (sock_skip_i, the default path)")
     ap.add_argument("--only", default="", help="comma-separated scenario name prefixes to run (default: all)")
     ap.add_argument("--plot-from", default="", metavar="JSON",
                     help="only draw handoff_split.png into --out from a gpu_probe.json written with --handoff-checks")
@@ -362,6 +367,10 @@ def main() -> int:
     for i in range(args.pin):       # the order turns each round: a run's first scenario pays for its start
         for pin in pins[i % 3:] + pins[:i % 3]:
             scenarios.append((f"pin_{pin}_{i}", lambda pin=pin: slots("peer", src, src, args.handoffs, pin=pin)))
+    for i in range(args.socket_pairs):     # the order turns each round, as for --pin
+        for mode in (("every", "skip") if i % 2 == 0 else ("skip", "every")):
+            scenarios.append((f"sock_{mode}_{i}",
+                              lambda every=mode == "every": slots("peer", src, dst, args.handoffs, every=every)))
     if args.only:
         scenarios = [(n, f) for n, f in scenarios if n.startswith(tuple(args.only.split(",")))]
     signal.signal(signal.SIGALRM, _alarm)
@@ -378,12 +387,13 @@ def main() -> int:
         line = json.dumps(_short(results[name]), default=str)
         print(f"{name:<22} {time.monotonic() - t0:6.1f}s  {line[:1500]}", flush=True)
     for name, r in results.items():
-        if name.startswith(("checks_", "pin_")) and r.get("sender", {}).get("ok"):
+        if name.startswith(("checks_", "pin_", "sock_")) and r.get("sender", {}).get("ok"):
             st, split = r["sender"]["stats"], r["sender"].get("split_us")
             rst = r.get("receiver", {}).get("stats", {})
             print(f"{name:<22} sender p50 {st['handoff_p50_us']:7.1f} us  p99 {st['handoff_p99_us']:7.1f}  write "
                   f"{st.get('write_us_mean', 0):6.1f}  header {st.get('header_us_mean', 0):6.1f}  receiver p50 "
-                  f"{rst.get('handoff_p50_us', float('nan')):7.1f}" + (f"  calls {split}" if split else ""),
+                  f"{rst.get('handoff_p50_us', float('nan')):7.1f}  headers on the socket "
+                  f"{st.get('socket_headers')}" + (f"  calls {split}" if split else ""),
                   flush=True)
     with open(os.path.join(args.out, "gpu_probe.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)

@@ -154,13 +154,13 @@ class HostSlotReceiver(_GpuReceiver):
 
 class _GpuSender(SlotSenderBase):
     def __init__(self, endpoint: dict, engine: Engine | None = None, latency_ring: int = 4096,
-                 fast_checks: bool = True):
+                 fast_checks: bool = True, every_frame_on_socket: bool = False):
         self.engine = _engine_for(engine)
         # the context and residency checks through Engine.is_current / Engine.owns (one driver call each) where
         # they pass, the full ContextId only for a refusal's message; False: the full path every time (the probe
         # sets both side by side: gpu_checks --handoff-checks)
         self.fast_checks = fast_checks
-        super().__init__(endpoint, latency_ring)
+        super().__init__(endpoint, latency_ring, every_frame_on_socket)
 
     def _stream(self):
         return cuda.current_stream_handle(self.engine.device.index)

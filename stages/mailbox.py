@@ -1,18 +1,30 @@
-"""A boundary's header mailbox: a small shared-memory ring the sender writes every header frame into before it also
-sends it over the socket channel, and the receiver polls while it waits. Runs in both neighbouring stage processes.
+"""A boundary's header mailbox: a small shared-memory ring the sender writes every header frame into, and the
+receiver polls while it waits. Runs in both neighbouring stage processes.
 
 Why: a receiver blocked in poll() on the socket is woken by the kernel, which on the machines measured costs 20 to
 30 us per wake-up (an OS pipe round trip is 41 to 60 us); a receiver that polls shared memory sees the header as
-soon as it is written. The socket stays the complete, ordered source of every frame: the mailbox only lets the
-receiver take a frame early, and the receiver skips the socket's copy of every frame it took that way (frames are
-numbered). A frame too large for an entry, or an entry overwritten before the receiver read it, is simply taken
-from the socket.
+soon as it is written, and a sender that knows the receiver polls need not write the socket at all.
+
+Which frames also go by the socket channel (frames are numbered, `_q`; the receiver takes each number once, from
+whichever carries it first, and drops the other copy):
+- every frame while the receiver says it sleeps in the socket (the control word `sleeping`), or when the sender was
+  made with every_frame_on_socket (the protocol before this one, kept for side-by-side runs);
+- a frame too large for an entry (its entry says TOO_BIG);
+- a frame that went by the mailbox alone and is still unread (the receiver's `read_q` says so) when the sender is
+  about to overwrite its entry: it is sent by the socket first, late ("late" in the stats).
+So no frame exists only in an entry that is overwritten. The receiver buffers socket frames that arrive ahead of
+the one it wants (a late frame arrives after later ones). Ordering: the receiver stores `sleeping` and then reads the
+ring once more before it blocks; the sender stores the entry and then reads `sleeping`. x86-64 may let each read
+pass the other's store, so both can miss: the receiver therefore blocks for at most WAKE_S at first (then longer,
+up to WAKE_MAX_S) and looks at the ring again; a frame lost to that race costs at most WAKE_S.
 
 Entry layout (little-endian): seq_begin u64 | length u32 | pad u32 | payload [ENTRY_BYTES] | seq_end u64; seq + 1
 is stored (0 means never written). The writer stores seq_begin, then the payload and length, then seq_end; the
 reader reads seq_end, copies the payload, then re-reads seq_begin: equal to what it wants means no later write
 began while it copied (a seqlock). The stores are plain and in program order, which x86-64's total store order
-keeps visible in that order to the other process; on other architectures the mailbox is not used.
+keeps visible in that order to the other process; on other architectures the mailbox is not used. After the
+entries, two cache lines of control words: the receiver's `sleeping` and `read_q` (the next frame it wants), then
+the sender's `socketed` (frames it wrote to the socket, so the receiver reads the socket only when it holds some).
 """
 from __future__ import annotations
 
@@ -32,7 +44,9 @@ ENTRIES = 8
 ENTRY_BYTES = 4096
 _HEAD = 16                      # seq_begin u64, length u32, pad u32
 _STRIDE = _HEAD + ENTRY_BYTES + 8
-SIZE = ENTRIES * _STRIDE
+_CTRL = ENTRIES * _STRIDE        # receiver: sleeping u64, read_q u64; one cache line on: sender's socketed u64
+SIZE = _CTRL + 128
+WAKE_S, WAKE_MAX_S = 0.001, 0.05  # a receiver blocked in the socket looks at the ring again after these (see above)
 TOO_BIG = 0xFFFFFFFF            # length marker: this frame is on the socket only
 FALLBACK = object()             # get(): take this frame from the socket
 
@@ -53,6 +67,9 @@ class Mailbox:
                         np.frombuffer(buf, dtype="<u4", count=1, offset=e * _STRIDE + 8),
                         np.frombuffer(buf, dtype="<u8", count=1, offset=e * _STRIDE + _HEAD + ENTRY_BYTES))
                        for e in range(ENTRIES)]
+        self._sleeping = np.frombuffer(buf, dtype="<u8", count=1, offset=_CTRL)
+        self._read_q = np.frombuffer(buf, dtype="<u8", count=1, offset=_CTRL + 8)
+        self._socketed = np.frombuffer(buf, dtype="<u8", count=1, offset=_CTRL + 64)
 
     @classmethod
     def create(cls, label: str) -> "Mailbox":
@@ -99,11 +116,43 @@ class Mailbox:
         data = u8[off:off + n].tobytes()
         return data if int(begin[0]) == seq + 1 else FALLBACK
 
+    # control words: each has one writer (the receiver: sleeping, read_q; the sender: socketed). close() on another
+    # thread drops them: a read then raises ChannelClosed, a store is skipped (nothing reads it any more)
+    def _word(self, name: str):
+        w = getattr(self, name)
+        if w is None:
+            from memra_pp.stages.channel import ChannelClosed
+            raise ChannelClosed(f"header mailbox {self.name} is closed")
+        return w
+
+    def _store(self, name: str, v: int) -> None:
+        w = getattr(self, name)
+        if w is not None:
+            w[0] = v
+
+    def sleeping(self) -> bool:
+        return bool(self._word("_sleeping")[0])
+
+    def set_sleeping(self, on: bool) -> None:
+        self._store("_sleeping", 1 if on else 0)
+
+    def read_q(self) -> int:
+        return int(self._word("_read_q")[0])
+
+    def set_read_q(self, q: int) -> None:
+        self._store("_read_q", q)
+
+    def socketed(self) -> int:
+        return int(self._word("_socketed")[0])
+
+    def set_socketed(self, n: int) -> None:
+        self._store("_socketed", n)
+
     def close(self) -> None:
         """Unmap (and, in the creator, unlink); idempotent."""
         if self._buf is None:
             return
-        self._u8 = self._words = None
+        self._u8 = self._words = self._sleeping = self._read_q = self._socketed = None
         if self._shm is not None:
             try:
                 self._shm.unlink()       # first: the name goes even if a view keeps the mapping alive
@@ -116,84 +165,141 @@ class Mailbox:
         self._buf = None
 
 
+def _closed(label: str):
+    from memra_pp.stages.channel import ChannelClosed
+    return ChannelClosed(f"{label}: recv on a closed channel")
+
+
 class HeaderReader:
-    """The receiving end of a boundary's headers: the mailbox (polled up to spin_s) and the socket channel, in
-    order, each header once. Counts the headers taken from the mailbox in `mailboxed`."""
+    """The receiving end of a boundary's headers: the mailbox (polled up to spin_s) and the socket channel, each
+    numbered header once and in order. Counts the headers taken from the mailbox in `mailboxed`."""
 
     def __init__(self, ch, mbox: Mailbox | None, spin_s: float, label: str):
         self.ch, self.mbox, self.spin_s, self.label = ch, mbox, spin_s, label
         self.q = 0                                       # number of the next header
-        self.early: collections.deque = collections.deque()   # headers read off the socket ahead of the mailbox
+        self.ahead: dict[int, dict] = {}                 # numbered headers read off the socket before their turn
+        self.plain: collections.deque = collections.deque()   # socket frames without a number: in socket order
         self.mailboxed = 0
+        self.seen = 0                                    # numbered frames read off the socket (copies too)
 
     def next(self, timeout: float | None) -> dict:
-        """The next header: from the mailbox if it shows up while we poll, else from the socket, where every
-        header also travels (copies of those taken from the mailbox are skipped)."""
-        mb = self.mbox
-        if mb is not None and not self.early:
-            self._skip_copies()      # here, not after a take: the header's latency does not pay for it
-        if self.early:
-            return self.early.popleft()
+        """The next header: from the mailbox if it is there or shows up while we poll, else from the socket."""
+        if self.mbox is None:
+            return self.ch.recv(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout    # the poll counts against it
-        if mb is not None:
+        self._drain()            # here, not after a take: the header's latency does not pay for it
+        h = self._take()
+        if isinstance(h, dict):
+            return h
+        if h is None:            # not written yet: poll the ring (FALLBACK: it comes by the socket only)
             end = time.perf_counter() + (self.spin_s if timeout is None else min(self.spin_s, timeout))
-            while True:
-                got = mb.get(self.q)
-                if got is None:
-                    if time.perf_counter() >= end:
-                        break
-                    os.sched_yield()     # releases the GIL: the stage's other threads run meanwhile
-                    if self.ch._closed:
-                        from memra_pp.stages.channel import ChannelClosed
-                        raise ChannelClosed(f"{self.label}: recv on a closed channel")
-                    continue
-                if got is FALLBACK:
-                    break
-                self.q += 1
-                self.mailboxed += 1
-                header = decode_header(got)
-                header.pop("_q", None)
-                return header
-        while True:
-            h = self.ch.recv(None if deadline is None else max(deadline - time.monotonic(), 0.0))
-            if self._fresh(h):
+            while h is None and time.perf_counter() < end:
+                os.sched_yield()     # releases the GIL: the stage's other threads run meanwhile
+                if self.ch._closed:
+                    raise _closed(self.label)
+                self._drain()
+                h = self._take()
+            if isinstance(h, dict):
                 return h
+        return self._block(deadline)
 
-    def _fresh(self, h: dict) -> bool:
-        """A socket frame: False if it is the copy of a header already taken from the mailbox."""
+    def _block(self, deadline: float | None) -> dict:
+        """Wait in the socket, saying so to the sender (which then writes the socket too); look at the ring again
+        after each frame and after each short wait (the race in the module docstring)."""
+        mb, wait = self.mbox, WAKE_S
+        mb.set_sleeping(True)
+        try:
+            while True:
+                h = self._take()
+                if isinstance(h, dict):
+                    return h
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"{self.label}: nothing arrived before the timeout")
+                limit = remaining if h is FALLBACK else (wait if remaining is None else min(wait, remaining))
+                try:
+                    frame = self.ch.recv(limit)
+                except TimeoutError:
+                    if remaining is not None and remaining <= limit:
+                        raise
+                    wait = min(2 * wait, WAKE_MAX_S)
+                    continue
+                if self._absorb(frame):
+                    return self.plain.popleft()
+        finally:
+            mb.set_sleeping(False)
+
+    def _take(self):
+        """Header number self.q if we hold it (read ahead off the socket, or in the ring): a dict; else None (not
+        written yet) or FALLBACK (it travels by the socket only). A plain socket frame goes first."""
+        if self.plain:
+            return self.plain.popleft()
+        h = self.ahead.pop(self.q, None)
+        if h is None:
+            got = self.mbox.get(self.q)
+            if got is None or got is FALLBACK:
+                return got
+            h = decode_header(got)
+            h.pop("_q", None)
+            self.mailboxed += 1
+        self.q += 1
+        self.mbox.set_read_q(self.q)
+        return h
+
+    def _absorb(self, h: dict) -> bool:
+        """File a socket frame: True for a plain one (return it), else kept ahead or dropped as a copy."""
         q = h.pop("_q", None)
         if q is None:
+            self.plain.append(h)
             return True
-        if q < self.q:
-            return False
-        self.q = q + 1
-        return True
+        self.seen += 1
+        if q >= self.q:
+            self.ahead[q] = h
+        return False
 
-    def _skip_copies(self) -> None:
-        """Read off the socket what is there now without waiting: copies of mailbox headers are dropped (they
-        would fill the socket), a later header is kept for the next one."""
-        while True:
+    def _drain(self) -> None:
+        """Read off the socket what the sender says it wrote there, without waiting (nothing, usually: then no
+        system call). Copies of headers taken from the ring are dropped; later ones are kept ahead."""
+        while self.mbox.socketed() > self.seen:
             h = self.ch.poll()
             if h is None:
                 return
-            if self._fresh(h):
-                self.early.append(h)
-                return
+            self._absorb(h)
 
 
 class HeaderWriter:
-    """The sending end: each header numbered into the receiver's mailbox, then over the socket (or the socket
-    alone when the receiver has no mailbox). Counts the headers written into the mailbox in `mailboxed`."""
+    """The sending end: each header numbered into the receiver's mailbox, and over the socket when the module
+    docstring says so (always when every_frame_on_socket; the socket alone when the receiver has no mailbox).
+    Counts headers written into the mailbox (`mailboxed`), onto the socket (`socketed`) and sent late (`late`)."""
 
-    def __init__(self, ch, mbox: Mailbox | None):
-        self.ch, self.mbox, self.q, self.mailboxed = ch, mbox, 0, 0
+    def __init__(self, ch, mbox: Mailbox | None, every_frame_on_socket: bool = False):
+        self.ch, self.mbox, self.q = ch, mbox, 0
+        self.mailboxed = self.socketed = self.late = 0
+        self.every = every_frame_on_socket
+        self._unsent: list[bytes | None] = [None] * ENTRIES   # entry -> its frame, while only the ring holds it
 
     def send(self, header: dict) -> None:
-        if self.mbox is None:
+        mb = self.mbox
+        if mb is None:
             self.ch.send(header)
+            self.socketed += 1
             return
-        payload = encode_header(dict(header, _q=self.q))
-        self.mbox.put(self.q, payload)
+        q, e = self.q, self.q % ENTRIES
+        payload = encode_header(dict(header, _q=q))
+        old = self._unsent[e]
+        if old is not None and mb.read_q() <= q - ENTRIES:    # about to overwrite a frame the receiver never read
+            self._socket(old)
+            self.late += 1
+        mb.put(q, payload)
         self.q += 1
         self.mailboxed += 1
+        if self.every or len(payload) > ENTRY_BYTES or mb.sleeping():
+            self._socket(payload)
+            self._unsent[e] = None
+        else:
+            self._unsent[e] = payload
+
+    def _socket(self, payload: bytes) -> None:
         self.ch.send_payload(payload)
+        self.socketed += 1
+        self.mbox.set_socketed(self.socketed)

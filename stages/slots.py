@@ -82,8 +82,13 @@ class _Link:
     """What both ends of a boundary share: handoff counters, and closing as a context manager."""
 
     def stats(self) -> dict:
-        h = getattr(self, "_headers", None)     # headers taken from (receiver) / written into (sender) the mailbox
-        return {**self._stats.as_dict(), "mailbox_headers": 0 if h is None else h.mailboxed}
+        # headers taken from (receiver) / written into (sender) the mailbox; a sender also counts those it wrote
+        # to the socket (every one without a mailbox) and those it sent late (mailbox.py)
+        h = getattr(self, "_headers", None)
+        out = {**self._stats.as_dict(), "mailbox_headers": 0 if h is None else h.mailboxed}
+        if isinstance(h, mailbox.HeaderWriter):
+            out.update(socket_headers=h.socketed, late_headers=h.late)
+        return out
 
     def __enter__(self):
         return self
@@ -222,8 +227,11 @@ class SlotReceiverBase(_Link):
 class SlotSenderBase(_Link):
     """Sender end: fills a slot only after the receiver's credit for it; the transport lives in the hooks."""
 
-    def __init__(self, endpoint: dict, latency_ring: int = 4096):
+    def __init__(self, endpoint: dict, latency_ring: int = 4096, every_frame_on_socket: bool = False):
         self.endpoint = dict(endpoint)
+        # every header over the socket too, even while the receiver polls its mailbox: the protocol before the
+        # mailbox's control words (mailbox.py), kept for side-by-side runs (slots_bench, gpu_checks)
+        self.every_frame_on_socket = every_frame_on_socket
         self.name, self.max_bytes = endpoint["name"], endpoint["max_bytes"]
         self._free = collections.deque(range(endpoint["n_slots"]))
         self._in_flight: set[int] = set()  # written and announced, no credit back yet
@@ -236,7 +244,7 @@ class SlotSenderBase(_Link):
         self._ch.send({"kind": _HELLO, "mb": -1, "endpoint": self.endpoint})
         if self.endpoint.get("mailbox"):
             self._mbox = mailbox.Mailbox.attach(self.endpoint["mailbox"], f"boundary {self.name}")
-        self._headers = mailbox.HeaderWriter(self._ch, self._mbox)
+        self._headers = mailbox.HeaderWriter(self._ch, self._mbox, self.every_frame_on_socket)
 
     def send(self, header: dict, hidden_TD: torch.Tensor | None = None, timeout: float | None = 60.0) -> int | None:
         """Send a copy of `header` and, if given, hidden_TD through a free slot (the transport owns the copy's

@@ -18,17 +18,19 @@ def _needs_gpu():
     assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
 
 
-@pytest.mark.parametrize("transport,same_gpu,fast", [("peer", False, True), ("host", False, True),
-                                                     ("peer", True, True), ("peer", False, False)],
-                         ids=["peer", "host", "peer-same-gpu", "peer-full-checks"])
-def test_slot_transport_moves_bytes_in_order(transport, same_gpu, fast):
+@pytest.mark.parametrize("transport,same_gpu,fast,every", [("peer", False, True, False), ("host", False, True, False),
+                                                           ("peer", True, True, False), ("peer", False, False, False),
+                                                           ("peer", False, True, True)],
+                         ids=["peer", "host", "peer-same-gpu", "peer-full-checks", "peer-every-header-on-socket"])
+def test_slot_transport_moves_bytes_in_order(transport, same_gpu, fast, every):
     """Every handoff must arrive bit-exact and in order through both slots, and a third send must wait while the
     receiver holds both slots (no reuse before free). A foreign context current (peer), host memory and another
     context's memory must be refused with the engine named (the slots' fast checks; and the full ones, on the peer
     path), a refusal must leave the sender idle with nothing handed off, and the handoff after the refusals must
-    arrive bit-exact (the last one the receiver checks)."""
+    arrive bit-exact (the last one the receiver checks). The headers go by the receiver's mailbox, and by the socket
+    only while it sleeps there (every: by the socket too, the protocol before the mailbox's control words)."""
     src, dst = gpu_probe.devices()
-    r = gpu_probe.slots(transport, src, src if same_gpu else dst, n=300, fast=fast)
+    r = gpu_probe.slots(transport, src, src if same_gpu else dst, n=300, fast=fast, every=every)
     s, rv = r["sender"], r["receiver"]
     assert s.get("ok") and rv.get("ok"), r
     assert rv["bad"] == 0 and rv["in_order"] and sorted(set(rv["slots"])) == [0, 1], r
@@ -38,6 +40,10 @@ def test_slot_transport_moves_bytes_in_order(transport, same_gpu, fast):
           f"{s['stats']['handoff_p50_us']}/{s['stats']['handoff_p99_us']} us, receiver p50/p99 "
           f"{rv['stats']['handoff_p50_us']}/{rv['stats']['handoff_p99_us']} us")
     assert s["fast_checks"] is fast, s
+    st = s["stats"]
+    assert st["mailbox_headers"] == 300 and st["late_headers"] == 0, st
+    # the receiver polls its mailbox (GPU receivers do for 2 ms): most headers never touch the socket
+    assert st["socket_headers"] == 300 if every else st["socket_headers"] < 150, st
     if transport == "peer":
         assert "an IPC pointer means nothing there" in s["wrong_ctx"], s
     for where in ("cpu", "secondary_ctx"):

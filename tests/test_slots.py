@@ -66,9 +66,11 @@ def _send_three(endpoint):
 def _send_random(endpoint, n, seed):
     rng = random.Random(seed)
     s = _connected_sender(endpoint)
+    big = 0
     for mb in range(n):
         if rng.random() < 0.25:
             k = rng.choice([rng.randrange(4), 3000])     # 3000 ints: larger than a mailbox entry
+            big += k == 3000
             s.send({"kind": "tokens", "mb": mb, "toks": [rng.randrange(1000) for _ in range(k)]})
         else:
             dt = rng.choice([torch.float32, torch.bfloat16])
@@ -79,7 +81,7 @@ def _send_random(endpoint, n, seed):
             time.sleep(rng.random() * 0.002)
     s.drain(10.0)
     s.close()
-    return s.stats()
+    return s.stats(), big
 
 
 def _send_then_sleep(endpoint):
@@ -112,8 +114,11 @@ def test_order_and_header_only_messages(peer, spin_us):
     assert sstats["write_us_mean"] > 0 and sstats["header_us_mean"] > 0 and "write_us_mean" not in rstats
     if spin_us:   # every header went into the mailbox; the receiver took most of them there (the rest: socket)
         assert sstats["mailbox_headers"] == 60 and 0 < rstats["mailbox_headers"] <= 60, (sstats, rstats)
+        # and the sender wrote the socket only while the receiver slept in it: not for every header
+        assert sstats["socket_headers"] < 60 and sstats["late_headers"] == 0, sstats
     else:
         assert sstats["mailbox_headers"] == rstats["mailbox_headers"] == 0 and "mailbox" not in r.endpoint()
+        assert sstats["socket_headers"] == 60
 
 
 def test_no_reuse_before_free(peer):
@@ -139,7 +144,7 @@ def test_no_reuse_before_free(peer):
     assert slots == [h0["slot"], h1["slot"], h0["slot"]] and sstats["wait_s"] >= 0.35 and sstats["handoffs"] == 3
 
 
-@pytest.mark.parametrize("spin_us", [0.0, SPIN_US])
+@pytest.mark.parametrize("spin_us", [0.0, 50.0, SPIN_US])    # 50 us: the receiver often sleeps in the socket
 def test_randomized_schedule_loses_and_duplicates_nothing(peer, spin_us):
     """Under random delays, sizes, dtypes and free order, every microbatch must arrive exactly once, intact (with
     the header mailbox too: headers larger than an entry, and the receiver falling behind, go by the socket)."""
@@ -162,10 +167,11 @@ def test_randomized_schedule_loses_and_duplicates_nothing(peer, spin_us):
                 time.sleep(rng.random() * 0.002)
         for slot in held:
             r.free(slot)
-        sstats = fut.result(30)
+        sstats, big = fut.result(30)
     assert seen == list(range(n))
     assert sstats["handoffs"] == r.stats()["handoffs"] == checked > 150 and sstats["headers"] == n - checked
     assert (r.stats()["mailbox_headers"] > 0) == bool(spin_us)
+    assert big > 0 and sstats["socket_headers"] >= big, sstats     # a header larger than an entry: the socket
 
 
 def test_killed_sender_gives_channel_closed_within_a_second():
@@ -303,7 +309,10 @@ def test_a_receiver_behind_the_mailbox_reads_the_socket(peer):
         rs = r.stats()
         sstats = fut.result(30)
     assert sstats["mailbox_headers"] == n and rs["headers"] == n
-    assert rs["mailbox_headers"] < n     # the overwritten ones came by the socket
+    # the receiver never slept in the socket: each header went by the ring alone until its entry was reused, and
+    # then (unread) by the socket, late; the last ENTRIES were read from the ring
+    assert sstats["late_headers"] == sstats["socket_headers"] == n - mailbox.ENTRIES, sstats
+    assert rs["mailbox_headers"] == mailbox.ENTRIES
 
 
 def test_mailbox_entries_refuse_torn_and_stale_reads():
@@ -361,3 +370,86 @@ def test_a_mailbox_that_cannot_be_made_leaves_no_slots_behind(monkeypatch):
         SlotReceiver("full", 256, spin_us=100.0)
     assert set(os.listdir("/dev/shm")) == before
 
+
+
+def _header_pair(spin_s=0.0, every=False):
+    """A HeaderWriter and a HeaderReader over one socket pair and one mailbox, in this process."""
+    import socket
+
+    from memra_pp.stages import mailbox
+    from memra_pp.stages.channel import Channel
+    a, b = socket.socketpair()
+    box = mailbox.Mailbox.create("hdr")
+    w = mailbox.HeaderWriter(Channel(a, "w"), mailbox.Mailbox.attach(box.name, "hdr"), every_frame_on_socket=every)
+    r = mailbox.HeaderReader(Channel(b, "r"), box, spin_s, "r")
+    return w, r
+
+
+def _close_pair(w, r):
+    for x in (w.ch, r.ch, w.mbox, r.mbox):
+        x.close()
+
+
+def test_headers_skip_the_socket_while_the_receiver_polls_and_late_ones_overtake_nothing():
+    """The mailbox's control words (mailbox.py): while the receiver is not asleep in the socket the writer puts
+    headers in the ring alone; a header still unread when its entry is reused goes by the socket first (late); while
+    the receiver sleeps every header goes by the socket too. Late headers arrive after later ones on the socket, and
+    the reader still gives every header once, in order."""
+    from memra_pp.stages.mailbox import ENTRIES
+    w, r = _header_pair()
+    try:
+        for mb in range(ENTRIES):                       # the receiver has read nothing: the ring alone
+            w.send({"kind": "t", "mb": mb})
+        assert (w.mailboxed, w.socketed, w.late) == (ENTRIES, 0, 0)
+        r.mbox.set_sleeping(True)                       # as a reader asleep in the socket says
+        for mb in range(ENTRIES, ENTRIES + 3):          # each reuses an unread entry: that header goes first, late
+            w.send({"kind": "t", "mb": mb})
+        r.mbox.set_sleeping(False)
+        assert (w.socketed, w.late) == (6, 3)           # socket order: 0, 8, 1, 9, 2, 10
+        got = [r.next(5.0)["mb"] for _ in range(ENTRIES + 3)]
+        assert got == list(range(ENTRIES + 3))
+        assert r.mailboxed == ENTRIES - 3 and r.seen == 6 and not r.ahead   # 3..7 from the ring
+        with pytest.raises(TimeoutError):
+            r.next(0.05)                                # nothing twice: the copies of 8, 9, 10 were dropped
+        assert r.mbox.read_q() == ENTRIES + 3
+    finally:
+        _close_pair(w, r)
+
+
+def test_every_frame_on_socket_is_the_old_protocol():
+    w, r = _header_pair(every=True)
+    try:
+        for mb in range(20):
+            w.send({"kind": "t", "mb": mb})
+        assert (w.mailboxed, w.socketed, w.late) == (20, 20, 0)
+        assert [r.next(5.0)["mb"] for _ in range(20)] == list(range(20))
+    finally:
+        _close_pair(w, r)
+
+
+def test_a_sleeping_reader_gets_the_socket_and_a_missed_flag_costs_one_short_wait(monkeypatch):
+    """A reader blocked in the socket says so: the writer then sends by the socket too. If the writer misses the
+    flag (the store/load race mailbox.py describes), the reader still finds the header in the ring after WAKE_S."""
+    from memra_pp.stages import mailbox
+    for missed in (False, True):
+        w, r = _header_pair()
+        try:
+            if missed:
+                monkeypatch.setattr(w.mbox, "sleeping", lambda: False)
+            box = []
+            th = threading.Thread(target=lambda: box.append(r.next(5.0)))
+            th.start()
+            deadline = time.monotonic() + 5.0
+            while not r.mbox.sleeping() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert r.mbox.sleeping(), "the reader never said it sleeps in the socket"
+            t0 = time.monotonic()
+            w.send({"kind": "t", "mb": 7})
+            th.join(5.0)
+            assert box and box[0]["mb"] == 7 and not r.mbox.sleeping()
+            assert w.socketed == (0 if missed else 1)
+            if missed:          # taken from the ring at a wake-up, well before the caller's 5 s
+                assert r.mailboxed == 1 and time.monotonic() - t0 < 1.0
+        finally:
+            _close_pair(w, r)
+    assert mailbox.WAKE_S <= 0.001
