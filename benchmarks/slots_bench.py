@@ -1,6 +1,7 @@
 """Boundary handoff latency between two processes (CPU shm slots + socket channel), next to an OS pipe round trip.
 
-Run: .venv/bin/python benchmarks/slots_bench.py [--n 2000] [--json]. The parent is the receiver, a spawned child the sender.
+Run: .venv/bin/python benchmarks/slots_bench.py [--n 2000] [--json]. The parent is the receiver, a spawned child
+the sender.
 """
 
 import argparse
@@ -16,11 +17,12 @@ from memra_pp.stages.shm_slots import SlotReceiver, SlotSender
 
 PAYLOADS = [("[64, 64] float32", (64, 64), torch.float32), ("[64, 5120] bfloat16", (64, 5120), torch.bfloat16),
             ("[64, 64] float32, mailbox + every header on the socket", (64, 64), torch.float32),
-            ("[64, 5120] bfloat16, mailbox + every header on the socket", (64, 5120), torch.bfloat16),
             ("[64, 64] float32, header mailbox", (64, 64), torch.float32),
-            ("[64, 5120] bfloat16, header mailbox", (64, 5120), torch.bfloat16)]
+            ("[64, 5120] bfloat16, header mailbox", (64, 5120), torch.bfloat16),
+            ("[64, 5120] bfloat16, mailbox + every header on the socket", (64, 5120), torch.bfloat16)]
 SPIN_US = [0.0, 0.0, 2000.0, 2000.0, 2000.0, 2000.0]  # these receivers poll a header mailbox (stages/mailbox.py)
-EVERY = [False, False, True, True, False, False]       # the protocol before the mailbox's control words, side by side
+# the protocol before the mailbox's control words, side by side; each payload's pair in turned order (run order)
+EVERY = [False, False, True, False, False, True]
 WARMUP = 100
 
 

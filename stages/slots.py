@@ -8,7 +8,8 @@ implements _allocate/_view/_release, a sender subclass _attach/_write/_detach; t
 # Frames on a boundary channel: sender -> receiver: `_hello` once, then one header per microbatch (with slot, dtype,
 # shape when a tensor rides along); receiver -> sender: `_credit` naming a freed slot. With a header mailbox
 # (mailbox.py: receivers polling it, spin_us > 0, on x86-64) every header also carries its number `_q` and is written
-# into the mailbox before the socket; the receiver polls the mailbox first while it waits and skips the socket's copy.
+# into the mailbox; it goes by the socket too only where mailbox.py says (the receiver asleep there, a header larger
+# than an entry, or one still unread when its entry is reused), and the receiver takes each number once.
 
 from __future__ import annotations
 
