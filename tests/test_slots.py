@@ -387,6 +387,18 @@ def _header_pair(spin_s=0.0, every=False):
     return w, r
 
 
+def _reader_asleep(r, timeout):
+    """A thread calling r.next(timeout), once the reader says it sleeps in the socket; its header lands in box."""
+    box = []
+    th = threading.Thread(target=lambda: box.append(r.next(timeout)))
+    th.start()
+    deadline = time.monotonic() + 5.0
+    while not r.mbox.sleeping() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert r.mbox.sleeping(), "the reader never said it sleeps in the socket"
+    return th, box
+
+
 def _close_pair(w, r):
     for x in (w.ch, r.ch, w.mbox, r.mbox):
         x.close()
@@ -441,13 +453,7 @@ def test_a_sleeping_reader_gets_the_socket_and_a_missed_flag_costs_one_short_wai
         try:
             if missed:
                 monkeypatch.setattr(w.mbox, "sleeping", lambda: False)
-            box = []
-            th = threading.Thread(target=lambda: box.append(r.next(5.0)))
-            th.start()
-            deadline = time.monotonic() + 5.0
-            while not r.mbox.sleeping() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            assert r.mbox.sleeping(), "the reader never said it sleeps in the socket"
+            th, box = _reader_asleep(r, 5.0)
             t0 = time.monotonic()
             w.send({"kind": "t", "mb": 7})
             th.join(5.0)
@@ -467,12 +473,7 @@ def test_a_missed_flag_then_the_senders_close_still_delivers_the_last_header(mon
     w, r = _header_pair()
     try:
         monkeypatch.setattr(w.mbox, "sleeping", lambda: False)
-        box = []
-        th = threading.Thread(target=lambda: box.append(r.next(10.0)))
-        th.start()
-        deadline = time.monotonic() + 5.0
-        while not r.mbox.sleeping() and time.monotonic() < deadline:
-            time.sleep(0.001)
+        th, box = _reader_asleep(r, 10.0)
         w.send({"kind": "t", "mb": 3})
         w.ch.close()
         th.join(5.0)
