@@ -13,10 +13,13 @@ whichever carries it first, and drops the other copy):
 - a frame that went by the mailbox alone and is still unread (the receiver's `read_q` says so) when the sender is
   about to overwrite its entry: it is sent by the socket first, late ("late" in the stats).
 So no frame exists only in an entry that is overwritten. The receiver buffers socket frames that arrive ahead of
-the one it wants (a late frame arrives after later ones). Ordering: the receiver stores `sleeping` and then reads the
-ring once more before it blocks; the sender stores the entry and then reads `sleeping`. x86-64 may let each read
-pass the other's store, so both can miss: the receiver therefore blocks for at most WAKE_S at first (then longer,
-up to WAKE_MAX_S) and looks at the ring again; a frame lost to that race costs at most WAKE_S.
+the one it wants (a late frame arrives after later ones). A sender that writes the ring alone learns that its
+receiver is gone when it next writes the socket or waits for a credit: within n_slots data frames (they take
+credits) or ENTRIES header-only ones (the late sends), where every send used to write the socket.
+Ordering: the receiver stores `sleeping` and then reads the ring once more before it blocks; the sender stores
+the entry and then reads `sleeping`. x86-64 may let each read pass the other's store, so both can miss: the
+receiver therefore blocks for at most WAKE_S at first (then longer, up to WAKE_MAX_S) and looks at the ring again;
+a frame lost to that race costs at most WAKE_S.
 
 Entry layout (little-endian): seq_begin u64 | length u32 | pad u32 | payload [ENTRY_BYTES] | seq_end u64; seq + 1
 is stored (0 means never written). The writer stores seq_begin, then the payload and length, then seq_end; the
