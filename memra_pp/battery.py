@@ -20,6 +20,11 @@ PROMPTS = [[5, 17, 42, 7, 23, 99], list(range(30, 100)), [11]]
 NEW = 12
 
 
+def verdict(rows: list[dict]) -> bool:
+    """A report passes when no row FAILs and at least one PASSes (all SKIP shows nothing)."""
+    return all(r["outcome"] != "FAIL" for r in rows) and any(r["outcome"] == "PASS" for r in rows)
+
+
 class Battery:
     def __init__(self, config, progress=print, out: str | None = None):
         self.base = load_placement(config).to_dict()
@@ -73,8 +78,7 @@ class Battery:
         report = {"config": self.base, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                   "seconds": round(time.time() - t0, 1), "torch": torch.__version__,
                   "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                  "passed": all(r["outcome"] != "FAIL" for r in self.rows)
-                  and any(r["outcome"] == "PASS" for r in self.rows),
+                  "passed": verdict(self.rows),
                   "rows": self.rows}
         return report
 
@@ -90,6 +94,8 @@ class Battery:
             ok = f["differ"] and "NOT REFUSED" not in (f["require_resident"], f["splice"]) and f["untouched"]
             self.row("foreign_handle", "an overlay carrying stage 1's context (uid value "
                      f"{'equal' if f['same_uid_value'] else 'different'}) is refused in stage 0", ok, f)
+        else:
+            self.row("foreign_handle", "not applicable: one stage (no other stage's context to carry)", None, {})
 
     def recorded_tokens(self, dep):
         """Tokens of PROMPTS, plus (stage 1's transport, tokens, sha256 of every activation stage 1 received)."""
@@ -137,7 +143,7 @@ class Battery:
         self.image_tokens = r.token_ids
         self.image_crosses = cross
 
-    NEVER_FORCE = ("never_refuses", "force_publishes")
+    NEVER_FORCE = ("never_refuses", "never_within_context", "force_publishes")
 
     def never_and_force(self) -> None:
         import memra_pp
@@ -157,19 +163,27 @@ class Battery:
                 self.row("never_refuses", "overlay_publish: never across contexts refuses the request with "
                          "ResidencyError; the deployment keeps serving", refused != "NOT REFUSED" and all(still),
                          {"message": refused, "served_after": [len(t) for t in still]})
+            self.row("never_within_context", "not applicable: the image crosses a context (never_refuses covers "
+                     "never)", None, {})
         else:
             # The tower shares the intake's engine: no image row crosses a context, so `never` has nothing to
-            # refuse. What must hold instead: the request is served, with the auto tokens and no publication.
+            # refuse. What must hold instead: the request is served, spliced, with the auto tokens, unpublished.
             self.row("never_refuses", "not applicable: the tower runs on the intake engine (no image crosses a "
                      "context)", None, {})
             with memra_pp.launch(self.variant(overlay_publish="never")) as dep:
                 prompt, imgs = self._image_request(dep)
-                r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, stop_token_ids=[])
-                moved = dep.stats()["stages"][0]["overlay_publications"]
+                try:
+                    toks, refused = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW,
+                                                          stop_token_ids=[]).token_ids, None
+                except ResidencyError as e:     # a refusal here is this check's FAIL, not a battery that cannot run
+                    toks, refused = [], str(e)
+                st = dep.stats()["stages"][0]
+                moved, splices = st["overlay_publications"], st["splices"]
                 self.row("never_within_context", "overlay_publish: never with the tower on the intake engine "
                          "serves the image request (one context: nothing to refuse) with the auto tokens",
-                         r.token_ids == self.image_tokens and moved == 0,
-                         {"publications": moved, "tokens_equal": r.token_ids == self.image_tokens})
+                         refused is None and toks == self.image_tokens and moved == 0 and splices > 0,
+                         {"publications": moved, "splices": splices, "tokens_equal": toks == self.image_tokens,
+                          "refused": refused})
         with memra_pp.launch(self.variant(overlay_publish="force")) as dep:
             prompt, imgs = self._image_request(dep)
             r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, stop_token_ids=[])

@@ -5,13 +5,13 @@ import json
 
 import yaml
 
-from memra_pp.battery import Battery
+from memra_pp.battery import Battery, verdict
 from memra_pp.cli import main as cli_main
 from memra_pp.model.tiny import make_tiny
 
 ALL = {"contexts", "foreign_handle", "secondary_context", "same_context_publication", "image_publication",
-       "never_refuses", "force_publishes", "pipeline_equals_one_stage", "transport_peer", "transport_host",
-       "transports_bit_identical"}
+       "never_refuses", "never_within_context", "force_publishes", "pipeline_equals_one_stage", "transport_peer",
+       "transport_host", "transports_bit_identical"}
 
 
 def test_cpu_battery_passes_with_evidence(ray_cluster, tmp_path):
@@ -24,7 +24,8 @@ def test_cpu_battery_passes_with_evidence(ray_cluster, tmp_path):
     assert report["passed"], [r for r in report["rows"] if r["outcome"] != "PASS"]
     assert set(rows) == ALL, "every check writes a row, applicable or not"
     skipped = {c for c, r in rows.items() if r["outcome"] == "SKIP"}
-    assert skipped == {"secondary_context", "transport_peer", "transport_host", "transports_bit_identical"}
+    assert skipped == {"secondary_context", "never_within_context", "transport_peer", "transport_host",
+                       "transports_bit_identical"}
     assert all(rows[c]["exercised"].startswith("not applicable: ") for c in skipped)
     assert "not a CUDA device" in rows["secondary_context"]["exercised"]
     assert rows["transport_peer"]["evidence"] == {"cuda_stages": 0}
@@ -51,10 +52,11 @@ def test_cli_battery_tower_on_intake(ray_cluster, tmp_path, capsys):
     report = json.loads(cap.out)
     assert "PASS  never_within_context" in cap.err, "progress goes to stderr under --json"
     rows = {r["check"]: r for r in report["rows"]}
-    assert report["passed"] and set(rows) == ALL | {"never_within_context"}
+    assert report["passed"] and set(rows) == ALL
     assert rows["never_refuses"]["outcome"] == "SKIP" and "intake engine" in rows["never_refuses"]["exercised"]
     assert rows["never_within_context"]["outcome"] == "PASS"
-    assert rows["never_within_context"]["evidence"] == {"publications": 0, "tokens_equal": True}
+    ev = rows["never_within_context"]["evidence"]
+    assert ev["publications"] == 0 and ev["splices"] > 0 and ev["tokens_equal"] and ev["refused"] is None, ev
     assert rows["image_publication"]["evidence"]["publications_moved"] == 0
     assert rows["force_publishes"]["outcome"] == "PASS" and rows["force_publishes"]["evidence"]["publications"] == 1
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == report["rows"]
@@ -64,3 +66,31 @@ def test_cli_battery_tower_on_intake(ray_cluster, tmp_path, capsys):
     assert cli_main(["battery", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "no-such-model" in err and "Error:" in err
+
+
+def test_battery_without_tower_on_one_stage_skips_what_cannot_apply(ray_cluster, tmp_path, monkeypatch, capsys):
+    """No vision tower and one stage: every image, never/force, foreign-handle and boundary check is a SKIP row
+    saying why; the contexts and same-context publication checks still run and pass. The CLI exits 1 on a FAIL
+    row and on a report of SKIP rows alone (nothing was shown), 0 when a PASS stands beside SKIPs."""
+    path = make_tiny(tmp_path / "tiny", vision=False)
+    cfg = {"name": "bat-one", "model": {"path": str(path)}, "stages": [{"device": "cpu", "num_cpus": 0.1}]}
+    report = Battery(cfg, progress=lambda m: None).run()
+    rows = {r["check"]: r for r in report["rows"]}
+    assert set(rows) == ALL and report["passed"]
+    assert {c for c, r in rows.items() if r["outcome"] == "PASS"} == {"contexts", "same_context_publication"}, \
+        {c: r["outcome"] for c, r in rows.items()}
+    for c, r in rows.items():
+        if c not in ("contexts", "same_context_publication"):
+            assert r["outcome"] == "SKIP" and r["exercised"].startswith("not applicable: "), r
+    assert "vision tower" in rows["force_publishes"]["exercised"] and "one stage" in rows["transport_peer"]["exercised"]
+    assert "one stage" in rows["foreign_handle"]["exercised"]
+
+    yml = tmp_path / "one.yaml"
+    yml.write_text(yaml.safe_dump(cfg))
+    row = {"check": "contexts", "exercised": "x", "evidence": {}}
+    for outcomes, code in ((("PASS", "FAIL"), 1), (("SKIP", "SKIP"), 1), (("PASS", "SKIP"), 0)):
+        rs = [dict(row, outcome=o) for o in outcomes]
+        fake = {"passed": verdict(rs), "seconds": 0.0, "rows": rs}
+        monkeypatch.setattr(Battery, "run", lambda self, fake=fake: fake)
+        assert cli_main(["battery", str(yml)]) == code, outcomes
+    assert "1/2 checks passed (1 not applicable)" in capsys.readouterr().out
