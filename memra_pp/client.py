@@ -192,7 +192,8 @@ class Client:
         """One request with generate's keywords (`kw`); an unknown keyword is refused before anything is sent."""
         unknown = sorted(set(kw) - set(REQUEST_DEFAULTS))
         if unknown:
-            raise InputError(f"unknown keyword arguments {unknown}; known: {sorted(REQUEST_DEFAULTS)}")
+            known = sorted({*REQUEST_DEFAULTS, "max_new_tokens", "logprobs", "timeout"})  # the last three: named
+            raise InputError(f"unknown keyword arguments {unknown}; known: {known}")
         ids = self._encode(prompt)
         q: queue.Queue = queue.Queue()
         req = dict(REQUEST_DEFAULTS, **kw, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)

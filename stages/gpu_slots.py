@@ -99,7 +99,7 @@ class PeerSlotReceiver(_GpuReceiver):
     def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         _require_current(self.engine.ctx, f"boundary {self.name} slot {slot}", self.engine, self.fast_checks)
         cuda.stream_wait_event(self._stream(), self._ready[slot])  # the copy into the slot precedes what we enqueue
-        return self._views.get(slot, dtype, shape)
+        return self._views.get(slot, dtype, shape).detach()   # a fresh alias: callers may not edit the cached one
 
     def _before_credit(self, slot: int) -> None:
         # everything the caller enqueued on the slot (on the current stream) precedes the sender's next write
@@ -138,7 +138,7 @@ class HostSlotReceiver(_GpuReceiver):
         n, s = _nbytes(dtype, shape), self._stream()
         cuda.memcpy_htod_async(self._staging[slot].data_ptr(), self._addrs[slot], n, s)
         cuda.event_record(self._h2d[slot], s)
-        return self._views.get(slot, dtype, shape)
+        return self._views.get(slot, dtype, shape).detach()   # a fresh alias: callers may not edit the cached one
 
     def _before_credit(self, slot: int) -> None:
         # the sender may overwrite the host slot once our h2d from it has run (usually long done by now)

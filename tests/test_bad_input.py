@@ -186,6 +186,7 @@ def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
     """A request in flight when its client is closed (shutdown closes every client) must end with StageFailed, a
     MemraError (callers catch one base), before its budget is spent; the intake must drop it and the deployment
     must serve. (StageFailed naming a lost stage's index is provoked by test_reliability.py's stage kills.)"""
+    free = [s["kv_pages_free"] for s in dep.stats()["stages"]]
     c = dep.client()
     it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, stop_token_ids=[])
     got = list(next(it).token_ids)
@@ -194,6 +195,10 @@ def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
         for ev in it:
             got += ev.token_ids
     assert isinstance(ei.value, memra_pp.MemraError) and len(got) < CTX - 3, (ei.value, len(got))
+    deadline = time.monotonic() + 30     # nothing leaked: every stage gets its KV pages back
+    while [s["kv_pages_free"] for s in dep.stats()["stages"]] != free and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [s["kv_pages_free"] for s in dep.stats()["stages"]] == free
     serves(dep)
 
 
@@ -204,6 +209,9 @@ def test_unknown_keyword_refused_before_submit(dep):
     c = dep.client()
     with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
         c.generate([5, 17], max_new_tokens=2, temprature=0.5)
+    with pytest.raises(InputError, match=r"\['max_new_token'\]; known: .*'max_new_tokens'") as ei:
+        c.generate([5, 17], max_new_token=2)
+    assert all(f"'{k}'" in str(ei.value) for k in ("logprobs", "timeout", "temperature", "images")), ei.value
     with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
         next(iter(c.stream([5, 17], max_new_tokens=2, temprature=0.5)))
     with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):

@@ -1,5 +1,6 @@
 """fla_rule's tuning guards, on CPU: a kernel tuned once keeps its first winner for every later key, and
 tuned_keys() counts the keys fla's autotuners hold (tests/test_gpu_fla.py runs fla itself)."""
+import functools
 import sys
 import types
 
@@ -41,6 +42,7 @@ def test_available_tells_absent_from_broken(monkeypatch, tmp_path, caplog):
     for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(fla_rule, "WHY_NOT", None)
+    monkeypatch.setattr(fla_rule, "_probe", fla_rule._probe.__wrapped__)     # the uncached probe, each call
     monkeypatch.setattr(sys, "path", [str(tmp_path / "none")] + [p for p in sys.path if "site-packages" not in p])
     with caplog.at_level("WARNING", logger=fla_rule.__name__):
         assert fla_rule.available() is False
@@ -55,5 +57,20 @@ def test_available_tells_absent_from_broken(monkeypatch, tmp_path, caplog):
         assert fla_rule.available() is False
     assert fla_rule.WHY_NOT == "RuntimeError: built for triton 9.9"
     assert "installed but cannot be used (RuntimeError: built for triton 9.9)" in caplog.text
+    # an fla too old to have fla.ops.gated_delta_rule is installed, not absent: said too
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    (pkg / "gated_delta_rule.py").unlink()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=fla_rule.__name__):
+        assert fla_rule.available() is False
+    assert fla_rule.WHY_NOT.startswith("ModuleNotFoundError: No module named 'fla.ops.gated_delta_rule'")
+    assert "installed but cannot be used" in caplog.text
+    # cached in a process: the warning is said once
+    monkeypatch.setattr(fla_rule, "_probe", functools.cache(fla_rule._probe))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=fla_rule.__name__):
+        assert fla_rule.available() is False and fla_rule.available() is False
+    assert caplog.text.count("installed but cannot be used") == 1
     for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
         monkeypatch.delitem(sys.modules, name)

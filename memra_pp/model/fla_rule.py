@@ -15,6 +15,7 @@ Every other key fla tunes on is fixed by the model's dimensions. `tuned_keys()` 
 process (stage stats report it: a timed run that tunes nothing has the same count before and after)."""
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -23,27 +24,32 @@ import torch
 log = logging.getLogger(__name__)
 
 
-WHY_NOT: str | None = None      # why an installed fla could not be used (None: absent, or usable)
+WHY_NOT: str | None = None      # why an installed fla could not be used (None: absent, or usable); set by _probe
 
 
 def available() -> bool:
     """fla is installed, imports, and CUDA is here. fla is optional: absent (no message), the torch/Triton forms
-    serve. Installed but broken (built for another triton, say) is said once in a warning and kept in WHY_NOT:
-    the stage then runs the slower forms, and whoever reads the log or gdn_backend should know why."""
+    serve. Installed but broken (built for another triton, or too old to have the gated delta rule) is said once in
+    a warning and kept in WHY_NOT: the stage then runs the slower forms, and whoever reads the log or gdn_backend
+    should know why. The import is tried once a process (_probe is cached)."""
+    return _probe() and torch.cuda.is_available()
+
+
+@functools.cache
+def _probe() -> bool:
     global WHY_NOT
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
+        return True
     except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] == "fla":
+        if e.name == "fla":             # no fla at all; a missing fla.ops... is an fla without the kernels
             return False
         WHY_NOT = f"{type(e).__name__}: {e}"
     except Exception as e:
         WHY_NOT = f"{type(e).__name__}: {e}"
-    if WHY_NOT is not None:
-        log.warning("flash-linear-attention is installed but cannot be used (%s); the gated delta rule runs on "
-                    "memra_pp's own kernels", WHY_NOT)
-        return False
-    return torch.cuda.is_available()
+    log.warning("flash-linear-attention is installed but cannot be used (%s); the gated delta rule runs on "
+                "memra_pp's own kernels", WHY_NOT)
+    return False
 
 
 class FlaRule:
