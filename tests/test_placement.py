@@ -384,6 +384,14 @@ def test_runtime_switches_refuse_what_they_do_not_know(monkeypatch, tmp_path, na
             switches.flag(name)
     from memra_pp.defaults import ensure_tiny
     cfg = {"name": "sw", "model": {"path": str(ensure_tiny())}, "stages": [{"device": "cpu"}]}
+    import ray
+
+    from memra_pp.deployment import Deployment
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray work began before the switches were checked")
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(Deployment, "_make_actor", staticmethod(no_ray))
     with pytest.raises(ConfigError) as e:
         memra_pp.launch(cfg)
     assert message in str(e.value)
