@@ -264,6 +264,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         snd = ls if link is self.sender else self.sender.stats() if self.sender is not None else {}
         if "write_us_mean" in snd:      # where this stage's sends go: the data path, and the header's path
             st["send_write_us"], st["send_header_us"] = snd["write_us_mean"], snd["header_us_mean"]
+        if "socket_headers" in snd:     # headers this stage sent: into the receiver's mailbox, and over the socket
+            st["send_mailbox_headers"], st["send_socket_headers"] = snd["mailbox_headers"], snd["socket_headers"]
         st["kv_pages_free"] = len(self.cache.free_blocks)
         # KV pool growths, and how they grow: "in place" (the decode graphs stay) or why they copy
         st["kv_growths"], st["kv_growth"] = self.kv_growths(), self.cache.copy_growth or "in place"

@@ -137,6 +137,9 @@ def test_header_mailbox_in_a_three_stage_deployment(ray_cluster):
             assert_same("dense", False, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
         st = dep.stats()["stages"]
     assert all(s["mailbox_headers"] > 0 for s in st[1:]), [s["mailbox_headers"] for s in st]
+    # and the senders wrote the socket only while a receiver slept there (between prompts), not every header
+    sent = [(s["send_mailbox_headers"], s["send_socket_headers"]) for s in st[:2]]
+    assert all(0 <= sock < mbox for mbox, sock in sent), sent
 
 
 def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
