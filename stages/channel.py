@@ -92,10 +92,15 @@ class Channel:
         """Encode and write one frame (one sendall of prefix + payload); thread-safe against other senders."""
         self.send_payload(encode_header(obj))
 
-    def send_payload(self, payload: bytes) -> None:
-        """Write one frame already encoded with encode_header."""
+    def check_frame(self, payload: bytes) -> None:
+        """Refuse (ValueError) a frame larger than max_frame; send_payload asks it, and a caller that must know
+        before it commits to sending (the header mailbox numbers frames) asks it first."""
         if len(payload) > self.max_frame:
             raise ValueError(f"{self.label}: frame of {len(payload)} bytes exceeds max_frame {self.max_frame}")
+
+    def send_payload(self, payload: bytes) -> None:
+        """Write one frame already encoded with encode_header."""
+        self.check_frame(payload)
         frame = _PREFIX.pack(len(payload)) + payload
         with self._send_lock:
             if self._closed:

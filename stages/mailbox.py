@@ -170,10 +170,6 @@ class Mailbox:
         self._buf = None
 
 
-def _closed(label: str):
-    return ChannelClosed(f"{label}: recv on a closed channel")
-
-
 class HeaderReader:
     """The receiving end of a boundary's headers: the mailbox (polled up to spin_s) and the socket channel, each
     numbered header once and in order. Counts the headers taken from the mailbox in `mailboxed`."""
@@ -200,7 +196,7 @@ class HeaderReader:
             while h is None and time.perf_counter() < end:
                 os.sched_yield()     # releases the GIL: the stage's other threads run meanwhile
                 if self.ch._closed:
-                    raise _closed(self.label)
+                    raise ChannelClosed(f"{self.label}: recv on a closed channel")
                 self._drain()
                 h = self._take()
             if isinstance(h, dict):
@@ -299,8 +295,7 @@ class HeaderWriter:
             return
         q, e = self.q, self.q % ENTRIES
         payload = encode_header(dict(header, _q=q))
-        if len(payload) > self.ch.max_frame:   # refused before it takes a number: a gap would stall the reader
-            raise ValueError(f"{self.ch.label}: frame of {len(payload)} bytes exceeds max_frame {self.ch.max_frame}")
+        self.ch.check_frame(payload)   # refused before it takes a number: a gap would stall the reader
         old = self._unsent[e]
         if old is not None and mb.read_q() <= q - ENTRIES:    # about to overwrite a frame the receiver never read
             self._socket(old)
