@@ -186,7 +186,9 @@ def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
     """A request in flight when its client is closed (shutdown closes every client) must end with StageFailed, a
     MemraError (callers catch one base), before its budget is spent; the intake must drop it and the deployment
     must serve. (StageFailed naming a lost stage's index is provoked by test_reliability.py's stage kills.)"""
-    free = [s["kv_pages_free"] for s in dep.stats()["stages"]]
+    def pages():
+        return [s["kv_pages_free"] for s in dep.stats()["stages"]]
+    free = pages()
     c = dep.client()
     it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, stop_token_ids=[])
     got = list(next(it).token_ids)
@@ -196,9 +198,9 @@ def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
             got += ev.token_ids
     assert isinstance(ei.value, memra_pp.MemraError) and len(got) < CTX - 3, (ei.value, len(got))
     deadline = time.monotonic() + 30     # nothing leaked: every stage gets its KV pages back
-    while [s["kv_pages_free"] for s in dep.stats()["stages"]] != free and time.monotonic() < deadline:
+    while pages() != free and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [s["kv_pages_free"] for s in dep.stats()["stages"]] == free
+    assert pages() == free
     serves(dep)
 
 
