@@ -188,6 +188,7 @@ def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
     must serve. (StageFailed naming a lost stage's index is provoked by test_reliability.py's stage kills.)"""
     def pages():
         return [s["kv_pages_free"] for s in dep.stats()["stages"]]
+    serves(dep)     # the deployment's first request keeps a page for good: count after one (alone, this is it)
     free = pages()
     c = dep.client()
     it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, stop_token_ids=[])
