@@ -114,7 +114,8 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   f"{r['decode_tokens_per_s']:.1f} tokens/s, ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms, busy "
                   + ", ".join(f"{s['busy']:.0%}" for s in r["stages"])
                   + " (steady decode " + ", ".join(f"{b:.0%}" for b in r.get("steady_busy") or []) + ")"
-                  + ", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us"
+                  + (", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us"
+                     if n > 1 else "")       # one stage has no boundary
                   + f", decode graphs captured in the timed run {r['graph_captures_in_run']}"
                   + f", KV growths in it {r['kv_growths_in_run']} ({', '.join(r['kv_growth'])})"
                   + f", kernel keys tuned in it {r['kernel_tunings_in_run']}",
