@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from .errors import MemraError
+from .errors import InputError, MemraError
 
 
 def _print(args, obj, text: str) -> None:
@@ -62,9 +62,14 @@ def _stop_key(name: str) -> bytes:
 
 def cmd_generate(args) -> int:
     import memra_pp
+    prompt = args.prompt
+    if args.ids:                       # refused before any Ray work
+        try:
+            prompt = [int(t) for t in args.prompt.split(",")]
+        except ValueError:
+            raise InputError(f"--ids: {args.prompt!r} is not comma-separated token ids (e.g. 5,17,42)") from None
     dep = memra_pp.connect(args.name, args.namespace, args.address)
     c = dep.client()
-    prompt = [int(t) for t in args.prompt.split(",")] if args.ids else args.prompt
     r = c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     _print(args, r.__dict__, r.text if r.text is not None else " ".join(map(str, r.token_ids)))
     c.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 
 from .errors import ConfigError
-from .rayutil import get as _get
+from .rayutil import attach, get as _get
 from .placement.planner import Plan, make_plan
 from .placement.schema import Placement, load_placement
 from .switches import check_environment
@@ -157,7 +157,7 @@ class Deployment:
                      namespace=p.ray.namespace, log_to_driver=True, logging_level=logging.WARNING,
                      _node_ip_address=p.ray.listen if p.ray.listen != "unix" else "127.0.0.1")
         else:
-            ray.init(address=p.ray.address, namespace=p.ray.namespace, logging_level=logging.WARNING)
+            attach(p.ray.address, p.ray.namespace)
         return True
 
     @classmethod
@@ -165,7 +165,7 @@ class Deployment:
         """Attach to a detached deployment by name (from any process that can reach its Ray cluster)."""
         owns = False
         if not ray.is_initialized():
-            ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+            attach(address, namespace)
             owns = True
         try:
             first = ray.get_actor(f"{name}.stage0")

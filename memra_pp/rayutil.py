@@ -1,9 +1,15 @@
-"""The one fan-in for cross-actor calls: wait for every ref at once, with a timeout, unwrapping our own errors."""
+"""The one fan-in for cross-actor calls: wait for every ref at once, with a timeout, unwrapping our own errors; and
+the one way to attach to a running Ray cluster."""
 from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
 
 import ray
 
-from .errors import MemraError, StageFailed
+from .errors import ConfigError, MemraError, StageFailed
 
 
 def get(refs, timeout: float, what: str):
@@ -18,3 +24,42 @@ def get(refs, timeout: float, what: str):
         raise StageFailed(f"{what}: {e}") from None
     except ray.exceptions.RayActorError as e:
         raise StageFailed(f"{what}: a stage actor died ({e})") from None
+
+
+def attach(address: str, namespace: str) -> None:
+    """ray.init onto a running cluster, refusing with ConfigError (naming the address) where that fails.
+
+    Ray 2.60 starts a local cluster with token authentication on (the token in ~/.ray/auth_token) but sends the
+    token only when it finds the cluster itself (`auto`): an address given as `memra-pp launch` prints it was
+    refused as unauthenticated. So where RAY_AUTH_MODE is unset and a token is at hand, token mode is turned on for
+    an explicit address too, by Ray's own rule for `auto`. A cluster without authentication accepts such a client."""
+    if address not in (None, "auto"):
+        _require_listening(address)
+        if "RAY_AUTH_MODE" not in os.environ:
+            from ray._private.authentication import authentication_token_setup as auth
+            quiet = logging.getLogger(auth.__name__)
+            level, quiet.level = quiet.level, logging.ERROR   # its "token authentication is enabled" on each call
+            try:
+                auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+            finally:
+                quiet.setLevel(level)
+    try:
+        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+        raise ConfigError(f"ray.address {address!r}: cannot attach to a Ray cluster there ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0]}); give the address `memra-pp launch` printed, or `auto` on "
+                          f"the launcher's host; a cluster with token authentication needs its token "
+                          f"(~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
+
+
+def _require_listening(address: str, timeout: float = 5.0) -> None:
+    """A host:port where nothing accepts a connection is refused at once: ray.init retries such an address for
+    minutes (13 measured here) before it gives up."""
+    m = re.fullmatch(r"([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d+)", address)
+    if m is None:             # ray://, a GCS file path...: Ray's own rules
+        return
+    try:
+        socket.create_connection((m.group(1).strip("[]"), int(m.group(2))), timeout=timeout).close()
+    except OSError as e:
+        raise ConfigError(f"ray.address {address!r}: nothing accepts a connection there ({e}); give the address "
+                          f"`memra-pp launch` printed, or `auto` on the launcher's host") from None

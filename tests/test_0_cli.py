@@ -51,6 +51,11 @@ def test_detached_launch_generate_status_stop(tmp_path):
         g = run("generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json")
         assert g.returncode == 0, g.stderr
         assert len(json.loads(g.stdout)["token_ids"]) == 6
+        # the address the launcher printed, as `--address`'s help says: Ray 2.60 starts the cluster with token
+        # authentication and, for an explicit address, sends no token unless memra_pp turns token mode on
+        g2 = run("generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json", "--address", addr)
+        assert g2.returncode == 0, g2.stderr[-2000:]
+        assert json.loads(g2.stdout)["token_ids"] == json.loads(g.stdout)["token_ids"]
         st = run("status", "tiny-cpu", "--json")
         assert st.returncode == 0 and [s["index"] for s in json.loads(st.stdout)["stages"]] == [0, 1]
         sp = run("stop", "tiny-cpu")
@@ -63,3 +68,21 @@ def test_detached_launch_generate_status_stop(tmp_path):
                 launcher.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 launcher.kill()
+
+
+def test_generate_refuses_bad_ids_and_a_dead_address_at_once(capsys):
+    """Token ids that are not integers, and an address where nothing listens, are typed errors (exit 2) before
+    any Ray work; ray.init alone retried such an address for 13 minutes."""
+    import socket
+    import ray
+    assert main(["generate", "tiny-cpu", "5,x", "--ids"]) == 2
+    assert "InputError: --ids: '5,x' is not comma-separated token ids" in capsys.readouterr().err
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()                                  # a port nothing listens on
+    t0 = time.monotonic()
+    assert main(["generate", "tiny-cpu", "5", "--ids", "--address", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"ConfigError: ray.address '127.0.0.1:{port}': nothing accepts a connection there" in err, err
+    assert time.monotonic() - t0 < 10 and not ray.is_initialized()
