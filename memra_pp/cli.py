@@ -132,8 +132,10 @@ def main(argv=None) -> int:
     s = sub.add_parser("launch", help="launch a detached deployment and keep it up until Ctrl-C")
     s.add_argument("config")
     s.set_defaults(fn=cmd_launch)
-    for name, fn in (("generate", cmd_generate), ("status", cmd_status), ("stop", cmd_stop)):
-        s = sub.add_parser(name)
+    for name, fn, what in (("generate", cmd_generate, "generate from a launched deployment"),
+                           ("status", cmd_status, "a launched deployment's stages: layers, busy, handoffs"),
+                           ("stop", cmd_stop, "shut a launched deployment down")):
+        s = sub.add_parser(name, help=what)
         s.add_argument("name", help="deployment name (the YAML's `name`)")
         s.add_argument("--namespace", default="memra")
         s.add_argument("--address", default="auto", help="the Ray cluster (`memra-pp launch` prints it)")

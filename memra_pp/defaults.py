@@ -17,3 +17,22 @@ def ensure_tiny(path: Path = TINY_PATH) -> Path:
     """Write the tiny checkpoint if it is not there yet (reused across runs)."""
     from .model.tiny import make_tiny
     return make_tiny(path)
+
+
+TINY_VISION_PATH = Path("~/.cache/memra_pp/tiny-qwen3_5-vision").expanduser()
+# The checkpoints the shipped cluster_configs name, with make_tiny's arguments for each.
+EMBEDDED = {TINY_PATH: {}, TINY_VISION_PATH: {"vision": True}}
+
+
+def ensure_embedded(path: Path) -> bool:
+    """Write one of the project's own tiny checkpoints where a placement names it and it is missing (as a hub model
+    would be downloaded), so `memra-pp launch / plan / battery` with a shipped YAML work on a fresh machine. Any
+    other path: False (the caller refuses it). Called by the driver, before any stage starts."""
+    p = Path(path).expanduser()
+    if p not in EMBEDDED:
+        return False
+    import logging
+    from .model.tiny import make_tiny
+    logging.getLogger("memra_pp").warning(f"writing the embedded tiny checkpoint {p} (it was not there)")
+    make_tiny(p, **EMBEDDED[p])
+    return True

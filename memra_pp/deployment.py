@@ -42,9 +42,17 @@ class Deployment:
     # -- boot -------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, config, detached: bool = False) -> "Deployment":
-        from .model.weights import open_weights     # (torch: here, not for connect's CLI clients)
+        from .engine import parse_device            # (torch: here, not for connect's CLI clients)
+        from .model.weights import open_weights
         placement = load_placement(config)
         check_environment()     # the MEMRA_PP_* switches the stages will receive: known names, 0 or 1
+        if placement.ray.address == "local":       # the stages run on this host: a device it lacks, refused now
+            for i, s in enumerate(placement.stages):
+                if s.is_cuda:
+                    try:
+                        parse_device(s.device)
+                    except ConfigError as e:
+                        raise ConfigError(f"stages[{i}].device: {e}") from None
         mc = open_weights(placement.model.path, placement.model.format).config
         plan = make_plan(placement, mc)
         for w in plan.warnings:

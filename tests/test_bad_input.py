@@ -154,6 +154,28 @@ def test_malformed_yaml(tmp_path):
         memra_pp.launch(str(f))
 
 
+def test_a_device_this_host_lacks_is_refused_before_ray(monkeypatch):
+    """A placement naming a CUDA device this host does not have (here: none; on a GPU host one past the last) must
+    give ConfigError naming the stage and the device before Ray starts: the stage's Engine used to fail inside
+    torch (AttributeError on a CPU build) after Ray and the actors were up. Engine refuses it the same way."""
+    import torch
+    from memra_pp.deployment import Deployment
+    from memra_pp.engine import Engine
+    missing = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray work began before the devices were checked")
+    monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(Deployment, "_make_actor", staticmethod(no_ray))
+    cfg = {"name": "nodev", "model": {"path": "preset:qwen3.5-27b", "format": "dummy"},
+           "stages": [{"device": "cpu"}, {"device": f"cuda:{missing}"}]}
+    with pytest.raises(ConfigError, match=rf"stages\[1\].device: device 'cuda:{missing}': this process sees "
+                                          rf"{missing} CUDA device\(s\)"):
+        memra_pp.launch(cfg)
+    with pytest.raises(ConfigError, match=rf"device 'cuda:{missing}': this process sees {missing} CUDA"):
+        Engine(f"cuda:{missing}")
+
+
 def test_bad_tensor_inside_a_stage_leaves_no_actor(ray_cluster, tmp_path):
     """A checkpoint that fails in a stage actor's load must raise ConfigError from launch and leave no actor of
     the deployment alive (Ray was already up, so it stays up)."""

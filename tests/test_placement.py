@@ -258,6 +258,26 @@ def test_tiny_cpu_equals_embedded_default():
     assert load_placement(CONFIGS / "tiny-cpu.yaml") == load_placement(TINY_CPU)
 
 
+def test_shipped_configs_name_embedded_checkpoints_written_on_demand(tmp_path, monkeypatch):
+    """Every shipped YAML with real weights names one of the project's own tiny checkpoints, so it runs on a fresh
+    machine: open_weights writes a missing embedded checkpoint (with make_tiny's arguments for that path) and
+    refuses any other missing path."""
+    from memra_pp import defaults
+    from memra_pp.errors import ConfigError
+    from memra_pp.model.weights import open_weights
+    for f in sorted(CONFIGS.glob("*.yaml")):
+        p = load_placement(f)
+        if p.model.format != "dummy":
+            assert Path(p.model.path).expanduser() in defaults.EMBEDDED, f.name
+    plain, vision = tmp_path / "plain", tmp_path / "vision"
+    monkeypatch.setattr(defaults, "EMBEDDED", {plain: {}, vision: {"vision": True}})
+    assert open_weights(str(vision), "auto").config.vision is not None and (vision / "config.json").exists()
+    assert open_weights(str(plain), "auto").config.vision is None
+    with pytest.raises(ConfigError, match=r"model.path '.*elsewhere' does not exist"):
+        open_weights(str(tmp_path / "elsewhere"), "auto")
+    assert not (tmp_path / "elsewhere").exists()
+
+
 # --- roles, microbatches, warnings, format -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("engine,tower", [("primary", 2), ("intake", 0), ("stage:1", 1)])
