@@ -35,10 +35,14 @@ def attach(address: str, namespace: str) -> None:
     an explicit address too, by Ray's own rule for `auto`. A cluster without authentication accepts such a client."""
     if address not in (None, "auto"):
         _require_listening(address)
-        if "RAY_AUTH_MODE" not in os.environ:
+        try:        # Ray's private module: a Ray without it has no token authentication to turn on
             from ray._private.authentication import authentication_token_setup as auth
+        except ImportError:
+            auth = None
+        if auth is not None and "RAY_AUTH_MODE" not in os.environ:
             quiet = logging.getLogger(auth.__name__)
-            level, quiet.level = quiet.level, logging.ERROR   # its "token authentication is enabled" on each call
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)       # its "token authentication is enabled" on every connect
             try:
                 auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
             finally:
