@@ -32,7 +32,7 @@ def main() -> int:
         c = dep.client()
 
         async def batch(names):
-            return await asyncio.gather(*[c.agenerate(p, max_new_tokens=a.new, stop_token_ids=[], adapter=n)
+            return await asyncio.gather(*[c.agenerate(p, max_new_tokens=a.new, ignore_eos=True, adapter=n)
                                           for p, n in zip(prompts, names)])
         plans = {"no adapter": [None] * a.concurrency,
                  "mixed (A, B, none)": [["a", "b", None][i % 3] for i in range(a.concurrency)]}

@@ -110,7 +110,7 @@ class Battery:
 
     def tokens(self, dep) -> list[list[int]]:
         c = dep.client()
-        return [c.generate(p, max_new_tokens=NEW, stop_token_ids=[]).token_ids for p in PROMPTS]
+        return [c.generate(p, max_new_tokens=NEW, ignore_eos=True).token_ids for p in PROMPTS]
 
     def _image_request(self, dep):
         import memra_pp
@@ -132,7 +132,7 @@ class Battery:
                      {"applicable": False})
             return
         before = dep.stats()["stages"][0]["overlay_publications"]
-        r = dep.client().generate(req[0], images=req[1], max_new_tokens=NEW, stop_token_ids=[])
+        r = dep.client().generate(req[0], images=req[1], max_new_tokens=NEW, ignore_eos=True)
         st = dep.stats()["stages"]
         moved = st[0]["overlay_publications"] - before
         cross = dep.plan.tower_index != dep.plan.intake_index
@@ -174,7 +174,7 @@ class Battery:
                 prompt, imgs = self._image_request(dep)
                 try:
                     toks, refused = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW,
-                                                          stop_token_ids=[]).token_ids, None
+                                                          ignore_eos=True).token_ids, None
                 except ResidencyError as e:     # a refusal here is this check's FAIL, not a battery that cannot run
                     toks, refused = [], str(e)
                 st = dep.stats()["stages"][0]
@@ -186,7 +186,7 @@ class Battery:
                           "refused": refused})
         with memra_pp.launch(self.variant(overlay_publish="force")) as dep:
             prompt, imgs = self._image_request(dep)
-            r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, stop_token_ids=[])
+            r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, ignore_eos=True)
             moved = dep.stats()["stages"][0]["overlay_publications"]
             self.row("force_publishes", "overlay_publish: force gives the same tokens as auto and publishes",
                      r.token_ids == self.image_tokens and moved == 1, {"publications": moved})

@@ -73,7 +73,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     def one(p, new=max_new_tokens, timed=True):
         t = time.perf_counter()
         ev = []
-        for e in c.stream(p, max_new_tokens=new, stop_token_ids=[]):
+        for e in c.stream(p, max_new_tokens=new, ignore_eos=True):
             if e.token_ids:
                 ev.append((time.perf_counter(), len(e.token_ids)))
                 if timed and len(ev) == 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import numbers
 import queue
 import threading
 import uuid
@@ -57,7 +58,7 @@ class _Track:
 
 # The request keywords generate / stream / agenerate share, with their defaults.
 REQUEST_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop_token_ids=None,
-                        adapter=None, images=None)
+                        ignore_eos=False, adapter=None, images=None)
 
 
 class Client:
@@ -190,6 +191,8 @@ class Client:
 
     def _submit(self, prompt, max_new_tokens, kw: dict, sink=None) -> tuple[_Track, queue.Queue, list[int]]:
         """One request with generate's keywords (`kw`); an unknown keyword is refused before anything is sent."""
+        if self._closed.is_set():   # its deployment was shut down (or it was closed): the actors may be gone
+            raise StageFailed("this client was closed (close(), or its deployment's shutdown); take a new one")
         unknown = sorted(set(kw) - set(REQUEST_DEFAULTS))
         if unknown:
             known = sorted({*REQUEST_DEFAULTS, "max_new_tokens", "logprobs", "timeout"})  # the last three: named
@@ -198,6 +201,8 @@ class Client:
         q: queue.Queue = queue.Queue()
         req = dict(REQUEST_DEFAULTS, **kw, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)
         if req.pop("images"):
+            if not isinstance(kw["images"], (list, tuple)):
+                raise InputError(f"images is a list of memra_pp.ImageInput, got {type(kw['images']).__name__}")
             req["images"] = list(kw["images"])
         t = self.dep.placement.timeouts
         sup = self._sup
@@ -240,9 +245,25 @@ class Client:
                 raise InputError("a text prompt needs a tokenizer.json in the model directory; pass token ids")
             return tok.encode(prompt)
         try:
-            return [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise InputError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}") from None
+            ids = None if isinstance(prompt, (bytes, bytearray)) else \
+                prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)     # numpy / torch: Python numbers
+        except TypeError:
+            ids = None
+        if not isinstance(ids, list):
+            raise InputError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:       # int() would turn 5.7 into 5 and True into 1: a wrong prompt, served silently
+            raise InputError(f"a prompt's token ids are integers, got {bad!r} ({type(bad).__name__})")
+        return [int(t) for t in ids]
+
+    def _result(self, toks, lps, finish, logprobs: bool, ids) -> Result:
+        tok = self.dep.tokenizer     # text as vLLM gives it: special tokens (<|im_end|>) skipped
+        return Result(toks, lps if logprobs else None, finish,
+                      tok.decode(toks, skip_special_tokens=True) if tok else None, len(ids))
+
+    def _timeout(self, timeout: float | None) -> float:
+        """A request's wait for each piece: `timeout` as given (0 too), None: ten steps' budget."""
+        return self.dep.placement.timeouts.step_s * 10 if timeout is None else timeout
 
     def _events(self, tr: _Track, q, timeout):
         done = False
@@ -267,35 +288,43 @@ class Client:
     # -- public -----------------------------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, logprobs: bool = True,
-                 stop_token_ids: list[int] | None = None, adapter: str | None = None, images=None,
-                 timeout: float | None = None, **unknown) -> Result:
+                 stop_token_ids: list[int] | None = None, ignore_eos: bool = False, adapter: str | None = None,
+                 images=None, timeout: float | None = None, **unknown) -> Result:
+        """One request to its end. temperature 0 (or under 1e-5) is greedy; top_k 0, top_p 1 and min_p 0 are off;
+        seed makes a sampled request reproducible whatever it is batched with; stop_token_ids end it as the
+        model's eos does, in addition to it (as in vLLM), and with ignore_eos only they and max_new_tokens do;
+        adapter names a loaded adapter (dep.load_adapter); images is a list of memra_pp.ImageInput for the
+        prompt's image placeholders; timeout bounds the wait for each piece (default 10 x timeouts.step_s).
+        logprobs: r.logprobs[i] is token i's log-probability under the raw model (temperature 1)."""
         # `unknown` only collects misspelt keywords, so that _submit refuses them with InputError as stream and
         # agenerate do (a bare TypeError is not a memra_pp error)
         tr, q, ids = self._submit(prompt, max_new_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-            stop_token_ids=stop_token_ids, adapter=adapter, images=images, **unknown))
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, adapter=adapter, images=images, **unknown))
         toks, lps, finish = [], [], "length"
-        for t, l, f in self._events(tr, q, timeout or self.dep.placement.timeouts.step_s * 10):
+        for t, l, f in self._events(tr, q, self._timeout(timeout)):
             toks += t
             lps += l
             finish = f or finish
-        tok = self.dep.tokenizer
-        return Result(toks, lps if logprobs else None, finish, tok.decode(toks) if tok else None, len(ids))
+        return self._result(toks, lps, finish, logprobs, ids)
 
-    def stream(self, prompt, max_new_tokens: int = 16, logprobs: bool = True, timeout: float | None = None,
+    def stream(self, prompt, max_new_tokens: int = 16, *, logprobs: bool = True, timeout: float | None = None,
                **kw) -> Iterator[StreamEvent]:
+        """generate's keywords (keyword-only past max_new_tokens: a third positional argument is generate's
+        temperature, never taken for logprobs); each event holds the new token ids, their logprobs and text."""
         tr, q, _ = self._submit(prompt, max_new_tokens, kw)
         tok = self.dep.tokenizer
-        dec = tok.incremental_decoder() if tok else None
-        for t, l, f in self._events(tr, q, timeout or self.dep.placement.timeouts.step_s * 10):
+        dec = tok.incremental_decoder(skip_special_tokens=True) if tok else None   # vLLM: no <|im_end|> in text
+        for t, l, f in self._events(tr, q, self._timeout(timeout)):
             text = None
             if dec is not None:
                 text = "".join(dec.push(x) for x in t) + (dec.flush() if f else "")
             yield StreamEvent(t, l if logprobs else None, text, f)
 
-    async def agenerate(self, prompt, max_new_tokens: int = 16, logprobs: bool = True,
+    async def agenerate(self, prompt, max_new_tokens: int = 16, *, logprobs: bool = True,
                         timeout: float | None = None, **kw) -> Result:
-        """Same keywords as generate; any number in flight (no thread per request)."""
+        """Same keywords as generate (keyword-only past max_new_tokens, as in stream); any number in flight (no
+        thread per request)."""
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(aq.put_nowait, item)   # noqa: E731
@@ -304,7 +333,7 @@ class Client:
         try:
             while True:
                 try:
-                    t, l, f, err = await asyncio.wait_for(aq.get(), timeout or self.dep.placement.timeouts.step_s * 10)
+                    t, l, f, err = await asyncio.wait_for(aq.get(), self._timeout(timeout))
                 except asyncio.TimeoutError:
                     raise TimeoutError(f"request {tr.rid} produced nothing for {timeout} s") from None
                 if err is not None:
@@ -319,5 +348,4 @@ class Client:
             if not done:                # cancelled or timed out: nobody reads the rest, free its slot
                 self._abort(tr.rid)
             self._drop(tr)
-        tok = self.dep.tokenizer
-        return Result(toks, lps if logprobs else None, finish, tok.decode(toks) if tok else None, len(ids))
+        return self._result(toks, lps, finish, logprobs, ids)

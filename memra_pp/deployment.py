@@ -15,7 +15,7 @@ from pathlib import Path
 
 import ray
 
-from .errors import ConfigError
+from .errors import ConfigError, StageFailed
 from .rayutil import attach, get as _get
 from .placement.planner import Plan, make_plan
 from .placement.schema import Placement, load_placement
@@ -36,6 +36,7 @@ class Deployment:
         self._actors_lock = threading.Lock()
         self._pg, self.transports, self.supervisor = None, ["shm"] * len(actors), None
         self._tokenizer = None
+        self._down = False             # shutdown ran: every later use is refused, and a second shutdown is a no-op
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
 
@@ -62,6 +63,15 @@ class Deployment:
         actors, pg = [], None
         try:
             from ray.util.placement_group import placement_group, remove_placement_group
+            if detached:      # a detached stage's actor name is the deployment's: Ray would refuse it raw
+                try:
+                    ray.get_actor(f"{placement.name}.stage0")
+                except ValueError:
+                    pass
+                else:
+                    raise ConfigError(f"name: a deployment named {placement.name!r} is already running in namespace "
+                                      f"{ray.get_runtime_context().namespace!r}; stop it (memra-pp stop "
+                                      f"{placement.name}) or give this one another name")
             pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK",
                                  lifetime="detached" if detached else None)   # detached actors outlive us
             _get(pg.ready(), placement.timeouts.ready_s, "placement group")
@@ -186,7 +196,12 @@ class Deployment:
         return cls(load_placement(d["placement"]), plan, actors, infos, None, owns, True)
 
     # -- use --------------------------------------------------------------------------------------------------
+    def _require_up(self, what: str) -> None:
+        if self._down:      # the actors are gone: a call would make Ray start a new local cluster to find them
+            raise StageFailed(f"{what}: the deployment {self.placement.name!r} was shut down")
+
     def client(self):
+        self._require_up("client")
         from .client import Client
         c = Client(self)
         self._clients.append(c)
@@ -214,6 +229,9 @@ class Deployment:
     def load_adapter(self, name: str, path: str) -> int:
         """Load a PEFT adapter on every stage into a free slot; clients then select it by `name`."""
         from .errors import InputError
+        self._require_up("load_adapter")
+        if not isinstance(name, str) or not name:
+            raise InputError(f"an adapter's name is a non-empty string, got {name!r}")
         if name in self._adapters:
             raise InputError(f"adapter {name!r} is already loaded (slot {self._adapters[name]}); unload it first")
         free = [s for s in range(self.placement.adapters.max_loras) if s not in self._adapters.values()]
@@ -241,7 +259,8 @@ class Deployment:
 
     def unload_adapter(self, name: str) -> None:
         from .errors import InputError
-        if name not in self._adapters:
+        self._require_up("unload_adapter")
+        if not isinstance(name, str) or name not in self._adapters:
             raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self._adapters)}")
         slot = self._adapters[name]
         t = self.placement.timeouts.ready_s
@@ -260,18 +279,26 @@ class Deployment:
     def stats(self, reset: bool = False, timeline: bool = False) -> dict:
         """Per stage counters; `timeline`: also each stage's most recent microbatch spans, [kind, tokens, start,
         end] on the node's CLOCK_MONOTONIC (time.monotonic) seconds, device time on a GPU (stages/timeline.py)."""
+        self._require_up("stats")
         st = _get([a.stats.remote(reset, timeline) for a in self.actors], self.placement.timeouts.step_s, "stats")
         return {"stages": st}
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Return once every stage serves (after a recovery: once it completed); StageFailed if not in time."""
+        self._require_up("wait_ready")
         if self.supervisor is not None:
             return self.supervisor.wait_ready(timeout)
         _get([a.ping.remote() for a in self.actors], timeout, "wait_ready")
 
     def shutdown(self, stop_ray: bool = True) -> None:
         """Stop every stage and free the placement group; stop Ray too if this deployment started it
-        (unless `stop_ray` is False: the caller still needs the cluster, e.g. to tell a waiting `stop`)."""
+        (unless `stop_ray` is False: the caller still needs the cluster, e.g. to tell a waiting `stop`). A second
+        call only stops Ray where the first left it up."""
+        if self._down:
+            if self.owns_ray and stop_ray and ray.is_initialized():
+                ray.shutdown()
+            return
+        self._down = True
         if self.supervisor is not None:   # first: no restart may race the teardown
             self.supervisor.stop()
         for c in self._clients:

@@ -220,6 +220,16 @@ def _warnings(placement: Placement, n: int, tower: int) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _context_warning(placement: Placement, model: ModelConfig) -> tuple[str, ...]:
+    """Positions past the model's max_position_embeddings run (rotary embeddings have no end), but the model was
+    not trained there: said once at boot, as llama.cpp does for n_ctx above n_ctx_train."""
+    mc, mpe = placement.scheduler.max_context, model.text.max_position_embeddings
+    if mc <= mpe:
+        return ()
+    return (f"scheduler.max_context: {mc} is more than the model's max_position_embeddings ({mpe}): "
+            f"sequences longer than {mpe} run past the context it was trained for",)
+
+
 def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[float] | None = None,
               head_cost: float | None = None) -> Plan:
     """Resolve a placement against a model: layer ranges, roles, microbatches and warnings. Pure; refuses with
@@ -250,4 +260,5 @@ def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[fl
     mb = placement.scheduler.microbatches
     mb = mb if mb is not None else auto_microbatches(placement)
     return Plan(name=placement.name, stages=stages, intake_index=0, primary_index=n - 1, tower_index=tower,
-                microbatches=mb, num_layers=L, warnings=_warnings(placement, n, tower))
+                microbatches=mb, num_layers=L,
+                warnings=_warnings(placement, n, tower) + _context_warning(placement, model))

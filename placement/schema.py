@@ -281,6 +281,8 @@ def load_placement(src: str | Path | Mapping) -> Placement:
     """Read a placement YAML file (or an already-parsed dict) once and validate it; ConfigError names the file."""
     if isinstance(src, Mapping):
         where, raw = "placement", src
+    elif not isinstance(src, (str, Path)):
+        raise ConfigError(f"a placement is a YAML file's path or a dict of placement keys, got {type(src).__name__}")
     else:
         where = str(src)
         try:

@@ -3,6 +3,7 @@ importable and testable without Ray. The Ray actor in actor.py is a thin shell o
 """
 from __future__ import annotations
 
+import numbers
 import queue
 import threading
 import time
@@ -25,6 +26,20 @@ from .recovery import RecoveryMixin, rss_bytes
 from .runner_images import ImagesMixin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def stop_ids(stop_token_ids, ignore_eos, eos, vocab: int) -> frozenset[int]:
+    """The tokens that end a request: its stop_token_ids and the model's eos, as vLLM (ignore_eos: its stop ids
+    alone). A value that is not a token id is refused here, at the intake's submit."""
+    try:
+        stops = list(stop_token_ids or ())
+    except TypeError:
+        raise InputError(f"stop_token_ids is a list of token ids, got {stop_token_ids!r}") from None
+    if not isinstance(ignore_eos, bool):
+        raise InputError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in stops):
+        raise InputError(f"stop_token_ids must be token ids in [0, {vocab}), got {stops[:8]!r}")
+    return frozenset(int(t) for t in stops) | (frozenset() if ignore_eos else frozenset(eos))
 
 
 class _LoadProgress:
@@ -166,8 +181,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         try:   # a value of the wrong type is bad input too, never a crash of the submit call
             params = SamplingParams(req.get("temperature", 0.0), req.get("top_k", 0), req.get("top_p", 1.0),
                                     req.get("min_p", 0.0), req.get("seed")).validate()
-            stops = req.get("stop_token_ids")
-            stop = frozenset(self.mc.eos_token_ids if stops is None else (int(t) for t in stops))
+            stop = stop_ids(req.get("stop_token_ids"), req.get("ignore_eos", False), self.mc.eos_token_ids, V)
             new = req["max_new_tokens"]
             if isinstance(new, bool) or not isinstance(new, int):
                 raise InputError(f"max_new_tokens must be an integer >= 0, got {new!r}")
@@ -180,6 +194,9 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.scheduler.validate(r)
         if req.get("images"):
             self._attach_images(r, req["images"])
+        elif self.mc.vision is not None and (n := prompt.count(self.mc.image_token_id)):
+            raise InputError(f"the prompt holds {n} image placeholder token(s) (id {self.mc.image_token_id}) but no "
+                             f"images were given: pass images=[memra_pp.ImageInput(...)] or drop the placeholders")
         self.inbox.put(("req", r))
 
     # -- adapters ---------------------------------------------------------------------------------------------
@@ -224,6 +241,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
     def adapter_slot(self, name: str | None) -> int:
         if name is None:
             return -1
+        if not isinstance(name, str):
+            raise InputError(f"adapter must be a loaded adapter's name (a string) or None, got {name!r}")
         if name not in self.adapter_names:
             raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self.adapter_names)}")
         return self.adapter_names[name]
@@ -246,7 +265,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         st.update(self.loop.stats(reset, timeline) if self.loop else   # no loop: recovering
                   {"busy": 0.0, "microbatches": 0, **({"timeline": []} if timeline else {})})
         link = self.receiver or self.sender
-        ls = link.stats() if link is not None else {}
+        ls = link.stats(reset) if link is not None else {}
         st["transport"] = getattr(link, "TRANSPORT", None)
         st["gdn_backend"] = self.model.gdn_backend
         g = self.model.graphs
@@ -261,7 +280,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
         st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
         st["mailbox_headers"] = ls.get("mailbox_headers", 0)
-        snd = ls if link is self.sender else self.sender.stats() if self.sender is not None else {}
+        snd = ls if link is self.sender else self.sender.stats(reset) if self.sender is not None else {}
         if "write_us_mean" in snd:      # where this stage's sends go: the data path, and the header's path
             st["send_write_us"], st["send_header_us"] = snd["write_us_mean"], snd["header_us_mean"]
         if "socket_headers" in snd:     # headers this stage sent: into the receiver's mailbox, and over the socket

@@ -82,11 +82,15 @@ def _u8_over(buf, nbytes: int) -> torch.Tensor:
 class _Link:
     """What both ends of a boundary share: handoff counters, and closing as a context manager."""
 
-    def stats(self) -> dict:
-        # headers taken from (receiver) / written into (sender) the mailbox; a sender also counts those it wrote
-        # to the socket (every one without a mailbox) and those it sent late (mailbox.py)
+    def stats(self, reset: bool = False) -> dict:
+        """reset: the handoff counters and latencies start a new window (the header counts below do not).
+        Headers taken from (receiver) / written into (sender) the mailbox; a sender also counts those it wrote to
+        the socket (every one without a mailbox) and those it sent late (mailbox.py)."""
         h = getattr(self, "_headers", None)
-        out = {**self._stats.as_dict(), "mailbox_headers": 0 if h is None else h.mailboxed}
+        st = self._stats
+        if reset:     # a handoff finishing on the loop's thread meanwhile counts in one window or the other
+            self._stats = _HandoffStats(st.lat_ns.maxlen)
+        out = {**st.as_dict(), "mailbox_headers": 0 if h is None else h.mailboxed}
         if isinstance(h, mailbox.HeaderWriter):
             out.update(socket_headers=h.socketed, late_headers=h.late)
         return out

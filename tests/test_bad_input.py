@@ -54,7 +54,20 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     "negative max_new_tokens": (dict(max_new_tokens=-2), InputError, "max_new_tokens must be >= 0"),
     "fractional max_new_tokens": (dict(max_new_tokens=2.5), InputError, "max_new_tokens must be an integer"),
     "negative temperature": (dict(temperature=-0.5), InputError, "temperature must be >= 0"),
-    "temperature of a wrong type": (dict(temperature="hot"), InputError, "bad sampling parameters"),
+    "temperature of a wrong type": (dict(temperature="hot"), InputError, "temperature must be a finite number"),
+    "infinite temperature": (dict(temperature=float("inf")), InputError, "temperature must be a finite number"),
+    # a seed only the sampler (the last stage) used to read: it failed there, with every request of its batch
+    "seed of a wrong type": (dict(seed="7", temperature=1.0), InputError, "seed must be an integer or None, got '7'"),
+    "fractional seed": (dict(seed=1.5, temperature=1.0), InputError, "seed must be an integer or None, got 1.5"),
+    "float token ids": (dict(prompt=[5.7, 17]), InputError, "a prompt's token ids are integers, got 5.7"),
+    "bool token ids": (dict(prompt=[True, 5]), InputError, "a prompt's token ids are integers, got True"),
+    "bytes prompt": (dict(prompt=b"hi"), InputError, "a prompt is a string or a list of token ids, got bytes"),
+    "stop id above vocab": (dict(stop_token_ids=[V]), InputError, f"stop_token_ids must be token ids in [0, {V})"),
+    "stop id of a wrong type": (dict(stop_token_ids=["5"]), InputError, "stop_token_ids must be token ids"),
+    "ignore_eos not a bool": (dict(ignore_eos="yes"), InputError, "ignore_eos must be True or False, got 'yes'"),
+    "adapter not a name": (dict(adapter=["a"]), InputError, "adapter must be a loaded adapter's name"),
+    "adapter number": (dict(adapter=5), InputError, "adapter must be a loaded adapter's name (a string) or None, "
+                                                    "got 5"),
     "top_p above 1": (dict(top_p=1.5), InputError, "top_p must be in (0, 1]"),
     "negative top_k": (dict(top_k=-3), InputError, "top_k must be an integer >= 0"),
     "min_p of 1": (dict(min_p=1.0), InputError, "min_p must be in [0, 1)"),
@@ -63,6 +76,10 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     "adapter relative path": (dict(adapter="../adapters/a1"), InputError, "unknown adapter '../adapters/a1'"),
     "placeholder count": (dict(prompt=[5, VS, IMG, IMG, IMG, VE, 7], images=[image()]), InputError,
                           "Attempted to assign"),
+    "placeholders without images": (dict(prompt=[5, VS, IMG, IMG, VE, 7]), InputError,
+                                     f"the prompt holds 2 image placeholder token(s) (id {IMG}) but no images"),
+    "images not a list": (dict(prompt=[5, VS, IMG, VE], images=image()), InputError,
+                          "images is a list of memra_pp.ImageInput, got ImageInput"),
     "pixel shape": (dict(prompt=[5, VS, IMG, VE], images=[image(width=95)]), InputError,
                     "pixel_values has shape (24, 95)"),
     "grid": (dict(prompt=[5, VS, IMG, VE], images=[image(grid=(1, 3, 6))]), InputError,
@@ -215,7 +232,7 @@ def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
     serves(dep)
     free = pages()
     c = dep.client()
-    it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, stop_token_ids=[])
+    it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
     got = list(next(it).token_ids)
     c.close()
     with pytest.raises(StageFailed, match="the client was closed") as ei:
@@ -241,3 +258,113 @@ def test_unknown_keyword_refused_before_submit(dep):
     with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
         asyncio.run(c.agenerate([5, 17], max_new_tokens=2, temprature=0.5))
     serves(dep)
+
+
+def test_a_bad_request_does_not_fail_the_requests_beside_it(dep):
+    """A request refused at submit must leave the requests already running untouched: a seed of a wrong type used
+    to pass the intake and fail in the last stage's sampler, taking every request of its batch with it."""
+    import asyncio
+    c = dep.client()
+    ref = hf_reference("dense", False, (5, 17, 42), 40)[0]
+
+    async def go():
+        goods = [asyncio.ensure_future(c.agenerate([5, 17, 42], max_new_tokens=40, ignore_eos=True))
+                 for _ in range(3)]
+        await asyncio.sleep(0.3)
+        bad = await asyncio.gather(*[c.agenerate([1, 2, 3], max_new_tokens=8, temperature=1.0, seed=s)
+                                     for s in ("7", 1.5)], return_exceptions=True)
+        return await asyncio.gather(*goods), bad
+    goods, bad = asyncio.run(go())
+    assert all(isinstance(e, InputError) and "seed must be an integer" in str(e) for e in bad), bad
+    assert [r.token_ids for r in goods] == [ref] * 3
+
+
+def test_after_shutdown_every_call_is_refused_and_shutdown_repeats(ray_cluster):
+    """Once shut down, a deployment and its clients refuse every call with StageFailed (before, a call made Ray
+    start a new local cluster to look for the killed actors, then raised a bare Exception), and a second shutdown
+    does nothing."""
+    import asyncio
+    _, path = tiny_checkpoint("dense", False)
+    d = memra_pp.launch({"name": "down", "model": {"path": str(path)}, "stages": [{"device": "cpu", "num_cpus": 0.1}],
+                         "scheduler": {"max_batch": 2, "max_context": CTX}})
+    c = d.client()
+    assert c.generate([5, 17], max_new_tokens=2).token_ids
+    d.shutdown()
+    for call in (lambda: c.generate([5, 17], max_new_tokens=2), lambda: next(iter(c.stream([5, 17]))),
+                 lambda: asyncio.run(c.agenerate([5, 17]))):
+        with pytest.raises(StageFailed, match="this client was closed"):
+            call()
+    for name, call in (("client", d.client), ("stats", d.stats), ("wait_ready", d.wait_ready),
+                       ("load_adapter", lambda: d.load_adapter("a", "/nowhere"))):
+        with pytest.raises(StageFailed, match=f"{name}: the deployment 'down' was shut down"):
+            call()
+    d.shutdown()
+    assert ray.is_initialized()      # the session's cluster: the deployment did not start it, nor stop it
+
+
+def test_a_second_detached_deployment_of_one_name_is_refused(ray_cluster):
+    """Launching detached under a name a running deployment holds is a ConfigError naming it (Ray's own refusal
+    was a raw ActorAlreadyExistsError saying namespace=None); the first keeps serving."""
+    _, path = tiny_checkpoint("dense", False)
+    cfg = {"name": "twice", "model": {"path": str(path)}, "stages": [{"device": "cpu", "num_cpus": 0.1}],
+           "scheduler": {"max_batch": 2, "max_context": CTX}}
+    d = memra_pp.launch(cfg, detached=True)
+    try:
+        with pytest.raises(ConfigError, match="name: a deployment named 'twice' is already running in namespace "
+                                              f"'{ray.get_runtime_context().namespace}'; stop it"):
+            memra_pp.launch(cfg, detached=True)
+        assert d.client().generate([5, 17, 42], max_new_tokens=4).token_ids == \
+            hf_reference("dense", False, (5, 17, 42), 4)[0]
+    finally:
+        d.shutdown()
+
+
+def test_launch_refuses_what_is_not_a_placement():
+    """A placement is a path or a dict; anything else is a ConfigError, not a TypeError from pathlib."""
+    with pytest.raises(ConfigError, match="a placement is a YAML file's path or a dict of placement keys, got list"):
+        memra_pp.launch(["x"])
+
+
+def test_adapter_names_are_non_empty_strings(dep):
+    """load_adapter refuses a name that is not a non-empty string before any stage work (None used to be loaded
+    into a slot and then broke the unknown-adapter message for every later request)."""
+    for name in (None, 5, ""):
+        with pytest.raises(InputError, match="an adapter's name is a non-empty string"):
+            dep.load_adapter(name, "/nowhere")
+    with pytest.raises(InputError, match="unknown adapter 'typo'; loaded: \\[\\]"):
+        dep.client().generate([5, 17], max_new_tokens=2, adapter="typo")
+    serves(dep)
+
+
+def test_timeouts_and_keyword_only_arguments(dep):
+    """timeout=0 means no wait (it used to mean the default); stream and agenerate take generate's keywords by
+    name only past max_new_tokens, so a positional temperature is never read as logprobs."""
+    c = dep.client()
+    with pytest.raises(TimeoutError, match="produced nothing for 0 s"):
+        c.generate([5, 17, 42], max_new_tokens=30, timeout=0)
+    with pytest.raises(TypeError):
+        c.stream([5, 17], 4, 0.7)
+    serves(dep)
+
+
+def test_stats_reset_starts_a_new_handoff_window(dep):
+    """stats(reset=True) restarts the handoff counters and latencies with the loop's window (busy, microbatches),
+    so a benchmark's window does not carry its warm-up's handoffs."""
+    serves(dep)
+    before = dep.stats(reset=True)["stages"][1]
+    assert before["handoffs"] > 0
+    after = dep.stats()["stages"][1]
+    assert after["handoffs"] == 0 and after["microbatches"] == 0, after
+    serves(dep)
+    assert 0 < dep.stats()["stages"][1]["handoffs"] < before["handoffs"] + 100
+
+
+def test_stop_ids_add_to_eos_unless_ignore_eos():
+    """stop_token_ids end a request in addition to the model's eos (as in vLLM; they used to replace it, so a
+    request with a stop id ran on past eos); ignore_eos leaves the stop ids alone."""
+    from memra_pp.stages.runner import stop_ids
+    assert stop_ids(None, False, (2,), V) == {2}
+    assert stop_ids([7, 9], False, (2, 3), V) == {2, 3, 7, 9}
+    assert stop_ids([7], True, (2,), V) == {7} and stop_ids(None, True, (2,), V) == frozenset()
+    with pytest.raises(InputError, match="stop_token_ids is a list of token ids, got 5"):
+        stop_ids(5, False, (2,), V)

@@ -25,7 +25,7 @@ def test_gguf_deployment_matches_transformers(ray_cluster):
         assert [(s.layer_start, s.layer_end) for s in dep.plan.stages][-1][1] == src.config.text.num_hidden_layers
         c = dep.client()
         for p in PROMPTS:
-            r = c.generate(p, max_new_tokens=6, stop_token_ids=[])
+            r = c.generate(p, max_new_tokens=6, ignore_eos=True)
             want, want_lp = hf_greedy(ref, p, 6)
             assert r.token_ids == want, (p[:4], r.token_ids, want)
             assert len(r.logprobs) == len(want_lp)

@@ -21,7 +21,7 @@ def run(path, devices, transport="auto"):
            "stages": [{"device": d} for d in devices], "scheduler": {"max_batch": 8, "prefill_chunk": 48}}
     with memra_pp.launch(cfg) as dep:
         c = dep.client()
-        toks = [c.generate(p, max_new_tokens=12, stop_token_ids=[]).token_ids for p in PROMPTS]
+        toks = [c.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in PROMPTS]
         st = dep.stats(timeline=True)["stages"]
     # the timeline's device spans (timing events placed on the host clock): both kinds on every stage, each
     # stage's spans in order and never overlapping (one stream), stage 1's first chunk after stage 0's began

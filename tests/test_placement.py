@@ -310,6 +310,8 @@ def test_microbatches_resolved():
      "overlay_publish: never is ineffective here (vision.engine puts the tower on the intake stage)"),
     (cfg("auto", "auto", transport="peer"), "transport: peer has no effect: every stage is on cpu"),
     (cfg({"device": "cuda:0"}, transport="host"), "transport: host has no effect: a single-stage placement"),
+    (cfg("auto", scheduler={"max_context": 262145}), "scheduler.max_context: 262145 is more than the model's "
+     "max_position_embeddings (262144): sequences longer than 262144 run past the context it was trained for"),
 ])
 def test_warnings(raw, needle):
     """A silently ineffective setting must yield exactly one warning saying why."""

@@ -87,7 +87,8 @@ def test_async_steps_drop_tokens_after_a_stop(dense):
     refs = {p: hf_reference(kind, tied, p, NEW)[0] for p in PROMPTS}
 
     async def go():
-        return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, stop_token_ids=[refs[p][k]])
+        return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW, stop_token_ids=[refs[p][k]],
+                                                 ignore_eos=True)
                                       for k, p in zip((2, 4, 0, 6), PROMPTS)])
     for k, p, r in zip((2, 4, 0, 6), PROMPTS, asyncio.run(go()), strict=True):
         first = refs[p].index(refs[p][k])      # the stop id may occur earlier in the reference
@@ -111,14 +112,14 @@ def test_a_request_joins_a_running_batch(dense, n_stages):
     times, started = [], threading.Event()
 
     def consume():
-        for e in c.stream([5, 17, 42], max_new_tokens=400, stop_token_ids=[]):
+        for e in c.stream([5, 17, 42], max_new_tokens=400, ignore_eos=True):
             times.append((time.monotonic(), len(e.token_ids)))
             started.set()
 
     th = threading.Thread(target=consume)
     th.start()
     assert started.wait(60)
-    short = c.generate([7, 8, 9], max_new_tokens=3, stop_token_ids=[])
+    short = c.generate([7, 8, 9], max_new_tokens=3, ignore_eos=True)
     t_short = time.monotonic()
     th.join(120)
     assert len(short.token_ids) == 3 and sum(k for _, k in times) == 400
@@ -211,8 +212,9 @@ def test_stream_text_pieces_with_a_tokenizer(ray_cluster):
     """With a tokenizer.json in the model dir, each stream event's text must be the new text its token ids complete:
     the pieces so far must equal the decode of the ids so far, short only of text held back while that decode ends
     in an incomplete UTF-8 character; the last event's flush must make the pieces' concatenation the decode of every
-    generated id, which must also be generate's r.text for the same (greedy) ids. The embedded default's tiny
-    checkpoint is the only model with a tokenizer here (no shared deployment has one): one stage of it."""
+    generated id, which must also be generate's r.text for the same (greedy) ids (special tokens skipped in both,
+    as vLLM). The embedded default's tiny checkpoint is the only model with a tokenizer here (no shared deployment
+    has one): one stage of it."""
     from memra_pp.defaults import ensure_tiny
     from memra_pp.demo import PROMPTS as TEXTS
     from memra_pp.model.tokenizer import REPLACEMENT
@@ -230,13 +232,13 @@ def test_stream_text_pieces_with_a_tokenizer(ray_cluster):
                 assert isinstance(e.text, str), e
                 ids += e.token_ids
                 pieces.append(e.text)
-                full, got = tok.decode(ids), "".join(pieces)
+                full, got = tok.decode(ids, skip_special_tokens=True), "".join(pieces)
                 assert full.startswith(got) and (got == full or (full.endswith(REPLACEMENT) and e is not evs[-1])), \
                     (text, ids, pieces, full)
                 held += got != full
             r = c.generate(text, max_new_tokens=24)
             assert ids and r.token_ids == ids, (text, ids, r.token_ids)
-            assert "".join(pieces) == r.text == tok.decode(ids), (text, pieces, r.text)
+            assert "".join(pieces) == r.text == tok.decode(ids, skip_special_tokens=True), (text, pieces, r.text)
     # non-vacuity: the random tiny model emits lone UTF-8 bytes, so some event's text was held back (an empty piece)
     assert held > 0, "no stream event held text back: the partial-character path never ran"
 

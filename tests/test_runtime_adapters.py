@@ -103,7 +103,7 @@ def test_unload_in_use_is_refused(ray_cluster):
 
         def run():
             toks = []
-            for ev in c.stream(list(PROMPTS[0]), max_new_tokens=150, adapter="a", stop_token_ids=[]):
+            for ev in c.stream(list(PROMPTS[0]), max_new_tokens=150, adapter="a", ignore_eos=True):
                 toks += ev.token_ids
                 first.set()
             got["n"] = len(toks)

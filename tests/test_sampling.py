@@ -63,3 +63,20 @@ def test_greedy_kernel_in_the_interpreter():
     import interp
     [(code, out, err)] = interp.results("greedy")
     assert code == 0 and "greedy ok 9" in out, out + err[-3000:]
+
+
+def test_params_are_normalised_and_a_tiny_temperature_is_greedy():
+    """validate returns what every stage samples with: a temperature under 1e-5 is greedy (dividing by 1e-45 sent
+    the logits to +-inf and the Gumbel argmax picked the first inf: token 0), numpy integers are Python ints, and
+    a bool or a float is no seed."""
+    import numpy as np
+    p = SamplingParams(temperature=1e-45, seed=np.int64(3), top_k=np.int32(5)).validate()
+    assert p.greedy and p.temperature == 0.0 and type(p.seed) is int and type(p.top_k) is int
+    assert not SamplingParams(temperature=1e-5).validate().greedy
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, [p, p], [0, 0])[0] == logits.argmax(-1).tolist()
+    for bad in (True, 1.5, "7"):
+        with pytest.raises(InputError, match="seed must be an integer or None"):
+            SamplingParams(temperature=1.0, seed=bad).validate()
+    with pytest.raises(InputError, match="top_p must be a finite number"):
+        SamplingParams(top_p=float("nan")).validate()

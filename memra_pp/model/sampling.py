@@ -6,10 +6,15 @@ which other requests share the batch, nor on replays after a stage restart.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import torch
 
 from ..errors import InputError
+
+
+GREEDY_BELOW = 1e-5        # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,15 +26,27 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> "SamplingParams":
+        """These parameters checked, and normalised: a temperature under GREEDY_BELOW is greedy (as vLLM: dividing
+        by it sends logits to +-inf), integral top_k and seed (numpy's too) Python ints. Every stage samples with the
+        normalised copy, so nothing a stage cannot use gets past the intake's submit."""
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise InputError(f"{name} must be a finite number, got {v!r}")
         if not (self.temperature >= 0):
             raise InputError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not (0 < self.top_p <= 1):
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (0 <= self.min_p < 1):
             raise InputError(f"min_p must be in [0, 1), got {self.min_p!r}")
-        return self
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise InputError(f"seed must be an integer or None, got {self.seed!r}")
+        return dataclasses.replace(
+            self, temperature=0.0 if self.temperature < GREEDY_BELOW else float(self.temperature),
+            top_k=int(self.top_k), top_p=float(self.top_p), min_p=float(self.min_p),
+            seed=None if self.seed is None else int(self.seed))
 
     @property
     def greedy(self) -> bool:
