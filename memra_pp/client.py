@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import numbers
+import operator
 import queue
 import threading
 import uuid
@@ -59,6 +60,29 @@ class _Track:
 # The request keywords generate / stream / agenerate share, with their defaults.
 REQUEST_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop_token_ids=None,
                         ignore_eos=False, adapter=None, images=None)
+
+
+def _token_ids(value) -> list[int] | str | None:
+    """Token ids as Python ints from a list, tuple, numpy array or tensor (0-d items too): the list; a value that
+    is not a sequence: None; an item that is not an integer (5.7, True): that item's description."""
+    try:
+        items = None if isinstance(value, (str, bytes, bytearray)) else \
+            value.tolist() if hasattr(value, "tolist") else list(value)
+    except TypeError:
+        return None
+    if not isinstance(items, list):
+        return None
+    out = []
+    for t in items:
+        if hasattr(t, "ndim") and getattr(t, "ndim", 1) == 0:     # a 0-d tensor or array: its scalar
+            t = t.item()
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            return f"{t!r} ({type(t).__name__})"
+    return out
 
 
 class Client:
@@ -192,18 +216,33 @@ class Client:
     def _submit(self, prompt, max_new_tokens, kw: dict, sink=None) -> tuple[_Track, queue.Queue, list[int]]:
         """One request with generate's keywords (`kw`); an unknown keyword is refused before anything is sent."""
         if self._closed.is_set():   # its deployment was shut down (or it was closed): the actors may be gone
-            raise StageFailed("this client was closed (close(), or its deployment's shutdown); take a new one")
+            raise StageFailed("this client was closed (close(), or its deployment's shutdown)")
         unknown = sorted(set(kw) - set(REQUEST_DEFAULTS))
         if unknown:
             known = sorted({*REQUEST_DEFAULTS, "max_new_tokens", "logprobs", "timeout"})  # the last three: named
             raise InputError(f"unknown keyword arguments {unknown}; known: {known}")
         ids = self._encode(prompt)
         q: queue.Queue = queue.Queue()
+        if not isinstance(max_new_tokens, bool):     # numpy / torch integers; the intake refuses anything else
+            try:
+                max_new_tokens = operator.index(max_new_tokens)
+            except TypeError:
+                pass
         req = dict(REQUEST_DEFAULTS, **kw, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)
-        if req.pop("images"):
-            if not isinstance(kw["images"], (list, tuple)):
-                raise InputError(f"images is a list of memra_pp.ImageInput, got {type(kw['images']).__name__}")
-            req["images"] = list(kw["images"])
+        if req["stop_token_ids"] is not None:
+            stops = _token_ids(req["stop_token_ids"])
+            if stops is None or isinstance(stops, str):
+                raise InputError(f"stop_token_ids is a list of token ids, got {req['stop_token_ids']!r}")
+            req["stop_token_ids"] = stops
+        if req["ignore_eos"] in (True, False):        # numpy's bools too; anything else: the intake refuses it
+            req["ignore_eos"] = bool(req["ignore_eos"])
+        images = req.pop("images")
+        if images is not None:
+            if isinstance(images, (str, bytes)) or not hasattr(images, "__iter__") or \
+                    type(images).__name__ == "ImageInput":
+                raise InputError(f"images is a list of memra_pp.ImageInput, got {type(images).__name__}")
+            if images := list(images):
+                req["images"] = images
         t = self.dep.placement.timeouts
         sup = self._sup
         if sup is not None and not sup.ready.wait(t.ready_s):   # a recovery is in progress: wait for it
@@ -244,17 +283,12 @@ class Client:
             if tok is None:
                 raise InputError("a text prompt needs a tokenizer.json in the model directory; pass token ids")
             return tok.encode(prompt)
-        try:
-            ids = None if isinstance(prompt, (bytes, bytearray)) else \
-                prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)     # numpy / torch: Python numbers
-        except TypeError:
-            ids = None
-        if not isinstance(ids, list):
+        ids = _token_ids(prompt)
+        if ids is None:
             raise InputError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
-        if bad is not None:       # int() would turn 5.7 into 5 and True into 1: a wrong prompt, served silently
-            raise InputError(f"a prompt's token ids are integers, got {bad!r} ({type(bad).__name__})")
-        return [int(t) for t in ids]
+        if isinstance(ids, str):       # int() would turn 5.7 into 5 and True into 1: a wrong prompt, served silently
+            raise InputError(f"a prompt's token ids are integers, got {ids}")
+        return ids
 
     def _result(self, toks, lps, finish, logprobs: bool, ids) -> Result:
         tok = self.dep.tokenizer     # text as vLLM gives it: special tokens (<|im_end|>) skipped
@@ -262,8 +296,13 @@ class Client:
                       tok.decode(toks, skip_special_tokens=True) if tok else None, len(ids))
 
     def _timeout(self, timeout: float | None) -> float:
-        """A request's wait for each piece: `timeout` as given (0 too), None: ten steps' budget."""
-        return self.dep.placement.timeouts.step_s * 10 if timeout is None else timeout
+        """A request's wait for each piece: `timeout` as given (0: what is already there), None: ten steps'
+        budget; refused before the request is sent."""
+        if timeout is None:
+            return self.dep.placement.timeouts.step_s * 10
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+            raise InputError(f"timeout is seconds >= 0 or None, got {timeout!r}")
+        return float(timeout)
 
     def _events(self, tr: _Track, q, timeout):
         done = False
@@ -272,7 +311,7 @@ class Client:
                 try:
                     toks, lps, finish, err = q.get(timeout=timeout)
                 except queue.Empty:
-                    raise TimeoutError(f"request {tr.rid} produced nothing for {timeout} s") from None
+                    raise TimeoutError(f"request {tr.rid} produced nothing for {timeout:g} s") from None
                 if err is not None:
                     done = True
                     raise _error(*err)
@@ -298,11 +337,12 @@ class Client:
         logprobs: r.logprobs[i] is token i's log-probability under the raw model (temperature 1)."""
         # `unknown` only collects misspelt keywords, so that _submit refuses them with InputError as stream and
         # agenerate do (a bare TypeError is not a memra_pp error)
+        wait = self._timeout(timeout)
         tr, q, ids = self._submit(prompt, max_new_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, adapter=adapter, images=images, **unknown))
         toks, lps, finish = [], [], "length"
-        for t, l, f in self._events(tr, q, self._timeout(timeout)):
+        for t, l, f in self._events(tr, q, wait):
             toks += t
             lps += l
             finish = f or finish
@@ -312,10 +352,11 @@ class Client:
                **kw) -> Iterator[StreamEvent]:
         """generate's keywords (keyword-only past max_new_tokens: a third positional argument is generate's
         temperature, never taken for logprobs); each event holds the new token ids, their logprobs and text."""
+        wait = self._timeout(timeout)
         tr, q, _ = self._submit(prompt, max_new_tokens, kw)
         tok = self.dep.tokenizer
         dec = tok.incremental_decoder(skip_special_tokens=True) if tok else None   # vLLM: no <|im_end|> in text
-        for t, l, f in self._events(tr, q, self._timeout(timeout)):
+        for t, l, f in self._events(tr, q, wait):
             text = None
             if dec is not None:
                 text = "".join(dec.push(x) for x in t) + (dec.flush() if f else "")
@@ -325,6 +366,7 @@ class Client:
                         timeout: float | None = None, **kw) -> Result:
         """Same keywords as generate (keyword-only past max_new_tokens, as in stream); any number in flight (no
         thread per request)."""
+        wait = self._timeout(timeout)
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(aq.put_nowait, item)   # noqa: E731
@@ -332,10 +374,10 @@ class Client:
         toks, lps, finish, done = [], [], "length", False
         try:
             while True:
-                try:
-                    t, l, f, err = await asyncio.wait_for(aq.get(), self._timeout(timeout))
+                try:       # a piece already queued is taken as generate takes it, also with timeout 0
+                    t, l, f, err = aq.get_nowait() if not aq.empty() else await asyncio.wait_for(aq.get(), wait)
                 except asyncio.TimeoutError:
-                    raise TimeoutError(f"request {tr.rid} produced nothing for {timeout} s") from None
+                    raise TimeoutError(f"request {tr.rid} produced nothing for {wait:g} s") from None
                 if err is not None:
                     done = True
                     raise _error(*err)

@@ -25,14 +25,28 @@ EMBEDDED = {TINY_PATH: {}, TINY_VISION_PATH: {"vision": True}}
 
 
 def ensure_embedded(path: Path) -> bool:
-    """Write one of the project's own tiny checkpoints where a placement names it and it is missing (as a hub model
-    would be downloaded), so `memra-pp launch / plan / battery` with a shipped YAML work on a fresh machine. Any
-    other path: False (the caller refuses it). Called by the driver, before any stage starts."""
+    """Write one of the project's own tiny checkpoints where a placement names it and it is missing or incomplete
+    (as a hub model would be downloaded), so `memra-pp launch / plan / battery` with a shipped YAML work on a
+    fresh machine. Any other path: False (the caller refuses it). The driver meets it first on its own host; the
+    stages of another node may meet it at once, so each writes a directory of its own and renames it into place
+    (the first rename wins; a reader never sees a half-written checkpoint)."""
     p = Path(path).expanduser()
     if p not in EMBEDDED:
         return False
+    if (p / "config.json").exists():        # written last: the checkpoint is complete
+        return True
     import logging
+    import os
+    import shutil
+    import uuid
     from .model.tiny import make_tiny
     logging.getLogger("memra_pp").warning(f"writing the embedded tiny checkpoint {p} (it was not there)")
-    make_tiny(p, **EMBEDDED[p])
+    tmp = p.with_name(f".{p.name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    make_tiny(tmp, **EMBEDDED[p])
+    try:
+        if p.exists() and not (p / "config.json").exists():
+            shutil.rmtree(p, ignore_errors=True)      # an interrupted write's leftovers
+        os.rename(tmp, p)
+    except OSError:               # another process renamed its complete copy into place first
+        shutil.rmtree(tmp, ignore_errors=True)
     return True

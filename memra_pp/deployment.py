@@ -36,7 +36,8 @@ class Deployment:
         self._actors_lock = threading.Lock()
         self._pg, self.transports, self.supervisor = None, ["shm"] * len(actors), None
         self._tokenizer = None
-        self._down = False             # shutdown ran: every later use is refused, and a second shutdown is a no-op
+        self._down = False             # shutdown was called: every later use is refused
+        self._torn_down = False        # its teardown completed: a second shutdown only stops Ray if still asked
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
 
@@ -47,7 +48,8 @@ class Deployment:
         from .model.weights import open_weights
         placement = load_placement(config)
         check_environment()     # the MEMRA_PP_* switches the stages will receive: known names, 0 or 1
-        if placement.ray.address == "local":       # the stages run on this host: a device it lacks, refused now
+        if placement.ray.address == "local" and not ray.is_initialized():
+            # launch starts a private cluster here, so the stages run on this host: a device it lacks, refused now
             for i, s in enumerate(placement.stages):
                 if s.is_cuda:
                     try:
@@ -294,11 +296,14 @@ class Deployment:
         """Stop every stage and free the placement group; stop Ray too if this deployment started it
         (unless `stop_ray` is False: the caller still needs the cluster, e.g. to tell a waiting `stop`). A second
         call only stops Ray where the first left it up."""
-        if self._down:
-            if self.owns_ray and stop_ray and ray.is_initialized():
-                ray.shutdown()
-            return
-        self._down = True
+        self._down = True                 # refuse every later call, also while this one tears down
+        if not self._torn_down:
+            self._teardown()
+            self._torn_down = True        # (a teardown that raised, e.g. on Ctrl-C, runs again on the next call)
+        if self.owns_ray and stop_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def _teardown(self) -> None:
         if self.supervisor is not None:   # first: no restart may race the teardown
             self.supervisor.stop()
         for c in self._clients:
@@ -317,8 +322,6 @@ class Deployment:
             remove_placement_group(self._pg)
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        if self.owns_ray and stop_ray:
-            ray.shutdown()
 
     def __enter__(self):
         return self

@@ -78,7 +78,7 @@ def parse_device(device) -> torch.device:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         idx = dev.index if dev.index is not None else (torch.cuda.current_device() if n else 0)
         if idx >= n:
-            raise ConfigError(f"device 'cuda:{idx}': this process sees {n} CUDA device(s)"
+            raise ConfigError(f"device {str(device)!r}: this process sees {n} CUDA device(s)"
                               + (f"; use cpu or cuda:0..cuda:{n - 1}" if n else
                                  f" (torch {torch.__version__}: no CUDA build or no driver); use cpu"))
         return torch.device("cuda", idx)

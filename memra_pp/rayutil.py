@@ -31,15 +31,17 @@ def attach(address: str, namespace: str) -> None:
 
     Ray 2.60 starts a local cluster with token authentication on (the token in ~/.ray/auth_token) but sends the
     token only when it finds the cluster itself (`auto`): an address given as `memra-pp launch` prints it was
-    refused as unauthenticated. So where RAY_AUTH_MODE is unset and a token is at hand, token mode is turned on for
-    an explicit address too, by Ray's own rule for `auto`. A cluster without authentication accepts such a client."""
+    refused as unauthenticated. So where RAY_AUTH_MODE is unset, the address is this host's own (loopback or one
+    of its interfaces: where `auto` would look) and a token is at hand, token mode is turned on as Ray does for
+    `auto`. A cluster without authentication accepts such a client. Another host never gets this host's token:
+    set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN for it, as Ray asks."""
     if address not in (None, "auto"):
-        _require_listening(address)
+        host = _require_listening(address)
         try:        # Ray's private module: a Ray without it has no token authentication to turn on
             from ray._private.authentication import authentication_token_setup as auth
         except ImportError:
             auth = None
-        if auth is not None and "RAY_AUTH_MODE" not in os.environ:
+        if auth is not None and "RAY_AUTH_MODE" not in os.environ and host is not None and _this_host(host):
             quiet = logging.getLogger(auth.__name__)
             level = quiet.level
             quiet.setLevel(logging.ERROR)       # its "token authentication is enabled" on every connect
@@ -49,21 +51,40 @@ def attach(address: str, namespace: str) -> None:
                 quiet.setLevel(level)
     try:
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+    except (ConnectionError, RuntimeError, getattr(ray.exceptions, "AuthenticationError", ConnectionError)) as e:
         raise ConfigError(f"ray.address {address!r}: cannot attach to a Ray cluster there ({type(e).__name__}: "
                           f"{str(e).splitlines()[0]}); give the address `memra-pp launch` printed, or `auto` on "
                           f"the launcher's host; a cluster with token authentication needs its token "
                           f"(~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
 
 
-def _require_listening(address: str, timeout: float = 5.0) -> None:
+def _require_listening(address: str, timeout: float = 5.0) -> str | None:
     """A host:port where nothing accepts a connection is refused at once: ray.init retries such an address for
-    minutes (13 measured here) before it gives up."""
+    minutes (13 measured here) before it gives up. Returns the host (None for ray://, a file path...: Ray's own
+    rules)."""
     m = re.fullmatch(r"([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d+)", address)
-    if m is None:             # ray://, a GCS file path...: Ray's own rules
-        return
+    if m is None:
+        return None
+    host = m.group(1).strip("[]")
     try:
-        socket.create_connection((m.group(1).strip("[]"), int(m.group(2))), timeout=timeout).close()
+        socket.create_connection((host, int(m.group(2))), timeout=timeout).close()
     except OSError as e:
         raise ConfigError(f"ray.address {address!r}: nothing accepts a connection there ({e}); give the address "
                           f"`memra-pp launch` printed, or `auto` on the launcher's host") from None
+    return host
+
+
+def _this_host(host: str) -> bool:
+    """Does every address `host` resolves to belong to this machine (loopback, or an interface a socket can bind)?"""
+    try:
+        ips = {a[4][0] for a in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    for ip in ips:
+        fam = socket.AF_INET6 if ":" in ip else socket.AF_INET
+        try:
+            with socket.socket(fam, socket.SOCK_STREAM) as s:
+                s.bind((ip, 0))              # only an address of this machine's own can be bound
+        except OSError:
+            return False
+    return bool(ips)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import os
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -281,7 +282,7 @@ def load_placement(src: str | Path | Mapping) -> Placement:
     """Read a placement YAML file (or an already-parsed dict) once and validate it; ConfigError names the file."""
     if isinstance(src, Mapping):
         where, raw = "placement", src
-    elif not isinstance(src, (str, Path)):
+    elif not isinstance(src, (str, os.PathLike)):
         raise ConfigError(f"a placement is a YAML file's path or a dict of placement keys, got {type(src).__name__}")
     else:
         where = str(src)

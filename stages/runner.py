@@ -194,7 +194,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.scheduler.validate(r)
         if req.get("images"):
             self._attach_images(r, req["images"])
-        elif self.mc.vision is not None and (n := prompt.count(self.mc.image_token_id)):
+        elif self.mc.vision is not None and not r.step0 and (n := prompt.count(self.mc.image_token_id)):
+            # (a replay's prompt holds the tokens generated before the restart: the model may have made that id)
             raise InputError(f"the prompt holds {n} image placeholder token(s) (id {self.mc.image_token_id}) but no "
                              f"images were given: pass images=[memra_pp.ImageInput(...)] or drop the placeholders")
         self.inbox.put(("req", r))
@@ -277,8 +278,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             # KV pools grown in place are mapped by the driver, outside torch's allocator (and its figure above)
             st["kv_mapped_bytes"] = self.cache.mapped_bytes()
         st["handoffs"] = ls.get("handoffs", 0)
-        st["handoff_p50_us"] = ls.get("handoff_p50_us", 0.0)
-        st["handoff_p99_us"] = ls.get("handoff_p99_us", 0.0)
+        st["handoff_p50_us"] = ls.get("handoff_p50_us") or 0.0     # None: no handoff yet (in this window)
+        st["handoff_p99_us"] = ls.get("handoff_p99_us") or 0.0
         st["mailbox_headers"] = ls.get("mailbox_headers", 0)
         snd = ls if link is self.sender else self.sender.stats(reset) if self.sender is not None else {}
         if "write_us_mean" in snd:      # where this stage's sends go: the data path, and the header's path

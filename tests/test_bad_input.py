@@ -63,7 +63,8 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     "bool token ids": (dict(prompt=[True, 5]), InputError, "a prompt's token ids are integers, got True"),
     "bytes prompt": (dict(prompt=b"hi"), InputError, "a prompt is a string or a list of token ids, got bytes"),
     "stop id above vocab": (dict(stop_token_ids=[V]), InputError, f"stop_token_ids must be token ids in [0, {V})"),
-    "stop id of a wrong type": (dict(stop_token_ids=["5"]), InputError, "stop_token_ids must be token ids"),
+    "stop id of a wrong type": (dict(stop_token_ids=["5"]), InputError,
+                                "stop_token_ids is a list of token ids, got ['5']"),
     "ignore_eos not a bool": (dict(ignore_eos="yes"), InputError, "ignore_eos must be True or False, got 'yes'"),
     "adapter not a name": (dict(adapter=["a"]), InputError, "adapter must be a loaded adapter's name"),
     "adapter number": (dict(adapter=5), InputError, "adapter must be a loaded adapter's name (a string) or None, "
@@ -183,6 +184,7 @@ def test_a_device_this_host_lacks_is_refused_before_ray(monkeypatch):
     def no_ray(*a, **k):
         raise AssertionError("Ray work began before the devices were checked")
     monkeypatch.setattr(ray, "init", no_ray)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)    # as in a fresh process: launch would start Ray
     monkeypatch.setattr(Deployment, "_make_actor", staticmethod(no_ray))
     cfg = {"name": "nodev", "model": {"path": "preset:qwen3.5-27b", "format": "dummy"},
            "stages": [{"device": "cpu"}, {"device": f"cuda:{missing}"}]}
@@ -354,9 +356,10 @@ def test_stats_reset_starts_a_new_handoff_window(dep):
     before = dep.stats(reset=True)["stages"][1]
     assert before["handoffs"] > 0
     after = dep.stats()["stages"][1]
-    assert after["handoffs"] == 0 and after["microbatches"] == 0, after
+    assert after["handoffs"] == 0 and after["microbatches"] == 0 and after["handoff_p50_us"] == 0.0, after
     serves(dep)
-    assert 0 < dep.stats()["stages"][1]["handoffs"] < before["handoffs"] + 100
+    st = dep.stats()["stages"][1]
+    assert st["handoffs"] == st["microbatches"] > 0 and st["handoff_p50_us"] > 0, st   # one handoff a microbatch
 
 
 def test_stop_ids_add_to_eos_unless_ignore_eos():
@@ -368,3 +371,61 @@ def test_stop_ids_add_to_eos_unless_ignore_eos():
     assert stop_ids([7], True, (2,), V) == {7} and stop_ids(None, True, (2,), V) == frozenset()
     with pytest.raises(InputError, match="stop_token_ids is a list of token ids, got 5"):
         stop_ids(5, False, (2,), V)
+
+
+def test_numpy_and_torch_values_are_taken_as_python_ones(dep):
+    """Token ids, stop ids, max_new_tokens and ignore_eos given as numpy or torch values (arrays, 0-d items,
+    numpy ints and bools) are what they say: the same tokens as the Python values."""
+    import numpy as np
+    c = dep.client()
+    ref = c.generate([5, 17, 42], max_new_tokens=6, ignore_eos=True).token_ids
+    for prompt in (np.array([5, 17, 42]), torch.tensor([5, 17, 42]), list(torch.tensor([5, 17, 42])),
+                   [np.int64(5), np.int32(17), 42], (5, 17, 42)):
+        assert c.generate(prompt, max_new_tokens=np.int64(6), ignore_eos=np.True_).token_ids == ref, prompt
+    for stops in (np.array([ref[2]]), torch.tensor([ref[2]]), [np.int64(ref[2])], list(torch.tensor([ref[2]]))):
+        r = c.generate([5, 17, 42], max_new_tokens=6, stop_token_ids=stops, ignore_eos=True)
+        assert r.token_ids == ref[:ref.index(ref[2]) + 1] and r.finish_reason == "stop", (stops, r)
+    for bad in ("x", -1.0, True):
+        with pytest.raises(InputError, match="timeout is seconds >= 0 or None"):
+            c.generate([5, 17], max_new_tokens=2, timeout=bad)
+
+
+def test_a_replay_may_hold_the_image_placeholder_id(dep):
+    """A replayed request's prompt holds the tokens generated before a restart (step0 > 0), which the model may
+    have made the image placeholder: only a new request's placeholders need images."""
+    from memra_pp.client import REQUEST_DEFAULTS
+    req = dict(REQUEST_DEFAULTS, rid="replayed", client="nobody", prompt=[5, VS, IMG, VE, 7], max_new_tokens=1,
+               step0=2, images=None)
+    ray.get(dep.actors[0].submit.remote(req), timeout=30)          # accepted
+    dep.actors[0].abort.remote("replayed")
+    with pytest.raises(InputError, match="image placeholder"):
+        ray.get(dep.actors[0].submit.remote(dict(req, rid="new", step0=0)), timeout=30)
+    serves(dep)
+
+
+def test_a_stop_id_does_not_turn_eos_off(ray_cluster):
+    """Seeded sampling at a high temperature until a request draws eos: the same seed with an unrelated stop id
+    must end at that eos ('stop'), and with ignore_eos run past it (stop ids used to replace eos). The embedded
+    tiny checkpoint has an eos (the shared deployment's model has none), one stage of it."""
+    import asyncio
+    from memra_pp.defaults import ensure_tiny
+    with memra_pp.launch({"name": "eos", "model": {"path": str(ensure_tiny())},
+                          "stages": [{"device": "cpu", "num_cpus": 0.1}],
+                          "scheduler": {"max_batch": 8, "max_context": 128}}) as d:
+        c, eos, n = d.client(), set(d.eos), 100
+        assert eos
+
+        async def draws():
+            return await asyncio.gather(*[c.agenerate([5, 17, 42], max_new_tokens=n, temperature=5.0, seed=s,
+                                                      ignore_eos=True) for s in range(16)])
+        hit = next(((s, r.token_ids) for s, r in enumerate(asyncio.run(draws())) if eos & set(r.token_ids[:-1])),
+                   None)
+        assert hit is not None, "no draw reached eos: raise the seeds or the temperature"
+        seed, toks = hit
+        at = min(i for i, t in enumerate(toks) if t in eos)
+        other = next(t for t in range(d.vocab_size) if t not in eos and t not in toks)
+        r = c.generate([5, 17, 42], max_new_tokens=n, temperature=5.0, seed=seed, stop_token_ids=[other])
+        assert r.token_ids == toks[:at + 1] and r.finish_reason == "stop", (r, toks, at)
+        r = c.generate([5, 17, 42], max_new_tokens=n, temperature=5.0, seed=seed, stop_token_ids=[other],
+                       ignore_eos=True)
+        assert r.token_ids == toks and r.finish_reason == "length"

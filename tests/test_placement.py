@@ -272,7 +272,10 @@ def test_shipped_configs_name_embedded_checkpoints_written_on_demand(tmp_path, m
     plain, vision = tmp_path / "plain", tmp_path / "vision"
     monkeypatch.setattr(defaults, "EMBEDDED", {plain: {}, vision: {"vision": True}})
     assert open_weights(str(vision), "auto").config.vision is not None and (vision / "config.json").exists()
+    plain.mkdir()
+    (plain / "model.safetensors").write_bytes(b"cut")        # an interrupted write: no config.json
     assert open_weights(str(plain), "auto").config.vision is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "vision"]     # no .part directory left
     with pytest.raises(ConfigError, match=r"model.path '.*elsewhere' does not exist"):
         open_weights(str(tmp_path / "elsewhere"), "auto")
     assert not (tmp_path / "elsewhere").exists()

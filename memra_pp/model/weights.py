@@ -195,9 +195,8 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
             p = sorted(p.glob("*.gguf"))[0]
         return GGUFSource(p)
     if fmt in ("auto", "safetensors"):
-        if not p.exists():
-            from ..defaults import ensure_embedded
-            if not ensure_embedded(p):
-                raise ConfigError(f"model.path {str(path)!r} does not exist")
+        from ..defaults import ensure_embedded
+        if not (p / "config.json").exists() and not ensure_embedded(p) and not p.exists():
+            raise ConfigError(f"model.path {str(path)!r} does not exist")
         return SafetensorsSource(p)
     raise ConfigError(f"model.format {fmt!r} is not one of auto, safetensors, gguf, dummy")
