@@ -3,6 +3,7 @@ concurrent load, next to a Ray actor call round trip measured in the same run (d
 from __future__ import annotations
 
 import json
+import sys
 import random
 import threading
 import time
@@ -236,11 +237,21 @@ def format_report(r: dict) -> str:
 
 
 def main(args) -> int:
+    import os
     import memra_pp
-    print(f"launching {args.config} ...", flush=True)
+    from .errors import InputError
+    for name in ("concurrency", "prompt_len", "max_new_tokens"):     # refused before anything is launched
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("out", "timeline"):
+        path = getattr(args, name, None)
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            raise InputError(f"--{name} {path}: its directory does not exist or is not writable")
+    say = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731 - progress off stdout (--json is JSON)
+    say(f"launching {args.config} ...")
     dep = memra_pp.launch(args.config)
     try:
-        print(f"running {args.concurrency} concurrent requests ...", flush=True)
+        say(f"running {args.concurrency} concurrent requests ...")
         r = run_bench(dep, args.concurrency, args.prompt_len, args.max_new_tokens,
                       timeline=bool(getattr(args, "timeline", None)))
     finally:
@@ -249,7 +260,7 @@ def main(args) -> int:
     if r.get("timeline"):
         plot_timelines([(f"{args.config}: {args.concurrency} concurrent x ({args.prompt_len} in, "
                          f"{args.max_new_tokens} out)", r["timeline"])], args.timeline)
-        print(f"timeline plot: {args.timeline}", flush=True)
+        say(f"timeline plot: {args.timeline}")
     print(json.dumps(r, indent=1) if args.json else format_report(r))
     if args.out:
         with open(args.out, "w") as f:

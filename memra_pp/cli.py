@@ -9,8 +9,17 @@ import time
 from .errors import InputError, MemraError
 
 
-def _print(args, obj, text: str) -> None:
-    print(json.dumps(obj, indent=1, default=str) if getattr(args, "json", False) else text)
+def _print(args, obj, text) -> None:
+    """--json: one JSON object on stdout and nothing else; otherwise `text` (a string, or a function that makes
+    it: a table is built only when it is printed)."""
+    if getattr(args, "json", False):
+        print(json.dumps(obj, indent=1, default=str))
+    else:
+        print(text() if callable(text) else text)
+
+
+def _num(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
 
 
 def cmd_plan(args) -> int:
@@ -23,9 +32,15 @@ def cmd_plan(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
+    from .errors import ConfigError
     from .model.tiny import make_tiny
-    path = make_tiny(args.path, moe=args.moe, vision=args.vision, seed=args.seed, overwrite=args.overwrite)
-    print(path)
+    try:
+        path = make_tiny(args.path, moe=args.moe, vision=args.vision, seed=args.seed, overwrite=args.overwrite)
+    except FileExistsError as e:
+        raise ConfigError(f"{e}".replace("pass overwrite=True", "pass --overwrite")) from None
+    except OSError as e:
+        raise ConfigError(f"{args.path}: cannot write the checkpoint there ({e.strerror or e})") from None
+    _print(args, {"path": str(path), "moe": args.moe, "vision": args.vision, "seed": args.seed}, str(path))
     return 0
 
 
@@ -38,15 +53,19 @@ def cmd_launch(args) -> int:
     import memra_pp
     dep = memra_pp.launch(args.config, detached=True)
     import ray
-    print(f"deployment {dep.placement.name!r} ready: {len(dep.actors)} stages; ray address "
-          f"{ray.get_runtime_context().gcs_address}; stop with `memra-pp stop {dep.placement.name}`", flush=True)
+    addr, name = ray.get_runtime_context().gcs_address, dep.placement.name
+    _print(args, {"name": name, "stages": len(dep.actors), "address": addr,
+                  "namespace": ray.get_runtime_context().namespace},
+           f"deployment {name!r} ready: {len(dep.actors)} stages; ray address {addr}; stop with "
+           f"`memra-pp stop {name} --address {addr}`")
+    sys.stdout.flush()
     from ray.experimental import internal_kv
     key = _stop_key(dep.placement.name)
     try:
         while not internal_kv._internal_kv_get(key):
             time.sleep(0.5)
         internal_kv._internal_kv_del(key)
-        print(f"stop requested: shutting {dep.placement.name!r} down", flush=True)
+        print(f"stop requested: shutting {dep.placement.name!r} down", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
     dep.shutdown(stop_ray=False)
@@ -70,7 +89,14 @@ def cmd_generate(args) -> int:
             raise InputError(f"--ids: {args.prompt!r} is not comma-separated token ids (e.g. 5,17,42)") from None
     dep = memra_pp.connect(args.name, args.namespace, args.address)
     c = dep.client()
-    r = c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    stops = None
+    if args.stop:
+        try:
+            stops = [int(t) for t in args.stop.split(",")]
+        except ValueError:
+            raise InputError(f"--stop: {args.stop!r} is not comma-separated token ids") from None
+    r = c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                   stop_token_ids=stops, ignore_eos=args.ignore_eos)
     _print(args, r.__dict__, r.text if r.text is not None else " ".join(map(str, r.token_ids)))
     c.close()
     return 0
@@ -80,11 +106,15 @@ def cmd_status(args) -> int:
     import memra_pp
     dep = memra_pp.connect(args.name, args.namespace, args.address)
     st = dep.stats()
-    lines = [f"{'stage':>5} {'device':>8} {'layers':>9} {'busy':>6} {'mbs':>7} {'handoffs':>9} {'p50 us':>8}"]
-    for s in st["stages"]:
-        lines.append(f"{s['index']:>5} {s['device']:>8} {str(tuple(s['layers'])):>9} {s['busy']:>6.1%} "
-                     f"{s['microbatches']:>7} {s['handoffs']:>9} {s['handoff_p50_us']:>8.1f}")
-    _print(args, st, "\n".join(lines))
+
+    def table() -> str:        # "-" where a stage has no figure yet (an idle deployment)
+        lines = [f"{'stage':>5} {'device':>8} {'layers':>9} {'busy':>6} {'mbs':>7} {'handoffs':>9} {'p50 us':>8}"]
+        for s in st["stages"]:
+            lines.append(f"{s['index']:>5} {s['device']:>8} {str(tuple(s['layers'])):>9} "
+                         f"{_num(s.get('busy'), '.1%'):>6} {_num(s.get('microbatches'), 'd'):>7} "
+                         f"{_num(s.get('handoffs'), 'd'):>9} {_num(s.get('handoff_p50_us'), '.1f'):>8}")
+        return "\n".join(lines)
+    _print(args, st, table)
     return 0
 
 
@@ -100,12 +130,12 @@ def cmd_stop(args) -> int:
     while time.time() < deadline:
         if internal_kv._internal_kv_get(_stop_key(args.name) + b":done"):
             ray.shutdown()     # disconnect before the launcher takes its cluster down
-            print(f"stopped {args.name}")
+            _print(args, {"stopped": args.name, "by": "launcher"}, f"stopped {args.name}")
             return 0
         time.sleep(0.2)
     internal_kv._internal_kv_del(_stop_key(args.name))
     dep.shutdown()
-    print(f"stopped {args.name} (no launcher answered; stages killed)")
+    _print(args, {"stopped": args.name, "by": "killed"}, f"stopped {args.name} (no launcher answered; stages killed)")
     return 0
 
 
@@ -146,6 +176,8 @@ def main(argv=None) -> int:
             s.add_argument("--max-new-tokens", type=int, default=32)
             s.add_argument("--temperature", type=float, default=0.0)
             s.add_argument("--seed", type=int, default=None)
+            s.add_argument("--stop", default=None, help="comma-separated token ids that end the request, besides eos")
+            s.add_argument("--ignore-eos", action="store_true", help="only --stop and --max-new-tokens end it")
     s = sub.add_parser("battery", help="run the residency battery on a live placement")
     s.add_argument("config")
     s.add_argument("--out", default=None, help="write the JSON report here")

@@ -22,6 +22,9 @@ def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24)
     from .defaults import TINY_CPU, ensure_tiny
     from .model.local import LocalPipeline
     from .model.weights import SafetensorsSource
+    from .errors import InputError
+    if prompts < 1 or max_new_tokens < 1:       # refused before anything is launched
+        raise InputError(f"the demo needs --prompts and --max-new-tokens >= 1, got {prompts} and {max_new_tokens}")
     q = json_out
     t0 = time.time()
     path = ensure_tiny()

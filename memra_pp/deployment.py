@@ -190,7 +190,11 @@ class Deployment:
         try:
             first = ray.get_actor(f"{name}.stage0")
         except ValueError:
-            raise ConfigError(f"no deployment named {name!r} in namespace {namespace!r}") from None
+            where = ray.get_runtime_context().gcs_address
+            raise ConfigError(f"no deployment named {name!r} in namespace {namespace!r} on the Ray cluster at "
+                              f"{where}" + (" (found by `auto`: where several clusters run on this host, pass the "
+                                            "address `memra-pp launch` printed)" if address == "auto" else "")
+                              ) from None
         d = _get(first.describe.remote(), 30, "describe")
         plan = Plan.from_dict(d["plan"])
         actors = [first] + [ray.get_actor(f"{name}.stage{i}") for i in range(1, len(plan.stages))]

@@ -48,6 +48,8 @@ def test_detached_launch_generate_status_stop(tmp_path):
         assert addr, "the launcher never reported ready"
         run = lambda *a: subprocess.run(CLI + list(a), capture_output=True, text=True,
                                         timeout=120, env=env)
+        idle = run("status", "tiny-cpu")        # before any request: figures a stage has none of yet
+        assert idle.returncode == 0 and "stage" in idle.stdout, idle.stderr[-2000:]
         g = run("generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json")
         assert g.returncode == 0, g.stderr
         assert len(json.loads(g.stdout)["token_ids"]) == 6
@@ -86,3 +88,41 @@ def test_generate_refuses_bad_ids_and_a_dead_address_at_once(capsys):
     err = capsys.readouterr().err
     assert f"ConfigError: ray.address '127.0.0.1:{port}': nothing accepts a connection there" in err, err
     assert time.monotonic() - t0 < 10 and not ray.is_initialized()
+
+
+def test_commands_refuse_bad_arguments_before_launching(tmp_path, capsys):
+    """demo and bench check their numbers and output paths before launching anything (they used to launch, then
+    fail with a traceback); make-tiny's refusals are one typed line naming --overwrite, and its --json is JSON."""
+    import ray
+    for argv, msg in ((["demo", "--prompts", "0"], "InputError: the demo needs --prompts and --max-new-tokens >= 1"),
+                      (["bench", "cluster_configs/tiny-cpu.yaml", "--concurrency", "0"],
+                       "InputError: --concurrency must be >= 1, got 0"),
+                      (["bench", "cluster_configs/tiny-cpu.yaml", "--timeline", "/nonexistent/dir/t.png"],
+                       "InputError: --timeline /nonexistent/dir/t.png: its directory does not exist")):
+        assert main(argv) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+    assert not ray.is_initialized()
+    d = tmp_path / "t"
+    assert main(["make-tiny", str(d), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"path": str(d), "moe": False, "vision": False, "seed": 0}
+    assert main(["make-tiny", str(d), "--moe"]) == 2
+    assert "ConfigError: " in capsys.readouterr().err
+    assert main(["make-tiny", str(d), "--seed", "3"]) == 2
+    assert "holds the seed-0 checkpoint, not seed 3; pass --overwrite" in capsys.readouterr().err
+
+
+def test_plan_refuses_an_ambiguous_or_mismatched_checkpoint(tmp_path, capsys):
+    """A directory of several .gguf files (which quantisation?), a split GGUF's shard, and a format that does not
+    match the path are ConfigErrors naming the path (one was loaded silently, the others raised raw exceptions)."""
+    fx = "/work/shared/fixtures/qwen35-tiny/dense_text-s404"
+    shard = tmp_path / "m-00001-of-00002.gguf"
+    shard.write_bytes(b"GGUF")
+    cases = ((fx, "auto", "holds 2 .gguf files (dense_text-f32.gguf, dense_text-q8_0.gguf); name one file"),
+             (f"{fx}/hf", "gguf", "holds no .gguf file for model.format gguf"),
+             (f"{fx}/dense_text-f32.gguf", "safetensors", "is a GGUF file but model.format is safetensors"),
+             (str(shard), "auto", "one shard of a split GGUF; merge the shards"))
+    for path, fmt, msg in cases:
+        f = tmp_path / "p.yaml"
+        f.write_text(f"name: p\nmodel: {{path: {path}, format: {fmt}}}\nstages: [{{device: cpu}}]\n")
+        assert main(["plan", str(f)]) == 2, path
+        assert msg in capsys.readouterr().err, path

@@ -122,7 +122,7 @@ def test_vision_forward_uses_pixels(tiny_dirs, name):
 
 def test_same_seed_gives_identical_bytes(tmp_path):
     """The same arguments must give byte-identical files, also in a fresh process (tokenizer training
-    included); another seed must change the weights and nothing else."""
+    included); another seed must change the weights and the recorded seed, nothing else."""
     a = _digest(make_tiny(tmp_path / "a", moe=True, vision=True, seed=3))
     b = _digest(make_tiny(tmp_path / "b", moe=True, vision=True, seed=3))
     code = ("import sys; from memra_pp.model.tiny import make_tiny; "
@@ -131,7 +131,17 @@ def test_same_seed_gives_identical_bytes(tmp_path):
     c = _digest(tmp_path / "c")
     d = _digest(make_tiny(tmp_path / "d", moe=True, vision=True, seed=4))
     assert a == b == c
-    assert {k for k in a if a[k] != d[k]} == {"model.safetensors"}
+    assert {k for k in a if a[k] != d[k]} == {"model.safetensors", "memra_tiny.json"}    # the seed is recorded
+
+
+def test_reuse_with_another_seed_is_refused(tmp_path):
+    """A checkpoint is reused only for the seed it was made with (`make-tiny D --seed 3` over a seed-0 D used to
+    return D unchanged): another seed is refused until overwrite, which writes that seed's weights."""
+    d = make_tiny(tmp_path / "d")
+    assert make_tiny(d) == d
+    with pytest.raises(FileExistsError, match="holds the seed-0 checkpoint, not seed 3; pass overwrite=True"):
+        make_tiny(d, seed=3)
+    assert _digest(make_tiny(d, seed=3, overwrite=True)) == _digest(make_tiny(tmp_path / "e", seed=3))
 
 
 def test_fast_and_config_matches_tokenizer(tmp_path):

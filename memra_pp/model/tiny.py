@@ -225,18 +225,26 @@ def _tokenizer_config() -> dict:
                               "{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
+SEED_FILE = "memra_tiny.json"     # the seed a tiny checkpoint was made with: a reuse with another one is refused
+
+
 def make_tiny(path: str | Path, *, moe: bool = False, vision: bool = False, seed: int = 0, tied: bool = False,
               num_layers: int = 8, layer_types: list[str] | None = None, overwrite: bool = False) -> Path:
     """Write a tiny random Qwen3.5 checkpoint to `path` and return it; the same arguments give identical bytes.
 
-    A complete checkpoint already at `path` with the same config is kept (not re-checked for the seed) unless
-    `overwrite`; one with a different config is refused.
+    A complete checkpoint already at `path` with the same config and seed (memra_tiny.json) is kept unless
+    `overwrite`; one with a different config or seed is refused.
     """
     out = Path(path).expanduser()
     cfg = tiny_config(moe=moe, vision=vision, tied=tied, num_layers=num_layers, layer_types=layer_types)
     if (out / "config.json").exists() and not overwrite:
         if (out / "config.json").read_text(encoding="utf-8") != _dumps(cfg):
             raise FileExistsError(f"{out}: holds a different checkpoint; pass overwrite=True to replace it")
+        made = out / SEED_FILE        # (a checkpoint from before the seed was recorded was made with seed 0)
+        was = json.loads(made.read_text(encoding="utf-8"))["seed"] if made.exists() else 0
+        if was != seed:
+            raise FileExistsError(f"{out}: holds the seed-{was} checkpoint, not seed {seed}; pass overwrite=True "
+                                  f"to replace it")
         return out
     init = _Init(seed)
     tensors = text_weights(init, cfg["text_config"])
@@ -248,7 +256,7 @@ def make_tiny(path: str | Path, *, moe: bool = False, vision: bool = False, seed
     gen = dict(eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False)
     # config.json last: its presence marks a complete checkpoint.
     files = {"tokenizer.json": tiny_tokenizer_json(), "tokenizer_config.json": _dumps(_tokenizer_config()),
-             "generation_config.json": _dumps(gen), "config.json": _dumps(cfg)}
+             "generation_config.json": _dumps(gen), SEED_FILE: json.dumps({"seed": seed}), "config.json": _dumps(cfg)}
     for name, text in files.items():
         (out / name).write_text(text, encoding="utf-8")
     return out

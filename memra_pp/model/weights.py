@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -192,8 +193,18 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
             "*.safetensors*")) and any(p.glob("*.gguf"))))):
         from .gguf_source import GGUFSource
         if p.is_dir():
-            p = sorted(p.glob("*.gguf"))[0]
+            found = sorted(p.glob("*.gguf"))
+            if len(found) != 1:     # which quantisation, or a split file's shards: not ours to guess
+                raise ConfigError(f"model.path {str(path)!r}: " + (
+                    f"holds {len(found)} .gguf files ({', '.join(f.name for f in found)}); name one file"
+                    if found else "holds no .gguf file for model.format gguf"))
+            p = found[0]
+        if re.search(r"-\d{5}-of-\d{5}\.gguf$", p.name):
+            raise ConfigError(f"model.path {str(path)!r}: one shard of a split GGUF; merge the shards into one file "
+                              f"first (llama.cpp: llama-gguf-split --merge)")
         return GGUFSource(p)
+    if fmt == "safetensors" and p.is_file() and p.suffix == ".gguf":
+        raise ConfigError(f"model.path {str(path)!r} is a GGUF file but model.format is safetensors; use gguf or auto")
     if fmt in ("auto", "safetensors"):
         from ..defaults import ensure_embedded
         if not (p / "config.json").exists() and not ensure_embedded(p) and not p.exists():
