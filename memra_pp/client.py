@@ -234,8 +234,11 @@ class Client:
             if stops is None or isinstance(stops, str):
                 raise InputError(f"stop_token_ids is a list of token ids, got {req['stop_token_ids']!r}")
             req["stop_token_ids"] = stops
-        if req["ignore_eos"] in (True, False):        # numpy's bools too; anything else: the intake refuses it
-            req["ignore_eos"] = bool(req["ignore_eos"])
+        try:                                          # numpy's bools too; anything else: the intake refuses it
+            if req["ignore_eos"] in (True, False):
+                req["ignore_eos"] = bool(req["ignore_eos"])
+        except (TypeError, ValueError, RuntimeError):  # an array's truth value
+            raise InputError(f"ignore_eos must be True or False, got {req['ignore_eos']!r}") from None
         images = req.pop("images")
         if images is not None:
             if isinstance(images, (str, bytes)) or not hasattr(images, "__iter__") or \

@@ -66,6 +66,7 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     "stop id of a wrong type": (dict(stop_token_ids=["5"]), InputError,
                                 "stop_token_ids is a list of token ids, got ['5']"),
     "ignore_eos not a bool": (dict(ignore_eos="yes"), InputError, "ignore_eos must be True or False, got 'yes'"),
+    "ignore_eos a tensor": (dict(ignore_eos=torch.tensor([1, 0])), InputError, "ignore_eos must be True or False"),
     "adapter not a name": (dict(adapter=["a"]), InputError, "adapter must be a loaded adapter's name"),
     "adapter number": (dict(adapter=5), InputError, "adapter must be a loaded adapter's name (a string) or None, "
                                                     "got 5"),

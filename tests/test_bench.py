@@ -91,7 +91,8 @@ def test_timeline_shows_a_chunked_prefill_moving_down_the_pipeline(ray_cluster, 
 
 
 def test_bench_command_plots_the_timeline(ray_cluster, tmp_path, capsys):
-    """`memra-pp bench --timeline PNG` (bench.main): the report, the JSON with each stage's spans, and the plot."""
+    """`memra-pp bench --timeline PNG` (bench.main): the report, the JSON with each stage's spans, and the plot;
+    progress goes to stderr, so that `--json` prints JSON alone."""
     import argparse
     import json
     from memra_pp.bench import main
@@ -100,7 +101,8 @@ def test_bench_command_plots_the_timeline(ray_cluster, tmp_path, capsys):
     args = argparse.Namespace(config=config(str(path)), concurrency=2, prompt_len=8, max_new_tokens=4, json=False,
                               out=str(out), timeline=str(png))
     assert main(args) == 0
-    assert "timeline plot" in capsys.readouterr().out and png.stat().st_size > 10_000
+    cap = capsys.readouterr()       # the progress (and the plot's path) on stderr: stdout is the report alone
+    assert "timeline plot" in cap.err and "timeline plot" not in cap.out and png.stat().st_size > 10_000
     tl = json.loads(out.read_text())["timeline"]
     assert len(tl["stages"]) == 2 and all(any(s[0] == "decode" for s in st) for st in tl["stages"])
 
