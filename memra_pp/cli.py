@@ -49,9 +49,17 @@ def cmd_demo(args) -> int:
     return run_demo(json_out=args.json, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt      # SIGTERM (a service manager's stop, `timeout`, `kill`) shuts down as Ctrl-C does
+
+
 def cmd_launch(args) -> int:
+    import signal
     import memra_pp
-    dep = memra_pp.launch(args.config, detached=True)
+    dep = memra_pp.launch(args.config, detached=True)   # (a SIGTERM in here: Ray's exit, launch tears down)
+    # after ray.init, which sets its own SIGTERM handler (sys.exit, skipping the shutdown below): else the stages
+    # die with Ray and leave their shared memory behind
+    signal.signal(signal.SIGTERM, _interrupt)
     import ray
     addr, name = ray.get_runtime_context().gcs_address, dep.placement.name
     _print(args, {"name": name, "stages": len(dep.actors), "address": addr,

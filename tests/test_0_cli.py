@@ -126,3 +126,30 @@ def test_plan_refuses_an_ambiguous_or_mismatched_checkpoint(tmp_path, capsys):
         f.write_text(f"name: p\nmodel: {{path: {path}, format: {fmt}}}\nstages: [{{device: cpu}}]\n")
         assert main(["plan", str(f)]) == 2, path
         assert msg in capsys.readouterr().err, path
+
+
+def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path):
+    """`memra-pp launch` stopped with SIGTERM (a service manager, `timeout`, `kill`) must shut its deployment down
+    as Ctrl-C does: exit 0, its Ray gone, and no shared-memory segment of its stages left (SIGTERM used to kill the
+    launcher outright, and the stages' receive slots stayed in /dev/shm)."""
+    import glob
+    import ray
+    assert not ray.is_initialized()
+    before = set(glob.glob("/dev/shm/mpp_*"))
+    log = open(tmp_path / "launch.log", "w+")
+    launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        for _ in range(240):
+            log.seek(0)
+            if "ray address" in log.read():
+                break
+            assert launcher.poll() is None, "the launcher exited early"
+            time.sleep(0.25)
+        assert set(glob.glob("/dev/shm/mpp_*")) - before, "the stages made no segment: the check below is vacuous"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert set(glob.glob("/dev/shm/mpp_*")) - before == set()
