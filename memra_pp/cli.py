@@ -87,22 +87,20 @@ def _stop_key(name: str) -> bytes:
     return f"memra_pp:{name}:stop".encode()
 
 
+def _comma_ids(flag: str, text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise InputError(f"{flag}: {text!r} is not comma-separated token ids (e.g. 5,17,42)") from None
+
+
 def cmd_generate(args) -> int:
     import memra_pp
-    prompt = args.prompt
-    if args.ids:                       # refused before any Ray work
-        try:
-            prompt = [int(t) for t in args.prompt.split(",")]
-        except ValueError:
-            raise InputError(f"--ids: {args.prompt!r} is not comma-separated token ids (e.g. 5,17,42)") from None
+    # refused before any Ray work
+    prompt = _comma_ids("--ids", args.prompt) if args.ids else args.prompt
+    stops = _comma_ids("--stop", args.stop) if args.stop else None
     dep = memra_pp.connect(args.name, args.namespace, args.address)
     c = dep.client()
-    stops = None
-    if args.stop:
-        try:
-            stops = [int(t) for t in args.stop.split(",")]
-        except ValueError:
-            raise InputError(f"--stop: {args.stop!r} is not comma-separated token ids") from None
     r = c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                    stop_token_ids=stops, ignore_eos=args.ignore_eos)
     _print(args, r.__dict__, r.text if r.text is not None else " ".join(map(str, r.token_ids)))

@@ -197,7 +197,7 @@ def auto_microbatches(placement: Placement) -> int:
     return n if all(s.is_cuda for s in placement.stages) else n + 1
 
 
-def _warnings(placement: Placement, n: int, tower: int) -> tuple[str, ...]:
+def _warnings(placement: Placement, model: ModelConfig, n: int, tower: int) -> tuple[str, ...]:
     out = []
     mb = placement.scheduler.microbatches
     if mb is not None and mb < n:
@@ -217,17 +217,13 @@ def _warnings(placement: Placement, n: int, tower: int) -> tuple[str, ...]:
         elif not any(s.is_cuda for s in placement.stages):
             out.append(f"transport: {placement.transport} has no effect: every stage is on cpu, so boundaries "
                        "use CPU shared-memory slots")
+    # positions past max_position_embeddings run (rotary embeddings have no end), but the model was not trained
+    # there: said once at boot, as llama.cpp does for n_ctx above n_ctx_train
+    ctx, mpe = placement.scheduler.max_context, model.text.max_position_embeddings
+    if ctx > mpe:
+        out.append(f"scheduler.max_context: {ctx} is more than the model's max_position_embeddings ({mpe}): "
+                   f"sequences longer than {mpe} run past the context it was trained for")
     return tuple(out)
-
-
-def _context_warning(placement: Placement, model: ModelConfig) -> tuple[str, ...]:
-    """Positions past the model's max_position_embeddings run (rotary embeddings have no end), but the model was
-    not trained there: said once at boot, as llama.cpp does for n_ctx above n_ctx_train."""
-    mc, mpe = placement.scheduler.max_context, model.text.max_position_embeddings
-    if mc <= mpe:
-        return ()
-    return (f"scheduler.max_context: {mc} is more than the model's max_position_embeddings ({mpe}): "
-            f"sequences longer than {mpe} run past the context it was trained for",)
 
 
 def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[float] | None = None,
@@ -260,5 +256,4 @@ def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[fl
     mb = placement.scheduler.microbatches
     mb = mb if mb is not None else auto_microbatches(placement)
     return Plan(name=placement.name, stages=stages, intake_index=0, primary_index=n - 1, tower_index=tower,
-                microbatches=mb, num_layers=L,
-                warnings=_warnings(placement, n, tower) + _context_warning(placement, model))
+                microbatches=mb, num_layers=L, warnings=_warnings(placement, model, n, tower))

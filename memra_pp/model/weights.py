@@ -207,7 +207,7 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
         raise ConfigError(f"model.path {str(path)!r} is a GGUF file but model.format is safetensors; use gguf or auto")
     if fmt in ("auto", "safetensors"):
         from ..defaults import ensure_embedded
-        if not (p / "config.json").exists() and not ensure_embedded(p) and not p.exists():
+        if not ensure_embedded(p) and not p.exists():     # (an embedded checkpoint: written where missing)
             raise ConfigError(f"model.path {str(path)!r} does not exist")
         return SafetensorsSource(p)
     raise ConfigError(f"model.format {fmt!r} is not one of auto, safetensors, gguf, dummy")
