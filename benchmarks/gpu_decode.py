@@ -148,6 +148,8 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=4096,
                     help="scheduler.prefill_chunk (a long prompt's chunks pipeline across stages)")
     ap.add_argument("--hf", action="store_true", help="transformers' generate on GPU 0")
+    ap.add_argument("--hf-concurrency", default="", help="transformers' concurrencies (default: --concurrency); "
+                    "its generate takes about 150 ms a step at 27B, so a sweep usually gives it fewer")
     ap.add_argument("--hf-device-map", default="", help="also transformers' generate with the model spread over "
                     "these GPUs (e.g. 0,1) as device_map=\"auto\" places it: the naive pipeline")
     ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
@@ -168,7 +170,12 @@ def main() -> int:
         ap.error(f"--hf-device-map {a.hf_device_map!r}: this machine has {torch.cuda.device_count()} GPU(s); "
                  f"name indices below that")
     os.makedirs(a.out, exist_ok=True)
-    conc = [int(x) for x in a.concurrency.split(",")]
+    try:
+        conc = [int(x) for x in a.concurrency.split(",")]
+        hf_conc = [int(x) for x in a.hf_concurrency.split(",")] if a.hf_concurrency else conc
+    except ValueError:
+        ap.error(f"--concurrency {a.concurrency!r} / --hf-concurrency {a.hf_concurrency!r}: give comma-separated "
+                 f"integers, e.g. 1,8,64")
     from memra_pp.model.config import parse_config
     from memra_pp.model import presets
     preset = presets.get(a.model.removeprefix("preset:"))
@@ -178,7 +185,7 @@ def main() -> int:
     ctx = a.prompt_len + a.new // 2
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "weight_bytes_per_token": wb,
            "floor_batch1_tokens_per_s": bw / wb, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "step_floor_tokens_per_s": {c: step_floor_tokens_per_s(mc, bw, c, ctx) for c in conc},
+           "step_floor_tokens_per_s": {c: step_floor_tokens_per_s(mc, bw, c, ctx) for c in sorted({*conc, *hf_conc})},
            "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M"), "runs": []}
     print(f"copy {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.1f} GB/token, batch-1 floor {bw / wb:.1f} tokens/s",
           flush=True)
@@ -193,7 +200,7 @@ def main() -> int:
             + ([(hf_map, f"transformers, device_map over {len(hf_map)} GPUs")] if hf_map else [])
         for devices, system in runs:
             try:
-                run_hf(conc, a.prompt_len, a.new, devices, text_config=text_config, system=system, out=rep["runs"],
+                run_hf(hf_conc, a.prompt_len, a.new, devices, text_config=text_config, system=system, out=rep["runs"],
                        save=save)
             except Exception as e:  # noqa: BLE001 - record it and go on: the rows measured so far are kept
                 print(f"  {system} failed: {type(e).__name__}: {e}", flush=True)
