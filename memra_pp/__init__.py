@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from . import errors
-from .errors import ConfigError, InputError, MemraError, OverlayError, ResidencyError, StageFailed
+from .errors import ConfigError, InputError, MemraError, OverlayError, RequestTimeout, ResidencyError, StageFailed
 
 __all__ = ["launch", "connect", "ImageInput", "errors", "MemraError", "ConfigError", "ResidencyError",
-           "OverlayError", "InputError", "StageFailed"]
+           "OverlayError", "InputError", "StageFailed", "RequestTimeout"]
 
 
 def launch(config, detached: bool = False):

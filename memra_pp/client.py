@@ -6,6 +6,7 @@ events, not per token) and routes them to per-request queues.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import numbers
 import operator
@@ -16,7 +17,7 @@ from typing import Iterator
 
 import ray
 
-from .errors import InputError, MemraError, StageFailed
+from .errors import InputError, MemraError, RequestTimeout, StageFailed
 from . import errors as _errors
 
 
@@ -307,14 +308,18 @@ class Client:
             raise InputError(f"timeout is seconds >= 0 or None, got {timeout!r}")
         return float(timeout)
 
-    def _events(self, tr: _Track, q, timeout):
+    def _events(self, tr: _Track, q, timeout, primed: bool = False):
+        """The request's pieces; closing the generator (or dropping it) before the end frees its sequence. primed:
+        first yields None, so that one next() puts it inside its try before the caller reads anything."""
         done = False
         try:
+            if primed:
+                yield None
             while True:
                 try:
                     toks, lps, finish, err = q.get(timeout=timeout)
                 except queue.Empty:
-                    raise TimeoutError(f"request {tr.rid} produced nothing for {timeout:g} s") from None
+                    raise RequestTimeout(f"request {tr.rid} produced nothing for {timeout:g} s") from None
                 if err is not None:
                     done = True
                     raise _error(*err)
@@ -354,16 +359,24 @@ class Client:
     def stream(self, prompt, max_new_tokens: int = 16, *, logprobs: bool = True, timeout: float | None = None,
                **kw) -> Iterator[StreamEvent]:
         """generate's keywords (keyword-only past max_new_tokens: a third positional argument is generate's
-        temperature, never taken for logprobs); each event holds the new token ids, their logprobs and text."""
+        temperature, never taken for logprobs); each event holds the new token ids, their logprobs and text.
+        The request is checked and submitted here, so bad input raises at this call, not at the first next();
+        an iterator closed or dropped before the end frees its sequence."""
         wait = self._timeout(timeout)
         tr, q, _ = self._submit(prompt, max_new_tokens, kw)
+        events = self._events(tr, q, wait, primed=True)
+        next(events)             # inside its try: from here a close, or the iterator's collection, aborts the request
         tok = self.dep.tokenizer
         dec = tok.incremental_decoder(skip_special_tokens=True) if tok else None   # vLLM: no <|im_end|> in text
-        for t, l, f in self._events(tr, q, wait):
-            text = None
-            if dec is not None:
-                text = "".join(dec.push(x) for x in t) + (dec.flush() if f else "")
-            yield StreamEvent(t, l if logprobs else None, text, f)
+
+        def pieces():
+            with contextlib.closing(events):
+                for t, l, f in events:
+                    text = None
+                    if dec is not None:
+                        text = "".join(dec.push(x) for x in t) + (dec.flush() if f else "")
+                    yield StreamEvent(t, l if logprobs else None, text, f)
+        return pieces()
 
     async def agenerate(self, prompt, max_new_tokens: int = 16, *, logprobs: bool = True,
                         timeout: float | None = None, **kw) -> Result:
@@ -380,7 +393,7 @@ class Client:
                 try:       # a piece already queued is taken as generate takes it, also with timeout 0
                     t, l, f, err = aq.get_nowait() if not aq.empty() else await asyncio.wait_for(aq.get(), wait)
                 except asyncio.TimeoutError:
-                    raise TimeoutError(f"request {tr.rid} produced nothing for {wait:g} s") from None
+                    raise RequestTimeout(f"request {tr.rid} produced nothing for {wait:g} s") from None
                 if err is not None:
                     done = True
                     raise _error(*err)

@@ -175,7 +175,7 @@ class Deployment:
             need = sum(s.num_cpus for s in p.stages) + 0.5
             ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
                      namespace=p.ray.namespace, log_to_driver=True, logging_level=logging.WARNING,
-                     _node_ip_address=p.ray.listen if p.ray.listen != "unix" else "127.0.0.1")
+                     _node_ip_address=p.ray.listen)
         else:
             attach(p.ray.address, p.ray.namespace)
         return True

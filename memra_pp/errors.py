@@ -29,5 +29,9 @@ class StageFailed(MemraError):
         self.stage = stage
 
 
+class RequestTimeout(MemraError, TimeoutError):
+    """A request produced nothing within its timeout; it was cancelled (its sequence freed), nothing else was."""
+
+
 class ProtocolError(StageFailed):
     """A boundary message (slot header, control frame) did not decode: the link between two stages is broken."""

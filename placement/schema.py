@@ -78,7 +78,10 @@ class AdapterSpec:
 class RaySpec:
     address: str = "local"        # "local" starts a private Ray; anything else is passed to ray.init(address=)
     namespace: str = "memra"      # Ray namespace, so connect(name) finds detached deployments
-    listen: str = "127.0.0.1"     # address the deployment's sockets bind: loopback unless said otherwise
+    # the node IP a local cluster advertises (ray.init's node IP). Not a network boundary: Ray 2.60 maps loopback to
+    # this host's reachable address and binds its own servers on every interface whatever is given (its token
+    # authentication guards them); the stages' own sockets are Unix sockets in a private directory
+    listen: str = "127.0.0.1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,10 +239,13 @@ def _ray(raw: Any) -> RaySpec:
     kw = {k: _str(d[k], f"ray.{k}") for k in ("address", "namespace", "listen") if k in d}
     if "listen" in kw:
         try:
-            ipaddress.ip_address(kw["listen"])
+            ip = ipaddress.ip_address(kw["listen"])
         except ValueError:
-            raise _bad("ray.listen", f"{kw['listen']!r} is not an IP address; use 127.0.0.1 (this host only) "
-                       "or 0.0.0.0 (every interface)") from None
+            raise _bad("ray.listen", f"{kw['listen']!r} is not an IP address; use 127.0.0.1 (Ray's own choice of "
+                       "this host's address) or one of this host's interface addresses") from None
+        if ip.is_unspecified:
+            raise _bad("ray.listen", f"{kw['listen']!r} is no address Ray can advertise to other nodes (Ray binds "
+                       "every interface already); use 127.0.0.1 or one of this host's interface addresses")
     return RaySpec(**kw)
 
 

@@ -257,7 +257,7 @@ def test_unknown_keyword_refused_before_submit(dep):
         c.generate([5, 17], max_new_token=2)
     assert all(f"'{k}'" in str(ei.value) for k in ("logprobs", "timeout", "temperature", "images")), ei.value
     with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
-        next(iter(c.stream([5, 17], max_new_tokens=2, temprature=0.5)))
+        c.stream([5, 17], max_new_tokens=2, temprature=0.5)      # at the call, not at the first next()
     with pytest.raises(InputError, match=r"unknown keyword arguments \['temprature'\]"):
         asyncio.run(c.agenerate([5, 17], max_new_tokens=2, temprature=0.5))
     serves(dep)
@@ -293,7 +293,7 @@ def test_after_shutdown_every_call_is_refused_and_shutdown_repeats(ray_cluster):
     c = d.client()
     assert c.generate([5, 17], max_new_tokens=2).token_ids
     d.shutdown()
-    for call in (lambda: c.generate([5, 17], max_new_tokens=2), lambda: next(iter(c.stream([5, 17]))),
+    for call in (lambda: c.generate([5, 17], max_new_tokens=2), lambda: c.stream([5, 17]),
                  lambda: asyncio.run(c.agenerate([5, 17]))):
         with pytest.raises(StageFailed, match="this client was closed"):
             call()
@@ -342,12 +342,46 @@ def test_adapter_names_are_non_empty_strings(dep):
 def test_timeouts_and_keyword_only_arguments(dep):
     """timeout=0 means no wait (it used to mean the default); stream and agenerate take generate's keywords by
     name only past max_new_tokens, so a positional temperature is never read as logprobs."""
+    import asyncio
     c = dep.client()
-    with pytest.raises(TimeoutError, match="produced nothing for 0 s"):
+    with pytest.raises(memra_pp.RequestTimeout, match="produced nothing for 0 s") as ei:
         c.generate([5, 17, 42], max_new_tokens=30, timeout=0)
+    # one except clause catches every memra_pp error, and the built-in TimeoutError still catches this one
+    assert isinstance(ei.value, memra_pp.MemraError) and isinstance(ei.value, TimeoutError), type(ei.value).__mro__
+    with pytest.raises(memra_pp.RequestTimeout, match="produced nothing for 0 s"):
+        asyncio.run(c.agenerate([5, 17, 42], max_new_tokens=30, timeout=0))
+    with pytest.raises(memra_pp.RequestTimeout, match="produced nothing for 0 s"):
+        list(c.stream([5, 17, 42], max_new_tokens=30, timeout=0))
     with pytest.raises(TypeError):
         c.stream([5, 17], 4, 0.7)
+    assert not c._tracks, "a timed-out request is still tracked"
     serves(dep)
+
+
+def test_a_stream_is_checked_at_the_call_and_freed_when_dropped(dep):
+    """c.stream() checks and submits at the call (bad input raises there, as generate's does, not at the first
+    next()); an iterator dropped unread, or closed part-way, aborts its request: the intake frees its KV pages."""
+    import gc
+
+    def pages():
+        return [s["kv_pages_free"] for s in dep.stats()["stages"]]
+    serves(dep)
+    free = pages()
+    c = dep.client()
+    with pytest.raises(InputError, match=f"outside the vocabulary \\[0, {V}\\)"):
+        c.stream([5, V])
+    assert not c._tracks
+    it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
+    assert len(c._tracks) == 1, "stream() must submit at the call"
+    del it
+    gc.collect()
+    assert not c._tracks, "a dropped stream's request is still tracked"
+    it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
+    assert len(next(it).token_ids) >= 1
+    it.close()
+    assert not c._tracks, "a closed stream's request is still tracked"
+    serves(dep)
+    assert pages() == free, "the dropped streams' KV pages did not come back"
 
 
 def test_stats_reset_starts_a_new_handoff_window(dep):

@@ -170,6 +170,7 @@ def test_layer_refusals(stages, needles):
     ({"stages": [{"device": "cpu", "num_cpus": 0}]}, ["stages[0].num_cpus: must be a positive finite number"]),
     ({"stages": [{"device": "cpu", "threads": 0}]}, ["stages[0].threads: must be an integer >= 1, got 0"]),
     ({"ray": {"listen": "localhost"}}, ["ray.listen: 'localhost' is not an IP address; use 127.0.0.1"]),
+    ({"ray": {"listen": "0.0.0.0"}}, ["ray.listen: '0.0.0.0' is no address Ray can advertise"]),
     ({"ray": {"namespace": ""}}, ["ray.namespace: must be a non-empty string"]),
     ({"name": "my name"}, ["name: 'my name' must be letters, digits"]),
 ])
@@ -229,7 +230,7 @@ def test_round_trips(tmp_path):
               vision={"engine": "stage:1"}, overlay_publish="never", transport="host", recover="replay",
               transport_poll_us=500,
               scheduler={"microbatches": 2, "max_batch": 3, "max_context": 64, "prefill_chunk": 7, "kv_pages": 9},
-              adapters={"max_loras": 1, "max_rank": 8}, ray={"address": "auto", "namespace": "n", "listen": "0.0.0.0"},
+              adapters={"max_loras": 1, "max_rank": 8}, ray={"address": "auto", "namespace": "n", "listen": "10.1.2.3"},
               timeouts={"ready_s": 1, "step_s": 2.5, "heartbeat_s": 0.5})
     p = load_placement(raw)
     assert load_placement(p.to_dict()) == p
