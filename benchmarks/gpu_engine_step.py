@@ -14,12 +14,14 @@ fp32 recurrent state read and written + its KV read, over the device-to-device c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
 
 import torch
-from gpu_decode import copy_bandwidth, step_bytes   # the deployment benchmark's floor (benchmarks/ is on the path)
+# the deployment benchmark's floor (benchmarks/ is on the path)
+from gpu_decode import copy_bandwidth, step_bytes, weight_bytes_per_token
 from step_profile import critical_path, critical_text, kernel_summary, plot_critical
 
 
@@ -179,6 +181,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prefill", default="", help="also time prefill steps: comma-separated SEQSxTOKENS (e.g. "
                     "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown)")
+    ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step with its norms and "
+                    "conv as the torch ops (before conv_prefill and the fused norms in prefill), interleaved")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from memra_pp.model import decode_graphs
@@ -271,20 +275,66 @@ def main() -> int:
         for B, n in shapes:     # prefill: B fresh prompts of n tokens as one step (chunk = B * n tokens)
             b = StepBatch(list(range(B)), [0] * B, [n] * B, StepBatch.text_positions([0] * B, [n] * B), [True] * B)
             ids = torch.randint(4, mc.text.vocab_size, (B * n,), device="cuda")
-            times, tuned = [], []
+            ways = ("kernels", "torch") if a.prefill_torch else ("kernels",)
+            times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             for _ in range(6):
-                torch.cuda.synchronize()
-                k0, t = tuned_keys(), time.perf_counter()
-                model(b, model.embed_ids(ids), cache)
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - t) * 1e3)
-                tuned.append(tuned_keys() - k0)
-            rep["rows"].append({"mode": mode, "prefill": [B, n], "step_ms": times, "kernel_keys_tuned": tuned})
-            print(f"  {mode:5s} prefill {B} x {n} tokens: " + ", ".join(f"{x:.1f}" for x in times) + " ms/step "
-                  f"({B * n / min(times) * 1e3:,.0f} tokens/s at the fastest), fla keys tuned per step {tuned}",
-                  flush=True)
+                for way in ways:        # interleaved, so drift falls on both
+                    with torch_prefill(way == "torch"):
+                        torch.cuda.synchronize()
+                        k0, t = tuned_keys(), time.perf_counter()
+                        model(b, model.embed_ids(ids), cache)
+                        torch.cuda.synchronize()
+                    times[way].append((time.perf_counter() - t) * 1e3)
+                    tuned[way].append(tuned_keys() - k0)
+            for way in ways:
+                tf = prefill_flops(mc, B, n) / min(times[way]) * 1e3 / 1e12
+                rep["rows"].append({"mode": mode, "prefill": [B, n], "prefill_ops": way, "step_ms": times[way],
+                                    "kernel_keys_tuned": tuned[way], "tflops_at_fastest": tf})
+                print(f"  {mode:5s} prefill {B} x {n} tokens ({way}): " + ", ".join(f"{x:.1f}" for x in times[way])
+                      + f" ms/step ({B * n / min(times[way]) * 1e3:,.0f} tokens/s at the fastest: {tf:.0f} TFLOP/s "
+                      f"of matmul and attention), fla keys tuned per step {tuned[way]}", flush=True)
+            if a.profile:      # where a prefill step's device time goes, by kernel
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    model(b, model.embed_ids(ids), cache)
+                    torch.cuda.synchronize()
+                ks = kernel_summary(prof, top=40)
+                open(os.path.join(a.out, f"profile-prefill-{mode}-{B}x{n}.txt"), "w").write(
+                    ks + "\n\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+                print(ks, flush=True)
             json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
     return 0
+
+
+@contextlib.contextmanager
+def torch_prefill(on: bool):
+    """The prefill's norms and Gated DeltaNet conv as the torch ops (the model before conv_prefill and the fused
+    norms ran in prefill): kernels/fused_decode's three entry points replaced by their references for the step.
+    Captured decode graphs are not affected (they replay what was captured)."""
+    from memra_pp.kernels import fused_decode as fd
+    if not on:
+        yield
+        return
+    saved = fd.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm
+    fd.conv_prefill, fd.add_rms_norm = fd.conv_prefill_ref, fd.add_rms_norm_ref
+    fd.gated_rms_norm = lambda o, z, w, eps: fd.gated_rms_norm_ref(o, z, w, eps).reshape(o.shape[0], -1)
+    try:
+        yield
+    finally:
+        fd.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm = saved
+
+
+def prefill_flops(mc, B: int, n: int) -> float:
+    """The FLOPs a prefill step of B prompts of n tokens must do: every weight matmul (2 x active parameters x
+    tokens; MoE: the k routed experts and the shared one, as weight_bytes_per_token(1) counts them; the lm_head on
+    the B last rows) and the full-attention layers' causal QK^T and PV. The Gated DeltaNet's chunked rule is left
+    out (a few percent at these sizes), so the figure is a floor on the work done."""
+    t = mc.text
+    head = t.vocab_size * t.hidden_size
+    params = (weight_bytes_per_token(mc, 1) - 2 * head) / 2
+    n_full = sum(t.is_full(i) for i in range(t.num_hidden_layers))
+    attn = n_full * 2 * 2 * t.num_attention_heads * t.head_dim * (n * (n + 1) / 2)
+    return 2 * params * B * n + 2 * head * B + B * attn
 
 
 if __name__ == "__main__":

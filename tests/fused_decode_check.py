@@ -76,6 +76,19 @@ ya = fd.conv_step(Pu[:, :C], sa, cw, slots)
 yb = ref(fd.conv_step, Pu[:, :C], sb, cw, slots)
 close(ya, yb, tol); assert torch.equal(sa, sb), (sa - sb).abs().max()
 assert torch.equal(sa[[1, 2]], st[[1, 2]])
+# the prefill conv: segments of 37 tokens (two token tiles, the second partial), 2 and 1 (shorter than the K-1
+# state: the new state mixes the old one and the inputs), fresh and continuing, rows scattered in u (a strided
+# view into a projection) and channels over two tiles
+T, C = 120, 200
+Pu = torch.randn(T, C + 9, dtype=dt)
+cw = torch.randn(C, K, dtype=dt)
+for G, n in [(3, 37), (2, 2), (4, 1)]:
+    rows = torch.randperm(T)[:G * n]
+    for state in (None, torch.randn(G, C, K - 1, dtype=dt)):
+        ya, sa = fd.conv_prefill(Pu[:, :C], rows, cw, state, G, n)
+        yb, sb = ref(fd.conv_prefill, Pu[:, :C], rows, cw, state, G, n)
+        assert ya.shape == yb.shape == (G, n, C) and sa.shape == sb.shape == (G, C, K - 1)
+        close(ya, yb, tol); assert torch.equal(sa, sb.to(sa.dtype)), (G, n, state is None)
 # the Gated DeltaNet step from raw projections
 B, H, HV, Kd, V = 3, 2, 4, 16, 16
 y = torch.randn(B, 2 * H * Kd + HV * V, dtype=dt)

@@ -1,9 +1,10 @@
 """The decode graphs' step at one row through the Triton kernels (Triton's CPU interpreter, float32): the merged
 input projections with their norm and out_proj / o_proj (kernels/gemv.py, forced onto the tiny shapes, 3 persistent
 programs), the conv and GDN steps, the q / k norms with the new key and value's write in one kernel, attention and the
-MoE kernels. It must decode what the eager step decodes through the torch ops: same greedy tokens, logprobs within
-5e-4. With decode_graphs.ANY_KV on (the default: one graph for every length, the attention over the cache's capacity,
-each sequence's splits from its length), whatever the environment says; a graph per KV bucket runs the same kernels
+MoE kernels; the prompt's prefill through the Triton norms and conv (conv_prefill). It must decode what the eager
+step decodes through the torch ops: same greedy tokens, logprobs within 5e-4. With decode_graphs.ANY_KV on (the
+default: one graph for every length, the attention over the cache's capacity, each sequence's splits from its
+length), whatever the environment says; a graph per KV bucket runs the same kernels
 but the attention's (tests/fused_decode_check.py checks it both ways). Run under TRITON_INTERPRET=1
 (tests/test_decode_graphs.py does, the two MoE ways at once: `fused_step_check.py [all|noblock|block]`); prints the
 fused kinds' launch counts."""
@@ -35,6 +36,7 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     te, le = eager.greedy([[5, 6, 7, 8]], NEW)
     fd.USE_TRITON = True
     before, qk, sg = dict(gemv.CALLS), pgd.CALLS["qk_kv_write"], fused_moe.CALLS["shared_gate"]
+    cp = fd.CALLS["conv_prefill"]      # the prompt's prefill runs through the Triton norms and conv too
     ts, ls = static.greedy([[5, 6, 7, 8]], NEW)
     assert ts == te, (kind, ts, te)
     d = max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True))
@@ -42,9 +44,10 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     ran = {k: gemv.CALLS[k] - before[k] for k in gemv.CALLS}
     ran["qk_kv_write"], ran["shared_gate"] = pgd.CALLS["qk_kv_write"] - qk, fused_moe.CALLS["shared_gate"] - sg
     ran["block"] = moe_block.CALLS["block_split"] - blocks
-    assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write")), (kind, ran)
+    ran["conv_prefill"] = fd.CALLS["conv_prefill"] - cp
+    assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write", "conv_prefill")), (kind, ran)
     assert ran["shared_gate"] > 0 and (ran["block"] > 0) == block, (block, ran)     # (prefill: the per-pair kernels)
     S = static.caches[0].max_positions if any_kv else 256     # the graphs' KV length: the capacity, or the bucket
     assert [s.graphs.stats()["graphs"] for s in static.stages] == [[(1, S)]] * 2, (any_kv, static.stages[0].graphs)
-print("step ok", {**gemv.CALLS, **pgd.CALLS, "shared_gate": fused_moe.CALLS["shared_gate"],
+print("step ok", {**gemv.CALLS, **pgd.CALLS, **fd.CALLS, "shared_gate": fused_moe.CALLS["shared_gate"],
                   "block": moe_block.CALLS["block_split"]})

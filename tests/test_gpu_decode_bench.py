@@ -315,3 +315,22 @@ def test_premise_route_fixes_the_routing_and_skips_the_router():
     finally:
         fused_moe.PREMISE_ROUTE = None
         fused_moe._PREMISE.clear()
+
+
+def test_prefill_flops_counts_matmuls_and_causal_attention():
+    """gpu_engine_step's prefill TFLOP/s figure: 2 x active parameters a token (no embedding; lm_head on each
+    prompt's last row), plus the full layers' causal QK^T and PV, linear in the number of prompts."""
+    from gpu_engine_step import prefill_flops
+    from memra_pp.model import presets
+    from memra_pp.model.config import parse_config
+    mc = parse_config(presets.get("qwen3.5-27b"))
+    t = mc.text
+    head = t.vocab_size * t.hidden_size
+    body = gpu_decode.weight_bytes_per_token(mc, 1) - 2 * head          # bf16 bytes = 2 x parameters
+    n_full = sum(t.is_full(i) for i in range(t.num_hidden_layers))
+    assert n_full == t.num_hidden_layers // 4
+    n = 4096
+    attn = n_full * 4 * t.num_attention_heads * t.head_dim * n * (n + 1) / 2
+    assert prefill_flops(mc, 1, n) == pytest.approx(body * n + 2 * head + attn)
+    assert prefill_flops(mc, 3, n) == pytest.approx(3 * prefill_flops(mc, 1, n))
+    assert 45e9 < prefill_flops(mc, 1, n) / n < 60e9                   # ~27B parameters, 2 FLOPs each

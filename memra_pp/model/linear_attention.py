@@ -6,8 +6,7 @@ import torch
 from .batch import StepBatch
 from .cache import StageCache
 from .config import TextConfig
-from .gdn import (causal_conv_batch, causal_conv_step, chunk_gated_delta_rule, gdn_gates,
-                  recurrent_gated_delta_rule)
+from .gdn import causal_conv_step, chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule
 from .layers import Param, gated_rms_norm
 
 
@@ -41,8 +40,12 @@ class GatedDeltaNet(Param):
         return linear(o, self.out_proj_weight)
 
     def forward(self, x_TH: torch.Tensor, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
+        """A step with prompt segments: each group of equal-length segments through one conv kernel and one call of
+        the chunked rule, then the gated norm (kernels/fused_decode.py's conv_prefill and gated_rms_norm on CUDA,
+        their torch references elsewhere)."""
         if b.decode_only():
             return self.decode(x_TH, b.index_tensors(x_TH.device)[0], cache, lora)
+        from memra_pp.kernels import fused_decode as fd
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
@@ -58,7 +61,7 @@ class GatedDeltaNet(Param):
         # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
         for idx, rows, slots in b.groups("length", x_TH.device):
             G, n, fresh = len(idx), b.counts[idx[0]], b.starts[idx[0]] == 0
-            y, conv[slots] = causal_conv_batch(u[rows].view(G, n, -1), w, None if fresh else conv[slots])
+            y, conv[slots] = fd.conv_prefill(u, rows, w, None if fresh else conv[slots], G, n)
             q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
             q = q.reshape(G, n, nk, dk).repeat_interleave(r, 2)
             k = k.reshape(G, n, nk, dk).repeat_interleave(r, 2)
@@ -68,7 +71,7 @@ class GatedDeltaNet(Param):
             fn = self._recurrent if n == 1 and not fresh else self._chunk
             o, rec[slots] = fn(q, k, v.reshape(G, n, nv, dv), g[rows].view(G, n, nv), beta[rows].view(G, n, nv), s0)
             out[rows] = o.reshape(G * n, nv, dv).to(out.dtype)
-        o = gated_rms_norm(out, z, self.norm_weight, c.rms_norm_eps).reshape(T, nv * dv)
+        o = fd.gated_rms_norm(out, z, self.norm_weight, c.rms_norm_eps)
         return self.lin(o, "out_proj", lora)
 
     def decode(self, x_BH: torch.Tensor, slots_B: torch.Tensor, cache: StageCache, lora=None) -> torch.Tensor:

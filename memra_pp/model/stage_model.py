@@ -35,10 +35,11 @@ class Layer(nn.Module):
         if b.decode_only():
             slots, pos = b.index_tensors(h_TH.device)
             return self.decode(h_TH, slots, pos, max(b.starts) + 1, cache, cos, sin, lora)
-        x = rms_norm(h_TH, self.ln1, self.eps)
+        from memra_pp.kernels.fused_decode import add_rms_norm     # one kernel a norm on CUDA; the torch ops elsewhere
+        x = add_rms_norm(h_TH, None, self.ln1, self.eps)[1]
         m = self._attention(x, b, cache, cos, sin, lora) if self.full else self.mixer(x, b, cache, lora)
-        h_TH = h_TH + m
-        return h_TH + self.ffn(rms_norm(h_TH, self.ln2, self.eps), lora)
+        h_TH, x = add_rms_norm(h_TH, m, self.ln2, self.eps)         # h + m, and its norm
+        return h_TH + self.ffn(x, lora)
 
     def decode(self, h_BH, slots_B, pos_B, S: int, cache: StageCache, cos, sin, lora=None):
         """One new token per sequence at positions pos_B of slots slots_B, attending over the first S cached
