@@ -279,7 +279,7 @@ def main() -> int:
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             for _ in range(6):
                 for way in ways:        # interleaved, so drift falls on both
-                    with torch_prefill(way == "torch"):
+                    with torch_prefill(way == "torch", model):
                         torch.cuda.synchronize()
                         k0, t = tuned_keys(), time.perf_counter()
                         model(b, model.embed_ids(ids), cache)
@@ -307,14 +307,19 @@ def main() -> int:
 
 
 @contextlib.contextmanager
-def torch_prefill(on: bool):
-    """The prefill's norms and Gated DeltaNet conv as the torch ops (the model before conv_prefill and the fused
-    norms ran in prefill): kernels/fused_decode's three entry points replaced by their references for the step.
-    Captured decode graphs are not affected (they replay what was captured)."""
+def torch_prefill(on: bool, model):
+    """The prefill as before the twenty-third session: its norms and Gated DeltaNet conv as the torch ops
+    (kernels/fused_decode's three entry points replaced by their references for the step) and q / k repeated to the
+    value heads for fla (its grouped value heads off). Captured decode graphs are not affected (they replay what was
+    captured)."""
     from memra_pp.kernels import fused_decode as fd
     if not on:
         yield
         return
+    rules = {id(r): r for r in (getattr(layer.mixer, "rule", None) for layer in model.layers) if r is not None}
+    gva = {k: r.gva for k, r in rules.items()}
+    for r in rules.values():
+        r.gva = False
     saved = fd.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm
     fd.conv_prefill, fd.add_rms_norm = fd.conv_prefill_ref, fd.add_rms_norm_ref
     fd.gated_rms_norm = lambda o, z, w, eps: fd.gated_rms_norm_ref(o, z, w, eps).reshape(o.shape[0], -1)
@@ -322,6 +327,8 @@ def torch_prefill(on: bool):
         yield
     finally:
         fd.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm = saved
+        for k, r in rules.items():
+            r.gva = gva[k]
 
 
 def prefill_flops(mc, B: int, n: int) -> float:

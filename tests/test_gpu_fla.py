@@ -35,3 +35,37 @@ def test_chunk_calls_of_new_shapes_tune_nothing_and_match_torch():
     for G, n in [(1, 64), (3, 40), (2, 1100), (5, 130)]:   # new group sizes; 2 x 1,100 x 32 rows: a new l2norm
         call(G, n)                                         # bucket had fla's own l2norm tune again
     assert fla_rule.tuned_keys() == first, "a prefill step of a new shape tuned fla's kernels again"
+
+
+def test_grouped_value_heads_equal_repeated_q_and_k():
+    """fla's grouped value attention (q and k with 16 heads, v with 48, the 27B's linear heads) must give what the
+    engine's repeated q and k gave (repeat_interleave: value head h reads key head h // 3) and what the torch chunked
+    form gives; the load's warm-up turns it on (rule.gva) and tunes its shapes, so a prefill tunes nothing."""
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
+    from memra_pp.model import fla_rule
+    from memra_pp.model.gdn import chunk_gated_delta_rule
+    rule = fla_rule.FlaRule()
+    H, HV, D = 16, 48, 128
+    rule.warm_up(HV, D, D, torch.bfloat16, torch.device("cuda"), k_heads=H)
+    assert rule.gva, "this fla (0.6) takes grouped value heads: the warm-up must have turned gva on"
+    first = fla_rule.tuned_keys()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=gen)
+    cases = []
+    for G, n in [(1, 300), (3, 40), (2, 1)]:
+        q, k, v = r(G, n, H, D).bfloat16(), r(G, n, H, D).bfloat16(), r(G, n, HV, D).bfloat16()
+        g, beta = -torch.rand(G, n, HV, device="cuda", generator=gen), \
+            torch.rand(G, n, HV, device="cuda", generator=gen).bfloat16()
+        s0 = r(G, HV, D, D) * 0.1
+        fn = rule.chunk if n > 1 else rule.recurrent
+        cases.append((fn, (q, k, v, g, beta, s0), fn(q, k, v, g, beta, s0)))
+    assert fla_rule.tuned_keys() == first, "a grouped-head prefill tuned fla's kernels after the warm-up"
+    for fn, (q, k, v, g, beta, s0), (o, s) in cases:    # the repeated heads may tune: after the check above
+        qr, kr = q.repeat_interleave(HV // H, 2), k.repeat_interleave(HV // H, 2)
+        o2, s2 = fn(qr, kr, v, g, beta, s0)
+        ro, rs = chunk_gated_delta_rule(qr.float(), kr.float(), v.float(), g, beta.float(), s0)
+        for a, b, c in ((o.float(), o2.float(), ro), (s, s2, rs)):
+            assert ((a - b).abs().max() / b.abs().max()).item() < 1e-2, (q.shape, fn)
+            assert ((a - c).abs().max() / c.abs().max()).item() < 2e-2, (q.shape, fn)

@@ -53,7 +53,11 @@ def _probe() -> bool:
 
 
 class FlaRule:
+    """gva: q and k may keep their own (fewer) heads, each serving HV / H consecutive value heads, as
+    repeat_interleave maps them (fla's grouped value attention, `i_h // (HV // H)`); set by a warm-up whose grouped
+    call ran, so an fla without it gets the repeated heads."""
     name = "fla"
+    gva = False
 
     def __init__(self):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -61,21 +65,35 @@ class FlaRule:
         self._chunk, self._rec = chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         _tune_once(cumsum.chunk_local_cumsum_scalar_kernel)
 
-    def warm_up(self, heads: int, dk: int, dv: int, dtype, device) -> None:
+    def warm_up(self, heads: int, dk: int, dv: int, dtype, device, k_heads: int | None = None) -> None:
         """Tune and compile fla's kernels for these dimensions now (a stage load), not in the first request's
         prefill (2.8 s for the 35B-A3B on an H200): one chunk of 64 tokens and one recurrent token, of zeros. Once
-        a process for each set of dimensions; Triton's disk cache keeps the tunings for later processes."""
-        key = (heads, dk, dv, dtype, str(device))
-        if key in _WARM:
+        a process for each set of dimensions; Triton's disk cache keeps the tunings for later processes. k_heads
+        (fewer than the value heads `heads`): q and k with their own heads (gva) where this fla takes them; the 27B
+        then normalises and reads a third of the q / k rows a prefill would repeat."""
+        kh = k_heads or heads
+        key = (heads, kh, dk, dv, dtype, str(device))
+        if key in _WARM:                 # another stage model of this process warmed these: its finding holds here
+            self.gva = _WARM[key]
             return
 
         def z(*shape, dt=dtype):
             return torch.zeros(*shape, dtype=dt, device=device)
 
-        for n, fn in ((64, self.chunk), (1, self.recurrent)):
-            fn(z(1, n, heads, dk), z(1, n, heads, dk), z(1, n, heads, dv), z(1, n, heads, dt=torch.float32),
-               z(1, n, heads), z(1, heads, dk, dv, dt=torch.float32))
-        _WARM.add(key)
+        def run(qh):
+            for n, fn in ((64, self.chunk), (1, self.recurrent)):
+                fn(z(1, n, qh, dk), z(1, n, qh, dk), z(1, n, heads, dv), z(1, n, heads, dt=torch.float32),
+                   z(1, n, heads), z(1, heads, dk, dv, dt=torch.float32))
+        if kh < heads:
+            try:
+                run(kh)
+                self.gva = True
+            except Exception as e:  # noqa: BLE001 - an fla without grouped value heads: repeat q and k instead
+                log.info("fla takes no grouped value heads (%s: %s); q and k are repeated", type(e).__name__, e)
+                self.gva = False
+        if not self.gva:
+            run(heads)
+        _WARM[key] = self.gva
 
     def chunk(self, q, k, v, g, beta, state):
         from memra_pp.kernels.fused_decode import l2norm
@@ -95,7 +113,7 @@ class FlaRule:
         return gdn_decode(q, k, v, g, beta, state_pool, slots, q.shape[-1] ** -0.5)
 
 
-_WARM: set = set()     # (heads, dk, dv, dtype, device) warmed up in this process
+_WARM: dict = {}     # (heads, k_heads, dk, dv, dtype, device) warmed up in this process -> gva
 
 
 def _autotuner(kernel):

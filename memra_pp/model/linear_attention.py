@@ -63,8 +63,9 @@ class GatedDeltaNet(Param):
             G, n, fresh = len(idx), b.counts[idx[0]], b.starts[idx[0]] == 0
             y, conv[slots] = fd.conv_prefill(u, rows, w, None if fresh else conv[slots], G, n)
             q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
-            q = q.reshape(G, n, nk, dk).repeat_interleave(r, 2)
-            k = k.reshape(G, n, nk, dk).repeat_interleave(r, 2)
+            q, k = q.reshape(G, n, nk, dk), k.reshape(G, n, nk, dk)
+            if not getattr(self.rule, "gva", False):    # the value heads' own copies of q and k (fla's gva: none)
+                q, k = q.repeat_interleave(r, 2), k.repeat_interleave(r, 2)
             s0 = rec.new_zeros(G, *rec.shape[1:]) if fresh else rec[slots]
             # transformers runs the chunked form for every prefill, even of one token, and the recurrent
             # one only to continue a cached state: the same kernels keep bf16 rounding identical

@@ -140,7 +140,7 @@ class StageModel(nn.Module):
                 t = self.mc.text
                 if gdn:     # fla tunes now, not in the first prefill
                     rule.warm_up(t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim,
-                                 self.dtype, self.device)
+                                 self.dtype, self.device, k_heads=t.linear_num_key_heads)
         return self
 
     def new_cache(self, max_seqs: int, max_context: int) -> StageCache:
