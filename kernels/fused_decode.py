@@ -251,6 +251,15 @@ def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int):
     return y.view(G, n, C), new
 
 
+def conv_prefill_warm_up(C: int, K: int, dtype, device) -> None:
+    """Compile conv_prefill's two variants (fresh prompts; segments continuing a state) at a stage's load, not in
+    its first request's prefill."""
+    u = torch.zeros(64, C, dtype=dtype, device=device)
+    rows, w = torch.arange(64, device=device), torch.zeros(C, K, dtype=dtype, device=device)
+    for state in (None, torch.zeros(1, C, K - 1, dtype=dtype, device=device)):
+        conv_prefill(u, rows, w, state, 1, 64)
+
+
 # -- the Gated DeltaNet step from raw projections ---------------------------------------------------------------------
 GDN_TILE = {1: (32, 2)}   # batch -> (BV, num_warps), the nearest batch at or below applies (benchmarks/gpu_kernels.py)
 
@@ -410,7 +419,9 @@ if triton is not None:
         yv = acc.to(x_new.dtype).to(tl.float32)
         tl.store(y + n * C + c, (yv / (1.0 + tl.exp(-yv))).to(x_new.dtype), mask=m)
 
-    @triton.jit(do_not_specialize=["n"])    # one binary for every prompt length
+    # one binary for every prompt length, and for rows at any offset into the step's index tensor (a later group's
+    # rows start where the one before ended: 8-byte aligned, not always 16)
+    @triton.jit(do_not_specialize=["n", "rows"])
     def _conv_prefill_kernel(u, rows, state, w, y, su, n, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                              HAS_STATE: tl.constexpr):
         nb = tl.cdiv(n, BT)
