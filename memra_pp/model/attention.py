@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from .batch import h2d
 from .config import TextConfig
-from .layers import Param, rms_norm
+from .layers import Param
 
 
 class Rope:
@@ -78,15 +78,18 @@ class GatedAttention(Param):
         return linear(o, self.o_proj_weight)
 
     def project(self, x_TH, cos, sin, lora=None):
-        """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached)."""
+        """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached). The q / k norms with
+        their rotary embedding are one kernel each on CUDA (kernels/fused_decode.add_rms_norm, reading q's heads in
+        place in the projection), the torch ops of rms_norm and apply_rope elsewhere."""
+        from memra_pp.kernels.fused_decode import add_rms_norm
         c = self.cfg
         T = x_TH.shape[0]
         qg = self.lin(x_TH, "q_proj", lora).view(T, c.num_attention_heads, 2 * c.head_dim)
         q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, -1)
         k = self.lin(x_TH, "k_proj", lora).view(T, c.num_key_value_heads, c.head_dim)
         v = self.lin(x_TH, "v_proj", lora).view(T, c.num_key_value_heads, c.head_dim)
-        q = apply_rope(rms_norm(q, self.q_norm_weight, c.rms_norm_eps), cos, sin)
-        k = apply_rope(rms_norm(k, self.k_norm_weight, c.rms_norm_eps), cos, sin)
+        q = add_rms_norm(q, None, self.q_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
+        k = add_rms_norm(k, None, self.k_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
         return q, gate, k, v
 
     def output(self, attn_TX, gate_TX, lora=None):
