@@ -110,8 +110,9 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                                                          "kv_mapped_bytes")}
                              for s in st], decode_graphs=[s.get("decode_graphs") for s in st])
             out.append(r)
-            print(f"  {n} stage(s) (microbatches {microbatches}), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s end to end, steady decode "
-                  f"{r['decode_tokens_per_s']:.1f} tokens/s, ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms, busy "
+            print(f"  {n} stage(s) (microbatches {microbatches}), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s "
+                  f"end to end, steady decode {r['decode_tokens_per_s']:.1f} tokens/s, "
+                  f"ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms, busy "
                   + ", ".join(f"{s['busy']:.0%}" for s in r["stages"])
                   + " (steady decode " + ", ".join(f"{b:.0%}" for b in r.get("steady_busy") or []) + ")"
                   + (", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us"
@@ -137,8 +138,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="preset:qwen3.5-27b")
     ap.add_argument("--layouts", default="0;0,1", help="deployments to run: ';'-separated GPU lists, one stage "
-                    "per entry (0,0,1,1 = four stages, two per card); a layout may end in @M: its scheduler.microbatches; "
-                    "\"\": no memra_pp deployment")
+                    "per entry (0,0,1,1 = four stages, two per card); a layout may end in @M: its "
+                    "scheduler.microbatches; \"\": no memra_pp deployment")
     ap.add_argument("--microbatches", default="auto")
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -162,6 +163,8 @@ def main() -> int:
                          "default; off: MEMRA_PP_ANY_KV_GRAPHS=0 in the stage processes, a graph per KV-length "
                          "bucket); both: each layout without, then with")
     a = ap.parse_args()
+    if a.hf_concurrency and not (a.hf or a.hf_device_map):
+        ap.error("--hf-concurrency names transformers' concurrencies: give --hf or --hf-device-map too")
     try:
         hf_map = [int(x) for x in a.hf_device_map.split(",")] if a.hf_device_map else []
     except ValueError:

@@ -251,13 +251,31 @@ def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int):
     return y.view(G, n, C), new
 
 
-def conv_prefill_warm_up(C: int, K: int, dtype, device) -> None:
-    """Compile conv_prefill's two variants (fresh prompts; segments continuing a state) at a stage's load, not in
-    its first request's prefill."""
-    u = torch.zeros(64, C, dtype=dtype, device=device)
-    rows, w = torch.arange(64, device=device), torch.zeros(C, K, dtype=dtype, device=device)
-    for state in (None, torch.zeros(1, C, K - 1, dtype=dtype, device=device)):
-        conv_prefill(u, rows, w, state, 1, 64)
+def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
+    """Compile, at a stage's load and not in its first request's prefill, the prefill's kernels at the model's
+    dimensions (cfg: the text config): the norms (input; residual + post-attention), and where the stage has them
+    the Gated DeltaNet's conv (fresh and continuing) and gated norm, the attention's q / k norms with their rotary
+    embedding (q's heads a strided view, as in the projection)."""
+    T, H = 64, cfg.hidden_size
+
+    def z(*shape):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    x, w = z(T, H), z(H)
+    add_rms_norm(x, None, w, cfg.rms_norm_eps)
+    add_rms_norm(x, z(T, H), w, cfg.rms_norm_eps)
+    if gdn:
+        C, K = cfg.conv_dim, cfg.linear_conv_kernel_dim
+        rows = torch.arange(T, device=device)
+        for state in (None, z(1, C, K - 1)):
+            conv_prefill(z(T, C), rows, z(C, K), state, 1, T)
+        nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        gated_rms_norm(z(T, nv, dv), z(T, nv, dv), z(dv), cfg.rms_norm_eps)
+    if full:
+        D, r = cfg.head_dim, cfg.rotary_dim
+        cs = (z(T, r), z(T, r))
+        q = z(T, cfg.num_attention_heads, 2 * D)[..., :D]
+        add_rms_norm(q, None, z(D), cfg.rms_norm_eps, rope=cs)
+        add_rms_norm(z(T, cfg.num_key_value_heads, D), None, z(D), cfg.rms_norm_eps, rope=cs)
 
 
 # -- the Gated DeltaNet step from raw projections ---------------------------------------------------------------------

@@ -93,6 +93,10 @@ class Client:
         self._tracks: dict[str, _Track] = {}
         self._held: list[_Track] = []          # replay deployments: requests of a lost stage, awaiting recovery
         self._lock = threading.Lock()
+        # requests whose reader went away while this client's lock was taken: a stream collected by the cyclic
+        # garbage collector runs its cleanup in whatever thread allocated, perhaps inside a `with self._lock`
+        # (a Lock does not re-enter); the pump finishes them. SimpleQueue.put is safe there.
+        self._dropped: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = threading.Event()
         self._pump = threading.Thread(target=self._run_pump, name="memra-client-pump", daemon=True)
         self._pump.start()
@@ -136,6 +140,7 @@ class Client:
     def _run_pump(self):
         step = self.dep.placement.timeouts.step_s
         while not self._closed.is_set():
+            self._finish_dropped()
             with self._lock:
                 idle = not self._tracks and not self._held
             if idle:
@@ -185,6 +190,27 @@ class Client:
     def on_recovered(self) -> None:
         self._replay_if_recovered(force=True)
 
+    def _finish_dropped(self) -> None:
+        while True:
+            try:
+                tr = self._dropped.get_nowait()
+            except queue.Empty:
+                return
+            self._abort(tr.rid)
+            self._drop(tr)
+
+    def _let_go(self, tr: _Track) -> None:
+        """A request nobody reads any more (a stream closed or dropped, a timeout, a cancelled agenerate): untrack
+        it and tell the intake to drop it, now if this client's lock is free, else through the pump."""
+        if not self._lock.acquire(blocking=False):
+            self._dropped.put(tr)
+            return
+        try:
+            self._untrack(tr)
+        finally:
+            self._lock.release()
+        self._abort(tr.rid)
+
     def _hold(self, t: _Track) -> None:   # under self._lock
         self._tracks.pop(t.rid, None)
         self._held.append(t)
@@ -213,6 +239,11 @@ class Client:
                 ray.get(refs, timeout=self.dep.placement.timeouts.step_s)
             except Exception as e:  # noqa: BLE001 - the replay could not be queued: those requests fail, typed
                 self.on_stage_failed(StageFailed(f"stage 0 failed: replay was not accepted: {e}", stage=0))
+                return
+            with self._lock:     # a reader gone between the new rid and the submit: its abort went first
+                gone = [t.rid for t in go if t.rid not in self._tracks]
+            for rid in gone:     # (a request that already finished is no longer in the scheduler: a no-op)
+                self._abort(rid)
 
     def _submit(self, prompt, max_new_tokens, kw: dict, sink=None) -> tuple[_Track, queue.Queue, list[int]]:
         """One request with generate's keywords (`kw`); an unknown keyword is refused before anything is sent."""
@@ -277,9 +308,12 @@ class Client:
 
     def _drop(self, tr: _Track) -> None:
         with self._lock:
-            self._tracks.pop(tr.rid, None)
-            if tr in self._held:
-                self._held.remove(tr)
+            self._untrack(tr)
+
+    def _untrack(self, tr: _Track) -> None:   # under self._lock
+        self._tracks.pop(tr.rid, None)
+        if tr in self._held:
+            self._held.remove(tr)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -329,8 +363,9 @@ class Client:
                     return
         finally:
             if not done:            # the caller stopped reading (or timed out): free the sequence's slot
-                self._abort(tr.rid)
-            self._drop(tr)
+                self._let_go(tr)
+            else:
+                self._drop(tr)
 
     # -- public -----------------------------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
@@ -371,12 +406,16 @@ class Client:
 
         def pieces():
             with contextlib.closing(events):
+                yield None       # primed too: a close() before the first next() reaches `events` (Python 3.12+
+                #                  does not clear an unstarted generator's frame on close)
                 for t, l, f in events:
                     text = None
                     if dec is not None:
                         text = "".join(dec.push(x) for x in t) + (dec.flush() if f else "")
                     yield StreamEvent(t, l if logprobs else None, text, f)
-        return pieces()
+        it = pieces()
+        next(it)
+        return it
 
     async def agenerate(self, prompt, max_new_tokens: int = 16, *, logprobs: bool = True,
                         timeout: float | None = None, **kw) -> Result:
@@ -404,6 +443,7 @@ class Client:
                     break
         finally:
             if not done:                # cancelled or timed out: nobody reads the rest, free its slot
-                self._abort(tr.rid)
-            self._drop(tr)
+                self._let_go(tr)
+            else:
+                self._drop(tr)
         return self._result(toks, lps, finish, logprobs, ids)

@@ -80,7 +80,7 @@ class RaySpec:
     namespace: str = "memra"      # Ray namespace, so connect(name) finds detached deployments
     # the node IP a local cluster advertises (ray.init's node IP). Not a network boundary: Ray 2.60 maps loopback to
     # this host's reachable address and binds its own servers on every interface whatever is given (its token
-    # authentication guards them); the stages' own sockets are Unix sockets in a private directory
+    # authentication guards them); the stages' own sockets are Unix sockets in a private directory or loopback TCP
     listen: str = "127.0.0.1"
 
 

@@ -89,6 +89,12 @@ for G, n in [(3, 37), (2, 2), (4, 1)]:
         yb, sb = ref(fd.conv_prefill, Pu[:, :C], rows, cw, state, G, n)
         assert ya.shape == yb.shape == (G, n, C) and sa.shape == sb.shape == (G, C, K - 1)
         close(ya, yb, tol); assert torch.equal(sa, sb.to(sa.dtype)), (G, n, state is None)
+# a stage's load compiles the prefill's kernels at the model's dimensions (every call above ran them too)
+from memra_pp.model.config import parse_config  # noqa: E402
+from memra_pp.model.tiny import tiny_config  # noqa: E402
+n0 = fd.CALLS["conv_prefill"]
+fd.prefill_warm_up(parse_config(tiny_config(num_layers=4)).text, True, True, dt, sys.argv[2])
+assert fd.CALLS["conv_prefill"] == n0 + 2, fd.CALLS
 # the Gated DeltaNet step from raw projections
 B, H, HV, Kd, V = 3, 2, 4, 16, 16
 y = torch.randn(B, 2 * H * Kd + HV * V, dtype=dt)

@@ -1,6 +1,7 @@
 """Bad input through memra_pp.launch: each must end with a typed error naming what was wrong, and the deployment
 must serve the next valid request. One 2-stage deployment is shared by the request-level checks; the launch-level
 checks (YAML, checkpoints) must leave no actor and, when launch started it, no Ray cluster behind."""
+import gc
 import os
 import shutil
 import stat
@@ -8,6 +9,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -354,14 +356,24 @@ def test_timeouts_and_keyword_only_arguments(dep):
         list(c.stream([5, 17, 42], max_new_tokens=30, timeout=0))
     with pytest.raises(TypeError):
         c.stream([5, 17], 4, 0.7)
-    assert not c._tracks, "a timed-out request is still tracked"
+    assert untracked(c), "a timed-out request is still tracked"
     serves(dep)
+
+
+def untracked(c, wait: float = 5.0) -> bool:
+    """Whether the client tracks no request, within `wait` seconds: a reader's cleanup runs at once when the
+    client's lock is free, else the pump finishes it (Client._let_go)."""
+    end = time.monotonic() + wait
+    while c._tracks or c._held:
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_a_stream_is_checked_at_the_call_and_freed_when_dropped(dep):
     """c.stream() checks and submits at the call (bad input raises there, as generate's does, not at the first
     next()); an iterator dropped unread, or closed part-way, aborts its request: the intake frees its KV pages."""
-    import gc
 
     def pages():
         return [s["kv_pages_free"] for s in dep.stats()["stages"]]
@@ -374,12 +386,29 @@ def test_a_stream_is_checked_at_the_call_and_freed_when_dropped(dep):
     it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
     assert len(c._tracks) == 1, "stream() must submit at the call"
     del it
-    gc.collect()
-    assert not c._tracks, "a dropped stream's request is still tracked"
+    assert untracked(c), "a dropped stream's request is still tracked"
+    it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
+    it.close()                  # before any next(): Python 3.12+ does not run an unstarted generator's cleanup
+    assert untracked(c), "a stream closed unread is still tracked"
     it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
     assert len(next(it).token_ids) >= 1
     it.close()
-    assert not c._tracks, "a closed stream's request is still tracked"
+    assert untracked(c), "a closed stream's request is still tracked"
+    # a stream in a reference cycle is finalised by the cyclic collector in whatever thread allocates, perhaps
+    # one holding the client's lock: its cleanup must not wait for that lock (it did: a deadlock)
+    it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
+    cycle = [it]
+    cycle.append(cycle)
+    del it, cycle
+
+    def collect_under_the_lock():
+        with c._lock:
+            gc.collect()
+    t = threading.Thread(target=collect_under_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a collected stream's cleanup deadlocked on the client's lock"
+    assert untracked(c), "the pump did not finish the collected stream's request"
     serves(dep)
     assert pages() == free, "the dropped streams' KV pages did not come back"
 

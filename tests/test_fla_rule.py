@@ -74,3 +74,43 @@ def test_available_tells_absent_from_broken(monkeypatch, tmp_path, caplog):
     assert caplog.text.count("installed but cannot be used") == 1
     for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+def _fake_fla(grouping):
+    """chunk and recurrent entry points with fla's keywords over the torch chunked form; `grouping` maps q / k of H
+    heads onto HV value heads (None: no grouped heads at all, the kernel indexes q / k by the value head)."""
+    import torch
+
+    from memra_pp.model.gdn import chunk_gated_delta_rule
+
+    def rule(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        H, HV = q.shape[2], v.shape[2]
+        if H != HV:
+            if grouping is None:
+                raise ValueError(f"q has {H} heads, v {HV}")
+            q, k = grouping(q, HV // H), grouping(k, HV // H)
+        o, s = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), initial_state)
+        return o.to(v.dtype), s
+    return rule
+
+
+def test_grouped_value_heads_are_used_only_where_they_equal_repeated_ones(monkeypatch):
+    """FlaRule.warm_up(k_heads=) turns gva on only where the grouped call gives what repeated q and k give (value
+    head h reads key head h // (HV / H), as repeat_interleave maps them): an fla that maps the heads another way
+    (tile: head h reads h % H) or takes no grouped heads (raises) keeps the repeated heads. The finding is kept per
+    dimensions for a second rule of the process."""
+    import torch
+    monkeypatch.setattr(fla_rule, "_WARM", {})
+    cases = [("interleave", lambda x, r: x.repeat_interleave(r, 2), True),
+             ("tile", lambda x, r: x.repeat(1, 1, r, 1), False),
+             ("none", None, False)]
+    for i, (name, grouping, expect) in enumerate(cases):
+        rule = fla_rule.FlaRule.__new__(fla_rule.FlaRule)
+        rule._chunk = rule._rec = _fake_fla(grouping)
+        dk = 8 + i          # each case its own dimensions (the cache's key)
+        rule.warm_up(4, dk, 8, torch.float32, torch.device("cpu"), k_heads=2)
+        assert rule.gva is expect, name
+        again = fla_rule.FlaRule.__new__(fla_rule.FlaRule)
+        again._chunk = again._rec = _fake_fla(None)     # would raise if asked: the finding comes from the cache
+        again.warm_up(4, dk, 8, torch.float32, torch.device("cpu"), k_heads=2)
+        assert again.gva is expect, name

@@ -334,3 +334,12 @@ def test_prefill_flops_counts_matmuls_and_causal_attention():
     assert prefill_flops(mc, 1, n) == pytest.approx(body * n + 2 * head + attn)
     assert prefill_flops(mc, 3, n) == pytest.approx(3 * prefill_flops(mc, 1, n))
     assert 45e9 < prefill_flops(mc, 1, n) / n < 60e9                   # ~27B parameters, 2 FLOPs each
+
+
+def test_hf_concurrency_without_transformers_is_refused():
+    """--hf-concurrency names transformers' concurrencies: without --hf or --hf-device-map it would be ignored
+    silently, so it is refused before anything runs (no GPU needed to reach the refusal)."""
+    import subprocess
+    r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py"), "--out",
+                        "/tmp/unused", "--hf-concurrency", "1,8"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "give --hf or --hf-device-map too" in r.stderr, r.stderr[-2000:]

@@ -58,6 +58,10 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     src = SafetensorsSource(tmp_path)
     lp = LocalPipeline(src, [(0, 3), (3, 8)], dtype=torch.bfloat16, device=cuda, max_seqs=10)
     assert lp.stages[0].gdn_backend == "fla", "the GPU path must run the flash-linear-attention kernels"
+    rules = {id(layer.mixer.rule): layer.mixer.rule for s in lp.stages for layer in s.layers if not layer.full}
+    cfg = {**TEXT, **over}
+    assert rules and all(r.gva == (cfg["linear_num_key_heads"] < cfg["linear_num_value_heads"])
+                         for r in rules.values()), "q and k must keep their own heads where fla takes them (gva)"
     for s, c in zip(lp.stages, lp.caches, strict=True):
         s.set_decode_graphs(True, c)
     calls = dict(fused_moe.CALLS)      # module-wide, and loading ran them (MoE.warm_up): count the run's calls only

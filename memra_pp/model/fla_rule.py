@@ -86,8 +86,7 @@ class FlaRule:
                    z(1, n, heads), z(1, heads, dk, dv, dt=torch.float32))
         if kh < heads:
             try:
-                run(kh)
-                self.gva = True
+                self.gva = self._grouped_equals_repeated(kh, heads, dk, dv, dtype, device)
             except Exception as e:  # noqa: BLE001 - an fla without grouped value heads: repeat q and k instead
                 log.info("fla takes no grouped value heads (%s: %s); q and k are repeated", type(e).__name__, e)
                 self.gva = False
@@ -95,10 +94,35 @@ class FlaRule:
             run(heads)
         _WARM[key] = self.gva
 
+    def _grouped_equals_repeated(self, kh: int, heads: int, dk: int, dv: int, dtype, device) -> bool:
+        """Whether this fla's chunked and recurrent rules give, for q and k with kh heads, what they give for q and
+        k repeated to the value heads, on random inputs (an fla that indexes q and k by the value head raises here
+        or differs; not raising alone proves nothing). Runs, so compiles and tunes, both shapes."""
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def r(*s):
+            return torch.randn(*s, device=device, generator=gen)
+        n, rep = 64, heads // kh
+        q, k, v = r(1, n, kh, dk).to(dtype), r(1, n, kh, dk).to(dtype), r(1, n, heads, dv).to(dtype)
+        g = -torch.rand(1, n, heads, device=device, generator=gen)
+        beta = torch.rand(1, n, heads, device=device, generator=gen).to(dtype)
+        s0 = r(1, heads, dk, dv) * 0.1
+        for fn, m in ((self.chunk, n), (self.recurrent, 1)):
+            a = fn(q[:, :m], k[:, :m], v[:, :m], g[:, :m], beta[:, :m], s0)
+            b = fn(q[:, :m].repeat_interleave(rep, 2), k[:, :m].repeat_interleave(rep, 2), v[:, :m], g[:, :m],
+                   beta[:, :m], s0)
+            for x, y in zip(a, b, strict=True):
+                if x.shape != y.shape or not torch.allclose(x.float(), y.float(), rtol=2e-2, atol=2e-2):
+                    return False
+        return True
+
     def chunk(self, q, k, v, g, beta, state):
         from memra_pp.kernels.fused_decode import l2norm
-        o, s = self._chunk(l2norm(q), l2norm(k), v, g=g.float(), beta=beta, initial_state=state.float().contiguous(),
-                           output_final_state=True, use_qk_l2norm_in_kernel=False)
+        # grouped heads (gva) are views into the conv's output: made contiguous, a third of the repeated rows, so
+        # the one-tile l2norm kernel runs (it takes contiguous rows)
+        o, s = self._chunk(l2norm(q.contiguous()), l2norm(k.contiguous()), v, g=g.float(), beta=beta,
+                           initial_state=state.float().contiguous(), output_final_state=True,
+                           use_qk_l2norm_in_kernel=False)
         return o, s.float()
 
     def recurrent(self, q, k, v, g, beta, state):
