@@ -309,10 +309,10 @@ def main() -> int:
 @contextlib.contextmanager
 def torch_prefill(on: bool, model):
     """The prefill as before the twenty-third session: its norms and Gated DeltaNet conv as the torch ops
-    (kernels/fused_decode's three entry points replaced by their references for the step) and q / k repeated to the
-    value heads for fla (its grouped value heads off). Captured decode graphs are not affected (they replay what was
-    captured)."""
-    from memra_pp.kernels import fused_decode as fd
+    (kernels/prefill's conv and kernels/fused_decode's norms replaced by their references for the step) and q / k
+    repeated to the value heads for fla (its grouped value heads off). Captured decode graphs are not affected (they
+    replay what was captured)."""
+    from memra_pp.kernels import fused_decode as fd, prefill as pf
     if not on:
         yield
         return
@@ -320,13 +320,13 @@ def torch_prefill(on: bool, model):
     gva = {k: r.gva for k, r in rules.items()}
     for r in rules.values():
         r.gva = False
-    saved = fd.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm
-    fd.conv_prefill, fd.add_rms_norm = fd.conv_prefill_ref, fd.add_rms_norm_ref
+    saved = pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm
+    pf.conv_prefill, fd.add_rms_norm = pf.conv_prefill_ref, fd.add_rms_norm_ref
     fd.gated_rms_norm = lambda o, z, w, eps: fd.gated_rms_norm_ref(o, z, w, eps).reshape(o.shape[0], -1)
     try:
         yield
     finally:
-        fd.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm = saved
+        pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm = saved
         for k, r in rules.items():
             r.gva = gva[k]
 

@@ -214,70 +214,6 @@ def conv_step(u_BC, state_NCK1, w_CK, slots_B):
     return y
 
 
-# -- causal conv over prefill segments -------------------------------------------------------------------------------
-CONV_TILE = (32, 128)     # (tokens, channels) a program: one binary for every prompt length
-CALLS = {"conv_prefill": 0}   # launches, so a check can assert the kernel ran (law 3)
-
-
-def conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G: int, n: int):
-    """gdn.causal_conv_batch over the segments' rows, gathered."""
-    from memra_pp.model.gdn import causal_conv_batch
-    return causal_conv_batch(u_TC[rows].view(G, n, -1), w_CK, state_GCK1)
-
-
-def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int):
-    """silu(depthwise causal conv) over G segments of n tokens each: their rows of u [T, C] (unit last stride) are
-    `rows` [G * n], segment by segment; the K-1 inputs before each segment come from state [G, C, K-1] (None:
-    zeros, fresh prompts). Returns (y [G, n, C], new states [G, C, K-1]: each segment's last K-1 inputs), as
-    gdn.causal_conv_batch rounds (the products summed in fp32, rounded, then silu). One kernel in place of the
-    eager path's gather, concatenation, transposes, depthwise conv and silu (about 1.5 ms a layer at 4,096 tokens
-    of the 27B on an H200)."""
-    if not _triton(u_TC):
-        return conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G, n)
-    C, K = u_TC.shape[1], w_CK.shape[1]
-    assert u_TC.stride(1) == 1 and w_CK.is_contiguous() and rows.numel() == G * n
-    st = state_GCK1.contiguous() if state_GCK1 is not None else u_TC
-    y = torch.empty(G * n, C, dtype=u_TC.dtype, device=u_TC.device)
-    BT, BC = CONV_TILE
-    CALLS["conv_prefill"] += 1
-    _conv_prefill_kernel[(G * triton.cdiv(n, BT), triton.cdiv(C, BC))](
-        u_TC, rows, st, w_CK, y, u_TC.stride(0), n, C, K=K, BT=BT, BC=BC, HAS_STATE=state_GCK1 is not None,
-        num_warps=4)
-    if n >= K - 1:            # each segment's last K-1 inputs, [G, C, K-1]
-        new = u_TC[rows.view(G, n)[:, n - (K - 1):]].transpose(1, 2)
-    else:
-        prev = state_GCK1 if state_GCK1 is not None else u_TC.new_zeros(G, C, K - 1)
-        new = torch.cat([prev.to(u_TC.dtype), u_TC[rows].view(G, n, C).transpose(1, 2)], 2)[:, :, -(K - 1):]
-    return y.view(G, n, C), new
-
-
-def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
-    """Compile, at a stage's load and not in its first request's prefill, the prefill's kernels at the model's
-    dimensions (cfg: the text config): the norms (input; residual + post-attention), and where the stage has them
-    the Gated DeltaNet's conv (fresh and continuing) and gated norm, the attention's q / k norms with their rotary
-    embedding (q's heads a strided view, as in the projection)."""
-    T, H = 64, cfg.hidden_size
-
-    def z(*shape):
-        return torch.zeros(*shape, dtype=dtype, device=device)
-    x, w = z(T, H), z(H)
-    add_rms_norm(x, None, w, cfg.rms_norm_eps)
-    add_rms_norm(x, z(T, H), w, cfg.rms_norm_eps)
-    if gdn:
-        C, K = cfg.conv_dim, cfg.linear_conv_kernel_dim
-        rows = torch.arange(T, device=device)
-        for state in (None, z(1, C, K - 1)):
-            conv_prefill(z(T, C), rows, z(C, K), state, 1, T)
-        nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        gated_rms_norm(z(T, nv, dv), z(T, nv, dv), z(dv), cfg.rms_norm_eps)
-    if full:
-        D, r = cfg.head_dim, cfg.rotary_dim
-        cs = (z(T, r), z(T, r))
-        q = z(T, cfg.num_attention_heads, 2 * D)[..., :D]
-        add_rms_norm(q, None, z(D), cfg.rms_norm_eps, rope=cs)
-        add_rms_norm(z(T, cfg.num_key_value_heads, D), None, z(D), cfg.rms_norm_eps, rope=cs)
-
-
 # -- the Gated DeltaNet step from raw projections ---------------------------------------------------------------------
 GDN_TILE = {1: (32, 2)}   # batch -> (BV, num_warps), the nearest batch at or below applies (benchmarks/gpu_kernels.py)
 
@@ -436,29 +372,3 @@ if triton is not None:
                 tl.store(st + (j - 1), xj.to(state.dtype.element_ty), mask=m)
         yv = acc.to(x_new.dtype).to(tl.float32)
         tl.store(y + n * C + c, (yv / (1.0 + tl.exp(-yv))).to(x_new.dtype), mask=m)
-
-    # one binary for every prompt length, and for rows at any offset into the step's index tensor (a later group's
-    # rows start where the one before ended: 8-byte aligned, not always 16)
-    @triton.jit(do_not_specialize=["n", "rows"])
-    def _conv_prefill_kernel(u, rows, state, w, y, su, n, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                             HAS_STATE: tl.constexpr):
-        nb = tl.cdiv(n, BT)
-        g = (tl.program_id(0) // nb).to(tl.int64)
-        t = (tl.program_id(0) % nb) * BT + tl.arange(0, BT)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
-        mt, mc = t < n, c < C
-        acc = tl.zeros([BT, BC], dtype=tl.float32)
-        for j in tl.static_range(K):
-            tt = t - (K - 1) + j                      # the input this tap reads: < 0 is before the segment
-            inseg = mt & (tt >= 0)
-            r = tl.load(rows + g * n + tt, mask=inseg, other=0).to(tl.int64)
-            x = tl.load(u + r[:, None] * su + c[None, :], mask=inseg[:, None] & mc[None, :], other=0)
-            if HAS_STATE:
-                before = mt & (tt < 0)
-                s = tl.load(state + g * C * (K - 1) + c[None, :] * (K - 1) + (tt[:, None] + (K - 1)),
-                            mask=before[:, None] & mc[None, :], other=0)
-                x = tl.where(before[:, None], s.to(x.dtype), x)
-            acc += x.to(tl.float32) * tl.load(w + c * K + j, mask=mc, other=0).to(tl.float32)[None, :]
-        yv = acc.to(y.dtype.element_ty).to(tl.float32)
-        tl.store(y + (g * n + t[:, None]).to(tl.int64) * C + c[None, :],
-                 (yv / (1.0 + tl.exp(-yv))).to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])

@@ -7,6 +7,7 @@ import torch
 
 from memra_pp.kernels import fused_decode as fd
 from memra_pp.kernels import paged_attention as pgd
+from memra_pp.kernels import prefill as pf
 
 torch.manual_seed(0)
 dt = getattr(torch, sys.argv[1])
@@ -85,16 +86,16 @@ cw = torch.randn(C, K, dtype=dt)
 for G, n in [(3, 37), (2, 2), (4, 1)]:
     rows = torch.randperm(T)[:G * n]
     for state in (None, torch.randn(G, C, K - 1, dtype=dt)):
-        ya, sa = fd.conv_prefill(Pu[:, :C], rows, cw, state, G, n)
-        yb, sb = ref(fd.conv_prefill, Pu[:, :C], rows, cw, state, G, n)
+        ya, sa = pf.conv_prefill(Pu[:, :C], rows, cw, state, G, n)
+        yb, sb = ref(pf.conv_prefill, Pu[:, :C], rows, cw, state, G, n)
         assert ya.shape == yb.shape == (G, n, C) and sa.shape == sb.shape == (G, C, K - 1)
         close(ya, yb, tol); assert torch.equal(sa, sb.to(sa.dtype)), (G, n, state is None)
 # a stage's load compiles the prefill's kernels at the model's dimensions (every call above ran them too)
 from memra_pp.model.config import parse_config  # noqa: E402
 from memra_pp.model.tiny import tiny_config  # noqa: E402
-n0 = fd.CALLS["conv_prefill"]
-fd.prefill_warm_up(parse_config(tiny_config(num_layers=4)).text, True, True, dt, sys.argv[2])
-assert fd.CALLS["conv_prefill"] == n0 + 2, fd.CALLS
+n0 = pf.CALLS["conv_prefill"]
+pf.prefill_warm_up(parse_config(tiny_config(num_layers=4)).text, True, True, dt, sys.argv[2])
+assert pf.CALLS["conv_prefill"] == n0 + 2, pf.CALLS
 # the Gated DeltaNet step from raw projections
 B, H, HV, Kd, V = 3, 2, 4, 16, 16
 y = torch.randn(B, 2 * H * Kd + HV * V, dtype=dt)

@@ -372,8 +372,9 @@ def untracked(c, wait: float = 5.0) -> bool:
 
 
 def test_a_stream_is_checked_at_the_call_and_freed_when_dropped(dep):
-    """c.stream() checks and submits at the call (bad input raises there, as generate's does, not at the first
-    next()); an iterator dropped unread, or closed part-way, aborts its request: the intake frees its KV pages."""
+    """c.stream() must check and submit at the call (bad input raises there, as generate's does, not at the first
+    next()); an iterator dropped, closed unread or closed part-way must abort its request, so that the intake frees
+    its KV pages, without ever waiting for the client's lock."""
 
     def pages():
         return [s["kv_pages_free"] for s in dep.stats()["stages"]]

@@ -79,8 +79,6 @@ def test_available_tells_absent_from_broken(monkeypatch, tmp_path, caplog):
 def _fake_fla(grouping):
     """chunk and recurrent entry points with fla's keywords over the torch chunked form; `grouping` maps q / k of H
     heads onto HV value heads (None: no grouped heads at all, the kernel indexes q / k by the value head)."""
-    import torch
-
     from memra_pp.model.gdn import chunk_gated_delta_rule
 
     def rule(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
@@ -95,10 +93,10 @@ def _fake_fla(grouping):
 
 
 def test_grouped_value_heads_are_used_only_where_they_equal_repeated_ones(monkeypatch):
-    """FlaRule.warm_up(k_heads=) turns gva on only where the grouped call gives what repeated q and k give (value
-    head h reads key head h // (HV / H), as repeat_interleave maps them): an fla that maps the heads another way
-    (tile: head h reads h % H) or takes no grouped heads (raises) keeps the repeated heads. The finding is kept per
-    dimensions for a second rule of the process."""
+    """FlaRule.warm_up(k_heads=) must turn gva on only where the grouped call gives what repeated q and k give
+    (value head h reads key head h // (HV / H), as repeat_interleave maps them): an fla that maps the heads another
+    way (tile: head h reads h % H) or takes no grouped heads (raises) must keep the repeated heads. The finding must
+    hold for a second rule of the process with the same dimensions."""
     import torch
     monkeypatch.setattr(fla_rule, "_WARM", {})
     cases = [("interleave", lambda x, r: x.repeat_interleave(r, 2), True),

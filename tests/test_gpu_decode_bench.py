@@ -318,8 +318,8 @@ def test_premise_route_fixes_the_routing_and_skips_the_router():
 
 
 def test_prefill_flops_counts_matmuls_and_causal_attention():
-    """gpu_engine_step's prefill TFLOP/s figure: 2 x active parameters a token (no embedding; lm_head on each
-    prompt's last row), plus the full layers' causal QK^T and PV, linear in the number of prompts."""
+    """gpu_engine_step's prefill TFLOP/s figure must count 2 x active parameters a token (no embedding; lm_head on
+    each prompt's last row) plus the full layers' causal QK^T and PV, linear in the number of prompts."""
     from gpu_engine_step import prefill_flops
     from memra_pp.model import presets
     from memra_pp.model.config import parse_config
@@ -338,7 +338,7 @@ def test_prefill_flops_counts_matmuls_and_causal_attention():
 
 def test_hf_concurrency_without_transformers_is_refused():
     """--hf-concurrency names transformers' concurrencies: without --hf or --hf-device-map it would be ignored
-    silently, so it is refused before anything runs (no GPU needed to reach the refusal)."""
+    silently, so it must be refused before anything runs (no GPU needed to reach the refusal)."""
     import subprocess
     r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py"), "--out",
                         "/tmp/unused", "--hf-concurrency", "1,8"], capture_output=True, text=True, timeout=120)

@@ -45,7 +45,7 @@ def hf_greedy_bf16(model, prompt, n):
 def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     """moe: the fused routing and expert kernels (kernels/fused_moe.py), in prefill and in the captured decode;
     moe-block: the same with the one-row decode's MoE as one block kernel (kernels/moe_block.py)."""
-    from memra_pp.kernels import fused_decode, fused_moe, gemv, moe_block, paged_attention
+    from memra_pp.kernels import fused_moe, gemv, moe_block, paged_attention, prefill
     if size == "moe-block":
         monkeypatch.setattr(moe_block, "ENABLED", True)
     over = MID if size == "mid" else {}
@@ -67,7 +67,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     calls = dict(fused_moe.CALLS)      # module-wide, and loading ran them (MoE.warm_up): count the run's calls only
     blocks = moe_block.CALLS["block"]
     gemv_calls, qk_calls = dict(gemv.CALLS), paged_attention.CALLS["qk_kv_write"]
-    convs = fused_decode.CALLS["conv_prefill"]
+    convs = prefill.CALLS["conv_prefill"]
     toks, lps = [], []
     for p in prompts:
         t, lg = lp.greedy([p], 16)
@@ -107,7 +107,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     assert all(gemv.CALLS[k] > gemv_calls[k] for k in ("gemv", "norm_gemv")), (gemv_calls, gemv.CALLS)
     assert paged_attention.CALLS["qk_kv_write"] > qk_calls, "the q / k norms and the KV write ran as one kernel"
     # the prompts' prefill: the Gated DeltaNet's conv as one kernel a group of segments (kernels/fused_decode.py)
-    assert fused_decode.CALLS["conv_prefill"] > convs, "the prefill conv did not run as its kernel"
+    assert prefill.CALLS["conv_prefill"] > convs, "the prefill conv did not run as its kernel"
     print(f"{size}: {same}/10 prompts identical to generate; worst greedy gap {ours[0]:.3e} (transformers against "
           f"itself {self_[0]:.3e}), worst logprob diff {ours[1]:.3e} (itself {self_[1]:.3e})")
     assert ours[0] <= 2 * self_[0] + 0.05, "one of our tokens is neither transformers' greedy token nor a near tie"

@@ -41,11 +41,11 @@ class GatedDeltaNet(Param):
 
     def forward(self, x_TH: torch.Tensor, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
         """A step with prompt segments: each group of equal-length segments through one conv kernel and one call of
-        the chunked rule, then the gated norm (kernels/fused_decode.py's conv_prefill and gated_rms_norm on CUDA,
-        their torch references elsewhere)."""
+        the chunked rule, then the gated norm (kernels/prefill.py's conv_prefill, kernels/fused_decode.py's
+        gated_rms_norm on CUDA, their torch references elsewhere)."""
         if b.decode_only():
             return self.decode(x_TH, b.index_tensors(x_TH.device)[0], cache, lora)
-        from memra_pp.kernels import fused_decode as fd
+        from memra_pp.kernels import fused_decode as fd, prefill as pf
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
@@ -61,7 +61,7 @@ class GatedDeltaNet(Param):
         # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
         for idx, rows, slots in b.groups("length", x_TH.device):
             G, n, fresh = len(idx), b.counts[idx[0]], b.starts[idx[0]] == 0
-            y, conv[slots] = fd.conv_prefill(u, rows, w, None if fresh else conv[slots], G, n)
+            y, conv[slots] = pf.conv_prefill(u, rows, w, None if fresh else conv[slots], G, n)
             q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
             q, k = q.reshape(G, n, nk, dk), k.reshape(G, n, nk, dk)
             if not getattr(self.rule, "gva", False):    # the value heads' own copies of q and k (fla's gva: none)

@@ -141,7 +141,7 @@ class StageModel(nn.Module):
                 if gdn:     # fla tunes now, not in the first prefill
                     rule.warm_up(t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim,
                                  self.dtype, self.device, k_heads=t.linear_num_key_heads)
-            from memra_pp.kernels.fused_decode import prefill_warm_up    # the prefill's kernels compile now too
+            from memra_pp.kernels.prefill import prefill_warm_up    # the prefill's kernels compile now too
             prefill_warm_up(self.mc.text, any(not layer.full for layer in self.layers),
                             any(layer.full for layer in self.layers), self.dtype, self.device)
         return self
