@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import numbers
-import operator
 import queue
 import threading
 import uuid
@@ -17,34 +16,8 @@ from typing import Iterator
 
 import ray
 
-from .errors import InputError, MemraError, RequestTimeout, StageFailed
-from . import errors as _errors
-
-
-@dataclasses.dataclass
-class Result:
-    token_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str
-    text: str | None = None
-    prompt_tokens: int = 0
-
-
-@dataclasses.dataclass
-class StreamEvent:
-    token_ids: list[int]               # the new tokens of this event
-    logprobs: list[float] | None
-    text: str | None = None            # the new text, when the model has a tokenizer
-    finish_reason: str | None = None
-
-
-def _error(etype: str, message: str, stage: int | None = None) -> MemraError:
-    cls = getattr(_errors, etype, None)
-    if isinstance(cls, type) and issubclass(cls, StageFailed):
-        return cls(message, stage=stage)
-    if isinstance(cls, type) and issubclass(cls, MemraError):
-        return cls(message)
-    return StageFailed(f"{etype}: {message}", stage=stage)
+from .errors import InputError, RequestTimeout, StageFailed
+from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _token_ids, request_dict
 
 
 @dataclasses.dataclass(eq=False)
@@ -56,34 +29,6 @@ class _Track:
     put: object
     tokens: list = dataclasses.field(default_factory=list)
     gen: int = 0                  # the supervisor generation the request was (re)submitted in
-
-
-# The request keywords generate / stream / agenerate share, with their defaults.
-REQUEST_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop_token_ids=None,
-                        ignore_eos=False, adapter=None, images=None)
-
-
-def _token_ids(value) -> list[int] | str | None:
-    """Token ids as Python ints from a list, tuple, numpy array or tensor (0-d items too): the list; a value that
-    is not a sequence: None; an item that is not an integer (5.7, True): that item's description."""
-    try:
-        items = None if isinstance(value, (str, bytes, bytearray)) else \
-            value.tolist() if hasattr(value, "tolist") else list(value)
-    except TypeError:
-        return None
-    if not isinstance(items, list):
-        return None
-    out = []
-    for t in items:
-        if hasattr(t, "ndim") and getattr(t, "ndim", 1) == 0:     # a 0-d tensor or array: its scalar
-            t = t.item()
-        try:
-            if isinstance(t, bool):
-                raise TypeError
-            out.append(operator.index(t))
-        except TypeError:
-            return f"{t!r} ({type(t).__name__})"
-    return out
 
 
 class Client:
@@ -255,29 +200,7 @@ class Client:
             raise InputError(f"unknown keyword arguments {unknown}; known: {known}")
         ids = self._encode(prompt)
         q: queue.Queue = queue.Queue()
-        if not isinstance(max_new_tokens, bool):     # numpy / torch integers; the intake refuses anything else
-            try:
-                max_new_tokens = operator.index(max_new_tokens)
-            except TypeError:
-                pass
-        req = dict(REQUEST_DEFAULTS, **kw, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)
-        if req["stop_token_ids"] is not None:
-            stops = _token_ids(req["stop_token_ids"])
-            if stops is None or isinstance(stops, str):
-                raise InputError(f"stop_token_ids is a list of token ids, got {req['stop_token_ids']!r}")
-            req["stop_token_ids"] = stops
-        try:                                          # numpy's bools too; anything else: the intake refuses it
-            if req["ignore_eos"] in (True, False):
-                req["ignore_eos"] = bool(req["ignore_eos"])
-        except (TypeError, ValueError, RuntimeError):  # an array's truth value
-            raise InputError(f"ignore_eos must be True or False, got {req['ignore_eos']!r}") from None
-        images = req.pop("images")
-        if images is not None:
-            if isinstance(images, (str, bytes)) or not hasattr(images, "__iter__") or \
-                    type(images).__name__ == "ImageInput":
-                raise InputError(f"images is a list of memra_pp.ImageInput, got {type(images).__name__}")
-            if images := list(images):
-                req["images"] = images
+        req = request_dict(kw, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)
         t = self.dep.placement.timeouts
         sup = self._sup
         if sup is not None and not sup.ready.wait(t.ready_s):   # a recovery is in progress: wait for it

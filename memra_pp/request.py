@@ -1,0 +1,94 @@
+"""What a request is on the driver side: the keywords generate / stream / agenerate share, token ids as Python
+ints, the Result and StreamEvent a caller gets back, and an intake's error turned back into its memra_pp type."""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+from .errors import InputError, MemraError, StageFailed
+from . import errors as _errors
+
+
+@dataclasses.dataclass
+class Result:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    text: str | None = None
+    prompt_tokens: int = 0
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    token_ids: list[int]               # the new tokens of this event
+    logprobs: list[float] | None
+    text: str | None = None            # the new text, when the model has a tokenizer
+    finish_reason: str | None = None
+
+
+def _error(etype: str, message: str, stage: int | None = None) -> MemraError:
+    cls = getattr(_errors, etype, None)
+    if isinstance(cls, type) and issubclass(cls, StageFailed):
+        return cls(message, stage=stage)
+    if isinstance(cls, type) and issubclass(cls, MemraError):
+        return cls(message)
+    return StageFailed(f"{etype}: {message}", stage=stage)
+
+
+# The request keywords generate / stream / agenerate share, with their defaults.
+REQUEST_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, stop_token_ids=None,
+                        ignore_eos=False, adapter=None, images=None)
+
+
+def _token_ids(value) -> list[int] | str | None:
+    """Token ids as Python ints from a list, tuple, numpy array or tensor (0-d items too): the list; a value that
+    is not a sequence: None; an item that is not an integer (5.7, True): that item's description."""
+    try:
+        items = None if isinstance(value, (str, bytes, bytearray)) else \
+            value.tolist() if hasattr(value, "tolist") else list(value)
+    except TypeError:
+        return None
+    if not isinstance(items, list):
+        return None
+    out = []
+    for t in items:
+        if hasattr(t, "ndim") and getattr(t, "ndim", 1) == 0:     # a 0-d tensor or array: its scalar
+            t = t.item()
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            return f"{t!r} ({type(t).__name__})"
+    return out
+
+
+def request_dict(kw: dict, **fixed) -> dict:
+    """generate's keywords (known ones only: the client refuses others first) as the intake's request: defaults
+    filled, numpy / torch integers and bools as Python's, stop ids as a list of ints, images as a list (none: no
+    key). A value of a wrong kind is an InputError here; ranges and the vocabulary are the intake's checks."""
+    mnt = fixed.get("max_new_tokens")
+    if not isinstance(mnt, bool):                 # numpy / torch integers; the intake refuses anything else
+        try:
+            fixed["max_new_tokens"] = operator.index(mnt)
+        except TypeError:
+            pass
+    req = dict(REQUEST_DEFAULTS, **kw, **fixed)
+    if req["stop_token_ids"] is not None:
+        stops = _token_ids(req["stop_token_ids"])
+        if stops is None or isinstance(stops, str):
+            raise InputError(f"stop_token_ids is a list of token ids, got {req['stop_token_ids']!r}")
+        req["stop_token_ids"] = stops
+    try:                                          # numpy's bools too; anything else: the intake refuses it
+        if req["ignore_eos"] in (True, False):
+            req["ignore_eos"] = bool(req["ignore_eos"])
+    except (TypeError, ValueError, RuntimeError):  # an array's truth value
+        raise InputError(f"ignore_eos must be True or False, got {req['ignore_eos']!r}") from None
+    images = req.pop("images")
+    if images is not None:
+        if isinstance(images, (str, bytes)) or not hasattr(images, "__iter__") or \
+                type(images).__name__ == "ImageInput":
+            raise InputError(f"images is a list of memra_pp.ImageInput, got {type(images).__name__}")
+        if images := list(images):
+            req["images"] = images
+    return req
