@@ -1,0 +1,69 @@
+"""The client's bookkeeping without Ray or a deployment (a fake intake records what it is sent): what happens to a
+request whose reader leaves at an awkward moment."""
+import threading
+import types
+
+import memra_pp.client as client_mod
+from memra_pp.client import Client, _Track
+
+
+class _Remote:
+    def __init__(self, log, name, effect=None):
+        self.log, self.name, self.effect = log, name, effect
+
+    def remote(self, *a):
+        self.log.append((self.name, *a))
+        if self.effect is not None:
+            self.effect(*a)
+        return object()
+
+
+def _client(monkeypatch, on_submit=None):
+    """A Client over a fake replay deployment whose supervisor has recovered; the pump finds nothing to poll."""
+    log = []
+    intake = types.SimpleNamespace(submit=_Remote(log, "submit", on_submit), abort=_Remote(log, "abort"),
+                                   poll=_Remote(log, "poll"))
+    sup = types.SimpleNamespace(ready=threading.Event(), recovered=1, generation=1, failure=None)
+    sup.ready.set()
+    dep = types.SimpleNamespace(actors=[intake], supervisor=sup, tokenizer=None,
+                                placement=types.SimpleNamespace(recover="replay",
+                                                                timeouts=types.SimpleNamespace(step_s=1.0,
+                                                                                               ready_s=1.0)))
+    monkeypatch.setattr(client_mod.ray, "get", lambda refs, timeout=None: [] if isinstance(refs, list) else [])
+    return Client(dep), log
+
+
+def test_a_reader_gone_during_a_replay_has_its_replayed_request_aborted(monkeypatch):
+    """A held request is replayed under a new rid; if its reader lets go between the new rid and the submit, the
+    abort (for the new rid) reaches the intake first and finds nothing, so the replay must be aborted after its
+    submit, or it would run to its budget with nobody reading it."""
+    c = None
+
+    def reader_leaves(req):        # the reader lets go while the replay is being submitted
+        c._let_go(held)
+    c, log = _client(monkeypatch, on_submit=reader_leaves)
+    try:
+        held = _Track("old", {"prompt": [5, 17], "max_new_tokens": 8}, lambda item: None, gen=0)
+        c._held.append(held)
+        c._replay_if_recovered()
+        new = held.rid
+        assert new != "old" and ("submit",) == log[0][:1] and log[0][1]["rid"] == new, log
+        aborts = [a[1] for a in log if a[0] == "abort"]
+        assert aborts.count(new) == 2, ("the replayed rid must be aborted again after its submit", log)
+        assert not c._tracks and not c._held
+    finally:
+        c.close()
+
+
+def test_a_replay_nobody_left_is_not_aborted(monkeypatch):
+    """The other side of the same check: a replayed request whose reader is still there must not be aborted."""
+    c, log = _client(monkeypatch)
+    try:
+        held = _Track("old", {"prompt": [5, 17], "max_new_tokens": 8}, lambda item: None, gen=0)
+        c._held.append(held)
+        c._replay_if_recovered()
+        assert [a[0] for a in log if a[0] != "poll"] == ["submit"], log
+        assert list(c._tracks) == [held.rid]
+        c._tracks.clear()           # (the fake intake never finishes it)
+    finally:
+        c.close()
