@@ -248,6 +248,34 @@ def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
     assert pages() == free, "the dropped request's KV pages did not come back"
 
 
+def test_a_cancelled_agenerate_is_aborted(dep):
+    """An agenerate whose task is cancelled (asyncio.wait_for's timeout, a cancelled gather) must abort its request:
+    untracked by the client, its KV pages back at the intake, the deployment serving."""
+    import asyncio
+
+    def pages():
+        return [s["kv_pages_free"] for s in dep.stats()["stages"]]
+    serves(dep)
+    free = pages()
+    c = dep.client()
+
+    async def go():
+        task = asyncio.ensure_future(c.agenerate([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True))
+        while not c._tracks:                # submitted
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)            # decoding
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return True
+        return False
+    assert asyncio.run(go()), "the agenerate finished before it was cancelled: the test ran nothing"
+    assert untracked(c), "a cancelled agenerate's request is still tracked"
+    serves(dep)
+    assert pages() == free, "the cancelled request's KV pages did not come back"
+
+
 def test_unknown_keyword_refused_before_submit(dep):
     """generate, stream and agenerate must refuse an unknown keyword (a typo such as `temprature`) with InputError
     before anything reaches the deployment, and the deployment must keep serving."""
