@@ -290,6 +290,28 @@ class Client:
             else:
                 self._drop(tr)
 
+    async def _submit_cancellable(self, loop, submit):
+        """Run `submit` in the loop's executor. A task cancelled while it runs does not stop it (a thread), so the
+        request it submits is let go by whichever side comes last: the thread, if the cancellation came first, or
+        the cancellation, if the submit had finished."""
+        lk, state = threading.Lock(), {"cancelled": False, "tr": None}
+
+        def run():
+            res = submit()
+            with lk:
+                state["tr"], gone = res[0], state["cancelled"]
+            if gone:
+                self._let_go(res[0])
+            return res
+        try:
+            return await loop.run_in_executor(None, run)
+        except asyncio.CancelledError:
+            with lk:
+                state["cancelled"], tr = True, state["tr"]
+            if tr is not None:
+                self._let_go(tr)
+            raise
+
     # -- public -----------------------------------------------------------------------------------------------
     def generate(self, prompt, max_new_tokens: int = 16, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, logprobs: bool = True,
@@ -348,7 +370,7 @@ class Client:
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(aq.put_nowait, item)   # noqa: E731
-        tr, _, ids = await loop.run_in_executor(None, lambda: self._submit(prompt, max_new_tokens, kw, sink))
+        tr, _, ids = await self._submit_cancellable(loop, lambda: self._submit(prompt, max_new_tokens, kw, sink))
         toks, lps, finish, done = [], [], "length", False
         try:
             while True:

@@ -249,8 +249,9 @@ def test_a_closed_client_ends_its_requests_with_stage_failed(dep):
 
 
 def test_a_cancelled_agenerate_is_aborted(dep):
-    """An agenerate whose task is cancelled (asyncio.wait_for's timeout, a cancelled gather) must abort its request:
-    untracked by the client, its KV pages back at the intake, the deployment serving."""
+    """An agenerate whose task is cancelled (asyncio.wait_for's timeout, a cancelled gather) must abort its request,
+    also when the cancellation comes while its submit still runs in the executor: untracked by the client, its KV
+    pages back at the intake, the deployment serving."""
     import asyncio
 
     def pages():
@@ -259,21 +260,22 @@ def test_a_cancelled_agenerate_is_aborted(dep):
     free = pages()
     c = dep.client()
 
-    async def go():
+    async def go(after: float):
         task = asyncio.ensure_future(c.agenerate([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True))
-        while not c._tracks:                # submitted
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)            # decoding
+        while not c._tracks:                # tracked: its submit is running or done
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(after)
         task.cancel()
         try:
             await task
         except asyncio.CancelledError:
             return True
         return False
-    assert asyncio.run(go()), "the agenerate finished before it was cancelled: the test ran nothing"
-    assert untracked(c), "a cancelled agenerate's request is still tracked"
-    serves(dep)
-    assert pages() == free, "the cancelled request's KV pages did not come back"
+    for after in (0.0, 0.05):               # at once (the submit likely still running), then while it decodes
+        assert asyncio.run(go(after)), "the agenerate finished before it was cancelled: the test ran nothing"
+        assert untracked(c), f"a cancelled agenerate's request is still tracked (cancelled after {after} s)"
+        serves(dep)
+        assert pages() == free, f"the cancelled request's KV pages did not come back (cancelled after {after} s)"
 
 
 def test_unknown_keyword_refused_before_submit(dep):

@@ -67,3 +67,43 @@ def test_a_replay_nobody_left_is_not_aborted(monkeypatch):
         c._tracks.clear()           # (the fake intake never finishes it)
     finally:
         c.close()
+
+
+def test_an_agenerate_cancelled_during_its_submit_lets_the_request_go(monkeypatch):
+    """A task cancelled while its submit still runs in the executor cannot stop that thread: the request the
+    submit then makes must be let go (aborted) when it returns, once."""
+    import asyncio
+    c, log = _client(monkeypatch)
+    gone = []
+    monkeypatch.setattr(c, "_let_go", lambda tr: gone.append(tr.rid))
+    release, started = threading.Event(), threading.Event()
+    tr = _Track("r1", {}, lambda item: None)
+
+    def submit():
+        started.set()
+        release.wait(5)
+        return tr, None, [5]
+
+    async def go():
+        task = asyncio.ensure_future(c._submit_cancellable(asyncio.get_running_loop(), submit))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()                  # the submit is still running in its thread
+        try:
+            await task
+            return False
+        except asyncio.CancelledError:
+            pass
+        assert gone == [], "let go before the submit returned: there is no request yet"
+        release.set()                  # the submit returns now, after the cancellation
+        for _ in range(500):
+            if gone:
+                break
+            await asyncio.sleep(0.01)
+        return True
+    try:
+        assert asyncio.run(go()), "the task was not cancelled during its submit: the test ran nothing"
+        assert gone == ["r1"], gone
+    finally:
+        release.set()
+        c.close()
