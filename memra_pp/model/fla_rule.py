@@ -55,7 +55,8 @@ def _probe() -> bool:
 class FlaRule:
     """gva: q and k may keep their own (fewer) heads, each serving HV / H consecutive value heads, as
     repeat_interleave maps them (fla's grouped value attention, `i_h // (HV // H)`); set by a warm-up whose grouped
-    call ran, so an fla without it gets the repeated heads."""
+    calls gave what the repeated ones give, so an fla without it (or mapping heads otherwise) gets the repeated
+    heads."""
     name = "fla"
     gva = False
 
@@ -67,8 +68,9 @@ class FlaRule:
 
     def warm_up(self, heads: int, dk: int, dv: int, dtype, device, k_heads: int | None = None) -> None:
         """Tune and compile fla's kernels for these dimensions now (a stage load), not in the first request's
-        prefill (2.8 s for the 35B-A3B on an H200): one chunk of 64 tokens and one recurrent token, of zeros. Once
-        a process for each set of dimensions; Triton's disk cache keeps the tunings for later processes. k_heads
+        prefill (2.8 s for the 35B-A3B on an H200): one chunk of 64 tokens and one recurrent token (of zeros, or the
+        grouped check's random inputs). Once a process for each set of dimensions; Triton's disk cache keeps the
+        tunings for later processes. k_heads
         (fewer than the value heads `heads`): q and k with their own heads (gva) where this fla takes them; the 27B
         then normalises and reads a third of the q / k rows a prefill would repeat."""
         kh = k_heads or heads
