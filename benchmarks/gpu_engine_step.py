@@ -181,8 +181,9 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prefill", default="", help="also time prefill steps: comma-separated SEQSxTOKENS (e.g. "
                     "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown)")
-    ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step with its norms and "
-                    "conv as the torch ops (before conv_prefill and the fused norms in prefill), interleaved")
+    ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step as the "
+                    "twenty-third session left it (s23: without the merged projections, contiguous conv parts and "
+                    "row slices) and with its norms and conv as the torch ops (torch), interleaved")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from memra_pp.model import decode_graphs
@@ -275,11 +276,11 @@ def main() -> int:
         for B, n in shapes:     # prefill: B fresh prompts of n tokens as one step (chunk = B * n tokens)
             b = StepBatch(list(range(B)), [0] * B, [n] * B, StepBatch.text_positions([0] * B, [n] * B), [True] * B)
             ids = torch.randint(4, mc.text.vocab_size, (B * n,), device="cuda")
-            ways = ("kernels", "torch") if a.prefill_torch else ("kernels",)
+            ways = ("kernels", "s23", "torch") if a.prefill_torch else ("kernels",)
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             for _ in range(6):
                 for way in ways:        # interleaved, so drift falls on both
-                    with torch_prefill(way == "torch", model):
+                    with torch_prefill(way, model):
                         torch.cuda.synchronize()
                         k0, t = tuned_keys(), time.perf_counter()
                         model(b, model.embed_ids(ids), cache)
@@ -307,14 +308,24 @@ def main() -> int:
 
 
 @contextlib.contextmanager
-def torch_prefill(on: bool, model):
-    """The prefill as before the twenty-third session: its norms and Gated DeltaNet conv as the torch ops
-    (kernels/prefill's conv and kernels/fused_decode's norms replaced by their references for the step) and q / k
-    repeated to the value heads for fla (its grouped value heads off). Captured decode graphs are not affected (they
-    replay what was captured)."""
+def torch_prefill(way: str, model):
+    """The prefill as it was: "s23" as the twenty-third session left it (kernels/prefill.MERGED off: a GEMM per
+    projection, silu and mul as two ops, the conv's output split by views, every group's rows gathered and
+    scattered; the gated norm one head a program), "torch" as before it too (its norms and Gated DeltaNet conv as the
+    torch ops: kernels/prefill's conv and kernels/fused_decode's norms replaced by their references for the step; q
+    / k repeated to the value heads for fla, its grouped value heads off); "kernels" as it is. Captured decode
+    graphs are not affected (they replay what was captured)."""
     from memra_pp.kernels import fused_decode as fd, prefill as pf
-    if not on:
+    if way == "kernels":
         yield
+        return
+    merged, many = pf.MERGED, fd.GATED_MANY
+    pf.MERGED, fd.GATED_MANY = False, 1 << 62
+    if way == "s23":
+        try:
+            yield
+        finally:
+            pf.MERGED, fd.GATED_MANY = merged, many
         return
     rules = {id(r): r for r in (getattr(layer.mixer, "rule", None) for layer in model.layers) if r is not None}
     gva = {k: r.gva for k, r in rules.items()}
@@ -326,6 +337,7 @@ def torch_prefill(on: bool, model):
     try:
         yield
     finally:
+        pf.MERGED, fd.GATED_MANY = merged, many
         pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm = saved
         for k, r in rules.items():
             r.gva = gva[k]

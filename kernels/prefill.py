@@ -5,52 +5,94 @@ from __future__ import annotations
 
 import torch
 
-from .fused_decode import _triton, add_rms_norm, gated_rms_norm, triton
+from .fused_decode import GATED_MANY, _triton, add_rms_norm, gated_rms_norm, silu_mul, triton
 
 if triton is not None:
     import triton.language as tl
 
 CONV_TILE = (32, 128)     # (tokens, channels) a program: one binary for every prompt length
-CALLS = {"conv_prefill": 0}   # launches, so a check can assert the kernel ran (law 3)
+# launches, and the merged path's layers and groups (rows a slice or gathered), so a check can assert what ran (law 3)
+CALLS = {"conv_prefill": 0, "merged": 0, "rows_whole": 0, "rows_slice": 0, "rows_gather": 0}
+# the prefill's merged input projections (one GEMM for a layer's q|k|v|z|b|a, q|gate|k|v, gate|up) with silu-mul as
+# one kernel, the conv writing q, k and v as contiguous tensors, and a group's rows as a slice where they are
+# consecutive (no gather or scatter): CUDA only (off it the torch ops stay as they were, so the float32 parity with
+# transformers is unchanged bit for bit); benchmarks/gpu_engine_step.py --prefill-torch turns it off to compare
+MERGED = True
 
 
-def conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G: int, n: int):
-    """gdn.causal_conv_batch over the segments' rows, gathered."""
+def merged(x: torch.Tensor, lora=None) -> bool:
+    """Whether a prefill step on x takes the merged path above (not with a LoRA hook: it adds per projection)."""
+    on = MERGED and lora is None and _triton(x)
+    CALLS["merged"] += on
+    return on
+
+
+def whole(b, groups: list, T: int, merged: bool) -> bool:
+    """On the merged path, whether the step's groups are one group of all T rows in order: its output is then the
+    layer's (no copy into an output tensor)."""
+    on = merged and len(groups) == 1 and b.span(groups[0][0]) == slice(0, T)
+    CALLS["rows_whole"] += on
+    return on
+
+
+def group_rows(b, idx: list[int], rows: torch.Tensor, merged: bool):
+    """A group's rows of the step (StepBatch.groups: sequences idx, row tensor rows): on the merged path a slice
+    where they are consecutive (views of the step's tensors, no gather or scatter kernel), else rows."""
+    span = b.span(idx) if merged else None
+    if merged:
+        CALLS["rows_slice" if span else "rows_gather"] += 1
+    return span or rows
+
+
+def conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
+    """gdn.causal_conv_batch over the segments' rows, gathered (y split into views of `parts` channels)."""
     from memra_pp.model.gdn import causal_conv_batch
-    return causal_conv_batch(u_TC[rows].view(G, n, -1), w_CK, state_GCK1)
+    y, new = causal_conv_batch(u_TC[rows].view(G, n, -1), w_CK, state_GCK1)
+    return (y if parts is None else list(torch.split(y, list(parts), -1))), new
 
 
-def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int):
+def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
     """silu(depthwise causal conv) over G segments of n tokens each: their rows of u [T, C] (unit last stride) are
     `rows` [G * n], segment by segment; the K-1 inputs before each segment come from state [G, C, K-1] (None:
     zeros, fresh prompts). Returns (y [G, n, C], new states [G, C, K-1]: each segment's last K-1 inputs), as
     gdn.causal_conv_batch rounds (the products summed in fp32, rounded, then silu). One kernel in place of the
     eager path's gather, concatenation, transposes, depthwise conv and silu (about 1.5 ms a layer at 4,096 tokens
-    of the 27B on an H200)."""
+    of the 27B on an H200). With parts (channel counts, at most three, summing to C: the Gated DeltaNet's q, k,
+    v), y is a list of [G, n, part] tensors, each contiguous on CUDA (written so by the kernel: fla then copies
+    none of them) and views of one y elsewhere."""
     if not _triton(u_TC):
-        return conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G, n)
+        return conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G, n, parts)
     C, K = u_TC.shape[1], w_CK.shape[1]
     assert u_TC.stride(1) == 1 and w_CK.is_contiguous() and rows.numel() == G * n
+    bounds = [C, C] if parts is None else [sum(parts[:i + 1]) for i in range(len(parts))][:-1]
+    assert (parts is None or (sum(parts) == C and len(parts) <= 3)) and all(p >= 0 for p in (parts or ()))
+    C1, C2 = (bounds + [C, C])[:2]
     st = state_GCK1.contiguous() if state_GCK1 is not None else u_TC
-    y = torch.empty(G * n, C, dtype=u_TC.dtype, device=u_TC.device)
+    flat = torch.empty(G * n * C, dtype=u_TC.dtype, device=u_TC.device)
     BT, BC = CONV_TILE
     CALLS["conv_prefill"] += 1
     _conv_prefill_kernel[(G * triton.cdiv(n, BT), triton.cdiv(C, BC))](
-        u_TC, rows, st, w_CK, y, u_TC.stride(0), n, C, K=K, BT=BT, BC=BC, HAS_STATE=state_GCK1 is not None,
-        num_warps=4)
+        u_TC, rows, st, w_CK, flat, u_TC.stride(0), n, C, C1, C2, G * n, K=K, BT=BT, BC=BC,
+        HAS_STATE=state_GCK1 is not None, num_warps=4)
+    if parts is None:
+        y = flat.view(G, n, C)
+    else:
+        offs = [0, C1, C2, C][:len(parts) + 1]
+        y = [flat[G * n * a:G * n * b].view(G, n, b - a) for a, b in zip(offs, offs[1:])]
     if n >= K - 1:            # each segment's last K-1 inputs, [G, C, K-1]
         new = u_TC[rows.view(G, n)[:, n - (K - 1):]].transpose(1, 2)
     else:
         prev = state_GCK1 if state_GCK1 is not None else u_TC.new_zeros(G, C, K - 1)
         new = torch.cat([prev.to(u_TC.dtype), u_TC[rows].view(G, n, C).transpose(1, 2)], 2)[:, :, -(K - 1):]
-    return y.view(G, n, C), new
+    return y, new
 
 
 def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
     """Compile, at a stage's load and not in its first request's prefill, the prefill's kernels at the model's
     dimensions (cfg: the text config): the norms (input; residual + post-attention), and where the stage has them
-    the Gated DeltaNet's conv (fresh and continuing) and gated norm, the attention's q / k norms with their rotary
-    embedding (q's heads a strided view, as in the projection)."""
+    the Gated DeltaNet's conv (fresh and continuing, whole and split into q, k, v) and gated norm (both tiles), the
+    attention's q / k norms with their rotary embedding (q's heads a strided view, as in the projection), and a
+    dense MLP's silu-mul."""
     T, H = 64, cfg.hidden_size
 
     def z(*shape):
@@ -61,10 +103,14 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
     if gdn:
         C, K = cfg.conv_dim, cfg.linear_conv_kernel_dim
         rows = torch.arange(T, device=device)
-        for state in (None, z(1, C, K - 1)):
-            conv_prefill(z(T, C), rows, z(C, K), state, 1, T)
+        qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        for state in (None, z(1, C, K - 1)):        # q, k, v split (whole: the same binary, at these dimensions)
+            conv_prefill(z(T, C), rows, z(C, K), state, 1, T, (qk, qk, C - 2 * qk))
         nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        gated_rms_norm(z(T, nv, dv), z(T, nv, dv), z(dv), cfg.rms_norm_eps)
+        for n in (T, -(-GATED_MANY // nv)):     # both of the gated norm's tiles
+            gated_rms_norm(z(n, nv, dv), z(n, nv, dv), z(dv), cfg.rms_norm_eps)
+    if not cfg.moe:
+        silu_mul(z(T, 2 * cfg.intermediate_size))
     if full:
         D, r = cfg.head_dim, cfg.rotary_dim
         cs = (z(T, r), z(T, r))
@@ -76,9 +122,10 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
 if triton is not None:
     # one binary for every prompt length, and for rows at any offset into the step's index tensor (a later group's
     # rows start where the one before ended: 8-byte aligned, not always 16)
-    @triton.jit(do_not_specialize=["n", "rows"])
-    def _conv_prefill_kernel(u, rows, state, w, y, su, n, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                             HAS_STATE: tl.constexpr):
+    # y: the output's channels [0, C1), [C1, C2), [C2, C) each a contiguous [R, part] block, one after the other
+    @triton.jit(do_not_specialize=["n", "rows", "R"])
+    def _conv_prefill_kernel(u, rows, state, w, y, su, n, C, C1, C2, R, K: tl.constexpr, BT: tl.constexpr,
+                             BC: tl.constexpr, HAS_STATE: tl.constexpr):
         nb = tl.cdiv(n, BT)
         g = (tl.program_id(0) // nb).to(tl.int64)
         t = (tl.program_id(0) % nb) * BT + tl.arange(0, BT)
@@ -97,5 +144,8 @@ if triton is not None:
                 x = tl.where(before[:, None], s.to(x.dtype), x)
             acc += x.to(tl.float32) * tl.load(w + c * K + j, mask=mc, other=0).to(tl.float32)[None, :]
         yv = acc.to(y.dtype.element_ty).to(tl.float32)
-        tl.store(y + (g * n + t[:, None]).to(tl.int64) * C + c[None, :],
-                 (yv / (1.0 + tl.exp(-yv))).to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+        p0, p1 = c < C1, (c >= C1) & (c < C2)
+        start = tl.where(p0, 0, tl.where(p1, C1, C2))                  # the part's first channel
+        width = tl.where(p0, C1, tl.where(p1, C2 - C1, C - C2))
+        at = start.to(tl.int64) * R + (g * n + t[:, None]).to(tl.int64) * width[None, :] + (c - start)[None, :]
+        tl.store(y + at, (yv / (1.0 + tl.exp(-yv))).to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])

@@ -30,6 +30,7 @@ CHECKS = {
     "fused_decode": ("fused_decode_check.py", [("float32", "cpu"), ("bfloat16", "cpu")], 300),
     "moe_parity": ("fused_moe_parity_check.py", [()], 600),
     "greedy": ("greedy_check.py", [("cpu",)], 300),
+    "prefill": ("prefill_check.py", [()], 400),
 }
 
 

@@ -197,6 +197,17 @@ def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
             and calls["shared_gate"] > 0 and (calls["block"] > 0) == (which == "block"), (which, calls)
 
 
+@pytest.mark.interpreter("prefill")
+def test_prefill_merged_path_in_the_interpreter():
+    """The prefill's merged path (one GEMM for each layer's input projections, silu-mul as one kernel, the conv's q,
+    k and v written contiguous, a group's rows as a slice, or the layer's output where one group holds every row)
+    through the Triton kernels in Triton's interpreter, float32: a chunked prefill of three prompts must decode what
+    the eager torch steps decode; its counters prove each row path ran (tests/prefill_check.py)."""
+    (code, out, err), = interp.results("prefill")
+    assert code == 0 and "prefill ok" in out, out + err[-3000:]
+    assert "rows_whole" in out and "'rows_gather': 0" not in out, out
+
+
 @pytest.mark.interpreter("fused_moe")
 def test_fused_moe_kernels_in_the_interpreter():
     """The fused MoE routing and experts (kernels/fused_moe.py: the router kernel, the per-pair kernels with both

@@ -67,7 +67,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     calls = dict(fused_moe.CALLS)      # module-wide, and loading ran them (MoE.warm_up): count the run's calls only
     blocks = moe_block.CALLS["block"]
     gemv_calls, qk_calls = dict(gemv.CALLS), paged_attention.CALLS["qk_kv_write"]
-    convs = prefill.CALLS["conv_prefill"]
+    convs, whole = prefill.CALLS["conv_prefill"], prefill.CALLS["rows_whole"]
     toks, lps = [], []
     for p in prompts:
         t, lg = lp.greedy([p], 16)
@@ -108,6 +108,8 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     assert paged_attention.CALLS["qk_kv_write"] > qk_calls, "the q / k norms and the KV write ran as one kernel"
     # the prompts' prefill: the Gated DeltaNet's conv as one kernel a group of segments (kernels/fused_decode.py)
     assert prefill.CALLS["conv_prefill"] > convs, "the prefill conv did not run as its kernel"
+    # and its merged path: one GEMM a layer's projections, the one group's output the layer's (kernels/prefill.MERGED)
+    assert prefill.CALLS["rows_whole"] > whole, "the prefill did not take its merged path"
     print(f"{size}: {same}/10 prompts identical to generate; worst greedy gap {ours[0]:.3e} (transformers against "
           f"itself {self_[0]:.3e}), worst logprob diff {ours[1]:.3e} (itself {self_[1]:.3e})")
     assert ours[0] <= 2 * self_[0] + 0.05, "one of our tokens is neither transformers' greedy token nor a near tie"

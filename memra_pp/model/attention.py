@@ -81,13 +81,19 @@ class GatedAttention(Param):
         """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached). The q / k norms with
         their rotary embedding are one kernel each on CUDA (kernels/fused_decode.add_rms_norm, reading q's heads in
         place in the projection), the torch ops of rms_norm and apply_rope elsewhere."""
+        from memra_pp.kernels import prefill as pf
         from memra_pp.kernels.fused_decode import add_rms_norm
         c = self.cfg
-        T = x_TH.shape[0]
-        qg = self.lin(x_TH, "q_proj", lora).view(T, c.num_attention_heads, 2 * c.head_dim)
-        q, gate = qg[..., :c.head_dim], qg[..., c.head_dim:].reshape(T, -1)
-        k = self.lin(x_TH, "k_proj", lora).view(T, c.num_key_value_heads, c.head_dim)
-        v = self.lin(x_TH, "v_proj", lora).view(T, c.num_key_value_heads, c.head_dim)
+        T, D = x_TH.shape[0], c.head_dim
+        if pf.merged(x_TH, lora):   # one GEMM for q|gate, k, v (views of it), as the decode graphs' projection
+            P = F.linear(x_TH, self.qkv)
+            nq, nkv = c.num_attention_heads * 2 * D, c.num_key_value_heads * D
+            qg, k, v = P[:, :nq], P[:, nq:nq + nkv], P[:, nq + nkv:]
+        else:
+            qg, k, v = (self.lin(x_TH, f"{p}_proj", lora) for p in "qkv")
+        qg = qg.view(T, c.num_attention_heads, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, -1)
+        k, v = k.view(T, c.num_key_value_heads, D), v.view(T, c.num_key_value_heads, D)
         q = add_rms_norm(q, None, self.q_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
         k = add_rms_norm(k, None, self.k_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
         return q, gate, k, v

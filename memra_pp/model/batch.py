@@ -113,6 +113,14 @@ class StepBatch:
         cache[ck] = res
         return res
 
+    def span(self, idx: list[int]) -> slice | None:
+        """The rows of a group (the sequences idx of one length, in order) as a slice of the step's rows where
+        they are consecutive (every segment right after the one before), else None: then its row tensor gathers."""
+        n, r0 = self.counts[idx[0]], self.offsets[idx[0]]
+        if any(self.offsets[i] != r0 + j * n or self.counts[i] != n for j, i in enumerate(idx)):
+            return None
+        return slice(r0, r0 + len(idx) * n)
+
     def sample_rows(self) -> list[int]:
         return [o + c - 1 for o, c, s in zip(self.offsets, self.counts, self.sample) if s]
 

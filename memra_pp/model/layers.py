@@ -68,6 +68,10 @@ class DenseMLP(Param):
         return h_BH, linear(silu_mul(gu), self.down_proj_weight)
 
     def forward(self, x, lora=None):
+        from memra_pp.kernels import prefill as pf
+        if pf.merged(x, lora):      # one GEMM for gate|up and one silu-mul kernel (CUDA)
+            from memra_pp.kernels.fused_decode import silu_mul
+            return self.lin(silu_mul(F.linear(x, self.gate_up)), "down_proj")
         return self.lin(F.silu(self.lin(x, "gate_proj", lora)) * self.lin(x, "up_proj", lora), "down_proj", lora)
 
 

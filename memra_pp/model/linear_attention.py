@@ -49,20 +49,28 @@ class GatedDeltaNet(Param):
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
-        T = x_TH.shape[0]
-        u = self.lin(x_TH, "in_proj_qkv", lora)                                  # [T, C]
-        z = self.lin(x_TH, "in_proj_z", lora).view(T, nv, dv)
-        g, beta = gdn_gates(self.lin(x_TH, "in_proj_b", lora), self.lin(x_TH, "in_proj_a", lora), self.A_log,
-                            self.dt_bias)
+        T, C, Z = x_TH.shape[0], c.conv_dim, nv * dv
+        merged = pf.merged(x_TH, lora)
+        if merged:      # one GEMM for q|k|v, z, b, a (their views), as the decode graphs' projection
+            P = torch.nn.functional.linear(x_TH, self.in_proj)
+            u, z, b_, a_ = P[:, :C], P[:, C:C + Z], P[:, C + Z:C + Z + nv], P[:, C + Z + nv:]
+        else:
+            u, z, b_, a_ = (self.lin(x_TH, f"in_proj_{p}", lora) for p in ("qkv", "z", "b", "a"))   # u: [T, C]
+        z = z.view(T, nv, dv)
+        g, beta = gdn_gates(b_, a_, self.A_log, self.dt_bias)
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        out = torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)
-        r = nv // nk
+        groups = b.groups("length", x_TH.device)
+        out = None if pf.whole(b, groups, T, merged) else \
+            torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)        # None: the one group's o is out
+        r, parts = nv // nk, (nk * dk, nk * dk, nv * dv)
         # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
-        for idx, rows, slots in b.groups("length", x_TH.device):
+        for idx, rows, slots in groups:
             G, n, fresh = len(idx), b.counts[idx[0]], b.starts[idx[0]] == 0
-            y, conv[slots] = pf.conv_prefill(u, rows, w, None if fresh else conv[slots], G, n)
-            q, k, v = torch.split(y, [nk * dk, nk * dk, nv * dv], -1)
+            sel = pf.group_rows(b, idx, rows, merged)     # consecutive rows: a slice (a view, no gather)
+            y, conv[slots] = pf.conv_prefill(u, rows, w, None if fresh else conv[slots], G, n,
+                                             parts if pf.MERGED else None)
+            q, k, v = y if pf.MERGED else torch.split(y, parts, -1)
             q, k = q.reshape(G, n, nk, dk), k.reshape(G, n, nk, dk)
             if not getattr(self.rule, "gva", False):    # the value heads' own copies of q and k (fla's gva: none)
                 q, k = q.repeat_interleave(r, 2), k.repeat_interleave(r, 2)
@@ -70,9 +78,13 @@ class GatedDeltaNet(Param):
             # transformers runs the chunked form for every prefill, even of one token, and the recurrent
             # one only to continue a cached state: the same kernels keep bf16 rounding identical
             fn = self._recurrent if n == 1 and not fresh else self._chunk
-            o, rec[slots] = fn(q, k, v.reshape(G, n, nv, dv), g[rows].view(G, n, nv), beta[rows].view(G, n, nv), s0)
-            out[rows] = o.reshape(G * n, nv, dv).to(out.dtype)
-        o = fd.gated_rms_norm(out, z, self.norm_weight, c.rms_norm_eps)
+            o, rec[slots] = fn(q, k, v.reshape(G, n, nv, dv), g[sel].reshape(G, n, nv),
+                           beta[sel].reshape(G, n, nv), s0)
+            if out is None:
+                out = o.reshape(T, nv, dv).to(x_TH.dtype)
+            else:
+                out[sel] = o.reshape(G * n, nv, dv).to(out.dtype)
+        o = fd.gated_rms_norm(out.contiguous(), z, self.norm_weight, c.rms_norm_eps)
         return self.lin(o, "out_proj", lora)
 
     def decode(self, x_BH: torch.Tensor, slots_B: torch.Tensor, cache: StageCache, lora=None) -> torch.Tensor:

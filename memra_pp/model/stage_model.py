@@ -81,12 +81,20 @@ class Layer(nn.Module):
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
         kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
-        o = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        from memra_pp.kernels import prefill as pf
+        T, merged, groups = q.shape[0], pf.merged(x_TH, lora), b.groups("start", x_TH.device)
+        whole = pf.whole(b, groups, T, merged)      # the one group's output is o
+        o = None if whole else torch.empty(T, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         # sequences with the same (start, length) attend in one batched call over their pages, gathered
-        for idx, rows, slots in b.groups("start", x_TH.device):
+        for idx, rows, slots in groups:
             G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
+            sel = pf.group_rows(b, idx, rows, merged)     # consecutive rows: a slice (a view, no gather)
             kg, vg = cache.gather(kp, slots, start + n), cache.gather(vp, slots, start + n)
-            o[rows] = attend_batch(q[rows].view(G, n, *q.shape[1:]), kg, vg, start).reshape(G * n, -1)
+            og = attend_batch(q[sel].view(G, n, *q.shape[1:]), kg, vg, start).reshape(G * n, -1)
+            if whole:
+                o = og
+            else:
+                o[sel] = og
         return at.output(o, gate, lora)
 
 
