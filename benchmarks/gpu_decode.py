@@ -162,6 +162,9 @@ def main() -> int:
                     help="one decode graph per batch bucket over every KV length (decode_graphs.ANY_KV, the "
                          "default; off: MEMRA_PP_ANY_KV_GRAPHS=0 in the stage processes, a graph per KV-length "
                          "bucket); both: each layout without, then with")
+    ap.add_argument("--prefill-merged", choices=("off", "on", "both"), default="on",
+                    help="the prefill's merged path (kernels/prefill.MERGED, the default; off: "
+                         "MEMRA_PP_PREFILL_MERGED=0 in the stage processes); both: each layout without, then with")
     a = ap.parse_args()
     if a.hf_concurrency and not (a.hf or a.hf_device_map):
         ap.error("--hf-concurrency names transformers' concurrencies: give --hf or --hf-device-map too")
@@ -220,11 +223,15 @@ def main() -> int:
             # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
-            for any_kv, in_place, cs in [(k, p, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
-                                         for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
+            for any_kv, in_place, merged, cs in [
+                    (k, p, m, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
+                    for m in sides[a.prefill_merged] for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
                 # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
                 os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
                 os.environ["MEMRA_PP_KV_IN_PLACE"] = "1" if in_place else "0"
+                os.environ["MEMRA_PP_PREFILL_MERGED"] = "1" if merged else "0"
+                if a.prefill_merged == "both":
+                    print(f"  prefill merged path: {merged}", flush=True)
                 if a.any_kv == "both":
                     print(f"  one decode graph per batch bucket (any KV length): {any_kv}", flush=True)
                 if a.kv_in_place == "both":
@@ -238,7 +245,7 @@ def main() -> int:
                     rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs, "any_kv": any_kv,
                                                          "error": f"{type(e).__name__}: {e}"})
                 for r in rep["runs"][n0:]:
-                    r["any_kv"] = any_kv
+                    r["any_kv"], r["prefill_merged"] = any_kv, merged
                 save()
     if not a.hf_first:
         hf()
@@ -270,6 +277,7 @@ def plot(rep: dict, path: str) -> None:
                                        + (f", {r['microbatches']} microbatches" if r.get("microbatches") not in
                                           (None, "auto") else "")
                                        + (", a graph per KV bucket" if r.get("any_kv") is False else "")
+                                       + (", prefill not merged" if r.get("prefill_merged") is False else "")
                                        + (", KV pools copied to grow" if "in place" not in r.get("kv_growth", [
                                            "in place"]) else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from memra_pp.switches import flag
+
 from .fused_decode import GATED_MANY, _triton, add_rms_norm, gated_rms_norm, silu_mul, triton
 
 if triton is not None:
@@ -16,8 +18,9 @@ CALLS = {"conv_prefill": 0, "merged": 0, "rows_whole": 0, "rows_slice": 0, "rows
 # the prefill's merged input projections (one GEMM for a layer's q|k|v|z|b|a, q|gate|k|v, gate|up) with silu-mul as
 # one kernel, the conv writing q, k and v as contiguous tensors, and a group's rows as a slice where they are
 # consecutive (no gather or scatter): CUDA only (off it the torch ops stay as they were, so the float32 parity with
-# transformers is unchanged bit for bit); benchmarks/gpu_engine_step.py --prefill-torch turns it off to compare
-MERGED = True
+# transformers is unchanged bit for bit); MEMRA_PP_PREFILL_MERGED=0 turns it off (gpu_decode.py --prefill-merged
+# both: side by side), as does benchmarks/gpu_engine_step.py --prefill-torch for its "s23" step
+MERGED = flag("MEMRA_PP_PREFILL_MERGED")
 
 
 def merged(x: torch.Tensor, lora=None) -> bool:

@@ -115,11 +115,18 @@ class StepBatch:
 
     def span(self, idx: list[int]) -> slice | None:
         """The rows of a group (the sequences idx of one length, in order) as a slice of the step's rows where
-        they are consecutive (every segment right after the one before), else None: then its row tensor gathers."""
-        n, r0 = self.counts[idx[0]], self.offsets[idx[0]]
-        if any(self.offsets[i] != r0 + j * n or self.counts[i] != n for j, i in enumerate(idx)):
-            return None
-        return slice(r0, r0 + len(idx) * n)
+        they are consecutive (every segment right after the one before), else None: then its row tensor gathers.
+        Worked out once a step for each group list groups() returned (every layer asks: 500 decode rows are one
+        group), else now."""
+        spans = self.__dict__.setdefault("_spans", {})
+        key = id(idx)
+        if key in spans and spans[key][0] is idx:
+            return spans[key][1]
+        offs = self.offsets         # a property that walks the counts: once, not once a sequence
+        n, r0 = self.counts[idx[0]], offs[idx[0]]
+        ok = all(offs[i] == r0 + j * n and self.counts[i] == n for j, i in enumerate(idx))
+        spans[key] = (idx, slice(r0, r0 + len(idx) * n) if ok else None)
+        return spans[key][1]
 
     def sample_rows(self) -> list[int]:
         return [o + c - 1 for o, c, s in zip(self.offsets, self.counts, self.sample) if s]
