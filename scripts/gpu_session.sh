@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep e2e moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -35,13 +35,17 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     # issue 7 on the 35B-A3B MoE dimensions: the engine step (profiled) and the deployment against transformers
     # (--profile also writes each profiled step's critical path: profile-*.txt and critical_path.png)
     moestep) phase gpu-moe-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT/moe" --model preset:qwen3.5-35b-a3b --batches ${MOE_B:-1,64,256} --modes ${MOE_MODES:-graph,graph-torchmoe} --profile ;;
-    # the prefill step with its norms and conv as kernels and q / k in their own heads (twenty-third session),
-    # against the torch ops and repeated heads, interleaved, then profiled; both models (~4 minutes)
+    # the prefill step as it is, as the twenty-third session left it (s23: without the merged path) and with the torch
+    # ops and repeated heads, interleaved, then profiled; both models (~4 minutes)
     prefillstep) phase prefill-step-27b 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/prefill27" --batches 1 \
                    --modes graph --iters 3 --prefill 1x4096,8x512 --prefill-torch --profile ;
                  phase prefill-step-moe 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/prefillmoe" \
                    --model preset:qwen3.5-35b-a3b --batches 1 --modes graph --iters 3 --prefill 1x4096,8x512 \
                    --prefill-torch --profile ;;
+    # end to end, target 2's workload at two levels, the prefill's merged path off then on (one deployment each);
+    # E2E_MODEL=preset:qwen3.5-35b-a3b E2E_C=64,512 for the MoE
+    e2e) phase gpu-decode-e2e 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/e2e" --model ${E2E_MODEL:-preset:qwen3.5-27b} \
+           --layouts 0 --concurrency ${E2E_C:-64,256} --prompt-len 512 --new 256 --prefill-merged both ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
     # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and

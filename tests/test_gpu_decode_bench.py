@@ -343,3 +343,16 @@ def test_hf_concurrency_without_transformers_is_refused():
     r = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "gpu_decode.py"), "--out",
                         "/tmp/unused", "--hf-concurrency", "1,8"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "give --hf or --hf-device-map too" in r.stderr, r.stderr[-2000:]
+
+
+def test_prefill_ways_plot(tmp_path):
+    """benchmarks/plot_prefill.py: each way's tokens/s at its fastest step, a bar group a shape, a panel a run."""
+    import plot_prefill
+    rows = [{"mode": "graph", "batch": 1, "step_ms": 13.0}]      # a decode row: not a prefill
+    rows += [{"mode": "graph", "prefill": [B, n], "prefill_ops": way, "step_ms": [ms * 2, ms]}
+             for B, n in ((1, 4096), (8, 512)) for way, ms in (("kernels", 340.0), ("s23", 370.0), ("torch", 475.0))]
+    rep = {"model": "preset:qwen3.5-27b", "gpu": "cpu", "rows": rows}
+    got = plot_prefill.prefill_rows(rep)
+    assert list(got) == [(1, 4096), (8, 512)] and got[(1, 4096)]["kernels"] == pytest.approx(4096 / 0.340)
+    plot_prefill.plot([rep, rep], str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000

@@ -1,0 +1,64 @@
+"""Prefill throughput of each way gpu_engine_step.py --prefill-torch timed side by side in one run ("torch": the norms
+and conv as torch ops; "s23": the kernels without the merged path; "kernels": as it is), one panel a run (a model),
+one bar group a prefill shape: tokens/s at each way's fastest step, with its ratio to "torch".
+
+    python benchmarks/plot_prefill.py docs/results/gpu_engine_step_prefill_27b-....json ..._moe-....json --out p.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+WAYS = ("torch", "s23", "kernels")
+
+
+def prefill_rows(rep: dict) -> dict[tuple[int, int], dict[str, float]]:
+    """{(prompts, tokens each): {way: tokens/s at its fastest step}} from a gpu_engine_step.json."""
+    out: dict = {}
+    for r in rep["rows"]:
+        if "prefill" in r:
+            B, n = r["prefill"]
+            out.setdefault((B, n), {})[r.get("prefill_ops", "kernels")] = B * n / min(r["step_ms"]) * 1e3
+    return out
+
+
+def plot(reps: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(reps), figsize=(6 * len(reps), 4.5), squeeze=False)
+    for ax, rep in zip(axes[0], reps, strict=True):
+        rows = prefill_rows(rep)
+        ways = [w for w in WAYS if any(w in v for v in rows.values())]
+        width = 0.8 / max(len(ways), 1)
+        for j, way in enumerate(ways):
+            xs = [i + (j - (len(ways) - 1) / 2) * width for i in range(len(rows))]
+            ys = [v.get(way, 0.0) for v in rows.values()]
+            bars = ax.bar(xs, ys, width, label=way)
+            for b, (shape, v) in zip(bars, rows.items(), strict=True):
+                if way in v and "torch" in v:
+                    ax.annotate(f"{v[way] / v['torch']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), [f"{B} x {n} tokens" for B, n in rows])
+        ax.set_ylabel("prefill tokens / s (fastest step)")
+        ax.set_title(f"{rep.get('model', '?')}, {rep.get('gpu', '')}", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="+", help="gpu_engine_step.json files (one panel each)")
+    ap.add_argument("--out", required=True, help="PNG path")
+    a = ap.parse_args()
+    reps = [json.load(open(p)) for p in a.json]
+    for p, rep in zip(a.json, reps, strict=True):
+        for (B, n), v in prefill_rows(rep).items():
+            print(f"{p}: {B} x {n}: " + ", ".join(f"{w} {v[w]:,.0f} tokens/s" for w in WAYS if w in v))
+    plot(reps, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
