@@ -146,8 +146,9 @@ def gated_rms_norm(o_BVD, z_BVD, w, eps: float):
     assert o_BVD.is_contiguous() and z_BVD.stride(2) == 1
     out = torch.empty(B, HV * D, dtype=o_BVD.dtype, device=o_BVD.device)
     R = B * HV
-    # a decode step's few heads: one head a program, one warp; a prefill's thousands: GATED_ROWS heads a program
-    # (one head a program at 4,096 tokens of the 27B was 237 us a layer on an H200, launch-bound)
+    # few heads (a decode step below GATED_MANY: up to 85 sequences of the 27B, 127 of the 35B-A3B): one head a
+    # program, one warp; more (a prefill's thousands, a large decode batch): GATED_ROWS heads a program, the same
+    # arithmetic per head (one head a program at 4,096 tokens of the 27B was 237 us a layer on an H200)
     BT, warps = (GATED_ROWS, 4) if R >= GATED_MANY else (1, 1)
     _gated_rms_norm_kernel[(triton.cdiv(R, BT),)](o_BVD, z_BVD, w, out, eps, R, HV, z_BVD.stride(0),
                                                   z_BVD.stride(1), D=D, BLOCK=triton.next_power_of_2(D), BT=BT,

@@ -15,18 +15,21 @@ if triton is not None:
 CONV_TILE = (32, 128)     # (tokens, channels) a program: one binary for every prompt length
 # launches, and the merged path's layers and groups (rows a slice or gathered), so a check can assert what ran (law 3)
 CALLS = {"conv_prefill": 0, "merged": 0, "rows_whole": 0, "rows_slice": 0, "rows_gather": 0}
-# the prefill's merged input projections (one GEMM for a layer's q|k|v|z|b|a, q|gate|k|v, gate|up) with silu-mul as
-# one kernel, the conv writing q, k and v as contiguous tensors, and a group's rows as a slice where they are
-# consecutive (no gather or scatter): CUDA only (off it the torch ops stay as they were, so the float32 parity with
-# transformers is unchanged bit for bit); MEMRA_PP_PREFILL_MERGED=0 turns it off (gpu_decode.py --prefill-merged
-# both: side by side), as does benchmarks/gpu_engine_step.py --prefill-torch for its "s23" step
+# the prefill's merged input projections (one GEMM for a layer's q|k|v|z|b|a, q|gate|k|v, gate|up; the last two in
+# eager decode steps too) with silu-mul as one kernel, the conv writing q, k and v as contiguous tensors, and a
+# group's rows as a slice where they are consecutive (no gather or scatter): CUDA only (off it the torch ops stay as
+# they were, so the float32 parity with transformers is unchanged bit for bit); MEMRA_PP_PREFILL_MERGED=0 turns it
+# off (gpu_decode.py --prefill-merged both: side by side), as does gpu_engine_step.py --prefill-torch ("s23")
 MERGED = flag("MEMRA_PP_PREFILL_MERGED")
 
 
-def merged(x: torch.Tensor, lora=None) -> bool:
-    """Whether a prefill step on x takes the merged path above (not with a LoRA hook: it adds per projection)."""
+def merged(x: torch.Tensor, lora=None, count: bool = False) -> bool:
+    """Whether a step's layer on x takes the merged path above (not with a LoRA hook: it adds per projection).
+    The attention's projection and the dense MLP take it in eager decode steps too (more rows than the largest
+    decode graph, or no graphs), where it is the same arithmetic; `count`: a prompt step's layer asking (the
+    Gated DeltaNet's and the attention's prefill), counted in CALLS["merged"]."""
     on = MERGED and lora is None and _triton(x)
-    CALLS["merged"] += on
+    CALLS["merged"] += on and count
     return on
 
 
@@ -110,7 +113,7 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
         for state in (None, z(1, C, K - 1)):        # q, k, v split (whole: the same binary, at these dimensions)
             conv_prefill(z(T, C), rows, z(C, K), state, 1, T, (qk, qk, C - 2 * qk))
         nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        for n in (T, -(-GATED_MANY // nv)):     # both of the gated norm's tiles
+        for n in (max(1, (GATED_MANY - 1) // nv), -(-GATED_MANY // nv)):     # both of the gated norm's tiles
             gated_rms_norm(z(n, nv, dv), z(n, nv, dv), z(dv), cfg.rms_norm_eps)
     if not cfg.moe:
         silu_mul(z(T, 2 * cfg.intermediate_size))

@@ -2,7 +2,7 @@
 one kernel, the conv writing q, k and v as contiguous tensors, a group's rows as a slice where they are consecutive)
 through the Triton kernels (Triton's CPU interpreter, float32), against the eager step through the torch ops: same
 greedy tokens, logprobs within 5e-4, for a chunked prefill whose steps are one group of every row, and groups
-consecutive (a slice) and scattered (gathered). Run under TRITON_INTERPRET=1 (tests/test_decode_graphs.py
+consecutive (a slice) and scattered (gathered); and steps mixing decode rows with prompt chunks. Run under TRITON_INTERPRET=1 (tests/test_decode_graphs.py
 does); prints the counters."""
 import sys
 from pathlib import Path
@@ -36,4 +36,27 @@ for kind in ["dense", "moe"] if ALL else ["dense"]:
         assert ran["rows_gather"] > 0 and ran["rows_slice"] > 0 and (ran["rows_whole"] > 0) == (chunk is not None), \
             (chunk, ran)
         print(kind, "chunk", chunk, "ok", ran, f"logprob diff {d:.1e}")
+# steps mixing decode rows with fresh and continuing prompt chunks (tests/test_model_parity.mixed_greedy): the
+# attention's one decode call for the decode rows through its kernel, and the gated norm's many-heads tile inside
+# the model (GATED_MANY lowered: the tiny model's steps have few heads)
+from memra_pp.model import stage_model  # noqa: E402
+from test_model_parity import mixed_greedy  # noqa: E402
+mixed = [[5, 6, 7], list(range(10, 30)), [9, 8, 7, 6, 5, 4, 3], list(range(40, 52))]
+eager, _ = pipelines("dense", [(0, 4), (4, 8)])
+fd.USE_TRITON = False
+te, le = mixed_greedy(eager, mixed, [0, 0, 1, 2], NEW, 8)
+fd.USE_TRITON, many = True, fd.GATED_MANY
+fd.GATED_MANY = 8
+before, single = dict(pf.CALLS), stage_model.CALLS["single_rows"]
+try:
+    tk, lk = mixed_greedy(eager, mixed, [0, 0, 1, 2], NEW, 8)
+finally:
+    fd.GATED_MANY = many
+ran = {k: pf.CALLS[k] - before[k] for k in pf.CALLS}
+ran["single_rows"] = stage_model.CALLS["single_rows"] - single
+assert tk == te, (tk, te)
+d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, strict=True))
+assert d < 5e-4, d
+assert ran["single_rows"] > 0 and ran["merged"] > 0, ran
+print("mixed ok", ran, f"logprob diff {d:.1e}")
 print("prefill ok")

@@ -1,5 +1,6 @@
-"""StepBatch's groups and their row spans (model/batch.py): the prefill's merged path reads a group's rows as a
-slice only where the slice holds exactly the rows its row tensor names."""
+"""StepBatch's groups, their row spans and a mixed step's one-token rows (model/batch.py): the prefill's merged path
+reads a group's rows as a slice only where the slice holds exactly the rows its row tensor names, and the attention
+takes a step's one-token continuing segments in one decode call instead of a group each."""
 import pytest
 import torch
 
@@ -7,17 +8,18 @@ from memra_pp.model.batch import StepBatch
 
 
 def batch(starts, counts):
-    return StepBatch(list(range(len(counts))), starts, counts, StepBatch.text_positions(starts, counts),
+    return StepBatch(list(range(10, 10 + len(counts))), starts, counts, StepBatch.text_positions(starts, counts),
                      [True] * len(counts))
 
 
-@pytest.mark.parametrize("starts,counts,spans", [
-    ([0, 0, 0], [4, 4, 4], {"length": [(0, 12)], "start": [(0, 12)]}),                # one group of every row
-    ([0, 0, 0], [9, 5, 9], {"length": [None, (9, 14)], "start": [None, (9, 14)]}),    # 0 and 2 apart: gathered
-    ([3, 3, 0], [2, 2, 2], {"length": [(0, 4), (4, 6)], "start": [(0, 4), (4, 6)]}),  # fresh and continuing
-    ([7, 9, 0, 5], [1, 1, 6, 1], {"length": [None, (2, 8)], "start": [(0, 1), (1, 2), (2, 8), (8, 9)]}),
+@pytest.mark.parametrize("starts,counts,spans,single", [
+    ([0, 0, 0], [4, 4, 4], {"length": [(0, 12)], "start": [(0, 12)]}, []),             # one group of every row
+    ([0, 0, 0], [9, 5, 9], {"length": [None, (9, 14)], "start": [None, (9, 14)]}, []),  # 0 and 2 apart: gathered
+    ([3, 3, 0], [2, 2, 2], {"length": [(0, 4), (4, 6)], "start": [(0, 4), (4, 6)]}, []),  # fresh and continuing
+    # a mixed step: three decode rows around a prompt; "start" leaves them to the one decode call
+    ([7, 9, 0, 5], [1, 1, 6, 1], {"length": [None, (2, 8)], "start": [(2, 8)]}, [0, 1, 3]),
 ])
-def test_a_span_is_the_groups_rows_or_none(starts, counts, spans):
+def test_a_span_is_the_groups_rows_or_none(starts, counts, spans, single):
     b = batch(starts, counts)
     for kind in ("length", "start"):
         got = []
@@ -28,16 +30,31 @@ def test_a_span_is_the_groups_rows_or_none(starts, counts, spans):
                 assert torch.equal(torch.arange(s.start, s.stop), rows)
             else:
                 assert not torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows)))
-            assert b.span(idx) is s or b.span(idx) == s     # worked out once a step: the same answer
+            assert b.span(idx) is s         # worked out once a step: the same object back
         assert got == spans[kind], (kind, got)
+    idx, rows, slots, lens = b.single_rows("cpu")
+    offs = b.offsets
+    assert idx == single and rows.tolist() == [offs[i] for i in single]
+    assert slots.tolist() == [10 + i for i in single] and lens.tolist() == [starts[i] + 1 for i in single]
 
 
-def test_a_span_of_many_rows_is_worked_out_once():
-    """500 decode rows and a prompt: every layer asks for the same groups' spans (once each a step, not once a
-    layer, and never once a sequence over every offset)."""
-    b = batch([100] * 500 + [0], [1] * 500 + [512])
+def test_a_decode_only_step_has_no_single_rows():
+    """The decode path takes those (not the attention's prompt path)."""
+    b = batch([5, 9], [1, 1])
+    assert b.decode_only() and b.single_rows("cpu")[0] == []
+
+
+def test_spans_read_the_offsets_once_a_step(monkeypatch):
+    """500 decode rows and a prompt: every layer asks for every group's span. The offsets (a property that walks
+    the counts) are read once for the groups and their spans, not once a group or a sequence."""
+    reads = []
+    prop = StepBatch.offsets
+    monkeypatch.setattr(StepBatch, "offsets", property(lambda self: reads.append(1) or prop.fget(self)))
+    b = batch([100 + i for i in range(500)] + [0], [1] * 500 + [512])
     groups = b.groups("length", "cpu")
+    n = len(reads)
     first = [b.span(idx) for idx, _, _ in groups]
-    assert first == [slice(0, 500), slice(500, 1012)]
-    assert all(b._spans[id(idx)][1] is s for (idx, _, _), s in zip(groups, first))
+    for _ in range(80):         # the layers
+        assert [b.span(idx) for idx, _, _ in groups] == first
+    assert first == [slice(0, 500), slice(500, 1012)] and len(reads) == n <= 2, len(reads)
     assert [b.span(list(idx)) for idx, _, _ in groups] == first      # another list: worked out again, the same

@@ -98,9 +98,6 @@ class GatedAttention(Param):
         k = add_rms_norm(k, None, self.k_norm_weight, c.rms_norm_eps, rope=(cos, sin))[1]
         return q, gate, k, v
 
-    def output(self, attn_TX, gate_TX, lora=None):
-        return self.lin(attn_TX * torch.sigmoid(gate_TX), "o_proj", lora)
-
 
 def attend_batch(q_GTHD: torch.Tensor, k_GHSD: torch.Tensor, v_GHSD: torch.Tensor, start: int) -> torch.Tensor:
     """attend() for G sequences with the same start and T at once -> [G, T, nh*D]."""

@@ -88,7 +88,9 @@ class StepBatch:
     def groups(self, kind: str, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         """The step's sequences grouped so that each group runs as one batched call instead of one call per
         sequence: kind "length" groups by segment length and by fresh (start 0) or continuing, "start" by
-        (start, length). Returns [(indices into the batch, token rows [G * n], slots [G])] with the tensors on
+        (start, length), leaving out one-token continuing segments (the attention takes those in one decode call:
+        single_rows; each has a start of its own, so as groups a mixed step's hundreds of decode rows were hundreds
+        of calls a layer). Returns [(indices into the batch, token rows [G * n], slots [G])] with the tensors on
         `device`, made once per step and kind (every host-to-device copy from pageable memory waits for the
         stream: once per layer would stall the prefill 64 times)."""
         cache = self.__dict__.setdefault("_groups", {})
@@ -97,9 +99,11 @@ class StepBatch:
             return cache[ck]
         key = {"length": lambda i: (self.counts[i], self.starts[i] == 0),
                "start": lambda i: (self.starts[i], self.counts[i])}[kind]
+        single = set(self.single_rows(device)[0]) if kind == "start" else ()
         out: dict = {}
         for i in range(len(self.slots)):
-            out.setdefault(key(i), []).append(i)
+            if i not in single:
+                out.setdefault(key(i), []).append(i)
         offs = self.offsets
         idxs = list(out.values())
         rows = [offs[i] + t for idx in idxs for i in idx for t in range(self.counts[i])]
@@ -109,24 +113,43 @@ class StepBatch:
         for idx in idxs:
             nr = len(idx) * self.counts[idx[0]]
             res.append((idx, flat[r0:r0 + nr], flat[s0:s0 + len(idx)]))
+            self._span(idx, offs)       # every group's span now, from this step's offsets (read once above)
             r0, s0 = r0 + nr, s0 + len(idx)
         cache[ck] = res
         return res
 
+    def single_rows(self, device) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The one-token continuing segments of a step that has prompt segments too (a mixed step's decode rows, or
+        a prompt's one-token last chunk): (their indices into the batch, their rows, slots and lengths after this
+        token, start + 1, as int64 tensors on `device`); none in a decode-only step (the decode path takes those).
+        Made once per step, one host-to-device copy."""
+        cache = self.__dict__.setdefault("_index", {})
+        key = ("single", str(device))
+        if key not in cache:
+            idx = [] if self.decode_only() else [i for i, (c, s) in enumerate(zip(self.counts, self.starts))
+                                                 if c == 1 and s > 0]
+            offs = self.offsets
+            t = h2d(torch.tensor([[offs[i] for i in idx], [self.slots[i] for i in idx],
+                                  [self.starts[i] + 1 for i in idx]], dtype=torch.int64).view(3, len(idx)), device)
+            cache[key] = (idx, t[0], t[1], t[2])
+        return cache[key]
+
     def span(self, idx: list[int]) -> slice | None:
         """The rows of a group (the sequences idx of one length, in order) as a slice of the step's rows where
         they are consecutive (every segment right after the one before), else None: then its row tensor gathers.
-        Worked out once a step for each group list groups() returned (every layer asks: 500 decode rows are one
-        group), else now."""
-        spans = self.__dict__.setdefault("_spans", {})
-        key = id(idx)
-        if key in spans and spans[key][0] is idx:
-            return spans[key][1]
-        offs = self.offsets         # a property that walks the counts: once, not once a sequence
+        For a group list groups() returned, worked out there, once a step (every layer asks, and a mixed step's
+        "start" groups are one a decode row: hundreds); for another list, now."""
+        hit = self.__dict__.get("_spans", {}).get(id(idx))
+        if hit is not None and hit[0] is idx:
+            return hit[1]
+        return self._span(idx, self.offsets)
+
+    def _span(self, idx: list[int], offs: list[int]) -> slice | None:
         n, r0 = self.counts[idx[0]], offs[idx[0]]
         ok = all(offs[i] == r0 + j * n and self.counts[i] == n for j, i in enumerate(idx))
-        spans[key] = (idx, slice(r0, r0 + len(idx) * n) if ok else None)
-        return spans[key][1]
+        sp = slice(r0, r0 + len(idx) * n) if ok else None
+        self.__dict__.setdefault("_spans", {})[id(idx)] = (idx, sp)   # the entry keeps idx alive: its id stays its
+        return sp
 
     def sample_rows(self) -> list[int]:
         return [o + c - 1 for o, c, s in zip(self.offsets, self.counts, self.sample) if s]

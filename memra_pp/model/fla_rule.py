@@ -120,8 +120,9 @@ class FlaRule:
 
     def chunk(self, q, k, v, g, beta, state):
         from memra_pp.kernels.fused_decode import l2norm
-        # grouped heads (gva) are views into the conv's output: made contiguous, a third of the repeated rows, so
-        # the one-tile l2norm kernel runs (it takes contiguous rows)
+        # the one-tile l2norm kernel takes contiguous rows: on the merged prefill path the conv wrote q and k so
+        # (contiguous() is then free); without it, grouped heads (gva) are views into the conv's output, copied here
+        # (a third of the rows the repeat copied)
         o, s = self._chunk(l2norm(q.contiguous()), l2norm(k.contiguous()), v, g=g.float(), beta=beta,
                            initial_state=state.float().contiguous(), output_final_state=True,
                            use_qk_l2norm_in_kernel=False)

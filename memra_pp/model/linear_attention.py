@@ -42,7 +42,9 @@ class GatedDeltaNet(Param):
     def forward(self, x_TH: torch.Tensor, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
         """A step with prompt segments: each group of equal-length segments through one conv kernel and one call of
         the chunked rule, then the gated norm (kernels/prefill.py's conv_prefill, kernels/fused_decode.py's
-        gated_rms_norm on CUDA, their torch references elsewhere)."""
+        gated_rms_norm on CUDA, their torch references elsewhere). On CUDA without a LoRA hook, the merged path
+        (kernels/prefill.MERGED): one GEMM for q|k|v|z|b|a, the conv's q, k, v written contiguous, a group's rows a
+        slice where consecutive, and the one group's output the layer's where it holds every row."""
         if b.decode_only():
             return self.decode(x_TH, b.index_tensors(x_TH.device)[0], cache, lora)
         from memra_pp.kernels import fused_decode as fd, prefill as pf
@@ -50,7 +52,7 @@ class GatedDeltaNet(Param):
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
         T, C, Z = x_TH.shape[0], c.conv_dim, nv * dv
-        merged = pf.merged(x_TH, lora)
+        merged = pf.merged(x_TH, lora, count=True)
         if merged:      # one GEMM for q|k|v, z, b, a (their views), as the decode graphs' projection
             P = torch.nn.functional.linear(x_TH, self.in_proj)
             u, z, b_, a_ = P[:, :C], P[:, C:C + Z], P[:, C + Z:C + Z + nv], P[:, C + Z + nv:]

@@ -76,16 +76,19 @@ class Layer(nn.Module):
         return linear(o, self.mixer.o_proj_weight) if lora is None else self.mixer.lin(o, "o_proj", lora)
 
     def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
-        from memra_pp.kernels.paged_attention import kv_write
+        """A step with prompt segments: every new key and value into its page, then each group of segments with
+        the same (start, length) in one batched attention over their pages, gathered; the step's one-token
+        continuing segments (a mixed step's decode rows) in one paged decode attention call, gated there; then the
+        output gate and o_proj."""
+        from memra_pp.kernels import prefill as pf
+        from memra_pp.kernels.paged_attention import decode_attention, kv_write
         at: GatedAttention = self.mixer
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
         kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
-        from memra_pp.kernels import prefill as pf
-        T, merged, groups = q.shape[0], pf.merged(x_TH, lora), b.groups("start", x_TH.device)
+        T, merged, groups = q.shape[0], pf.merged(x_TH, lora, count=True), b.groups("start", x_TH.device)
         whole = pf.whole(b, groups, T, merged)      # the one group's output is o
         o = None if whole else torch.empty(T, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        # sequences with the same (start, length) attend in one batched call over their pages, gathered
         for idx, rows, slots in groups:
             G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
             sel = pf.group_rows(b, idx, rows, merged)     # consecutive rows: a slice (a view, no gather)
@@ -95,7 +98,16 @@ class Layer(nn.Module):
                 o = og
             else:
                 o[sel] = og
-        return at.output(o, gate, lora)
+        y = o * torch.sigmoid(gate)                 # at.output's gate (the single rows' o is overwritten below)
+        single, rows, slots, lens = b.single_rows(x_TH.device)
+        if single:
+            CALLS["single_rows"] += len(single)
+            y[rows] = decode_attention(q[rows], gate[rows], kp, vp, cache.table, slots, lens,
+                                       max(b.starts[i] for i in single) + 1)
+        return at.lin(y, "o_proj", lora)
+
+
+CALLS = {"single_rows": 0}     # one-token segments of steps with prompts, attended in one decode call (law 3)
 
 
 class StageModel(nn.Module):
