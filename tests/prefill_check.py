@@ -1,9 +1,9 @@
-"""The prefill's merged path (kernels/prefill.py MERGED: one GEMM for each layer's input projections, silu-mul as
-one kernel, the conv writing q, k and v as contiguous tensors, a group's rows as a slice where they are consecutive)
+"""The prefill's merged path (kernels/prefill.py MERGED: one GEMM for each layer's input projections, silu-mul as one
+kernel, the conv writing q, k and v as contiguous tensors, a group's rows as a slice where they are consecutive)
 through the Triton kernels (Triton's CPU interpreter, float32), against the eager step through the torch ops: same
 greedy tokens, logprobs within 5e-4, for a chunked prefill whose steps are one group of every row, and groups
-consecutive (a slice) and scattered (gathered); and steps mixing decode rows with prompt chunks. Run under TRITON_INTERPRET=1 (tests/test_decode_graphs.py
-does); prints the counters."""
+consecutive (a slice) and scattered (gathered); and steps mixing decode rows with prompt chunks. Run under
+TRITON_INTERPRET=1 (tests/test_decode_graphs.py does); prints the counters."""
 import sys
 from pathlib import Path
 
