@@ -13,15 +13,21 @@ def batch(starts, counts):
 
 
 @pytest.mark.parametrize("starts,counts,spans,single", [
-    ([0, 0, 0], [4, 4, 4], {"length": [(0, 12)], "start": [(0, 12)]}, []),             # one group of every row
-    ([0, 0, 0], [9, 5, 9], {"length": [None, (9, 14)], "start": [None, (9, 14)]}, []),  # 0 and 2 apart: gathered
-    ([3, 3, 0], [2, 2, 2], {"length": [(0, 4), (4, 6)], "start": [(0, 4), (4, 6)]}, []),  # fresh and continuing
-    # a mixed step: three decode rows around a prompt; "start" leaves them to the one decode call
-    ([7, 9, 0, 5], [1, 1, 6, 1], {"length": [None, (2, 8)], "start": [(2, 8)]}, [0, 1, 3]),
+    # one group of every row
+    ([0, 0, 0], [4, 4, 4], {"length": [(0, 12)], "start": [(0, 12)], "prompt_start": [(0, 12)]}, []),
+    # sequences 0 and 2 apart: gathered
+    ([0, 0, 0], [9, 5, 9], {"length": [None, (9, 14)], "start": [None, (9, 14)], "prompt_start": [None, (9, 14)]},
+     []),
+    # fresh and continuing
+    ([3, 3, 0], [2, 2, 2], {"length": [(0, 4), (4, 6)], "start": [(0, 4), (4, 6)], "prompt_start": [(0, 4), (4, 6)]},
+     []),
+    # a mixed step: three decode rows around a prompt; "prompt_start" leaves them to the one decode call
+    ([7, 9, 0, 5], [1, 1, 6, 1], {"length": [None, (2, 8)], "start": [(0, 1), (1, 2), (2, 8), (8, 9)],
+                                  "prompt_start": [(2, 8)]}, [0, 1, 3]),
 ])
 def test_a_span_is_the_groups_rows_or_none(starts, counts, spans, single):
     b = batch(starts, counts)
-    for kind in ("length", "start"):
+    for kind in ("length", "start", "prompt_start"):
         got = []
         for idx, rows, _ in b.groups(kind, "cpu"):
             s = b.span(idx)

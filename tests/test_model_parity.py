@@ -93,18 +93,21 @@ def mixed_greedy(lp, prompts, arrive, new, chunk):
     return toks, lps
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_mixed_prefill_and_decode_steps(kind):
+@pytest.mark.parametrize("kind,merged", [("dense", True), ("moe", True), ("dense", False)])
+def test_mixed_prefill_and_decode_steps(kind, merged, monkeypatch):
     """Prompts arriving while others decode: steps mixing decode rows (the attention takes them in one paged decode
     call, not a group each) with fresh and continuing prompt chunks, over two stages, must match transformers; the
-    decode rows of mixed steps must have gone through that call."""
+    decode rows of mixed steps must have gone through that call, and with the merged path off
+    (MEMRA_PP_PREFILL_MERGED=0) through a group each."""
+    from memra_pp.kernels import prefill as pf
     from memra_pp.model import stage_model
+    monkeypatch.setattr(pf, "MERGED", merged)
     _, path = tiny_checkpoint(kind, False)
     lp = LocalPipeline(SafetensorsSource(path), SPLITS[2], max_seqs=4)
     prompts = [list(PROMPTS[0]), list(PROMPTS[3]), list(PROMPTS[2]), list(range(100, 141))]
     before = stage_model.CALLS["single_rows"]
     toks, lps = mixed_greedy(lp, prompts, arrive=[0, 0, 2, 3], new=6, chunk=16)
-    assert stage_model.CALLS["single_rows"] > before
+    assert (stage_model.CALLS["single_rows"] > before) == merged
     for p, t, l in zip(prompts, toks, lps, strict=True):
         ht, hl = hf_reference(kind, False, tuple(p), 6)
         assert t == ht, f"prompt of {len(p)} tokens: {t} != transformers {ht}"

@@ -88,18 +88,19 @@ class StepBatch:
     def groups(self, kind: str, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         """The step's sequences grouped so that each group runs as one batched call instead of one call per
         sequence: kind "length" groups by segment length and by fresh (start 0) or continuing, "start" by
-        (start, length), leaving out one-token continuing segments (the attention takes those in one decode call:
-        single_rows; each has a start of its own, so as groups a mixed step's hundreds of decode rows were hundreds
-        of calls a layer). Returns [(indices into the batch, token rows [G * n], slots [G])] with the tensors on
-        `device`, made once per step and kind (every host-to-device copy from pageable memory waits for the
-        stream: once per layer would stall the prefill 64 times)."""
+        (start, length), "prompt_start" the same leaving out one-token continuing segments (the attention takes
+        those in one decode call: single_rows; each has a start of its own, so as groups a mixed step's hundreds of
+        decode rows are hundreds of calls a layer). Returns [(indices into the batch, token rows [G * n], slots
+        [G])] with the tensors on `device`, made once per step and kind (every host-to-device copy from pageable
+        memory waits for the stream: once per layer would stall the prefill 64 times)."""
         cache = self.__dict__.setdefault("_groups", {})
         ck = (kind, str(device))
         if ck in cache:
             return cache[ck]
         key = {"length": lambda i: (self.counts[i], self.starts[i] == 0),
-               "start": lambda i: (self.starts[i], self.counts[i])}[kind]
-        single = set(self.single_rows(device)[0]) if kind == "start" else ()
+               "start": lambda i: (self.starts[i], self.counts[i]),
+               "prompt_start": lambda i: (self.starts[i], self.counts[i])}[kind]
+        single = set(self.single_rows(device)[0]) if kind == "prompt_start" else ()
         out: dict = {}
         for i in range(len(self.slots)):
             if i not in single:

@@ -86,7 +86,10 @@ class Layer(nn.Module):
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
         kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
-        T, merged, groups = q.shape[0], pf.merged(x_TH, lora, count=True), b.groups("start", x_TH.device)
+        # (the decode rows' one call is part of the merged path's switch, on every device: MEMRA_PP_PREFILL_MERGED=0
+        # gives each its group, as before, for a side-by-side run)
+        T, merged, groups = q.shape[0], pf.merged(x_TH, lora, count=True), \
+            b.groups("prompt_start" if pf.MERGED else "start", x_TH.device)
         whole = pf.whole(b, groups, T, merged)      # the one group's output is o
         o = None if whole else torch.empty(T, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         for idx, rows, slots in groups:
@@ -99,7 +102,7 @@ class Layer(nn.Module):
             else:
                 o[sel] = og
         y = o * torch.sigmoid(gate)                 # at.output's gate (the single rows' o is overwritten below)
-        single, rows, slots, lens = b.single_rows(x_TH.device)
+        single, rows, slots, lens = b.single_rows(x_TH.device) if pf.MERGED else ([], None, None, None)
         if single:
             CALLS["single_rows"] += len(single)
             y[rows] = decode_attention(q[rows], gate[rows], kp, vp, cache.table, slots, lens,
