@@ -95,7 +95,7 @@ def reads_pools_by_address(kp) -> bool:
 
 
 def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block: int = 64,
-                     len_chunks: bool = False):
+                     len_chunks: bool = False, max_splits: int | None = None):
     """One query per sequence against its pages of the paged KV pools [n_blocks, nkv, kv_block, D] (table[slot, j]:
     the block of positions [j * kv_block, (j + 1) * kv_block)), keys s < lens_B[b] visible (lens <= S), output gated
     by sigmoid(gate) ([B, nh * D] or a [B, nh, D] view): [B, nh * D]. The pages are read in place (no gather); a
@@ -104,7 +104,10 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     `len_chunks`: the split count still comes from S, but each sequence's chunk from its own length (its blocks
     spread over the splits; splits past its length write nothing, and the combine reads only those it filled), so S
     can be the cache's capacity at no cost in work: one decode graph serves every length
-    (decode_graphs.ANY_KV)."""
+    (decode_graphs.ANY_KV).
+    `max_splits`: at most this many splits. The split count is a compile-time constant of the kernels, so an eager
+    caller whose rows and lengths change every step (a mixed step's decode rows: max_splits=1) would otherwise
+    compile a variant for each new count inside running requests."""
     B, nh, D = q_BHD.shape
     kvb = kp.shape[2]
     block = min(block, kvb)
@@ -116,7 +119,7 @@ def decode_attention(q_BHD, gate, kp, vp, table, slots_B, lens_B, S: int, block:
     assert kp.stride() == vp.stride() and table.stride(1) == 1
     group = nh // nkv
     blocks = triton.cdiv(S, block)
-    splits = max(1, min(blocks, triton.cdiv(2 * _sms(q_BHD.device), B * nkv)))
+    splits = max(1, min(blocks, triton.cdiv(2 * _sms(q_BHD.device), B * nkv), max_splits or blocks))
     chunk = triton.cdiv(blocks, splits) * block
     splits = triton.cdiv(S, chunk)
     out = torch.empty(B, nh * D, dtype=q_BHD.dtype, device=q_BHD.device)

@@ -169,6 +169,9 @@ for kvb, blk in ((32, 32), (64, 64), (64, 32)):            # page size, tile (a 
             lns = ln.clamp(max=s_)
             close(pgd.decode_attention(qa, gv, kp, vp, table, sl, lns, s_, block=blk),
                   ref(pgd.decode_attention, qa, gv, kp, vp, table, sl, lns, s_), tol)
+        # one split however long (a mixed step's decode rows: max_splits=1), the 160 keys walked by one program
+        close(pgd.decode_attention(qa, gv, kp, vp, table, sl, ln, S, block=blk, max_splits=1),
+              ref(pgd.decode_attention, qa, gv, kp, vp, table, sl, ln, S), tol)
         # each sequence's chunks from its own length (decode_graphs.ANY_KV): S the whole capacity, splits past a
         # short sequence neither written nor read by the combine; one row alone gets more splits (3 here) than three.
         # The combine sums 2 splits at a time here, so its loop runs twice, the second time ragged: the 160 keys

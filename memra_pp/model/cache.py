@@ -26,6 +26,7 @@ from .config import TextConfig
 from ..switches import flag
 from .kv_memory import FIRST_FREE, fits, growth_size, headroom, kv_budget
 
+KV_BLOCK = 64           # positions a KV page holds, unless a cache is made with another
 NULL, SINK = 0, 1      # the null block, the scratch slot's sink block (FIRST_FREE: the first block given out)
 # CUDA pools grow in place (GrowableBuffer). Off, a growth copies every pool into a larger one and drops the decode
 # graphs: H200, 35B-A3B, 64 concurrent of 128 in, 256 out, two graphs were captured again mid-run (twelfth session)
@@ -34,7 +35,8 @@ IN_PLACE = flag("MEMRA_PP_KV_IN_PLACE")
 
 class StageCache:
     def __init__(self, cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, device,
-                 kv_block: int = 64, initial_blocks_per_slot: int = 4):
+                 kv_block: int | None = None, initial_blocks_per_slot: int = 4):
+        kv_block = KV_BLOCK if kv_block is None else kv_block
         # the decode attention kernel's tiles (powers of two, at most 64) must divide a page
         assert kv_block > 0 and kv_block & (kv_block - 1) == 0, f"kv_block {kv_block} is not a power of two"
         self.cfg, self.max_seqs, self.max_context = cfg, max_seqs, max_context

@@ -105,8 +105,8 @@ class Layer(nn.Module):
         single, rows, slots, lens = b.single_rows(x_TH.device) if pf.MERGED else ([], None, None, None)
         if single:
             CALLS["single_rows"] += len(single)
-            y[rows] = decode_attention(q[rows], gate[rows], kp, vp, cache.table, slots, lens,
-                                       max(b.starts[i] for i in single) + 1)
+            y[rows] = decode_attention(q[rows], gate[rows], kp, vp, cache.table, slots, lens,   # (one kernel
+                                       max(b.starts[i] for i in single) + 1, max_splits=1)  # binary: warmed up)
         return at.lin(y, "o_proj", lora)
 
 
