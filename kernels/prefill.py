@@ -98,7 +98,8 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
     dimensions (cfg: the text config): the norms (input; residual + post-attention), and where the stage has them
     the Gated DeltaNet's conv (fresh and continuing, whole and split into q, k, v) and gated norm (both tiles), the
     attention's q / k norms with their rotary embedding (q's heads a strided view, as in the projection), and a
-    dense MLP's silu-mul, and the one-split decode attention a mixed step's decode rows take."""
+    dense MLP's silu-mul. (The one-split decode attention of a mixed step's decode rows compiles when a cache is
+    made: warm_single_rows, against its own table.)"""
     T, H = 64, cfg.hidden_size
 
     def z(*shape):
@@ -123,15 +124,6 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
         q = z(T, cfg.num_attention_heads, 2 * D)[..., :D]
         add_rms_norm(q, None, z(D), cfg.rms_norm_eps, rope=cs)
         add_rms_norm(z(T, cfg.num_key_value_heads, D), None, z(D), cfg.rms_norm_eps, rope=cs)
-        # a mixed step's decode rows: one decode attention call, one split (stage_model.Layer._attention), over
-        # pages of the cache's size (StageCache's kv_block)
-        from memra_pp.kernels.paged_attention import decode_attention
-        from memra_pp.model.cache import KV_BLOCK
-        kp, nh = z(1, cfg.num_key_value_heads, KV_BLOCK, D), cfg.num_attention_heads
-        # two rows of slot 0, whose page 0 is block 0; a table row of 16 pages (a real table's row stride is its
-        # pages a slot, a multiple of 16 at any usual context: Triton compiles by that divisibility)
-        i, table = torch.zeros(2, dtype=torch.long, device=device), torch.zeros(1, 16, dtype=torch.long, device=device)
-        decode_attention(z(2, nh, D), z(2, nh * D), kp, kp, table, i, i + 1, 1, max_splits=1)
 
 
 if triton is not None:
@@ -164,3 +156,17 @@ if triton is not None:
         width = tl.where(p0, C1, tl.where(p1, C2 - C1, C - C2))
         at = start.to(tl.int64) * R + (g * n + t[:, None]).to(tl.int64) * width[None, :] + (c - start)[None, :]
         tl.store(y + at, (yv / (1.0 + tl.exp(-yv))).to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
+
+
+def warm_single_rows(cfg, cache, layer: int) -> None:
+    """Compile the one-split decode attention a mixed step's decode rows take (stage_model.Layer._attention) against
+    this cache's pools and table (Triton compiles integers by divisibility, so the table's row stride must be the
+    real one): two rows of the scratch slot (its pages are the sink block), one position each."""
+    from memra_pp.kernels.paged_attention import decode_attention
+    kp, vp = cache.k[layer], cache.v[layer]
+    if not _triton(kp):
+        return
+    nh, D = cfg.num_attention_heads, cfg.head_dim
+    slots = torch.full((2,), cache.scratch, dtype=torch.long, device=kp.device)
+    q = torch.zeros(2, nh, D, dtype=kp.dtype, device=kp.device)
+    decode_attention(q, q.view(2, nh * D), kp, vp, cache.table, slots, torch.ones_like(slots), 1, max_splits=1)

@@ -44,6 +44,15 @@ def test_a_span_is_the_groups_rows_or_none(starts, counts, spans, single):
     assert slots.tolist() == [10 + i for i in single] and lens.tolist() == [starts[i] + 1 for i in single]
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_single_rows_tensors_are_16_byte_aligned(n):
+    """Triton compiles a pointer argument by its 16-byte alignment: the rows, slots and lengths of any count of
+    decode rows must start aligned, as the load-time warm-up's do (one binary, not one more for odd counts)."""
+    b = batch([5 + i for i in range(n)] + [0], [1] * n + [4])
+    idx, *ts = b.single_rows("cpu")
+    assert idx == list(range(n)) and all(t.data_ptr() % 16 == 0 for t in ts), [t.data_ptr() % 16 for t in ts]
+
+
 def test_a_decode_only_step_has_no_single_rows():
     """The decode path takes those (not the attention's prompt path)."""
     b = batch([5, 9], [1, 1])

@@ -129,9 +129,13 @@ class StepBatch:
         if key not in cache:
             idx = [] if self.decode_only() else [i for i, (c, s) in enumerate(zip(self.counts, self.starts))
                                                  if c == 1 and s > 0]
-            offs = self.offsets
-            t = h2d(torch.tensor([[offs[i] for i in idx], [self.slots[i] for i in idx],
-                                  [self.starts[i] + 1 for i in idx]], dtype=torch.int64).view(3, len(idx)), device)
+            # each row padded to an even length: every row then starts 16-byte aligned, as the warm-up's tensors
+            # do (Triton compiles pointers by 16-byte alignment: an odd row count would compile another binary)
+            offs, m = self.offsets, len(idx) + (len(idx) & 1)
+            t = h2d(torch.tensor([[offs[i] for i in idx] + [0] * (m - len(idx)),
+                                  [self.slots[i] for i in idx] + [0] * (m - len(idx)),
+                                  [self.starts[i] + 1 for i in idx] + [0] * (m - len(idx))],
+                                 dtype=torch.int64).view(3, m)[:, :len(idx)], device)
             cache[key] = (idx, t[0], t[1], t[2])
         return cache[key]
 
