@@ -51,6 +51,11 @@ def test_single_rows_tensors_are_16_byte_aligned(n):
     b = batch([5 + i for i in range(n)] + [0], [1] * n + [4])
     idx, *ts = b.single_rows("cpu")
     assert idx == list(range(n)) and all(t.data_ptr() % 16 == 0 for t in ts), [t.data_ptr() % 16 for t in ts]
+    # and every step's token and sequence index tensors (kv_write, the eager decode's kernels), odd counts too
+    d = batch([5 + i for i in range(n)], [1] * n)
+    for ts in (b.token_index("cpu"), d.index_tensors("cpu")):
+        assert all(t.data_ptr() % 16 == 0 for t in ts), [t.data_ptr() % 16 for t in ts]
+    assert b.token_index("cpu")[1].tolist() == [5 + i for i in range(n)] + [0, 1, 2, 3]
 
 
 def test_a_decode_only_step_has_no_single_rows():

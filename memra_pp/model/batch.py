@@ -52,8 +52,7 @@ class StepBatch:
         key = str(device)
         cache = self.__dict__.setdefault("_index", {})
         if key not in cache:
-            t = h2d(torch.tensor([self.slots, self.starts]), device)
-            cache[key] = (t[0], t[1])
+            cache[key] = tuple(aligned_rows([self.slots, self.starts], device))
         return cache[key]
 
     def token_index(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +62,7 @@ class StepBatch:
         if key not in cache:
             sl = [s for s, c in zip(self.slots, self.counts) for _ in range(c)]
             ps = [st + i for st, c in zip(self.starts, self.counts) for i in range(c)]
-            t = h2d(torch.tensor([sl, ps]), device)
-            cache[key] = (t[0], t[1])
+            cache[key] = tuple(aligned_rows([sl, ps], device))
         return cache[key]
 
     def decode_only(self) -> bool:
@@ -129,14 +127,9 @@ class StepBatch:
         if key not in cache:
             idx = [] if self.decode_only() else [i for i, (c, s) in enumerate(zip(self.counts, self.starts))
                                                  if c == 1 and s > 0]
-            # each row padded to an even length: every row then starts 16-byte aligned, as the warm-up's tensors
-            # do (Triton compiles pointers by 16-byte alignment: an odd row count would compile another binary)
-            offs, m = self.offsets, len(idx) + (len(idx) & 1)
-            t = h2d(torch.tensor([[offs[i] for i in idx] + [0] * (m - len(idx)),
-                                  [self.slots[i] for i in idx] + [0] * (m - len(idx)),
-                                  [self.starts[i] + 1 for i in idx] + [0] * (m - len(idx))],
-                                 dtype=torch.int64).view(3, m)[:, :len(idx)], device)
-            cache[key] = (idx, t[0], t[1], t[2])
+            offs = self.offsets
+            cache[key] = (idx, *aligned_rows([[offs[i] for i in idx], [self.slots[i] for i in idx],
+                                              [self.starts[i] + 1 for i in idx]], device))
         return cache[key]
 
     def span(self, idx: list[int]) -> slice | None:
@@ -164,6 +157,16 @@ class StepBatch:
         """Text-only positions: all three rows equal start + i (+ the sequence's M-RoPE delta)."""
         deltas = deltas or [0] * len(starts)
         return positions_3T([range(s + d, s + d + c) for s, c, d in zip(starts, counts, deltas)])
+
+
+def aligned_rows(rows: list[list[int]], device) -> list[torch.Tensor]:
+    """Equal-length int lists as int64 tensors on `device` in one host-to-device copy, each starting 16-byte
+    aligned: the rows padded to an even length. Triton compiles a pointer argument by its 16-byte alignment, so a
+    row of an odd-length [k, n] tensor would compile a second binary of each kernel it reaches, inside a request."""
+    n = len(rows[0])
+    m = n + (n & 1)
+    t = h2d(torch.tensor([list(r) + [0] * (m - n) for r in rows], dtype=torch.int64).view(len(rows), m), device)
+    return [t[i, :n] for i in range(len(rows))]
 
 
 def positions_3T(parts) -> torch.Tensor:
