@@ -3,6 +3,8 @@
 kernels/fused_decode.py's). Torch references off CUDA, as there. Runs in stage processes."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from memra_pp.switches import flag
@@ -33,21 +35,20 @@ def merged(x: torch.Tensor, lora=None, count: bool = False) -> bool:
     return on
 
 
-def whole(b, groups: list, T: int, merged: bool) -> bool:
-    """On the merged path, whether the step's groups are one group of all T rows in order: its output is then the
-    layer's (no copy into an output tensor)."""
-    on = merged and len(groups) == 1 and b.span(groups[0][0]) == slice(0, T)
+def whole(groups: list, T: int, merged: bool) -> bool:
+    """On the merged path, whether the step's groups (StepBatch.groups) are one group of all T rows in order: its
+    output is then the layer's (no copy into an output tensor)."""
+    on = merged and len(groups) == 1 and groups[0][3] == slice(0, T)
     CALLS["rows_whole"] += on
     return on
 
 
-def group_rows(b, idx: list[int], rows: torch.Tensor, merged: bool):
-    """A group's rows of the step (StepBatch.groups: sequences idx, row tensor rows): on the merged path a slice
-    where they are consecutive (views of the step's tensors, no gather or scatter kernel), else rows."""
-    span = b.span(idx) if merged else None
+def group_rows(rows: torch.Tensor, span: slice | None, merged: bool):
+    """A group's rows of the step (StepBatch.groups: its row tensor and span): on the merged path the slice where
+    they are consecutive (views of the step's tensors, no gather or scatter kernel), else the row tensor."""
     if merged:
         CALLS["rows_slice" if span else "rows_gather"] += 1
-    return span or rows
+    return span if merged and span else rows
 
 
 def conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
@@ -70,9 +71,9 @@ def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
         return conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G, n, parts)
     C, K = u_TC.shape[1], w_CK.shape[1]
     assert u_TC.stride(1) == 1 and w_CK.is_contiguous() and rows.numel() == G * n
-    bounds = [C, C] if parts is None else [sum(parts[:i + 1]) for i in range(len(parts))][:-1]
     assert (parts is None or (sum(parts) == C and len(parts) <= 3)) and all(p >= 0 for p in (parts or ()))
-    C1, C2 = (bounds + [C, C])[:2]
+    ends = list(itertools.accumulate(parts or (C,)))        # each part's channel end; the last is C
+    C1, C2 = (ends + [C, C])[:2]
     st = state_GCK1.contiguous() if state_GCK1 is not None else u_TC
     flat = torch.empty(G * n * C, dtype=u_TC.dtype, device=u_TC.device)
     BT, BC = CONV_TILE
@@ -80,11 +81,8 @@ def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
     _conv_prefill_kernel[(G * triton.cdiv(n, BT), triton.cdiv(C, BC))](
         u_TC, rows, st, w_CK, flat, u_TC.stride(0), n, C, C1, C2, G * n, K=K, BT=BT, BC=BC,
         HAS_STATE=state_GCK1 is not None, num_warps=4)
-    if parts is None:
-        y = flat.view(G, n, C)
-    else:
-        offs = [0, C1, C2, C][:len(parts) + 1]
-        y = [flat[G * n * a:G * n * b].view(G, n, b - a) for a, b in zip(offs, offs[1:])]
+    y = [flat[G * n * a:G * n * b].view(G, n, b - a) for a, b in zip([0] + ends, ends)]
+    y = y[0] if parts is None else y
     if n >= K - 1:            # each segment's last K-1 inputs, [G, C, K-1]
         new = u_TC[rows.view(G, n)[:, n - (K - 1):]].transpose(1, 2)
     else:

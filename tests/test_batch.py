@@ -29,14 +29,14 @@ def test_a_span_is_the_groups_rows_or_none(starts, counts, spans, single):
     b = batch(starts, counts)
     for kind in ("length", "start", "prompt_start"):
         got = []
-        for idx, rows, _ in b.groups(kind, "cpu"):
-            s = b.span(idx)
+        groups = b.groups(kind, "cpu")
+        for idx, rows, _, s in groups:
             got.append(None if s is None else (s.start, s.stop))
             if s is not None:       # exactly the rows the tensor names, in its order
                 assert torch.equal(torch.arange(s.start, s.stop), rows)
             else:
                 assert not torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows)))
-            assert b.span(idx) is s         # worked out once a step: the same object back
+        assert b.groups(kind, "cpu") is groups      # worked out once a step: the same groups and spans back
         assert got == spans[kind], (kind, got)
     idx, rows, slots, lens = b.single_rows("cpu")
     offs = b.offsets
@@ -71,10 +71,8 @@ def test_spans_read_the_offsets_once_a_step(monkeypatch):
     prop = StepBatch.offsets
     monkeypatch.setattr(StepBatch, "offsets", property(lambda self: reads.append(1) or prop.fget(self)))
     b = batch([100 + i for i in range(500)] + [0], [1] * 500 + [512])
-    groups = b.groups("length", "cpu")
+    first = [g[3] for g in b.groups("length", "cpu")]
     n = len(reads)
-    first = [b.span(idx) for idx, _, _ in groups]
     for _ in range(80):         # the layers
-        assert [b.span(idx) for idx, _, _ in groups] == first
+        assert [g[3] for g in b.groups("length", "cpu")] == first
     assert first == [slice(0, 500), slice(500, 1012)] and len(reads) == n <= 2, len(reads)
-    assert [b.span(list(idx)) for idx, _, _ in groups] == first      # another list: worked out again, the same

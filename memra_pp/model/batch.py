@@ -83,14 +83,16 @@ class StepBatch:
         return torch.tensor([a for a, s in zip(self.adapter_slots, self.sample) if s], dtype=torch.long,
                             device=device)
 
-    def groups(self, kind: str, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    def groups(self, kind: str, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, slice | None]]:
         """The step's sequences grouped so that each group runs as one batched call instead of one call per
         sequence: kind "length" groups by segment length and by fresh (start 0) or continuing, "start" by
         (start, length), "prompt_start" the same leaving out one-token continuing segments (the attention takes
         those in one decode call: single_rows; each has a start of its own, so as groups a mixed step's hundreds of
         decode rows are hundreds of calls a layer). Returns [(indices into the batch, token rows [G * n], slots
-        [G])] with the tensors on `device`, made once per step and kind (every host-to-device copy from pageable
-        memory waits for the stream: once per layer would stall the prefill 64 times)."""
+        [G], span)] with the tensors on `device`, made once per step and kind (every host-to-device copy from
+        pageable memory waits for the stream: once per layer would stall the prefill 64 times). span: the rows as a
+        slice of the step's rows where they are consecutive (every segment right after the one before), else None
+        (then the row tensor gathers)."""
         cache = self.__dict__.setdefault("_groups", {})
         ck = (kind, str(device))
         if ck in cache:
@@ -110,9 +112,11 @@ class StepBatch:
         flat = h2d(torch.tensor(rows + slots), device)               # one copy for every group
         res, r0, s0 = [], 0, len(rows)
         for idx in idxs:
-            nr = len(idx) * self.counts[idx[0]]
-            res.append((idx, flat[r0:r0 + nr], flat[s0:s0 + len(idx)]))
-            self._span(idx, offs)       # every group's span now, from this step's offsets (read once above)
+            n = self.counts[idx[0]]
+            nr = len(idx) * n
+            consecutive = all(offs[i] == offs[idx[0]] + j * n for j, i in enumerate(idx))   # (one length a group)
+            res.append((idx, flat[r0:r0 + nr], flat[s0:s0 + len(idx)],
+                        slice(offs[idx[0]], offs[idx[0]] + nr) if consecutive else None))
             r0, s0 = r0 + nr, s0 + len(idx)
         cache[ck] = res
         return res
@@ -131,23 +135,6 @@ class StepBatch:
             cache[key] = (idx, *aligned_rows([[offs[i] for i in idx], [self.slots[i] for i in idx],
                                               [self.starts[i] + 1 for i in idx]], device))
         return cache[key]
-
-    def span(self, idx: list[int]) -> slice | None:
-        """The rows of a group (the sequences idx of one length, in order) as a slice of the step's rows where
-        they are consecutive (every segment right after the one before), else None: then its row tensor gathers.
-        For a group list groups() returned, worked out there, once a step (every layer asks, and a mixed step's
-        "start" groups are one a decode row: hundreds); for another list, now."""
-        hit = self.__dict__.get("_spans", {}).get(id(idx))
-        if hit is not None and hit[0] is idx:
-            return hit[1]
-        return self._span(idx, self.offsets)
-
-    def _span(self, idx: list[int], offs: list[int]) -> slice | None:
-        n, r0 = self.counts[idx[0]], offs[idx[0]]
-        ok = all(offs[i] == r0 + j * n and self.counts[i] == n for j, i in enumerate(idx))
-        sp = slice(r0, r0 + len(idx) * n) if ok else None
-        self.__dict__.setdefault("_spans", {})[id(idx)] = (idx, sp)   # the entry keeps idx alive: its id stays its
-        return sp
 
     def sample_rows(self) -> list[int]:
         return [o + c - 1 for o, c, s in zip(self.offsets, self.counts, self.sample) if s]

@@ -63,13 +63,13 @@ class GatedDeltaNet(Param):
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         groups = b.groups("length", x_TH.device)
-        out = None if pf.whole(b, groups, T, merged) else \
+        out = None if pf.whole(groups, T, merged) else \
             torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)        # None: the one group's o is out
         r, parts = nv // nk, (nk * dk, nk * dk, nv * dv)
         # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
-        for idx, rows, slots in groups:
+        for idx, rows, slots, span in groups:
             G, n, fresh = len(idx), b.counts[idx[0]], b.starts[idx[0]] == 0
-            sel = pf.group_rows(b, idx, rows, merged)     # consecutive rows: a slice (a view, no gather)
+            sel = pf.group_rows(rows, span, merged)     # consecutive rows: a slice (a view, no gather)
             y, conv[slots] = pf.conv_prefill(u, rows, w, None if fresh else conv[slots], G, n,
                                              parts if pf.MERGED else None)
             q, k, v = y if pf.MERGED else torch.split(y, parts, -1)

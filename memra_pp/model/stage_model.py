@@ -90,11 +90,11 @@ class Layer(nn.Module):
         # gives each its group, as before, for a side-by-side run)
         T, merged, groups = q.shape[0], pf.merged(x_TH, lora, count=True), \
             b.groups("prompt_start" if pf.MERGED else "start", x_TH.device)
-        whole = pf.whole(b, groups, T, merged)      # the one group's output is o
+        whole = pf.whole(groups, T, merged)         # the one group's output is o
         o = None if whole else torch.empty(T, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
-        for idx, rows, slots in groups:
+        for idx, rows, slots, span in groups:
             G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
-            sel = pf.group_rows(b, idx, rows, merged)     # consecutive rows: a slice (a view, no gather)
+            sel = pf.group_rows(rows, span, merged)     # consecutive rows: a slice (a view, no gather)
             kg, vg = cache.gather(kp, slots, start + n), cache.gather(vp, slots, start + n)
             og = attend_batch(q[sel].view(G, n, *q.shape[1:]), kg, vg, start).reshape(G * n, -1)
             if whole:
