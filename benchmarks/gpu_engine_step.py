@@ -319,25 +319,19 @@ def torch_prefill(way: str, model):
     if way == "kernels":
         yield
         return
-    merged, many = pf.MERGED, fd.GATED_MANY
-    pf.MERGED, fd.GATED_MANY = False, 1 << 62
-    if way == "s23":
-        try:
-            yield
-        finally:
-            pf.MERGED, fd.GATED_MANY = merged, many
-        return
+    flags, saved = (pf.MERGED, fd.GATED_MANY), (pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm)
     rules = {id(r): r for r in (getattr(layer.mixer, "rule", None) for layer in model.layers) if r is not None}
     gva = {k: r.gva for k, r in rules.items()}
-    for r in rules.values():
-        r.gva = False
-    saved = pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm
-    pf.conv_prefill, fd.add_rms_norm = pf.conv_prefill_ref, fd.add_rms_norm_ref
-    fd.gated_rms_norm = lambda o, z, w, eps: fd.gated_rms_norm_ref(o, z, w, eps).reshape(o.shape[0], -1)
+    pf.MERGED, fd.GATED_MANY = False, 1 << 62
+    if way == "torch":
+        for r in rules.values():
+            r.gva = False
+        pf.conv_prefill, fd.add_rms_norm = pf.conv_prefill_ref, fd.add_rms_norm_ref
+        fd.gated_rms_norm = lambda o, z, w, eps: fd.gated_rms_norm_ref(o, z, w, eps).reshape(o.shape[0], -1)
     try:
         yield
-    finally:
-        pf.MERGED, fd.GATED_MANY = merged, many
+    finally:        # everything back (for "s23" only the flags changed)
+        pf.MERGED, fd.GATED_MANY = flags
         pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm = saved
         for k, r in rules.items():
             r.gva = gva[k]
