@@ -156,15 +156,28 @@ if triton is not None:
         tl.store(y + at, (yv / (1.0 + tl.exp(-yv))).to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
-def warm_single_rows(cfg, cache, layer: int) -> None:
-    """Compile the one-split decode attention a mixed step's decode rows take (stage_model.Layer._attention) against
-    this cache's pools and table (Triton compiles integers by divisibility, so the table's row stride must be the
-    real one): two rows of the scratch slot (its pages are the sink block), one position each."""
+def warm_single_rows(cfg, cache, layers) -> None:
+    """Compile what a mixed step's decode rows take against this cache's pools and table (Triton compiles integers
+    by divisibility, so the table's row stride must be the real one): the one-split decode attention
+    (stage_model.Layer._attention) and the Gated DeltaNet's conv and recurrent steps in place
+    (linear_attention.GatedDeltaNet.forward), over two rows of the scratch slot (its pages are the sink block; its
+    states are scratch), one position each."""
     from memra_pp.kernels.paged_attention import decode_attention
-    kp, vp = cache.k[layer], cache.v[layer]
-    if not _triton(kp):
+    full = next((la for la in layers if la.full), None)
+    gdn = next((la for la in layers if not la.full), None)
+    pool = cache.k[full.i] if full is not None else cache.rec[gdn.i]
+    if not _triton(pool):
         return
-    nh, D = cfg.num_attention_heads, cfg.head_dim
-    slots = torch.full((2,), cache.scratch, dtype=torch.long, device=kp.device)
-    q = torch.zeros(2, nh, D, dtype=kp.dtype, device=kp.device)
-    decode_attention(q, q.view(2, nh * D), kp, vp, cache.table, slots, torch.ones_like(slots), 1, max_splits=1)
+    slots = torch.full((2,), cache.scratch, dtype=torch.long, device=pool.device)
+    if full is not None:
+        kp, vp = cache.k[full.i], cache.v[full.i]
+        nh, D = cfg.num_attention_heads, cfg.head_dim
+        q = torch.zeros(2, nh, D, dtype=kp.dtype, device=kp.device)
+        decode_attention(q, q.view(2, nh * D), kp, vp, cache.table, slots, torch.ones_like(slots), 1, max_splits=1)
+    if gdn is not None:
+        from .fused_decode import conv_step, gdn_decode_fused
+        m, nv = gdn.mixer, cfg.linear_num_value_heads
+        z = torch.zeros(2, cfg.conv_dim + 2 * nv, dtype=m.in_proj.dtype, device=pool.device)
+        y = conv_step(z[:, :cfg.conv_dim].contiguous(), cache.conv[gdn.i], m.conv1d_weight[:, 0, :], slots)
+        gdn_decode_fused(y, z[:, -2 * nv:-nv].contiguous(), z[:, -nv:].contiguous(), m.A_log, m.dt_bias,
+                         cache.rec[gdn.i], slots, cfg.linear_num_key_heads, cfg.linear_key_head_dim ** -0.5)

@@ -47,16 +47,18 @@ fd.USE_TRITON = False
 te, le = mixed_greedy(eager, mixed, [0, 0, 1, 2], NEW, 8)
 fd.USE_TRITON, many = True, fd.GATED_MANY
 fd.GATED_MANY = 8
-before, single = dict(pf.CALLS), stage_model.CALLS["single_rows"]
+from memra_pp.model import linear_attention as la  # noqa: E402
+before, single, gsingle = dict(pf.CALLS), stage_model.CALLS["single_rows"], la.CALLS["single_rows"]
 try:
     tk, lk = mixed_greedy(eager, mixed, [0, 0, 1, 2], NEW, 8)
 finally:
     fd.GATED_MANY = many
 ran = {k: pf.CALLS[k] - before[k] for k in pf.CALLS}
 ran["single_rows"] = stage_model.CALLS["single_rows"] - single
+ran["gdn_single_rows"] = la.CALLS["single_rows"] - gsingle         # the decode kernels, states in place
 assert tk == te, (tk, te)
 d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, strict=True))
 assert d < 5e-4, d
-assert ran["single_rows"] > 0 and ran["merged"] > 0, ran
+assert ran["single_rows"] > 0 and ran["gdn_single_rows"] > 0 and ran["merged"] > 0, ran
 print("mixed ok", ran, f"logprob diff {d:.1e}")
 print("prefill ok")

@@ -14,20 +14,24 @@ def batch(starts, counts):
 
 @pytest.mark.parametrize("starts,counts,spans,single", [
     # one group of every row
-    ([0, 0, 0], [4, 4, 4], {"length": [(0, 12)], "start": [(0, 12)], "prompt_start": [(0, 12)]}, []),
+    ([0, 0, 0], [4, 4, 4], {"length": [(0, 12)], "start": [(0, 12)], "prompt_start": [(0, 12)],
+                            "prompt_length": [(0, 12)]}, []),
     # sequences 0 and 2 apart: gathered
-    ([0, 0, 0], [9, 5, 9], {"length": [None, (9, 14)], "start": [None, (9, 14)], "prompt_start": [None, (9, 14)]},
-     []),
+    ([0, 0, 0], [9, 5, 9], {"length": [None, (9, 14)], "start": [None, (9, 14)], "prompt_start": [None, (9, 14)],
+                            "prompt_length": [None, (9, 14)]}, []),
     # fresh and continuing
-    ([3, 3, 0], [2, 2, 2], {"length": [(0, 4), (4, 6)], "start": [(0, 4), (4, 6)], "prompt_start": [(0, 4), (4, 6)]},
-     []),
-    # a mixed step: three decode rows around a prompt; "prompt_start" leaves them to the one decode call
+    ([3, 3, 0], [2, 2, 2], {"length": [(0, 4), (4, 6)], "start": [(0, 4), (4, 6)], "prompt_start": [(0, 4), (4, 6)],
+                            "prompt_length": [(0, 4), (4, 6)]}, []),
+    # a mixed step: three decode rows around a prompt; the "prompt_" kinds leave them to the decode kernels
     ([7, 9, 0, 5], [1, 1, 6, 1], {"length": [None, (2, 8)], "start": [(0, 1), (1, 2), (2, 8), (8, 9)],
-                                  "prompt_start": [(2, 8)]}, [0, 1, 3]),
+                                  "prompt_start": [(2, 8)], "prompt_length": [(2, 8)]}, [0, 1, 3]),
+    # a prompt's one-token last chunk is a single row too; two fresh prompts of one length stay one group
+    ([0, 4, 0, 6], [3, 1, 3, 1], {"length": [None, None], "start": [None, (3, 4), (7, 8)],
+                                  "prompt_start": [None], "prompt_length": [None]}, [1, 3]),
 ])
 def test_a_span_is_the_groups_rows_or_none(starts, counts, spans, single):
     b = batch(starts, counts)
-    for kind in ("length", "start", "prompt_start"):
+    for kind in ("length", "start", "prompt_start", "prompt_length"):
         got = []
         groups = b.groups(kind, "cpu")
         for idx, rows, _, s in groups:

@@ -96,18 +96,19 @@ def mixed_greedy(lp, prompts, arrive, new, chunk):
 @pytest.mark.parametrize("kind,merged", [("dense", True), ("moe", True), ("dense", False)])
 def test_mixed_prefill_and_decode_steps(kind, merged, monkeypatch):
     """Prompts arriving while others decode: steps mixing decode rows (the attention takes them in one paged decode
-    call, not a group each) with fresh and continuing prompt chunks, over two stages, must match transformers; the
-    decode rows of mixed steps must have gone through that call, and with the merged path off
+    call, not a group each; the Gated DeltaNet in the decode step's kernels, states in place, not as a group of
+    gathered states) with fresh and continuing prompt chunks, over two stages, must match transformers; the decode
+    rows of mixed steps must have gone through those calls, and with the merged path off
     (MEMRA_PP_PREFILL_MERGED=0) through a group each."""
     from memra_pp.kernels import prefill as pf
-    from memra_pp.model import stage_model
+    from memra_pp.model import linear_attention as la, stage_model
     monkeypatch.setattr(pf, "MERGED", merged)
     _, path = tiny_checkpoint(kind, False)
     lp = LocalPipeline(SafetensorsSource(path), SPLITS[2], max_seqs=4)
     prompts = [list(PROMPTS[0]), list(PROMPTS[3]), list(PROMPTS[2]), list(range(100, 141))]
-    before = stage_model.CALLS["single_rows"]
+    before, gdn = stage_model.CALLS["single_rows"], la.CALLS["single_rows"]
     toks, lps = mixed_greedy(lp, prompts, arrive=[0, 0, 2, 3], new=6, chunk=16)
-    assert (stage_model.CALLS["single_rows"] > before) == merged
+    assert (stage_model.CALLS["single_rows"] > before) == merged and (la.CALLS["single_rows"] > gdn) == merged
     for p, t, l in zip(prompts, toks, lps, strict=True):
         ht, hl = hf_reference(kind, False, tuple(p), 6)
         assert t == ht, f"prompt of {len(p)} tokens: {t} != transformers {ht}"

@@ -86,9 +86,10 @@ class StepBatch:
     def groups(self, kind: str, device) -> list[tuple[list[int], torch.Tensor, torch.Tensor, slice | None]]:
         """The step's sequences grouped so that each group runs as one batched call instead of one call per
         sequence: kind "length" groups by segment length and by fresh (start 0) or continuing, "start" by
-        (start, length), "prompt_start" the same leaving out one-token continuing segments (the attention takes
-        those in one decode call: single_rows; each has a start of its own, so as groups a mixed step's hundreds of
-        decode rows are hundreds of calls a layer). Returns [(indices into the batch, token rows [G * n], slots
+        (start, length), "prompt_length" and "prompt_start" as those leaving out the one-token continuing segments
+        (single_rows: the attention takes those in one decode call, where each has a start of its own, so that as
+        groups a mixed step's hundreds of decode rows were hundreds of calls a layer; the Gated DeltaNet in the
+        decode step's kernels, its states in place). Returns [(indices into the batch, token rows [G * n], slots
         [G], span)] with the tensors on `device`, made once per step and kind (every host-to-device copy from
         pageable memory waits for the stream: once per layer would stall the prefill 64 times). span: the rows as a
         slice of the step's rows where they are consecutive (every segment right after the one before), else None
@@ -99,8 +100,9 @@ class StepBatch:
             return cache[ck]
         key = {"length": lambda i: (self.counts[i], self.starts[i] == 0),
                "start": lambda i: (self.starts[i], self.counts[i]),
+               "prompt_length": lambda i: (self.counts[i], self.starts[i] == 0),
                "prompt_start": lambda i: (self.starts[i], self.counts[i])}[kind]
-        single = set(self.single_rows(device)[0]) if kind == "prompt_start" else ()
+        single = set(self.single_rows(device)[0]) if kind.startswith("prompt_") else ()
         out: dict = {}
         for i in range(len(self.slots)):
             if i not in single:

@@ -10,6 +10,9 @@ from .gdn import causal_conv_step, chunk_gated_delta_rule, gdn_gates, recurrent_
 from .layers import Param, gated_rms_norm
 
 
+CALLS = {"single_rows": 0}     # one-token segments of steps with prompts, through the decode kernels (law 3)
+
+
 class GatedDeltaNet(Param):
     def __init__(self, cfg: TextConfig, layer: int):
         super().__init__(["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
@@ -44,7 +47,8 @@ class GatedDeltaNet(Param):
         the chunked rule, then the gated norm (kernels/prefill.py's conv_prefill, kernels/fused_decode.py's
         gated_rms_norm on CUDA, their torch references elsewhere). On CUDA without a LoRA hook, the merged path
         (kernels/prefill.MERGED): one GEMM for q|k|v|z|b|a, the conv's q, k, v written contiguous, a group's rows a
-        slice where consecutive, and the one group's output the layer's where it holds every row."""
+        slice where consecutive, and the one group's output the layer's where it holds every row. The one-token
+        continuing segments (a mixed step's decode rows) take the decode step's kernels, states in place."""
         if b.decode_only():
             return self.decode(x_TH, b.index_tensors(x_TH.device)[0], cache, lora)
         from memra_pp.kernels import fused_decode as fd, prefill as pf
@@ -62,9 +66,19 @@ class GatedDeltaNet(Param):
         g, beta = gdn_gates(b_, a_, self.A_log, self.dt_bias)
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        groups = b.groups("length", x_TH.device)
+        # the one-token continuing segments (a mixed step's decode rows) apart: part of the merged path's switch on
+        # every device, as the attention's (MEMRA_PP_PREFILL_MERGED=0 gives them their group, as before)
+        groups = b.groups("prompt_length" if pf.MERGED else "length", x_TH.device)
         out = None if pf.whole(groups, T, merged) else \
             torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)        # None: the one group's o is out
+        single, srows, sslots, _ = b.single_rows(x_TH.device) if pf.MERGED else ([], None, None, None)
+        if single:      # the decode step's kernels: conv and recurrent states read and written in place at their
+            # slots (a group would gather and scatter each sequence's 2-3 MB recurrent state a layer: three times
+            # the traffic of the step itself); gates from the raw b and a rows, in the kernel
+            CALLS["single_rows"] += len(single)
+            y = fd.conv_step(u[srows], conv, w, sslots)
+            out[srows] = fd.gdn_decode_fused(y, b_[srows], a_[srows], self.A_log, self.dt_bias, rec, sslots, nk,
+                                             dk ** -0.5)
         r, parts = nv // nk, (nk * dk, nk * dk, nv * dv)
         # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
         for idx, rows, slots, span in groups:

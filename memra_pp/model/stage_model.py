@@ -171,10 +171,9 @@ class StageModel(nn.Module):
 
     def new_cache(self, max_seqs: int, max_context: int) -> StageCache:
         cache = StageCache(self.mc.text, range(self.start, self.end), max_seqs, max_context, self.dtype, self.device)
-        full = [layer.i for layer in self.layers if layer.full]
-        if full:    # a mixed step's decode rows' kernel compiles now, not in a first request (Triton kernels only)
-            from memra_pp.kernels.prefill import warm_single_rows
-            warm_single_rows(self.mc.text, cache, full[0])
+        # a mixed step's decode rows' kernels compile now, not in a first request (Triton kernels only)
+        from memra_pp.kernels.prefill import warm_single_rows
+        warm_single_rows(self.mc.text, cache, self.layers)
         return cache
 
     def tensors(self) -> list[torch.Tensor]:
