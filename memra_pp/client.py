@@ -374,10 +374,8 @@ class Client:
         toks, lps, finish, done = [], [], "length", False
         try:
             while True:
-                try:       # a piece already queued is taken as generate takes it, also with timeout 0
-                    t, l, f, err = aq.get_nowait() if not aq.empty() else await asyncio.wait_for(aq.get(), wait)
-                except asyncio.TimeoutError:
-                    raise RequestTimeout(f"request {tr.rid} produced nothing for {wait:g} s") from None
+                # a piece already queued is taken as generate takes it, also with timeout 0
+                t, l, f, err = aq.get_nowait() if not aq.empty() else await _get(aq, wait, tr.rid)
                 if err is not None:
                     done = True
                     raise _error(*err)
@@ -392,3 +390,18 @@ class Client:
             else:
                 self._drop(tr)
         return self._result(toks, lps, finish, logprobs, ids)
+
+
+async def _get(aq: asyncio.Queue, wait: float, rid: str):
+    """The queue's next item within `wait` seconds, else RequestTimeout. Not asyncio.wait_for: before Python 3.12
+    it returns the item and drops a cancellation that arrives as the item does (the caller's task then runs the
+    request to its end); asyncio.wait raises it."""
+    get = asyncio.ensure_future(aq.get())
+    try:
+        done, _ = await asyncio.wait({get}, timeout=wait)
+    finally:
+        if not get.done():
+            get.cancel()
+    if not done:
+        raise RequestTimeout(f"request {rid} produced nothing for {wait:g} s")
+    return get.result()

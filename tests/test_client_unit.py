@@ -107,3 +107,36 @@ def test_an_agenerate_cancelled_during_its_submit_lets_the_request_go(monkeypatc
     finally:
         release.set()
         c.close()
+
+
+def test_a_cancel_that_arrives_with_a_piece_is_not_lost():
+    """agenerate's wait for its next piece must raise a cancellation that comes in the same loop turn as the piece
+    (asyncio.wait_for before Python 3.12 returns the piece and drops the cancellation: the cancelled agenerate
+    then ran its request to the end), time out with RequestTimeout naming the request, and return a piece."""
+    import asyncio
+
+    import pytest
+
+    from memra_pp.errors import RequestTimeout
+
+    async def race():
+        aq = asyncio.Queue()
+        task = asyncio.ensure_future(client_mod._get(aq, 10.0, "r1"))
+        await asyncio.sleep(0)              # the task waits in aq.get()
+        aq.put_nowait("piece")              # the piece and the cancellation in one turn
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "lost"
+
+    async def timeout_and_piece():
+        aq = asyncio.Queue()
+        with pytest.raises(RequestTimeout, match="request r2 produced nothing for 0.01 s"):
+            await client_mod._get(aq, 0.01, "r2")
+        asyncio.get_running_loop().call_later(0.01, aq.put_nowait, "later")
+        return await client_mod._get(aq, 5.0, "r3"), aq._getters
+    assert asyncio.run(race()) == "cancelled"
+    got, getters = asyncio.run(timeout_and_piece())
+    assert got == "later" and not getters           # the timed-out get left no waiter behind
