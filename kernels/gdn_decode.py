@@ -20,10 +20,12 @@ if triton is not None:
 # the state tile (the step's largest read, 2 MB a layer a sequence at the 35B-A3B's heads) loaded before PDL's wait,
 # with the slots. Safe because nothing that can still run writes them: every PDL kernel waits before it lets the next
 # one launch (fused_decode.pdl_enter), so when this kernel starts, everything two or more kernels back has finished,
-# and the kernel just before it (the conv step in the decode graphs, a torch op in eager decode) writes neither. A
-# layer's state is written only by its own step kernel, in an earlier step, and by prefill and cache resets, which
-# never run inside a decode step; the slots are the step's input, copied in before its first kernel (the launch
-# asserts they need no copy). Padding rows sharing the scratch slot race inside the kernel as before. H200, 35B-A3B
+# and the kernel just before it (the conv step in the decode graphs, a torch op in eager decode, the gathers of
+# the raw b and a rows in a mixed step's decode rows: linear_attention.GatedDeltaNet.forward) writes neither. A
+# layer's state is written only by its own step kernel, in an earlier step or for other slots in the same one, by a
+# prompt group's scatter (other slots, and issued after this kernel in a mixed step) and by cache resets, which
+# never run inside a step; the slots are the step's input, copied in before its first kernel (the launch asserts
+# they need no copy). Padding rows sharing the scratch slot race inside the kernel as before. H200, 35B-A3B
 # engine step with sampling, 2026-12-01, three interleaved pairs of 30 steps: batch 1 2.36 / 2.35 / 2.35 ms against
 # 2.40 / 2.37 / 2.36 without it; batch 64 the same (18.98 ms)
 STATE_BEFORE_WAIT = True

@@ -262,7 +262,7 @@ def test_a_cancelled_agenerate_is_aborted(dep):
 
     async def go(decoding: bool):
         task = asyncio.ensure_future(c.agenerate([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True))
-        while not c._tracks:                # tracked: its submit is running or done
+        while not c._tracks and not task.done():     # tracked: its submit is running or done
             await asyncio.sleep(0.001)
         while decoding and not task.done() and not any(t.tokens for t in list(c._tracks.values())):
             await asyncio.sleep(0.001)      # its first tokens reached the client: it is decoding now

@@ -66,7 +66,8 @@ def test_grouped_prefill_equals_one_at_a_time(kind, monkeypatch):
 def mixed_greedy(lp, prompts, arrive, new, chunk):
     """Greedy decoding as the scheduler mixes it: sequence i joins at step arrive[i]; every step carries each
     joined sequence's next prompt chunk (up to `chunk` tokens) or its next decode token, so prompts and decode rows
-    share steps. Returns (tokens, logprobs) per sequence."""
+    share steps. Sequence i lives in cache slot n - 1 - i, so that a slot is never a row's index in the step (a
+    mix-up of the two fails). Returns (tokens, logprobs) per sequence."""
     import torch
     from memra_pp.model.batch import StepBatch
     sent, toks, lps = [0] * len(prompts), [[] for _ in prompts], [[] for _ in prompts]
@@ -81,7 +82,8 @@ def mixed_greedy(lp, prompts, arrive, new, chunk):
         ids = [t for i, c in zip(idx, counts) for t in (prompts[i][sent[i]:sent[i] + c] if sent[i] < len(prompts[i])
                                                         else [toks[i][-1]])]
         sample = [sent[i] >= len(prompts[i]) or sent[i] + c >= len(prompts[i]) for i, c in zip(idx, counts)]
-        b = StepBatch(idx, starts, counts, StepBatch.text_positions(starts, counts), sample)
+        b = StepBatch([len(prompts) - 1 - i for i in idx], starts, counts, StepBatch.text_positions(starts, counts),
+                      sample)
         logits = lp.step(b, torch.tensor(ids))
         r = 0
         for i, c, s in zip(idx, counts, sample):

@@ -74,7 +74,9 @@ class GatedDeltaNet(Param):
         single, srows, sslots, _ = b.single_rows(x_TH.device) if pf.MERGED else ([], None, None, None)
         if single:      # the decode step's kernels: conv and recurrent states read and written in place at their
             # slots (a group would gather and scatter each sequence's 2-3 MB recurrent state a layer: three times
-            # the traffic of the step itself); gates from the raw b and a rows, in the kernel
+            # the traffic of the step itself); gates from the raw b and a rows, in the kernel. gdn_decode reads its
+            # state rows before PDL's wait (gdn_decode.STATE_BEFORE_WAIT): nothing that writes `rec` may be issued
+            # between the conv step and it (the groups below write their own slots, after it)
             CALLS["single_rows"] += len(single)
             y = fd.conv_step(u[srows], conv, w, sslots)
             out[srows] = fd.gdn_decode_fused(y, b_[srows], a_[srows], self.A_log, self.dt_bias, rec, sslots, nk,
