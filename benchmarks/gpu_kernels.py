@@ -1,5 +1,5 @@
 """Tile sweep of the fused Gated DeltaNet decode kernel at the 27B head shapes: time per call against the bytes it
-must move (each sequence's fp32 state read and written), so GDN_TILE in kernels/fused_decode.py is picked by
+must move (each sequence's fp32 state read and written), so GDN_TILE in kernels/gdn_decode.py is picked by
 measurement.
 
     python -u benchmarks/gpu_kernels.py --out DIR [--batches 1,64,256]
@@ -33,7 +33,7 @@ def main() -> int:
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from gpu_decode import copy_bandwidth
-    from memra_pp.kernels.fused_decode import gdn_decode_fused
+    from memra_pp.kernels.gdn_decode import gdn_decode_fused
     bw = copy_bandwidth()
     H, HV, K, V = 16, 48, 128, 128
     rows = []

@@ -4,11 +4,10 @@ step of 64 layers was ~4,300 kernels, two thirds of them a few microseconds of e
 - add_rms_norm: residual add + zero-centred RMSNorm, one pass (and the per-head q/k norms, strided rows).
 - gated_rms_norm: the linear-attention output norm gated by silu(z), z read in place from the projection.
 - silu_mul: silu(gate) * up from the merged gate/up projection.
-- conv_step: the causal depthwise conv of one decode token, its window state shifted in place at the slots.
 - decode_attention, kv_write (kernels/paged_attention.py): one query per sequence against its slot of the KV
   pools, read in place (no gather), gated; the new key and value written into their pages.
-- gdn_decode_fused: the Gated DeltaNet step of kernels/gdn_decode.py reading q, k, v from the conv output and the
-  raw b / a projections (beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) computed in the kernel).
+- conv_step, gdn_decode_fused (kernels/gdn_decode.py): the Gated DeltaNet's conv and recurrent steps in place at
+  the slots, the gates computed in the kernel from the raw b / a projections.
 - l2norm (prefill): the q/k normalisation before flash-linear-attention's chunk kernels, with fla's arithmetic but
   one fixed tile (fla's own kernel autotunes per bucket of the token count, compiling 25 configs mid-request).
 
@@ -201,51 +200,6 @@ def silu_mul(gu_BI2):
     return out
 
 
-# -- causal conv step -----------------------------------------------------------------------------------------------
-def conv_step_ref(u_BC, state_NCK1, w_CK, slots_B):
-    """gdn.causal_conv_step over the slot pool: y = silu(conv([state, u])), the state window shifted in place."""
-    from memra_pp.model.gdn import causal_conv_step
-    y, state_NCK1[slots_B] = causal_conv_step(u_BC, w_CK, state_NCK1[slots_B])
-    return y
-
-
-def conv_step(u_BC, state_NCK1, w_CK, slots_B):
-    """u [B, C] with unit last stride (a view into the projection); state pool [N, C, K-1]; w [C, K]."""
-    if not _triton(u_BC):
-        return conv_step_ref(u_BC, state_NCK1, w_CK, slots_B)
-    B, C = u_BC.shape
-    K = w_CK.shape[1]
-    assert state_NCK1.is_contiguous() and w_CK.is_contiguous() and u_BC.stride(1) == 1
-    y = torch.empty(B, C, dtype=u_BC.dtype, device=u_BC.device)
-    BC = 256
-    _conv_step_kernel[(B, triton.cdiv(C, BC))](u_BC, state_NCK1, w_CK, slots_B, y, u_BC.stride(0), C, K=K, BC=BC,
-                                               num_warps=2, **pdl(u_BC))
-    return y
-
-
-# -- the Gated DeltaNet step from raw projections ---------------------------------------------------------------------
-GDN_TILE = {1: (32, 2)}   # batch -> (BV, num_warps), the nearest batch at or below applies (benchmarks/gpu_kernels.py)
-
-
-def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: int, scale: float,
-                     tile: tuple[int, int] | None = None):
-    """y [B, C] = q | k | v after the conv (q, k [nk * K], v [HV * V]); b, a [B, HV] raw projections (views).
-    Returns o [B, HV, V] in y's dtype; the fp32 state pool is updated in place at slots_B."""
-    from memra_pp.model.gdn import gdn_gates
-    from .gdn_decode import gdn_decode_ref, launch_gdn_decode
-    B = y_BC.shape[0]
-    HV, K, V = state_NVKD.shape[1:]
-    if not _triton(y_BC):
-        g, beta = gdn_gates(b_BV, a_BV, A_log, dt_bias)
-        q, k, v = torch.split(y_BC, [nk * K, nk * K, HV * V], -1)
-        return gdn_decode_ref(q.reshape(B, nk, K), k.reshape(B, nk, K), v.reshape(B, HV, V), g, beta, state_NVKD,
-                              slots_B, scale)
-    assert y_BC.stride(1) == 1
-    tile = tile or GDN_TILE[max(k for k in GDN_TILE if k <= B) if B >= min(GDN_TILE) else min(GDN_TILE)]
-    return launch_gdn_decode(y_BC, y_BC[:, nk * K:], y_BC[:, 2 * nk * K:], a_BV, b_BV, state_NVKD, slots_B, scale,
-                             nk, tile, raw_gates=(A_log, dt_bias))
-
-
 if triton is not None:
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
@@ -360,24 +314,3 @@ if triton is not None:
         gf = gv.to(tl.float32)
         sv = (gf / (1.0 + tl.exp(-gf))).to(gv.dtype)
         tl.store(out + n * I + o, (sv.to(tl.float32) * uv.to(tl.float32)).to(gv.dtype), mask=m)
-
-    @triton.jit
-    def _conv_step_kernel(u, state, w, slots, y, su, C, K: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
-        n = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
-        m = c < C
-        slot = tl.load(slots + n).to(tl.int64)
-        st = state + slot * C * (K - 1) + c * (K - 1)
-        x_new = tl.load(u + n * su + c, mask=m, other=0)
-        acc = tl.zeros([BC], dtype=tl.float32)
-        for j in tl.static_range(K):
-            if j < K - 1:
-                xj = tl.load(st + j, mask=m, other=0).to(x_new.dtype)
-            else:
-                xj = x_new
-            acc += xj.to(tl.float32) * tl.load(w + c * K + j, mask=m, other=0).to(tl.float32)
-            if j >= 1:
-                tl.store(st + (j - 1), xj.to(state.dtype.element_ty), mask=m)
-        yv = acc.to(x_new.dtype).to(tl.float32)
-        tl.store(y + n * C + c, (yv / (1.0 + tl.exp(-yv))).to(x_new.dtype), mask=m)

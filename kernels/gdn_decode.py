@@ -1,20 +1,43 @@
-"""The Gated DeltaNet decode step in place: one new token per sequence, each sequence's fp32 state read from its
-cache slot and written back to it (no gather and scatter of the 3 MB-per-layer states: a third of the traffic).
+"""The Gated DeltaNet decode step in place: one new token per sequence, the conv window (conv_step) and each
+sequence's fp32 state read from its cache slot and written back to it (no gather and scatter of the 3 MB-per-layer
+states: a third of the traffic); the decode graphs' and a mixed step's decode rows' form (gdn_decode_fused: gates
+from the raw projections) and eager decode's (gdn_decode).
 
-The Triton kernel follows flash-linear-attention's fused recurrent kernel (which transformers runs) operation for
-operation, with the same tile (BK = K, BV = 8, one warp), so bf16 results are the ones transformers gets; the
-torch reference is the slow path on CPU. Runs in stage processes.
+The recurrent kernel follows flash-linear-attention's fused recurrent kernel (which transformers runs) operation for
+operation; with fla's tile (BK = K, BV = 8, one warp: gdn_decode) bf16 results are the ones transformers gets. The
+torch references are the slow path on CPU. Runs in stage processes.
 """
 from __future__ import annotations
 
 import torch
 
-from memra_pp.kernels.fused_decode import pdl, triton
+from memra_pp.kernels.fused_decode import _triton, pdl, triton
 
 if triton is not None:
     import triton.language as tl
 
     from memra_pp.kernels.fused_decode import pdl_enter
+
+    @triton.jit
+    def _conv_step_kernel(u, state, w, slots, y, su, C, K: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
+        pdl_enter(PDL)
+        n = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        m = c < C
+        slot = tl.load(slots + n).to(tl.int64)
+        st = state + slot * C * (K - 1) + c * (K - 1)
+        x_new = tl.load(u + n * su + c, mask=m, other=0)
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(K):
+            if j < K - 1:
+                xj = tl.load(st + j, mask=m, other=0).to(x_new.dtype)
+            else:
+                xj = x_new
+            acc += xj.to(tl.float32) * tl.load(w + c * K + j, mask=m, other=0).to(tl.float32)
+            if j >= 1:
+                tl.store(st + (j - 1), xj.to(state.dtype.element_ty), mask=m)
+        yv = acc.to(x_new.dtype).to(tl.float32)
+        tl.store(y + n * C + c, (yv / (1.0 + tl.exp(-yv))).to(x_new.dtype), mask=m)
 
 
 # the state tile (the step's largest read, 2 MB a layer a sequence at the 35B-A3B's heads) loaded before PDL's wait,
@@ -138,3 +161,47 @@ def gdn_decode_triton(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, s
     return launch_gdn_decode(q_BHK.reshape(B, H * K), k_BHK.reshape(B, H * K), v_BVD.reshape(B, HV * V),
                              g_BV.float().contiguous(), beta_BV.contiguous(), state_NVKD, slots_B, scale, H,
                              tile=(8, 1))   # fla's tile: bf16 results equal to the fla kernel transformers runs
+
+
+# -- causal conv step -----------------------------------------------------------------------------------------------
+def conv_step_ref(u_BC, state_NCK1, w_CK, slots_B):
+    """gdn.causal_conv_step over the slot pool: y = silu(conv([state, u])), the state window shifted in place."""
+    from memra_pp.model.gdn import causal_conv_step
+    y, state_NCK1[slots_B] = causal_conv_step(u_BC, w_CK, state_NCK1[slots_B])
+    return y
+
+
+def conv_step(u_BC, state_NCK1, w_CK, slots_B):
+    """u [B, C] with unit last stride (a view into the projection); state pool [N, C, K-1]; w [C, K]."""
+    if not _triton(u_BC):
+        return conv_step_ref(u_BC, state_NCK1, w_CK, slots_B)
+    B, C = u_BC.shape
+    K = w_CK.shape[1]
+    assert state_NCK1.is_contiguous() and w_CK.is_contiguous() and u_BC.stride(1) == 1
+    y = torch.empty(B, C, dtype=u_BC.dtype, device=u_BC.device)
+    BC = 256
+    _conv_step_kernel[(B, triton.cdiv(C, BC))](u_BC, state_NCK1, w_CK, slots_B, y, u_BC.stride(0), C, K=K, BC=BC,
+                                               num_warps=2, **pdl(u_BC))
+    return y
+
+
+# -- the Gated DeltaNet step from raw projections ---------------------------------------------------------------------
+GDN_TILE = {1: (32, 2)}   # batch -> (BV, num_warps), the nearest batch at or below applies (benchmarks/gpu_kernels.py)
+
+
+def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: int, scale: float,
+                     tile: tuple[int, int] | None = None):
+    """y [B, C] = q | k | v after the conv (q, k [nk * K], v [HV * V]); b, a [B, HV] raw projections (views).
+    Returns o [B, HV, V] in y's dtype; the fp32 state pool is updated in place at slots_B."""
+    from memra_pp.model.gdn import gdn_gates
+    B = y_BC.shape[0]
+    HV, K, V = state_NVKD.shape[1:]
+    if not _triton(y_BC):
+        g, beta = gdn_gates(b_BV, a_BV, A_log, dt_bias)
+        q, k, v = torch.split(y_BC, [nk * K, nk * K, HV * V], -1)
+        return gdn_decode_ref(q.reshape(B, nk, K), k.reshape(B, nk, K), v.reshape(B, HV, V), g, beta, state_NVKD,
+                              slots_B, scale)
+    assert y_BC.stride(1) == 1
+    tile = tile or GDN_TILE[max(k for k in GDN_TILE if k <= B) if B >= min(GDN_TILE) else min(GDN_TILE)]
+    return launch_gdn_decode(y_BC, y_BC[:, nk * K:], y_BC[:, 2 * nk * K:], a_BV, b_BV, state_NVKD, slots_B, scale,
+                             nk, tile, raw_gates=(A_log, dt_bias))

@@ -175,7 +175,7 @@ def warm_single_rows(cfg, cache, layers) -> None:
         q = torch.zeros(2, nh, D, dtype=kp.dtype, device=kp.device)
         decode_attention(q, q.view(2, nh * D), kp, vp, cache.table, slots, torch.ones_like(slots), 1, max_splits=1)
     if gdn is not None:
-        from .fused_decode import conv_step, gdn_decode_fused
+        from .gdn_decode import conv_step, gdn_decode_fused
         m, nv = gdn.mixer, cfg.linear_num_value_heads
         z = torch.zeros(2, cfg.conv_dim + 2 * nv, dtype=m.in_proj.dtype, device=pool.device)
         y = conv_step(z[:, :cfg.conv_dim].contiguous(), cache.conv[gdn.i], m.conv1d_weight[:, 0, :], slots)

@@ -6,6 +6,7 @@ import sys
 import torch
 
 from memra_pp.kernels import fused_decode as fd
+from memra_pp.kernels import gdn_decode as gdk
 from memra_pp.kernels import paged_attention as pgd
 from memra_pp.kernels import prefill as pf
 
@@ -82,8 +83,8 @@ cw = torch.randn(C, K, dtype=dt)
 slots = torch.tensor([3, 0, 4])
 assert fd._triton(slots), "the Triton kernels must run here"
 sa, sb = st.clone(), st.clone()
-ya = fd.conv_step(Pu[:, :C], sa, cw, slots)
-yb = ref(fd.conv_step, Pu[:, :C], sb, cw, slots)
+ya = gdk.conv_step(Pu[:, :C], sa, cw, slots)
+yb = ref(gdk.conv_step, Pu[:, :C], sb, cw, slots)
 close(ya, yb, tol); assert torch.equal(sa, sb), (sa - sb).abs().max()
 assert torch.equal(sa[[1, 2]], st[[1, 2]])
 # the prefill conv: segments of 37 tokens (two token tiles, the second partial), 2 and 1 (shorter than the K-1
@@ -121,22 +122,21 @@ bb, aa = Pg[:, :HV], Pg[:, HV:2 * HV]
 A_log, dtb = torch.randn(HV, dtype=dt), torch.randn(HV, dtype=dt)
 pool = torch.randn(6, HV, Kd, V)
 pa, pb = pool.clone(), pool.clone()
-oa = fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pa, slots, H, Kd ** -0.5)
-ob = ref(fd.gdn_decode_fused, y, bb, aa, A_log, dtb, pb, slots, H, Kd ** -0.5)
+oa = gdk.gdn_decode_fused(y, bb, aa, A_log, dtb, pa, slots, H, Kd ** -0.5)
+ob = ref(gdk.gdn_decode_fused, y, bb, aa, A_log, dtb, pb, slots, H, Kd ** -0.5)
 close(oa, ob, tol); close(pa, pb, tol)
 assert torch.equal(pa[[1, 2, 5]], pool[[1, 2, 5]])
 # several value tiles per head (the tile the sweep did not pick)
 pc, pd = pool.clone(), pool.clone()
-oc = fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pc, slots, H, Kd ** -0.5, tile=(8, 1))
-od = ref(fd.gdn_decode_fused, y, bb, aa, A_log, dtb, pd, slots, H, Kd ** -0.5)
+oc = gdk.gdn_decode_fused(y, bb, aa, A_log, dtb, pc, slots, H, Kd ** -0.5, tile=(8, 1))
+od = ref(gdk.gdn_decode_fused, y, bb, aa, A_log, dtb, pd, slots, H, Kd ** -0.5)
 close(oc, od, tol); close(pc, pd, tol)
 # the state tile loaded before PDL's wait (STATE_BEFORE_WAIT, on by default: the step above ran with it) against
 # the same step loading it after the wait: bit for bit
-from memra_pp.kernels import gdn_decode as gdk  # noqa: E402
 # (with PDL off, as in the interpreter, the order of the loads is all it changes: the counter shows it ran)
 assert gdk.STATE_BEFORE_WAIT
 gdk.STATE_BEFORE_WAIT, pe_, early = False, pool.clone(), gdk.CALLS["state_before_wait"]
-assert torch.equal(fd.gdn_decode_fused(y, bb, aa, A_log, dtb, pe_, slots, H, Kd ** -0.5), oa) and torch.equal(pe_, pa)
+assert torch.equal(gdk.gdn_decode_fused(y, bb, aa, A_log, dtb, pe_, slots, H, Kd ** -0.5), oa) and torch.equal(pe_, pa)
 gdk.STATE_BEFORE_WAIT = True
 assert gdk.CALLS["state_before_wait"] == early
 # the in-place step of kernels/gdn_decode.py (fla's tile, the eager GPU decode) against its reference

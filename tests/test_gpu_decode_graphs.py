@@ -138,7 +138,7 @@ def test_greedy_kernel_compiled(cuda):
 def test_fused_gdn_step_equals_the_inplace_kernel_at_27b_shapes(cuda):
     """gdn_decode_fused (gates computed in the kernel from raw b / a, q k v read from the conv output) against the
     in-place kernel fed the torch gates, at the 27B head shapes."""
-    from memra_pp.kernels.fused_decode import gdn_decode_fused
+    from memra_pp.kernels.gdn_decode import gdn_decode_fused
     from memra_pp.model.gdn import gdn_gates
     from memra_pp.kernels.gdn_decode import gdn_decode
     torch.manual_seed(0)

@@ -30,14 +30,15 @@ class GatedDeltaNet(Param):
         with its input norm): the conv step in place, the recurrent step with its gates computed in the kernel, the
         gated norm reading z in place, out_proj (kernels/fused_decode.py, kernels/gemv.py)."""
         from memra_pp.kernels import fused_decode as fd
+        from memra_pp.kernels.gdn_decode import conv_step, gdn_decode_fused
         from memra_pp.kernels.gemv import linear
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
         B = P.shape[0]
         C, Z = c.conv_dim, nv * dv
-        y = fd.conv_step(P[:, :C], cache.conv[self.layer], self.conv1d_weight[:, 0, :], slots_B)
-        o = fd.gdn_decode_fused(y, P[:, C + Z:C + Z + nv], P[:, C + Z + nv:], self.A_log, self.dt_bias,
+        y = conv_step(P[:, :C], cache.conv[self.layer], self.conv1d_weight[:, 0, :], slots_B)
+        o = gdn_decode_fused(y, P[:, C + Z:C + Z + nv], P[:, C + Z + nv:], self.A_log, self.dt_bias,
                                 cache.rec[self.layer], slots_B, nk, dk ** -0.5)
         o = fd.gated_rms_norm(o, P[:, C:C + Z].view(B, nv, dv), self.norm_weight, c.rms_norm_eps)
         return linear(o, self.out_proj_weight)
@@ -52,6 +53,7 @@ class GatedDeltaNet(Param):
         if b.decode_only():
             return self.decode(x_TH, b.index_tensors(x_TH.device)[0], cache, lora)
         from memra_pp.kernels import fused_decode as fd, prefill as pf
+        from memra_pp.kernels.gdn_decode import conv_step, gdn_decode_fused
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
@@ -78,9 +80,9 @@ class GatedDeltaNet(Param):
             # state rows before PDL's wait (gdn_decode.STATE_BEFORE_WAIT): nothing that writes `rec` may be issued
             # between the conv step and it (the groups below write their own slots, after it)
             CALLS["single_rows"] += len(single)
-            y = fd.conv_step(u[srows], conv, w, sslots)
-            out[srows] = fd.gdn_decode_fused(y, b_[srows], a_[srows], self.A_log, self.dt_bias, rec, sslots, nk,
-                                             dk ** -0.5)
+            y = conv_step(u[srows], conv, w, sslots)
+            out[srows] = gdn_decode_fused(y, b_[srows], a_[srows], self.A_log, self.dt_bias, rec, sslots, nk,
+                                          dk ** -0.5)
         r, parts = nv // nk, (nk * dk, nk * dk, nv * dv)
         # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
         for idx, rows, slots, span in groups:
