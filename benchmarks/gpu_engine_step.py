@@ -3,7 +3,7 @@ memory floor, eager against CUDA graphs, side by side in one run (and a profile 
 
     python -u benchmarks/gpu_engine_step.py --out DIR [--model preset:qwen3.5-27b] [--batches 1,64]
         [--modes eager,graph,graph-nopdl,graph-nofuse,graph-noqk,graph-opre-spre,graph-p264,graph-dn4x512x4,...]
-        [--ctx 192] [--profile] [--prefill 64x128,32x128]
+        [--ctx 192] [--profile] [--prefill 64x128,32x128,8x512+248]
 
 The cache is filled to `--ctx` tokens per sequence without running a prefill (its contents do not change the
 work of a step). With --profile, each mode's profiled step is also split into its critical path: each kernel's
@@ -180,7 +180,9 @@ def main() -> int:
     ap.add_argument("--warm-s", type=float, default=0.3, help="seconds of steps before each (mode, batch) is timed")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prefill", default="", help="also time prefill steps: comma-separated SEQSxTOKENS (e.g. "
-                    "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown)")
+                    "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown); "
+                    "SEQSxTOKENS+DECODE adds DECODE one-token rows of sequences at --ctx (a mixed step, as the "
+                    "scheduler makes them while earlier requests decode)")
     ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step as the "
                     "twenty-third session left it (s23: without the merged projections, contiguous conv parts and "
                     "row slices) and with its norms and conv as the torch ops (torch), interleaved")
@@ -204,9 +206,9 @@ def main() -> int:
     model = StageModel(mc, 0, mc.text.num_hidden_layers, True, True).load(src, torch.bfloat16, "cuda")
     print(f"{a.model}: {mc.text.num_hidden_layers} layers loaded in {time.time() - t0:.0f} s, copy "
           f"{bw / 1e12:.2f} TB/s, gdn backend {model.gdn_backend}", flush=True)
-    shapes = [tuple(int(v) for v in p.split("x")) for p in a.prefill.split(",") if p]
-    cache = model.new_cache(max(batches + [b for b, _ in shapes]),
-                            max([a.max_context or a.ctx + 64] + [n + 8 for _, n in shapes]))
+    shapes = [prefill_shape(p) for p in a.prefill.split(",") if p]
+    cache = model.new_cache(max(batches + [b + d for b, _, d in shapes]),
+                            max([a.max_context or a.ctx + 64] + [n + 8 for _, n, _ in shapes]))
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
     for mode in a.modes.split(","):
@@ -273,9 +275,10 @@ def main() -> int:
             plot_critical(rep["rows"], os.path.join(a.out, "critical_path.png"))
         except ImportError as e:       # matplotlib is the test extra's: the JSON has every figure
             print(f"no critical_path.png: {e}", flush=True)
-        for B, n in shapes:     # prefill: B fresh prompts of n tokens as one step (chunk = B * n tokens)
-            b = StepBatch(list(range(B)), [0] * B, [n] * B, StepBatch.text_positions([0] * B, [n] * B), [True] * B)
-            ids = torch.randint(4, mc.text.vocab_size, (B * n,), device="cuda")
+        for B, n, D in shapes:  # prefill: B fresh prompts of n tokens as one step (chunk = B * n tokens), D decode
+            b = prefill_batch(B, n, D, a.ctx)       # rows after them (slots B ..)
+            ids = torch.randint(4, mc.text.vocab_size, (B * n + D,), device="cuda")
+            name = f"{B} x {n}" + (f" + {D} decode rows at {a.ctx}" if D else "")
             ways = ("kernels", "s23", "torch") if a.prefill_torch else ("kernels",)
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             for _ in range(6):
@@ -283,24 +286,27 @@ def main() -> int:
                     with torch_prefill(way, model):
                         torch.cuda.synchronize()
                         k0, t = tuned_keys(), time.perf_counter()
-                        model(b, model.embed_ids(ids), cache)
+                        prefill_step(model, cache, b, ids, B, D, a.ctx)
                         torch.cuda.synchronize()
                     times[way].append((time.perf_counter() - t) * 1e3)
                     tuned[way].append(tuned_keys() - k0)
             for way in ways:
                 tf = prefill_flops(mc, B, n) / min(times[way]) * 1e3 / 1e12
-                rep["rows"].append({"mode": mode, "prefill": [B, n], "prefill_ops": way, "step_ms": times[way],
+                rep["rows"].append({"mode": mode, "prefill": [B, n], "decode_rows": D, "ctx": a.ctx,
+                                    "prefill_ops": way, "step_ms": times[way],
                                     "kernel_keys_tuned": tuned[way], "tflops_at_fastest": tf})
-                print(f"  {mode:5s} prefill {B} x {n} tokens ({way}): " + ", ".join(f"{x:.1f}" for x in times[way])
-                      + f" ms/step ({B * n / min(times[way]) * 1e3:,.0f} tokens/s at the fastest: {tf:.0f} TFLOP/s "
+                tps = (B * n + D) / min(times[way]) * 1e3
+                print(f"  {mode:5s} prefill {name} ({way}): " + ", ".join(f"{x:.1f}" for x in times[way])
+                      + f" ms/step ({tps:,.0f} tokens/s at the fastest: {tf:.0f} TFLOP/s "
                       f"of matmul and attention), fla keys tuned per step {tuned[way]}", flush=True)
             if a.profile:      # where a prefill step's device time goes, by kernel
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    model(b, model.embed_ids(ids), cache)
+                    prefill_step(model, cache, b, ids, B, D, a.ctx)
                     torch.cuda.synchronize()
                 ks = kernel_summary(prof, top=40)
-                open(os.path.join(a.out, f"profile-prefill-{mode}-{B}x{n}.txt"), "w").write(
+                open(os.path.join(a.out, f"profile-prefill-{mode}-{B}x{n}" + (f"+{D}" if D else "") + ".txt"),
+                     "w").write(
                     ks + "\n\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
                 print(ks, flush=True)
             json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
@@ -335,6 +341,29 @@ def torch_prefill(way: str, model):
         pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm = saved
         for k, r in rules.items():
             r.gva = gva[k]
+
+
+def prefill_shape(text: str) -> tuple[int, int, int]:
+    """--prefill's SEQSxTOKENS[+DECODE] as (prompts, tokens each, decode rows)."""
+    head, _, dec = text.partition("+")
+    B, n = (int(v) for v in head.split("x"))
+    return B, n, int(dec or 0)
+
+
+def prefill_batch(B: int, n: int, D: int, ctx: int):
+    """A prefill step of B fresh prompts of n tokens (slots 0 .. B-1), then D one-token decode rows of sequences
+    holding ctx tokens (slots B .. B+D-1): a mixed step as the scheduler cuts them."""
+    from memra_pp.model.batch import StepBatch
+    starts, counts = [0] * B + [ctx] * D, [n] * B + [1] * D
+    return StepBatch(list(range(B + D)), starts, counts, StepBatch.text_positions(starts, counts), [True] * (B + D))
+
+
+def prefill_step(model, cache, b, ids, B: int, D: int, ctx: int):
+    """Run prefill_batch's step again: the decode rows' sequences back at ctx tokens (the fresh prompts start over by
+    themselves). Returns the logits."""
+    for s in range(B, B + D):
+        cache.lens[s] = ctx
+    return model(b, model.embed_ids(ids), cache)
 
 
 def prefill_flops(mc, B: int, n: int) -> float:

@@ -1,6 +1,7 @@
 """Prefill throughput of each way gpu_engine_step.py --prefill-torch timed side by side in one run ("torch": the norms
 and conv as torch ops; "s23": the kernels without the merged path; "kernels": as it is), one panel a run (a model),
-one bar group a prefill shape: tokens/s at each way's fastest step, with its ratio to "torch".
+one bar group a prefill shape (with its decode rows, where a mixed step has them): tokens/s at each way's fastest
+step (the decode rows' tokens counted), with its ratio to "torch".
 
     python benchmarks/plot_prefill.py docs/results/gpu_engine_step_prefill_27b-....json ..._moe-....json --out p.png
 """
@@ -12,14 +13,18 @@ import json
 WAYS = ("torch", "s23", "kernels")
 
 
-def prefill_rows(rep: dict) -> dict[tuple[int, int], dict[str, float]]:
-    """{(prompts, tokens each): {way: tokens/s at its fastest step}} from a gpu_engine_step.json."""
+def prefill_rows(rep: dict) -> dict[tuple[int, int, int], dict[str, float]]:
+    """{(prompts, tokens each, decode rows): {way: tokens/s at its fastest step}} from a gpu_engine_step.json."""
     out: dict = {}
     for r in rep["rows"]:
         if "prefill" in r:
-            B, n = r["prefill"]
-            out.setdefault((B, n), {})[r.get("prefill_ops", "kernels")] = B * n / min(r["step_ms"]) * 1e3
+            (B, n), D = r["prefill"], r.get("decode_rows", 0)
+            out.setdefault((B, n, D), {})[r.get("prefill_ops", "kernels")] = (B * n + D) / min(r["step_ms"]) * 1e3
     return out
+
+
+def label(B: int, n: int, D: int) -> str:
+    return f"{B} x {n} tokens" + (f"\n+ {D} decode rows" if D else "")
 
 
 def plot(reps: list[dict], path: str) -> None:
@@ -39,7 +44,7 @@ def plot(reps: list[dict], path: str) -> None:
                 if way in v and "torch" in v:
                     ax.annotate(f"{v[way] / v['torch']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
                                 ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(rows)), [f"{B} x {n} tokens" for B, n in rows])
+        ax.set_xticks(range(len(rows)), [label(*k) for k in rows])
         ax.set_ylabel("prefill tokens / s (fastest step)")
         ax.set_title(f"{rep.get('model', '?')}, {rep.get('gpu', '')}", fontsize=9)
         ax.legend(fontsize=8)
@@ -54,8 +59,9 @@ def main() -> int:
     a = ap.parse_args()
     reps = [json.load(open(p)) for p in a.json]
     for p, rep in zip(a.json, reps, strict=True):
-        for (B, n), v in prefill_rows(rep).items():
-            print(f"{p}: {B} x {n}: " + ", ".join(f"{w} {v[w]:,.0f} tokens/s" for w in WAYS if w in v))
+        for k, v in prefill_rows(rep).items():
+            print(f"{p}: {label(*k)}: ".replace("\n", " ") + ", ".join(f"{w} {v[w]:,.0f} tokens/s" for w in WAYS
+                                                                      if w in v))
     plot(reps, a.out)
     return 0
 

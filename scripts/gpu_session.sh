@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep e2e moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep mixedstep e2e moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -42,6 +42,14 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
                  phase prefill-step-moe 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/prefillmoe" \
                    --model preset:qwen3.5-35b-a3b --batches 1 --modes graph --iters 3 --prefill 1x4096,8x512 \
                    --prefill-torch --profile ;;
+    # mixed steps as the scheduler cuts them in the prefill ramp of target 2's workload (8 prompts of 512 beside the
+    # decode rows of requests at 600 tokens): this session's kernels against s23 (no merged path, decode rows as
+    # groups) and the torch ops, interleaved, with a profile of each
+    mixedstep) phase mixed-step-27b 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/mixed27" --batches 1 \
+                 --modes graph --iters 3 --ctx 600 --prefill 8x512+56,8x512+248 --prefill-torch --profile ;
+               phase mixed-step-moe 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/mixedmoe" \
+                 --model preset:qwen3.5-35b-a3b --batches 1 --modes graph --iters 3 --ctx 600 \
+                 --prefill 8x512+56,8x512+504 --prefill-torch --profile ;;
     # end to end, target 2's workload at two levels, the prefill's merged path off then on (one deployment each);
     # E2E_MODEL=preset:qwen3.5-35b-a3b E2E_C=64,512 for the MoE
     e2e) phase gpu-decode-e2e 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/e2e" --model ${E2E_MODEL:-preset:qwen3.5-27b} \

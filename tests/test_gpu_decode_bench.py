@@ -351,8 +351,39 @@ def test_prefill_ways_plot(tmp_path):
     rows = [{"mode": "graph", "batch": 1, "step_ms": 13.0}]      # a decode row: not a prefill
     rows += [{"mode": "graph", "prefill": [B, n], "prefill_ops": way, "step_ms": [ms * 2, ms]}
              for B, n in ((1, 4096), (8, 512)) for way, ms in (("kernels", 340.0), ("s23", 370.0), ("torch", 475.0))]
+    rows += [{"mode": "graph", "prefill": [8, 512], "decode_rows": 248, "prefill_ops": way, "step_ms": [ms]}
+             for way, ms in (("kernels", 400.0), ("s23", 500.0))]      # a mixed step: its own group
     rep = {"model": "preset:qwen3.5-27b", "gpu": "cpu", "rows": rows}
     got = plot_prefill.prefill_rows(rep)
-    assert list(got) == [(1, 4096), (8, 512)] and got[(1, 4096)]["kernels"] == pytest.approx(4096 / 0.340)
+    assert list(got) == [(1, 4096, 0), (8, 512, 0), (8, 512, 248)]
+    assert got[(1, 4096, 0)]["kernels"] == pytest.approx(4096 / 0.340)
+    assert got[(8, 512, 248)] == pytest.approx({"kernels": 4344 / 0.4, "s23": 4344 / 0.5})
     plot_prefill.plot([rep, rep], str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_engine_step_mixed_prefill_runs_again_and_again():
+    """gpu_engine_step.py --prefill BxN+D: B fresh prompts and D decode rows at --ctx in one step, run as often as the
+    timing needs (the decode rows' sequences put back at ctx each time, the prompts starting over: their logits the
+    same each time; the decode rows' recurrent states move on, which changes no work), through the decode rows'
+    kernels (counted), with a logits row for every sequence."""
+    from gpu_engine_step import prefill_batch, prefill_shape, prefill_step
+    from conftest_models import tiny_checkpoint
+    from memra_pp.model import linear_attention as la, stage_model
+    from memra_pp.model.stage_model import StageModel
+    from memra_pp.model.weights import SafetensorsSource
+    assert prefill_shape("8x512") == (8, 512, 0) and prefill_shape("8x512+248") == (8, 512, 248)
+    _, path = tiny_checkpoint("dense", False)
+    src = SafetensorsSource(path)
+    model = StageModel(src.config, 0, src.config.text.num_hidden_layers, True, True).load(src)
+    B, n, D, ctx = 2, 5, 3, 9
+    cache = model.new_cache(B + D, ctx + 64)
+    b = prefill_batch(B, n, D, ctx)
+    ids = torch.randint(4, 100, (B * n + D,))
+    before, gdn = stage_model.CALLS["single_rows"], la.CALLS["single_rows"]
+    outs = [prefill_step(model, cache, b, ids, B, D, ctx) for _ in range(3)]
+    assert all(o.shape[0] == B + D for o in outs) and torch.equal(outs[0][:B], outs[2][:B])
+    assert cache.lens[:B + D] == [n] * B + [ctx + 1] * D       # (the scratch slot after them)
+    full = sum(layer.full for layer in model.layers)
+    assert stage_model.CALLS["single_rows"] - before == 3 * D * full                  # each attention layer, each run
+    assert la.CALLS["single_rows"] - gdn == 3 * D * (len(model.layers) - full)       # each Gated DeltaNet layer
