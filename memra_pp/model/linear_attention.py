@@ -28,7 +28,7 @@ class GatedDeltaNet(Param):
     def decode_fused(self, P: torch.Tensor, slots_B: torch.Tensor, cache: StageCache) -> torch.Tensor:
         """The decode graphs' step from the merged projection P = x @ in_proj^T (qkv|z|b|a; the layer computes it
         with its input norm): the conv step in place, the recurrent step with its gates computed in the kernel, the
-        gated norm reading z in place, out_proj (kernels/fused_decode.py, kernels/gemv.py)."""
+        gated norm reading z in place, out_proj (kernels/gdn_decode.py, kernels/fused_decode.py, kernels/gemv.py)."""
         from memra_pp.kernels import fused_decode as fd
         from memra_pp.kernels.gdn_decode import conv_step, gdn_decode_fused
         from memra_pp.kernels.gemv import linear
@@ -39,7 +39,7 @@ class GatedDeltaNet(Param):
         C, Z = c.conv_dim, nv * dv
         y = conv_step(P[:, :C], cache.conv[self.layer], self.conv1d_weight[:, 0, :], slots_B)
         o = gdn_decode_fused(y, P[:, C + Z:C + Z + nv], P[:, C + Z + nv:], self.A_log, self.dt_bias,
-                                cache.rec[self.layer], slots_B, nk, dk ** -0.5)
+                             cache.rec[self.layer], slots_B, nk, dk ** -0.5)
         o = fd.gated_rms_norm(o, P[:, C:C + Z].view(B, nv, dv), self.norm_weight, c.rms_norm_eps)
         return linear(o, self.out_proj_weight)
 
@@ -76,9 +76,9 @@ class GatedDeltaNet(Param):
         single, srows, sslots, _ = b.single_rows(x_TH.device) if pf.MERGED else ([], None, None, None)
         if single:      # the decode step's kernels: conv and recurrent states read and written in place at their
             # slots (a group would gather and scatter each sequence's 2-3 MB recurrent state a layer: three times
-            # the traffic of the step itself); gates from the raw b and a rows, in the kernel. gdn_decode reads its
-            # state rows before PDL's wait (gdn_decode.STATE_BEFORE_WAIT): nothing that writes `rec` may be issued
-            # between the conv step and it (the groups below write their own slots, after it)
+            # the state traffic of the kernel alone); gates from the raw b and a rows, in the kernel. gdn_decode
+            # reads its state rows before PDL's wait (gdn_decode.STATE_BEFORE_WAIT): nothing that writes `rec` may
+            # be issued between the conv step and it (the groups below write their own slots, after it)
             CALLS["single_rows"] += len(single)
             y = conv_step(u[srows], conv, w, sslots)
             out[srows] = gdn_decode_fused(y, b_[srows], a_[srows], self.A_log, self.dt_bias, rec, sslots, nk,
