@@ -183,6 +183,8 @@ def main() -> int:
                     "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown); "
                     "SEQSxTOKENS+DECODE adds DECODE one-token rows of sequences at --ctx (a mixed step, as the "
                     "scheduler makes them while earlier requests decode)")
+    ap.add_argument("--profile-first", action="store_true", help="profile each prefill shape's first step (host "
+                    "and device, sorted by host time: where a new shape's one-time cost goes) before timing it")
     ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step as the "
                     "twenty-third session left it (s23: without the merged projections, contiguous conv parts and "
                     "row slices) and with its norms and conv as the torch ops (torch), interleaved")
@@ -281,6 +283,19 @@ def main() -> int:
             name = f"{B} x {n}" + (f" + {D} decode rows at {a.ctx}" if D else "")
             ways = ("kernels", "s23", "torch") if a.prefill_torch else ("kernels",)
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
+            if a.profile_first:         # the shape's first step (what a new prompt length costs once), host side too
+                from torch.profiler import ProfilerActivity, profile
+                with torch_prefill(ways[0], model), profile(activities=[ProfilerActivity.CPU,
+                                                                        ProfilerActivity.CUDA]) as prof:
+                    k0, t = tuned_keys(), time.perf_counter()
+                    prefill_step(model, cache, b, ids, B, D, a.ctx)
+                    torch.cuda.synchronize()
+                times[ways[0]].append((time.perf_counter() - t) * 1e3)
+                tuned[ways[0]].append(tuned_keys() - k0)
+                open(os.path.join(a.out, f"profile-first-{mode}-{B}x{n}" + (f"+{D}" if D else "") + ".txt"),
+                     "w").write(f"first step {times[ways[0]][0]:.1f} ms (profiled)\n\n"
+                                + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n\n"
+                                + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
             for _ in range(6):
                 for way in ways:        # interleaved, so drift falls on both
                     with torch_prefill(way, model):

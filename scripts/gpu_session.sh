@@ -46,10 +46,10 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     # decode rows of requests at 600 tokens): this session's kernels against s23 (no merged path, decode rows as
     # groups) and the torch ops, interleaved, with a profile of each
     mixedstep) phase mixed-step-27b 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/mixed27" --batches 1 \
-                 --modes graph --iters 3 --ctx 600 --prefill 8x512+56,8x512+248 --prefill-torch --profile ;
+                 --modes graph --iters 3 --ctx 600 --prefill 8x512+56,8x512+248 --prefill-torch --profile --profile-first ;
                phase mixed-step-moe 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/mixedmoe" \
                  --model preset:qwen3.5-35b-a3b --batches 1 --modes graph --iters 3 --ctx 600 \
-                 --prefill 8x512+56,8x512+504 --prefill-torch --profile ;;
+                 --prefill 8x512+56,8x512+504 --prefill-torch --profile --profile-first ;;
     # end to end, target 2's workload at two levels, the prefill's merged path off then on (one deployment each);
     # E2E_MODEL=preset:qwen3.5-35b-a3b E2E_C=64,512 for the MoE
     e2e) phase gpu-decode-e2e 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/e2e" --model ${E2E_MODEL:-preset:qwen3.5-27b} \
