@@ -102,18 +102,22 @@ class GatedAttention(Param):
 
 def attend_batch(q_GTHD: torch.Tensor, k_GHSD: torch.Tensor, v_GHSD: torch.Tensor, start: int) -> torch.Tensor:
     """attend() for G sequences with the same start and T at once (keys: the start + T positions) -> [G, T, nh*D].
-    A continuing segment's mask is causal aligned to the lower right (query t sees keys <= start + t), given as
-    torch's CausalBias rather than a mask tensor: flash attention takes that form (grouped heads too), where an
-    explicit mask leaves flash out and falls to a backend that takes masks, on CUDA the math one or cuDNN, which
-    plans each new shape. Off flash (the CPU) it is that same mask, materialised."""
+    A continuing segment's mask is causal aligned to the lower right (query t sees keys <= start + t). In flash
+    attention's dtypes on CUDA it is given as torch's CausalBias, which flash takes (grouped heads too): a mask
+    tensor leaves flash out, and SDPA falls to a backend that takes masks, the math one or cuDNN, which plans each
+    new shape. Elsewhere (float32, the CPU) the mask tensor, as the bias would materialise it."""
     G, T = q_GTHD.shape[:2]
     q = q_GTHD.transpose(1, 2)                                                # [G, nh, T, D]
     if start == 0:
-        o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, is_causal=T > 1, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, is_causal=T > 1, enable_gqa=True).transpose(
+            1, 2).reshape(G, T, -1)
+    S = k_GHSD.shape[2]
+    assert S == start + T, (k_GHSD.shape, start, T)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        mask = causal_lower_right(T, S)
     else:
-        assert k_GHSD.shape[2] == start + T, (k_GHSD.shape, start, T)
-        o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, attn_mask=causal_lower_right(T, start + T),
-                                           enable_gqa=True)
+        mask = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
+    o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, attn_mask=mask, enable_gqa=True)
     return o.transpose(1, 2).reshape(G, T, -1)
 
 
