@@ -19,6 +19,7 @@ from .errors import ConfigError, StageFailed
 from .rayutil import attach, get as _get
 from .placement.planner import Plan, make_plan
 from .placement.schema import Placement, load_placement
+from .shm import shm_names, stage_pids, unlink_shm, unlink_shm_of
 from .switches import check_environment
 
 log = logging.getLogger("memra_pp")
@@ -87,8 +88,10 @@ class Deployment:
             cls._wire(plan, actors, infos, t, placement.scheduler.kv_pages)
             _get([a.start.remote() for a in actors], t, "stage start")
         except BaseException:
+            pids = stage_pids(actors)   # before the kill: a stage killed inside its setup names no segment
             for a in actors:
                 ray.kill(a)
+            unlink_shm_of(pids)
             if pg is not None:
                 remove_placement_group(pg)
             if owns_ray:
@@ -339,37 +342,3 @@ def _measure_kv(actors, t: float, limit: int | None) -> tuple[int, list[dict]]:
     from .model.kv_memory import kv_budget
     reports = _get([a.kv_report.remote() for a in actors], t, "KV memory")
     return kv_budget(reports, limit), reports
-
-
-def shm_names(info: dict | None) -> list[str]:
-    """The shared-memory segments a stage's setup / relink answer names (its receiving slots), and the name
-    prefixes of segments it makes later (the intake's publication slots): what to unlink if it is killed."""
-    ep = (info or {}).get("endpoint") or {}
-    return list(ep.get("shm") or []) + ([ep["mailbox"]] if ep.get("mailbox") else []) \
-        + [p + "*" for p in (info or {}).get("shm_prefixes") or []]
-
-
-def unlink_shm(names) -> int:
-    """Unlink this project's shared-memory segments (names starting "mpp"; "PREFIX*" for every segment with that
-    prefix) where they exist on this host: a stage that was killed could not unlink its own. Returns how many."""
-    import _posixshmem
-    todo = []
-    for name in names:
-        name = str(name)
-        if not name.startswith("mpp"):
-            continue
-        if name.endswith("*"):
-            try:
-                todo += [e for e in os.listdir("/dev/shm") if e.startswith(name[:-1])]
-            except OSError:
-                pass
-        else:
-            todo.append(name)
-    n = 0
-    for name in todo:
-        try:
-            _posixshmem.shm_unlink("/" + name)
-            n += 1
-        except OSError:
-            pass
-    return n

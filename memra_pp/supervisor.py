@@ -13,7 +13,7 @@ import ray
 
 from .errors import StageFailed
 from .rayutil import get as _get
-from .deployment import shm_names
+from .shm import shm_names
 
 log = logging.getLogger("memra_pp")
 MISSED_BEATS = 3          # a stage silent for this many heartbeats is declared failed

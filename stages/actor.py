@@ -34,7 +34,7 @@ class StageActor:
 
     def unlink_shm(self, names: list) -> int:
         """Unlink a killed stage's receiving segments on this node (the supervisor asks its replacement)."""
-        from ..deployment import unlink_shm
+        from ..shm import unlink_shm
         return unlink_shm(names)
 
     def encode_images(self, pixel_values: list, grids: list, spans: list, inbox=None):
@@ -80,6 +80,9 @@ class StageActor:
 
     def ping(self) -> int:
         return self.runner.ping()
+
+    def pid(self) -> int:
+        return self.runner.pid()
 
     def stop(self) -> None:
         return self.runner.stop()

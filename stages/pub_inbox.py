@@ -5,8 +5,9 @@ the bytes never enter Ray's object store (two host copies of a 5 MiB image inste
 
 Slots grow to the largest publication seen (a new segment, faulted in once) and are reused; the tower keeps a few
 mappings open by name. In a CUDA process each mapping is page-locked once (cuMemHostRegister), so the tower's dtoh
-and the intake's htod are DMA copies at full link speed instead of staged pageable copies. Segment names start with the inbox's `prefix`, which the stage reports at setup, so that
-whoever outlives a killed intake can unlink what it left (`memra_pp.deployment.unlink_shm`). Runs in the intake
+and the intake's htod are DMA copies at full link speed instead of staged pageable copies. Segment names start
+with the inbox's `prefix`, which the stage reports at setup, so that whoever outlives a killed intake can unlink
+what it left (`memra_pp.shm.unlink_shm`). Runs in the intake
 and the tower stage processes.
 """
 from __future__ import annotations

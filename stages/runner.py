@@ -4,6 +4,7 @@ importable and testable without Ray. The Ray actor in actor.py is a thin shell o
 from __future__ import annotations
 
 import numbers
+import os
 import queue
 import threading
 import time
@@ -312,6 +313,11 @@ class StageRunner(ImagesMixin, RecoveryMixin):
 
     def ping(self) -> int:
         return self.index
+
+    def pid(self) -> int:
+        """This stage's process (a launch that fails unlinks what a stage it killed mid-setup made: its segments'
+        names carry the pid)."""
+        return os.getpid()
 
     def stop(self) -> None:
         self.here()

@@ -200,7 +200,10 @@ def test_a_device_this_host_lacks_is_refused_before_ray(monkeypatch):
 
 def test_bad_tensor_inside_a_stage_leaves_no_actor(ray_cluster, tmp_path):
     """A checkpoint that fails in a stage actor's load must raise ConfigError from launch and leave no actor of
-    the deployment alive (Ray was already up, so it stays up)."""
+    the deployment alive (Ray was already up, so it stays up), and no shared-memory segment: the other stage may
+    have finished its setup, made its slots and been killed (memra_pp/shm.unlink_shm_of; test_shm_cleanup)."""
+    import glob
+    before = set(glob.glob("/dev/shm/mpp*"))
     d, _ = broken_copy(tmp_path, "shape")
     with pytest.raises(ConfigError, match="input_layernorm.weight' has shape"):
         memra_pp.launch({"name": "badshape", "model": {"path": str(d)}, "stages": [{"device": "cpu"}] * 2},
@@ -209,6 +212,7 @@ def test_bad_tensor_inside_a_stage_leaves_no_actor(ray_cluster, tmp_path):
     for i in range(2):
         with pytest.raises(ValueError):
             ray.get_actor(f"badshape.stage{i}")
+    assert set(glob.glob("/dev/shm/mpp*")) - before == set()
 
 
 def test_failed_launch_stops_the_ray_it_started(tmp_path):

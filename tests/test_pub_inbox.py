@@ -142,7 +142,7 @@ def test_a_failed_segment_creation_keeps_the_slot(monkeypatch):
 def test_unlink_by_prefix_cleans_up_after_a_killed_intake():
     """What the supervisor does for a killed intake: its replacement unlinks every segment under the prefix the
     intake reported at setup (its publication slots are made later, so their names are not known)."""
-    from memra_pp.deployment import shm_names, unlink_shm
+    from memra_pp.shm import shm_names, unlink_shm
     inbox = PublicationInbox("k", n_slots=2)
     with inbox.slot(10, 1) as (a, _, _), inbox.slot(3 * MIN_BYTES, 1) as (b, _, _):
         pass
