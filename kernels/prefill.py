@@ -35,6 +35,16 @@ def merged(x: torch.Tensor, lora=None, count: bool = False) -> bool:
     return on
 
 
+def row_groups(b, kind: str, device):
+    """A step's groups of `kind` (StepBatch.groups: "length" or "start") and its one-token continuing segments
+    (StepBatch.single_rows: a mixed step's decode rows, which the mixers take through the decode step's kernels)
+    apart from them. That split is part of the merged path's switch on every device: with MERGED off every segment
+    is in a group, as before (gpu_decode.py --prefill-merged both: side by side)."""
+    if MERGED:
+        return b.groups("prompt_" + kind, device), b.single_rows(device)
+    return b.groups(kind, device), ([], None, None, None)
+
+
 def whole(groups: list, T: int, merged: bool) -> bool:
     """On the merged path, whether the step's groups (StepBatch.groups) are one group of all T rows in order: its
     output is then the layer's (no copy into an output tensor)."""

@@ -99,9 +99,7 @@ class StepBatch:
         if ck in cache:
             return cache[ck]
         key = {"length": lambda i: (self.counts[i], self.starts[i] == 0),
-               "start": lambda i: (self.starts[i], self.counts[i]),
-               "prompt_length": lambda i: (self.counts[i], self.starts[i] == 0),
-               "prompt_start": lambda i: (self.starts[i], self.counts[i])}[kind]
+               "start": lambda i: (self.starts[i], self.counts[i])}[kind.removeprefix("prompt_")]
         single = set(self.single_rows(device)[0]) if kind.startswith("prompt_") else ()
         out: dict = {}
         for i in range(len(self.slots)):

@@ -68,12 +68,9 @@ class GatedDeltaNet(Param):
         g, beta = gdn_gates(b_, a_, self.A_log, self.dt_bias)
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        # the one-token continuing segments (a mixed step's decode rows) apart: part of the merged path's switch on
-        # every device, as the attention's (MEMRA_PP_PREFILL_MERGED=0 gives them their group, as before)
-        groups = b.groups("prompt_length" if pf.MERGED else "length", x_TH.device)
+        groups, (single, srows, sslots, _) = pf.row_groups(b, "length", x_TH.device)
         out = None if pf.whole(groups, T, merged) else \
             torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)        # None: the one group's o is out
-        single, srows, sslots, _ = b.single_rows(x_TH.device) if pf.MERGED else ([], None, None, None)
         if single:      # the decode step's kernels: conv and recurrent states read and written in place at their
             # slots (a group would gather and scatter each sequence's 2-3 MB recurrent state a layer: three times
             # the state traffic of the kernel alone); gates from the raw b and a rows, in the kernel. gdn_decode

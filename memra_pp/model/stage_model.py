@@ -86,10 +86,8 @@ class Layer(nn.Module):
         q, gate, k, v = at.project(x_TH, cos, sin, lora)
         kp, vp = cache.k[self.i], cache.v[self.i]
         kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
-        # (the decode rows' one call is part of the merged path's switch, on every device: MEMRA_PP_PREFILL_MERGED=0
-        # gives each its group, as before, for a side-by-side run)
-        T, merged, groups = q.shape[0], pf.merged(x_TH, lora, count=True), \
-            b.groups("prompt_start" if pf.MERGED else "start", x_TH.device)
+        T, merged = q.shape[0], pf.merged(x_TH, lora, count=True)
+        groups, (single, srows, sslots, slens) = pf.row_groups(b, "start", x_TH.device)
         whole = pf.whole(groups, T, merged)         # the one group's output is o
         o = None if whole else torch.empty(T, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         for idx, rows, slots, span in groups:
@@ -102,11 +100,10 @@ class Layer(nn.Module):
             else:
                 o[sel] = og
         y = o * torch.sigmoid(gate)                 # at.output's gate (the single rows' o is overwritten below)
-        single, rows, slots, lens = b.single_rows(x_TH.device) if pf.MERGED else ([], None, None, None)
         if single:
             CALLS["single_rows"] += len(single)
-            y[rows] = decode_attention(q[rows], gate[rows], kp, vp, cache.table, slots, lens,   # (one kernel
-                                       max(b.starts[i] for i in single) + 1, max_splits=1)  # binary: warmed up)
+            y[srows] = decode_attention(q[srows], gate[srows], kp, vp, cache.table, sslots, slens,  # (one kernel
+                                        max(b.starts[i] for i in single) + 1, max_splits=1)  # binary: warmed up)
         return at.lin(y, "o_proj", lora)
 
 
