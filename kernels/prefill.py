@@ -186,8 +186,9 @@ def warm_single_rows(cfg, cache, layers) -> None:
         decode_attention(q, q.view(2, nh * D), kp, vp, cache.table, slots, torch.ones_like(slots), 1, max_splits=1)
     if gdn is not None:
         from .gdn_decode import conv_step, gdn_decode_fused
-        m, nv = gdn.mixer, cfg.linear_num_value_heads
-        z = torch.zeros(2, cfg.conv_dim + 2 * nv, dtype=m.in_proj.dtype, device=pool.device)
-        y = conv_step(z[:, :cfg.conv_dim].contiguous(), cache.conv[gdn.i], m.conv1d_weight[:, 0, :], slots)
-        gdn_decode_fused(y, z[:, -2 * nv:-nv].contiguous(), z[:, -nv:].contiguous(), m.A_log, m.dt_bias,
-                         cache.rec[gdn.i], slots, cfg.linear_num_key_heads, cfg.linear_key_head_dim ** -0.5)
+        m = gdn.mixer
+        u = torch.zeros(2, cfg.conv_dim, dtype=m.in_proj.dtype, device=pool.device)    # the gathered rows of u,
+        ba = torch.zeros(2, cfg.linear_num_value_heads, dtype=u.dtype, device=u.device)   # b and a
+        y = conv_step(u, cache.conv[gdn.i], m.conv1d_weight[:, 0, :], slots)
+        gdn_decode_fused(y, ba, ba, m.A_log, m.dt_bias, cache.rec[gdn.i], slots, cfg.linear_num_key_heads,
+                         cfg.linear_key_head_dim ** -0.5)

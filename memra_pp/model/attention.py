@@ -108,16 +108,16 @@ def attend_batch(q_GTHD: torch.Tensor, k_GHSD: torch.Tensor, v_GHSD: torch.Tenso
     new shape. Elsewhere (float32, the CPU) the mask tensor, as the bias would materialise it."""
     G, T = q_GTHD.shape[:2]
     q = q_GTHD.transpose(1, 2)                                                # [G, nh, T, D]
-    if start == 0:
-        return F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, is_causal=T > 1, enable_gqa=True).transpose(
-            1, 2).reshape(G, T, -1)
     S = k_GHSD.shape[2]
     assert S == start + T, (k_GHSD.shape, start, T)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        mask = causal_lower_right(T, S)
+    if start == 0:
+        o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, is_causal=T > 1, enable_gqa=True)
     else:
-        mask = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
-    o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, attn_mask=mask, enable_gqa=True)
+        if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            mask = causal_lower_right(T, S)
+        else:
+            mask = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, attn_mask=mask, enable_gqa=True)
     return o.transpose(1, 2).reshape(G, T, -1)
 
 
