@@ -3,6 +3,7 @@ the names a stage's setup answer gives, and unlinking them, or every segment of 
 Driver side (launch, teardown, the supervisor) and stage side (a replacement unlinks its predecessor's)."""
 from __future__ import annotations
 
+import fnmatch
 import os
 import time
 
@@ -18,17 +19,18 @@ def shm_names(info: dict | None) -> list[str]:
 
 
 def unlink_shm(names) -> int:
-    """Unlink this project's shared-memory segments (names starting "mpp"; "PREFIX*" for every segment with that
-    prefix) where they exist on this host: a stage that was killed could not unlink its own. Returns how many."""
+    """Unlink this project's shared-memory segments (names starting "mpp"; a name with "*" is a pattern, e.g.
+    "PREFIX*" for every segment with that prefix) where they exist on this host: a stage that was killed could not
+    unlink its own. Returns how many."""
     import _posixshmem
     todo = []
     for name in names:
         name = str(name)
         if not name.startswith("mpp"):
             continue
-        if name.endswith("*"):
+        if "*" in name:
             try:
-                todo += [e for e in os.listdir("/dev/shm") if e.startswith(name[:-1])]
+                todo += [e for e in os.listdir("/dev/shm") if fnmatch.fnmatchcase(e, name)]
             except OSError:
                 pass
         else:
@@ -75,9 +77,4 @@ def unlink_shm_of(pids, wait: float = 5.0) -> int:
         live = {p for p in live if _alive(p)}
         if live:
             time.sleep(0.05)
-    gone = [f"_{p}_" for p in set(pids) - live]
-    try:
-        names = [e for e in os.listdir("/dev/shm") if e.startswith("mpp") and any(g in e for g in gone)]
-    except OSError:
-        return 0
-    return unlink_shm(names)
+    return unlink_shm([f"mpp*_{p}_*" for p in set(pids) - live])
