@@ -281,6 +281,7 @@ def main() -> int:
             b = prefill_batch(B, n, D, a.ctx)       # rows after them (slots B ..)
             ids = torch.randint(4, mc.text.vocab_size, (B * n + D,), device="cuda")
             name = f"{B} x {n}" + (f" + {D} decode rows at {a.ctx}" if D else "")
+            tag = f"{mode}-{B}x{n}" + (f"+{D}" if D else "")           # the shape's profile files
             ways = ("kernels", "s23", "torch") if a.prefill_torch else ("kernels",)
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             if a.profile_first:         # the shape's first step (what a new prompt length costs once), host side too
@@ -288,20 +289,20 @@ def main() -> int:
                 with torch_prefill(ways[0], model), profile(activities=[ProfilerActivity.CPU,
                                                                         ProfilerActivity.CUDA]) as prof:
                     k0, t = tuned_keys(), time.perf_counter()
-                    prefill_step(model, cache, b, ids, B, D, a.ctx)
+                    prefill_step(model, cache, b, ids)
                     torch.cuda.synchronize()
                 times[ways[0]].append((time.perf_counter() - t) * 1e3)
                 tuned[ways[0]].append(tuned_keys() - k0)
-                open(os.path.join(a.out, f"profile-first-{mode}-{B}x{n}" + (f"+{D}" if D else "") + ".txt"),
-                     "w").write(f"first step {times[ways[0]][0]:.1f} ms (profiled)\n\n"
-                                + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n\n"
-                                + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+                open(os.path.join(a.out, f"profile-first-{tag}.txt"), "w").write(
+                    f"first step {times[ways[0]][0]:.1f} ms (profiled)\n\n"
+                    + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n\n"
+                    + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
             for _ in range(6):
                 for way in ways:        # interleaved, so drift falls on both
                     with torch_prefill(way, model):
                         torch.cuda.synchronize()
                         k0, t = tuned_keys(), time.perf_counter()
-                        prefill_step(model, cache, b, ids, B, D, a.ctx)
+                        prefill_step(model, cache, b, ids)
                         torch.cuda.synchronize()
                     times[way].append((time.perf_counter() - t) * 1e3)
                     tuned[way].append(tuned_keys() - k0)
@@ -317,11 +318,10 @@ def main() -> int:
             if a.profile:      # where a prefill step's device time goes, by kernel
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    prefill_step(model, cache, b, ids, B, D, a.ctx)
+                    prefill_step(model, cache, b, ids)
                     torch.cuda.synchronize()
                 ks = kernel_summary(prof, top=40)
-                open(os.path.join(a.out, f"profile-prefill-{mode}-{B}x{n}" + (f"+{D}" if D else "") + ".txt"),
-                     "w").write(
+                open(os.path.join(a.out, f"profile-prefill-{tag}.txt"), "w").write(
                     ks + "\n\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
                 print(ks, flush=True)
             json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
@@ -373,11 +373,12 @@ def prefill_batch(B: int, n: int, D: int, ctx: int):
     return StepBatch(list(range(B + D)), starts, counts, StepBatch.text_positions(starts, counts), [True] * (B + D))
 
 
-def prefill_step(model, cache, b, ids, B: int, D: int, ctx: int):
-    """Run prefill_batch's step again: the decode rows' sequences back at ctx tokens (the fresh prompts start over by
-    themselves). Returns the logits."""
-    for s in range(B, B + D):
-        cache.lens[s] = ctx
+def prefill_step(model, cache, b, ids):
+    """Run a step of prefill_batch's again: each continuing sequence put back at its start (the fresh prompts start
+    over by themselves). Returns the logits."""
+    for s, st in zip(b.slots, b.starts):
+        if st:
+            cache.lens[s] = st
     return model(b, model.embed_ids(ids), cache)
 
 

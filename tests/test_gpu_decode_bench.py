@@ -381,7 +381,7 @@ def test_engine_step_mixed_prefill_runs_again_and_again():
     b = prefill_batch(B, n, D, ctx)
     ids = torch.randint(4, 100, (B * n + D,))
     before, gdn = stage_model.CALLS["single_rows"], la.CALLS["single_rows"]
-    outs = [prefill_step(model, cache, b, ids, B, D, ctx) for _ in range(3)]
+    outs = [prefill_step(model, cache, b, ids) for _ in range(3)]
     assert all(o.shape[0] == B + D for o in outs) and torch.equal(outs[0][:B], outs[2][:B])
     assert cache.lens[:B + D] == [n] * B + [ctx + 1] * D       # (the scratch slot after them)
     full = sum(layer.full for layer in model.layers)
