@@ -33,3 +33,41 @@ def test_prefill_attention_runs_on_flash_alone():
         if start:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION), pytest.raises(RuntimeError):
                 F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=True)
+
+
+def test_prefill_attention_leaves_cudnn_out():
+    """attention.sdpa (attend_batch, the vision tower) never runs cuDNN's SDPA, which plans each new shape (about
+    100 ms of host time for a new prefill step on an H200), and leaves torch's cuDNN switch as it found it. On a
+    Hopper GPU, SDPA itself picks cuDNN for the same call (the premise: otherwise this test proves nothing there)."""
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
+    from torch.profiler import ProfilerActivity, profile
+
+    from memra_pp.model.attention import attend_batch, sdpa
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)
+
+    def kernels(fn):
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            fn()
+            torch.cuda.synchronize()
+        return [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    q, k, v = r(3, 24, 300, 256), r(3, 4, 300, 256), r(3, 4, 300, 256)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    if torch.cuda.get_device_capability()[0] >= 9:
+        plain = kernels(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        assert any("cudnn" in n for n in plain), plain
+    for start, T in ((0, 300), (200, 100)):
+        qs = q[:, :, -T:].transpose(1, 2)
+        ran = kernels(lambda: attend_batch(qs, k, v, start))
+        assert ran and not any("cudnn" in n.lower() for n in ran), (start, ran)
+    vis = kernels(lambda: sdpa(q[:, :4], k, v))
+    assert vis and not any("cudnn" in n.lower() for n in vis), vis
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:        # switched off by the caller: stays off
+        sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)

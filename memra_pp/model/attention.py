@@ -100,24 +100,42 @@ class GatedAttention(Param):
         return q, gate, k, v
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention with cuDNN's backend left out on CUDA. cuDNN builds an execution plan for each
+    new shape (batch, lengths), and a prefill step's shapes change with every mix of prompts and chunks (the vision
+    tower's with every image size): on an H200 with torch 2.11, a new mixed step's first run spent 104 ms of host
+    time in `_cudnn_attention_forward` over the 35B-A3B's 10 attention layers and 76 ms over the 27B's 16, where a
+    step of planned shapes spends 1.5-2.3 ms, still 110-165 us a call (results/profile-mixed-*-2026-12-03-s26.txt,
+    under the profiler). Flash attention, which SDPA picks next, runs any shape without a plan. Torch's backend
+    switches are process-wide: cuDNN's is turned off around the call and back on (about 1 us), so code outside
+    keeps its choice."""
+    if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 def attend_batch(q_GTHD: torch.Tensor, k_GHSD: torch.Tensor, v_GHSD: torch.Tensor, start: int) -> torch.Tensor:
     """attend() for G sequences with the same start and T at once (keys: the start + T positions) -> [G, T, nh*D].
     A continuing segment's mask is causal aligned to the lower right (query t sees keys <= start + t). In flash
     attention's dtypes on CUDA it is given as torch's CausalBias, which flash takes (grouped heads too): a mask
-    tensor leaves flash out, and SDPA falls to a backend that takes masks, the math one or cuDNN, which plans each
-    new shape. Elsewhere (float32, the CPU) the mask tensor, as the bias would materialise it."""
+    tensor leaves flash out, and SDPA falls to a backend that takes masks. Elsewhere (float32, the CPU) the mask
+    tensor, as the bias would materialise it. Both through sdpa(): never cuDNN's backend."""
     G, T = q_GTHD.shape[:2]
     q = q_GTHD.transpose(1, 2)                                                # [G, nh, T, D]
     S = k_GHSD.shape[2]
     assert S == start + T, (k_GHSD.shape, start, T)
     if start == 0:
-        o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, is_causal=T > 1, enable_gqa=True)
+        o = sdpa(q, k_GHSD, v_GHSD, is_causal=T > 1, enable_gqa=True)
     else:
         if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
             mask = causal_lower_right(T, S)
         else:
             mask = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(q, k_GHSD, v_GHSD, attn_mask=mask, enable_gqa=True)
+        o = sdpa(q, k_GHSD, v_GHSD, attn_mask=mask, enable_gqa=True)
     return o.transpose(1, 2).reshape(G, T, -1)
 
 

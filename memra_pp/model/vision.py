@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, InputError
+from .attention import sdpa
 from .config import VisionConfig
 
 # Legend: N patches (all images and frames stacked), Hv vision width, nh heads, hd head dim,
@@ -34,7 +35,7 @@ class _Attention(nn.Module):
         outs = []
         # Non-causal attention within one frame of one image; frames never see each other.
         for qs, ks, vs in zip(q.split(seqlens), k.split(seqlens), v.split(seqlens)):
-            o = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
+            o = sdpa(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
             outs.append(o.transpose(0, 1).reshape(qs.shape[0], -1))
         return self.proj(torch.cat(outs))
 
