@@ -18,7 +18,12 @@ if triton is not None:
 # among them) barely do until far beyond. H200, 35B-A3B, 2026-12-01 (benchmarks/moe_kernels.py, device time in a
 # CUDA graph): 3.2 us at 512 pairs, 7.0 at 2,048, 40.7 at 16,384, against the torch ops' 73, 78 and 125 us. The
 # one-program kernel it replaced took 41 us at 512 pairs and lost to the torch ops at 2,048 (its bound was 768).
-ALIGN_KERNEL_PAIRS = 16384
+# Raised from 16,384 to 65,536 (the pairs of an 8,192-token step at top-8) in the twenty-sixth session: a mixed
+# prefill step of the 35B-A3B (8 x 512 tokens + 504 decode rows, 36,800 pairs) was host-bound on an H200 (128-195
+# ms a step against 83 ms of device time), and the torch ops cost each of its 40 layers an argsort of 260 us of host
+# time (under the profiler) plus a dozen launches. The kernel's time, extrapolated along the line above, stays under
+# the torch ops' (about 90 against 190 us at 36,800 pairs, 160 against 290 at 65,536): not yet measured there.
+ALIGN_KERNEL_PAIRS = 65536
 
 # tl.histogram takes a mask from Triton 3.4 on; before, the kernel sends ids outside [0, E) to bin 0 and takes them out
 _HIST_MASK = triton is not None and "mask" in inspect.signature(tl.histogram).parameters

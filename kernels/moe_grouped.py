@@ -14,12 +14,15 @@ if triton is not None:
 
 
 # -- grouped GEMM over pairs sorted by expert -----------------------------------------------------------------------
+CONFIG_BOUNDS = (2048, 16384)     # pairs up to which grouped_config picks its first, then its second blocks
+
+
 def grouped_config(n_pairs: int) -> tuple[int, int, int]:
     """(BM, BN, BK): small blocks where experts see few rows each, larger where they see many (the best of
     benchmarks/moe_kernels.py's sweep on an H200 at 35B-A3B: 64 and 256 rows, 1024, 4096)."""
-    if n_pairs <= 2048:
+    if n_pairs <= CONFIG_BOUNDS[0]:
         return 16, 64, 128
-    if n_pairs <= 16384:
+    if n_pairs <= CONFIG_BOUNDS[1]:
         return 64, 64, 64
     return 64, 128, 64
 

@@ -109,6 +109,10 @@ if part in ("all", "1"):
             aligned(torch.full((256, 8), E_ - 1), E_, BM)               # all on the last expert
             aligned(torch.zeros(1, 8, dtype=torch.long), E_, BM)       # one row, all on the first
     moe_align._HIST_MASK = hist_mask
+    # the kernel past its first bound (16,384 pairs until the twenty-sixth session): a mixed prefill step's 36,800
+    # pairs and the bound itself, 65,536 (the interpreter: 16,800 pairs over 8 experts, 9 programs)
+    for T, k, E_ in ([(2100, 8, 8)] if cpu else [(4600, 8, 256), (ALIGN_KERNEL_PAIRS // 8, 8, 256)]):
+        aligned(torch.rand(T, E_).argsort(1)[:, :k].contiguous(), E_, 64)
     # ids outside [0, E) (route makes none): skipped, nothing written outside the rows, the rest where align_ref puts
     # them without those pairs, then padding
     for E_, BM in [(60, 16), (40 if cpu else 256, 64)]:

@@ -258,7 +258,7 @@ def test_moe_warm_up_rows_reach_every_variant():
         return fm.grouped_config(n), 512 if n <= 512 else 1024
 
     every = {variant(n) for n in range(1, 2 * ALIGN_KERNEL_PAIRS)}
-    assert len(every) == 5, every
+    assert len(every) == 6, every
     for k in (1, 2, 4, 8, 10, 16):
         assert {variant(T * k) for T in MoE(k).warm_rows()} == every, k
 

@@ -124,12 +124,13 @@ class MoE(Param):
 
     def warm_rows(self) -> list[int]:
         """Row counts whose pairs (rows x top_k) land in each variant of the fused path: per-pair kernels (one row),
-        the grouped GEMM with its alignment kernel at 512 ids a step (up to 512 pairs), at 1,024 with blocks of 16
-        (up to 2,048), with blocks of 64 (up to the kernel's bound), then the torch alignment and the largest
+        the grouped GEMM with its alignment kernel at 512 ids a step (up to 512 pairs), at 1,024 with each of the
+        grouped GEMM's three block configs (up to the kernel's bound), then the torch alignment with the largest
         blocks (moe_align.align, moe_grouped.grouped_config)."""
         from memra_pp.kernels.moe_align import ALIGN_KERNEL_PAIRS
-        k = self.top_k
-        return sorted({1} | {max(1, n // k) for n in (512, 2048, ALIGN_KERNEL_PAIRS)} | {ALIGN_KERNEL_PAIRS // k + 1})
+        from memra_pp.kernels.moe_grouped import CONFIG_BOUNDS
+        k, bounds = self.top_k, (512, *CONFIG_BOUNDS, ALIGN_KERNEL_PAIRS)
+        return sorted({1} | {max(1, n // k) for n in bounds} | {ALIGN_KERNEL_PAIRS // k + 1})
 
     def warm_up(self):
         """Run the fused kernels once at every variant a step can pick (the router kernel, with and without the
