@@ -101,6 +101,10 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.spec = sp
         torch.set_num_threads(sp.threads)
         self.engine = Engine(sp.device)
+        if self.engine.is_cuda:
+            # for the whole process, not around each call (model/attention.sdpa): the vision tower runs on Ray's
+            # pool threads beside the loop thread's prefill, and torch's switch is one flag for the process
+            torch.backends.cuda.enable_cudnn_sdp(False)
         t0 = time.monotonic()
         m = self.placement.model
         self.src = open_weights(m.path, m.format)

@@ -107,8 +107,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tenso
     time in `_cudnn_attention_forward` over the 35B-A3B's 10 attention layers and 76 ms over the 27B's 16, where a
     step of planned shapes spends 1.5-2.3 ms, still 110-165 us a call (results/profile-mixed-*-2026-12-03-s26.txt,
     under the profiler). Flash attention, which SDPA picks next, runs any shape without a plan. Torch's backend
-    switches are process-wide: cuDNN's is turned off around the call and back on (about 1 us), so code outside
-    keeps its choice."""
+    switch is one flag for the process: a stage process turns it off for good at setup (stages/runner.py; its tower
+    runs on other threads than its prefill), so this is a no-op there; elsewhere (benchmarks, tests: one thread) it
+    is turned off around the call and back on (about 1 us), and code outside keeps its choice."""
     if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
         return F.scaled_dot_product_attention(q, k, v, **kw)
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -143,5 +144,5 @@ def attend_decode(q_BHD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tenso
     """One query per sequence over padded caches; key s of sequence b is visible iff s < lens[b]."""
     S = k_BHSD.shape[2]
     mask = (torch.arange(S, device=q_BHD.device)[None, :] < lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q_BHD[:, :, None], k_BHSD, v_BHSD, attn_mask=mask, enable_gqa=True)
+    o = sdpa(q_BHD[:, :, None], k_BHSD, v_BHSD, attn_mask=mask, enable_gqa=True)
     return o[:, :, 0].reshape(q_BHD.shape[0], -1)
