@@ -113,6 +113,7 @@ if part in ("all", "1"):
     # pairs and the bound itself, 65,536 (the interpreter: 16,800 pairs over 8 experts, 9 programs)
     for T, k, E_ in ([(2100, 8, 8)] if cpu else [(4600, 8, 256), (ALIGN_KERNEL_PAIRS // 8, 8, 256)]):
         aligned(torch.rand(T, E_).argsort(1)[:, :k].contiguous(), E_, 64)
+        aligned(torch.randint(0, 5, (T, k)), E_, 64)                  # skewed: five experts take every pair
     # ids outside [0, E) (route makes none): skipped, nothing written outside the rows, the rest where align_ref puts
     # them without those pairs, then padding
     for E_, BM in [(60, 16), (40 if cpu else 256, 64)]:
