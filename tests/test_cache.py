@@ -30,7 +30,7 @@ def test_pages_follow_the_tokens_and_come_back():
     c.reserve([2], [8192])                           # one long sequence: 128 pages, the pools grow once
     assert c.grown == 1 and len(c.owned[2]) == 128 and c.n_blocks == 10 + 128 - 5
     blocks = set(c.owned[2])
-    c.reset(2)                                       # its pages come back for the others
+    c.reset([2])                                       # its pages come back for the others
     assert not c.owned[2] and blocks <= set(c.free_blocks)
     c.reserve([3], [8192])
     assert c.grown == 1 and set(c.owned[3]) <= blocks   # served from the returned pages, no reallocation
@@ -39,6 +39,40 @@ def test_pages_follow_the_tokens_and_come_back():
     assert blk.tolist() == [c.owned[3][0], c.owned[3][2]] and off.tolist() == [0, 2]
     with pytest.raises(ValueError, match="exceeds max_context"):
         c.reserve([0], [9000])
+
+
+def test_a_reset_zeroes_the_new_sequences_linear_states_in_one_fill_a_pool():
+    """reset: the new sequences' conv and recurrent states are zero (a fresh prefill starts from S0 = 0), the other
+    slots' untouched; several slots take one fill a state pool (slot by slot, a step of 8 new prompts was 16
+    launches in every Gated DeltaNet layer), one slot a plain zero_."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+    c = cache()
+    pools = [*c.conv.values(), *c.rec.values()]
+    assert len(pools) == 12                            # layers 0-7 of the 27B: 6 Gated DeltaNet layers
+    for t in pools:
+        t.fill_(1)
+    with Ops() as ops:
+        c.reset([0, 2])
+    assert ops.n["index_fill_"] == len(pools) and ops.n["zero_"] == 0, ops.n
+    for t in pools:
+        assert t[[0, 2]].eq(0).all() and t[[1, 3]].eq(1).all() and t[c.scratch].eq(1).all()
+    with Ops() as ops:
+        c.reset([3])
+        c.reset([])
+    assert ops.n["zero_"] == len(pools) and ops.n["index_fill_"] == 0, ops.n
+    for t in pools:
+        assert t[3].eq(0).all() and t[1].eq(1).all()
 
 
 def test_pages_are_a_power_of_two():

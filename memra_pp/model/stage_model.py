@@ -238,11 +238,10 @@ class StageModel(nn.Module):
         TokenOverlaySet, which recomputes the logits of each sampled row's adapter-overridden ids."""
         cache.release(b.release)       # first: a released slot may hold a new sequence in this very step
         for slot, start in zip(b.slots, b.starts):
-            if start == 0:
-                cache.reset(slot)      # a new sequence in this slot
-            elif cache.lens[slot] != start:
+            if start and cache.lens[slot] != start:
                 raise RuntimeError(f"stage layers [{self.start},{self.end}): slot {slot} holds "
                                    f"{cache.lens[slot]} tokens but the step says {start}")
+        cache.reset([slot for slot, start in zip(b.slots, b.starts) if start == 0])     # new sequences' slots
         cache.reserve(b.slots, [s + c for s, c in zip(b.starts, b.counts)])
         out = self._step(b, h_TH.to(self.device, self.dtype), cache, lora, token_overlay)
         for slot, start, n in zip(b.slots, b.starts, b.counts):
