@@ -87,7 +87,8 @@ def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
 
 
 def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: int, microbatches,
-              fmt: str = "dummy", ttft: int = 0, out: list | None = None, chunk: int = 4096) -> list[dict]:
+              fmt: str = "dummy", ttft: int = 0, out: list | None = None, chunk: int = 4096,
+              spread: float = 0.0) -> list[dict]:
     """One deployment over `devices` (one stage per entry; a GPU may hold several). Each concurrency is warmed up
     by run_bench (its decode graphs are captured), then measured: the steady-state decode rate is the tokens that
     arrived while every request was decoding, over that window (memra_pp.bench)."""
@@ -96,14 +97,15 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
     n = len(devices)
     cfg = {"name": f"bench{n}", "model": {"path": model, "format": fmt, "dtype": "bfloat16"},
            "stages": [{"device": f"cuda:{d}" if isinstance(d, int) else d, "num_cpus": 0.5} for d in devices],
-           "scheduler": {"max_batch": max(concurrencies), "max_context": max(prompt_len + new, ttft + 2) + 8,
+           "scheduler": {"max_batch": max(concurrencies),
+                         "max_context": max(round(prompt_len * (1 + spread)) + new, ttft + 2) + 8,
                          "prefill_chunk": chunk, "microbatches": microbatches}}
     out = [] if out is None else out      # the caller's list: runs measured before a failure are kept
     t0 = time.time()
     with memra_pp.launch(cfg) as dep:
         print(f"  {n} stage(s) on cuda {devices} up in {time.time() - t0:.0f} s", flush=True)
         for c in concurrencies:
-            r = run_bench(dep, c, prompt_len, new)      # warms up first: this batch size's graphs are captured
+            r = run_bench(dep, c, prompt_len, new, prompt_spread=spread)   # warms up first: its graphs captured
             st = dep.stats()["stages"]
             r.update(n_stages=n, devices=devices, model=model, microbatches=microbatches,
                      memory=[{k: s.get(k) for k in ("weights_bytes", "cache_bytes", "device_allocated_bytes",
@@ -162,6 +164,12 @@ def main() -> int:
                     help="one decode graph per batch bucket over every KV length (decode_graphs.ANY_KV, the "
                          "default; off: MEMRA_PP_ANY_KV_GRAPHS=0 in the stage processes, a graph per KV-length "
                          "bucket); both: each layout without, then with")
+    ap.add_argument("--prompt-spread", type=float, default=0.0,
+                    help="prompt lengths drawn evenly from prompt-len x [1 - s, 1 + s] (memra_pp only): as traffic "
+                         "has them, every mix of lengths a new prefill shape")
+    ap.add_argument("--sdpa-cudnn", choices=("off", "on", "both"), default="off",
+                    help="MEMRA_PP_SDPA_CUDNN in the stage processes: on, SDPA picks its backend itself, cuDNN "
+                         "included (it plans each new shape); both: each layout without, then with")
     ap.add_argument("--prefill-merged", choices=("off", "on", "both"), default="on",
                     help="the prefill's merged path (kernels/prefill.MERGED, the default; off: "
                          "MEMRA_PP_PREFILL_MERGED=0 in the stage processes); both: each layout without, then with")
@@ -223,13 +231,17 @@ def main() -> int:
             # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
-            for any_kv, in_place, merged, cs in [
-                    (k, p, m, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
-                    for m in sides[a.prefill_merged] for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
+            for any_kv, in_place, merged, cudnn, cs in [
+                    (k, p, m, cu, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
+                    for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn]
+                    for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
                 # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
                 os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
                 os.environ["MEMRA_PP_KV_IN_PLACE"] = "1" if in_place else "0"
                 os.environ["MEMRA_PP_PREFILL_MERGED"] = "1" if merged else "0"
+                os.environ["MEMRA_PP_SDPA_CUDNN"] = "1" if cudnn else "0"
+                if a.sdpa_cudnn == "both":
+                    print(f"  SDPA's own backend choice, cuDNN included: {cudnn}", flush=True)
                 if a.prefill_merged == "both":
                     print(f"  prefill merged path: {merged}", flush=True)
                 if a.any_kv == "both":
@@ -239,13 +251,13 @@ def main() -> int:
                 n0 = len(rep["runs"])
                 try:
                     run_memra(a.model, devices, cs, a.prompt_len, a.new, mb_l, ttft=a.ttft, out=rep["runs"],
-                              chunk=a.prefill_chunk)
+                              chunk=a.prefill_chunk, spread=a.prompt_spread)
                 except Exception as e:  # noqa: BLE001 - record it and go on
                     print(f"  layout {devices}, concurrency {cs} failed: {type(e).__name__}: {e}", flush=True)
                     rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs, "any_kv": any_kv,
                                                          "error": f"{type(e).__name__}: {e}"})
                 for r in rep["runs"][n0:]:
-                    r["any_kv"], r["prefill_merged"] = any_kv, merged
+                    r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
                 save()
     if not a.hf_first:
         hf()
@@ -278,6 +290,7 @@ def plot(rep: dict, path: str) -> None:
                                           (None, "auto") else "")
                                        + (", a graph per KV bucket" if r.get("any_kv") is False else "")
                                        + (", prefill not merged" if r.get("prefill_merged") is False else "")
+                                       + (", cuDNN SDPA" if r.get("sdpa_cudnn") else "")
                                        + (", KV pools copied to grow" if "in place" not in r.get("kv_growth", [
                                            "in place"]) else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")

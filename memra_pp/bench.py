@@ -50,20 +50,28 @@ def warm_tokens(concurrency: int, prompt_len: int, max_new_tokens: int, prefill_
     return min(max_new_tokens, 3 + -(-concurrency * prompt_len // max(1, prefill_chunk)))
 
 
+def bench_prompts(rng: random.Random, n: int, prompt_len: int, spread: float, vocab: int) -> list[list[int]]:
+    """n prompts of random ids in [4, vocab), their lengths drawn evenly from prompt_len x [1 - spread, 1 + spread]
+    (at least one token)."""
+    lo, hi = max(1, round(prompt_len * (1 - spread))), max(1, round(prompt_len * (1 + spread)))
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
 def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed: int = 0,
-              warm: bool = True, timeline: bool = False) -> dict:
+              warm: bool = True, timeline: bool = False, prompt_spread: float = 0.0) -> dict:
     """`concurrency` requests at once, each streamed on its own thread (the public `stream` API), every event's
     arrival time recorded: throughput end to end, time to first token, and the steady-state decode rate. `warm`
     first runs the same requests, untimed, long enough that every one is still decoding when the last prompt's
     prefill ends (`warm_tokens`): the decode batches then pass through the sizes the timed run meets, so their lazy
     graph captures stay out of the figures (`graph_captures_in_run` counts those that did not).
     `timeline`: also every stage's microbatch spans of the timed run (seconds from its start; plot_timelines), and
-    the p50 first token on that axis."""
+    the p50 first token on that axis. `prompt_spread` s: prompt lengths drawn evenly from prompt_len x [1 - s,
+    1 + s] (as traffic has them: every mix of lengths is a new prefill shape) instead of all prompt_len."""
     from concurrent.futures import ThreadPoolExecutor
     c = dep.client()
     rng = random.Random(seed)
     V = dep.vocab_size
-    prompts = [[rng.randrange(4, V) for _ in range(prompt_len)] for _ in range(concurrency)]
+    prompts = bench_prompts(rng, concurrency, prompt_len, prompt_spread, V)
     p50, p99 = actor_call_us(dep.stage_actor(0))
 
     # the steady-state window (every request decoding, none finished yet) gets its own stats: the stages' busy
@@ -123,7 +131,8 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     ttft = [ev[0][0] - t for t, ev in out if ev]
     dec, window = _decode_window(out)
     c.close()
-    return {"concurrency": concurrency, "prompt_len": prompt_len, "max_new_tokens": max_new_tokens,
+    return {"concurrency": concurrency, "prompt_len": prompt_len, "prompt_spread": prompt_spread,
+            "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": max_new_tokens,
             "generated_tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall,
             "decode_tokens_per_s": dec, "decode_window_s": window,
             "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),

@@ -12,6 +12,8 @@ SWITCHES = {
     "MEMRA_PP_ANY_KV_GRAPHS": (True, "one decode graph per batch bucket serves every KV length (captured at load)"),
     "MEMRA_PP_KV_IN_PLACE": (True, "KV pools grow in place by mapping memory (0: grow by copying)"),
     "MEMRA_PP_MOE_BLOCK": (False, "the single-kernel MoE block at batch 1 (measured slower in the step; GPU only)"),
+    "MEMRA_PP_SDPA_CUDNN": (False, "torch's own SDPA choice for the prefill's and the vision tower's attention, "
+                                   "cuDNN included (it plans each new shape: model/attention.sdpa; GPU only)"),
     "MEMRA_PP_PREFILL_MERGED": (True, "the prefill's merged projections, contiguous conv parts and row slices, "
                                       "and eager decode's merged projections (kernels/prefill.py; GPU only)"),
 }

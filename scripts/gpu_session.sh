@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep mixedstep e2e moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep mixedstep e2e cudnn moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -54,6 +54,11 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     # E2E_MODEL=preset:qwen3.5-35b-a3b E2E_C=64,512 for the MoE
     e2e) phase gpu-decode-e2e 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/e2e" --model ${E2E_MODEL:-preset:qwen3.5-27b} \
            --layouts 0 --concurrency ${E2E_C:-64,256} --prompt-len 512 --new 256 --prefill-merged both ;;
+    # the same workload with prompt lengths spread (256-768: every prefill step a new mix of shapes), SDPA's own
+    # backend choice (cuDNN, which plans each new shape) against attention.sdpa's (flash), one deployment each
+    cudnn) phase gpu-decode-cudnn 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/cudnn" \
+             --model ${E2E_MODEL:-preset:qwen3.5-35b-a3b} --layouts 0 --concurrency ${E2E_C:-64,512} --prompt-len 512 \
+             --prompt-spread 0.5 --new 256 --sdpa-cudnn both ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
     # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and

@@ -12,6 +12,7 @@ import time
 import torch
 
 from ..errors import InputError
+from ..model.attention import SDPA_CUDNN
 from ..model.config import ModelConfig
 from ..model.stage_model import StageModel
 from ..model.weights import open_weights
@@ -101,7 +102,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.spec = sp
         torch.set_num_threads(sp.threads)
         self.engine = Engine(sp.device)
-        if self.engine.is_cuda:
+        if self.engine.is_cuda and not SDPA_CUDNN:
             # for the whole process, not around each call (model/attention.sdpa): the vision tower runs on Ray's
             # pool threads beside the loop thread's prefill, and torch's switch is one flag for the process
             torch.backends.cuda.enable_cudnn_sdp(False)

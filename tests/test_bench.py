@@ -5,11 +5,22 @@ from pathlib import Path
 import pytest
 
 import memra_pp
-from memra_pp.bench import _decode_window, format_report, run_bench, warm_tokens
+from memra_pp.bench import _decode_window, bench_prompts, format_report, run_bench, warm_tokens
 from conftest_models import tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from load import config  # noqa: E402
+
+
+def test_bench_prompts_spread_their_lengths():
+    """--prompt-spread: lengths evenly over prompt_len x [1 - s, 1 + s], both ends reached; 0: all prompt_len."""
+    import random
+    ps = bench_prompts(random.Random(0), 400, 100, 0.5, 50)
+    lens = {len(p) for p in ps}
+    assert min(lens) == 50 and max(lens) == 150 and len(lens) > 50
+    assert all(4 <= t < 50 for p in ps for t in p)
+    assert {len(p) for p in bench_prompts(random.Random(0), 5, 16, 0.0, 50)} == {16}
+    assert {len(p) for p in bench_prompts(random.Random(0), 50, 2, 1.0, 50)} == {1, 2, 3, 4}
 
 
 def test_decode_window_counts_only_while_every_request_decodes():

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..switches import flag
 from .batch import h2d
 from .config import TextConfig
 from .layers import Param
@@ -100,6 +101,10 @@ class GatedAttention(Param):
         return q, gate, k, v
 
 
+# MEMRA_PP_SDPA_CUDNN=1: SDPA's own choice of backend, cuDNN included (benchmarks compare: gpu_decode --sdpa-cudnn)
+SDPA_CUDNN = flag("MEMRA_PP_SDPA_CUDNN")
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """F.scaled_dot_product_attention with cuDNN's backend left out on CUDA. cuDNN builds an execution plan for each
     new shape (batch, lengths), and a prefill step's shapes change with every mix of prompts and chunks (the vision
@@ -110,7 +115,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tenso
     switch is one flag for the process: a stage process turns it off for good at setup (stages/runner.py; its tower
     runs on other threads than its prefill), so this is a no-op there; elsewhere (benchmarks, tests: one thread) it
     is turned off around the call and back on (about 1 us), and code outside keeps its choice."""
-    if not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
+    if SDPA_CUDNN or not (q.is_cuda and torch.backends.cuda.cudnn_sdp_enabled()):
         return F.scaled_dot_product_attention(q, k, v, **kw)
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
