@@ -1,13 +1,13 @@
 """The Python client: generate / stream / agenerate over a deployment's intake stage (driver side).
 
 One background pump per client long-polls the intake stage for this client's events (one Ray call per batch of
-events, not per token) and routes them to per-request queues.
+events, not per token) and routes them to per-request queues. A lost stage's requests fail or are replayed by
+client_replay.ReplayMixin.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import numbers
 import queue
 import threading
@@ -16,22 +16,12 @@ from typing import Iterator
 
 import ray
 
+from .client_replay import ReplayMixin, _Track
 from .errors import InputError, RequestTimeout, StageFailed
 from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _token_ids, request_dict
 
 
-@dataclasses.dataclass(eq=False)
-class _Track:
-    """One request as the client knows it: what was asked and every token delivered so far (its replay history,
-    kept here so that it survives the loss of the intake stage)."""
-    rid: str
-    req: dict
-    put: object
-    tokens: list = dataclasses.field(default_factory=list)
-    gen: int = 0                  # the supervisor generation the request was (re)submitted in
-
-
-class Client:
+class Client(ReplayMixin):
     def __init__(self, dep):
         self.dep = dep
         self.id = uuid.uuid4().hex
@@ -53,9 +43,6 @@ class Client:
     @property
     def _sup(self):
         return getattr(self.dep, "supervisor", None)
-
-    def _replays(self) -> bool:
-        return self.dep.placement.recover == "replay" and self._sup is not None
 
     def close(self) -> None:
         """Stop the pump; every request still waiting ends with StageFailed (and is aborted on the intake)."""
@@ -112,29 +99,6 @@ class Client:
                     self._deliver(t, (toks, lps, finish, err))
             self._replay_if_recovered()
 
-    # -- stage failure (called by the pump, and by the deployment's supervisor thread) -----------------------------
-    def on_stage_failed(self, e: StageFailed) -> None:
-        """A stage was lost: every request in flight fails with `e`, or, with recover: replay, waits for the
-        recovery and is replayed from its token history."""
-        with self._lock:
-            tracks = list(self._tracks.values())
-            if self._replays():
-                for t in tracks:
-                    self._hold(t)
-                return
-            self._tracks.clear()
-        for t in tracks:
-            self._deliver(t, ([], [], "error", (type(e).__name__, str(e), e.stage)))
-
-    def on_recovery_failed(self, e: StageFailed) -> None:
-        with self._lock:
-            held, self._held = self._held, []
-        for t in held:
-            t.put(([], [], "error", (type(e).__name__, str(e), e.stage)))
-
-    def on_recovered(self) -> None:
-        self._replay_if_recovered(force=True)
-
     def _finish_dropped(self) -> None:
         while True:
             try:
@@ -155,40 +119,6 @@ class Client:
         finally:
             self._lock.release()
         self._abort(tr.rid)
-
-    def _hold(self, t: _Track) -> None:   # under self._lock
-        self._tracks.pop(t.rid, None)
-        self._held.append(t)
-
-    def _replay_if_recovered(self, force: bool = False) -> None:
-        """Resubmit held requests whose failure a completed recovery has dealt with: prompt + delivered tokens,
-        the remaining budget, and the sampling step to continue from (seeded draws stay (seed, step))."""
-        sup = self._sup
-        if sup is None or not self._held or not sup.ready.is_set():
-            return
-        with self._lock:
-            go = [t for t in self._held if force or t.gen < sup.recovered]
-            self._held = [t for t in self._held if t not in go]
-            gen = sup.generation
-            for t in go:
-                t.rid, t.gen = uuid.uuid4().hex, gen
-                self._tracks[t.rid] = t
-        refs = []
-        for t in go:
-            done = len(t.tokens)
-            req = dict(t.req, rid=t.rid, prompt=t.req["prompt"] + t.tokens,
-                       max_new_tokens=t.req["max_new_tokens"] - done, step0=done)
-            refs.append(self._intake.submit.remote(req))
-        if refs:
-            try:
-                ray.get(refs, timeout=self.dep.placement.timeouts.step_s)
-            except Exception as e:  # noqa: BLE001 - the replay could not be queued: those requests fail, typed
-                self.on_stage_failed(StageFailed(f"stage 0 failed: replay was not accepted: {e}", stage=0))
-                return
-            with self._lock:     # a reader gone between the new rid and the submit: its abort went first
-                gone = [t.rid for t in go if t.rid not in self._tracks]
-            for rid in gone:     # (a request that already finished is no longer in the scheduler: a no-op)
-                self._abort(rid)
 
     def _submit(self, prompt, max_new_tokens, kw: dict, sink=None) -> tuple[_Track, queue.Queue, list[int]]:
         """One request with generate's keywords (`kw`); an unknown keyword is refused before anything is sent."""
