@@ -123,9 +123,12 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   + f", KV growths in it {r['kv_growths_in_run']} ({', '.join(r['kv_growth'])})"
                   + f", kernel keys tuned in it {r['kernel_tunings_in_run']}",
                   flush=True)
-            for i, ph in enumerate(r.get("steady_phase_us") or []):
-                print(f"    stage {i} host us per microbatch, steady decode: "
-                      + ", ".join(f"{k} {v:.0f}" for k, v in ph.items()), flush=True)
+            for what, key in (("steady decode", "steady_phase_us"), ("prefill ramp", "ramp_phase_us")):
+                for i, ph in enumerate(r.get(key) or []):
+                    print(f"    stage {i} host us per microbatch, {what}: "
+                          + ", ".join(f"{k} {v:.0f}" for k, v in ph.items())
+                          + (f" ({r['ramp_microbatches'][i]} microbatches, busy {r['ramp_busy'][i]:.0%})"
+                             if key == "ramp_phase_us" else ""), flush=True)
         if ttft:      # one long prompt alone: time to first token (chunked prefill through every stage)
             r = run_bench(dep, 1, ttft, 2, seed=1, timeline=True)   # each stage's chunks against time
             r.update(n_stages=n, devices=devices, model=model, kind="ttft")

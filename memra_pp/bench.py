@@ -76,7 +76,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
 
     # the steady-state window (every request decoding, none finished yet) gets its own stats: the stages' busy
     # fractions there, apart from the prefill's
-    lock, firsts, steady = threading.Lock(), [0], {}
+    lock, firsts, steady, ramp = threading.Lock(), [0], {}, {}
     all_decoding, first_done = threading.Event(), threading.Event()
 
     def one(p, new=max_new_tokens, timed=True):
@@ -96,9 +96,13 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
 
     def watch():    # two snapshots, no reset: the run's own figures still cover all of it
         all_decoding.wait()
+        a, t = dep.stats()["stages"], time.perf_counter()
+        # the prefill ramp: from the timed run's start (its stats reset) until every request has its first token
+        ramp.update(busy=[x["busy_s"] / max(x["wall_s"], 1e-9) for x in a],
+                    microbatches=[x["microbatches"] for x in a],
+                    phase_us=[{k: v / max(1, x["microbatches"]) * 1e6 for k, v in x["phase_s"].items()} for x in a])
         if first_done.is_set():
             return
-        a, t = dep.stats()["stages"], time.perf_counter()
         first_done.wait()
         b = dep.stats()["stages"]
         steady.update(window_s=time.perf_counter() - t,
@@ -145,6 +149,10 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             "steady_busy": steady.get("busy", []),
             # each stage's host time per microbatch in that window (no prefill in it): where a decode step's goes
             "steady_phase_us": steady.get("phase_us", []),
+            # the same for the prefill ramp (every microbatch until each request has its first token): where a
+            # prefill or mixed step's host time goes, end to end
+            "ramp_busy": ramp.get("busy", []), "ramp_microbatches": ramp.get("microbatches", []),
+            "ramp_phase_us": ramp.get("phase_us", []),
             # decode graphs captured inside the timed run (a bucket the warm-up did not reach): each one stalls its
             # stage for the capture, so time to first token and the end-to-end rate carry it
             "graph_captures_in_run": _graph_captures(st) - captures0,
@@ -239,9 +247,10 @@ def format_report(r: dict) -> str:
         if ph:
             lines.append(f"stage {s['index']} host time per microbatch: " + ", ".join(f"{k} {v:.0f} us"
                                                                                    for k, v in ph.items()))
-    for i, ph in enumerate(r.get("steady_phase_us") or []):
-        lines.append(f"stage {i} host time per microbatch in the steady decode window: "
-                     + ", ".join(f"{k} {v:.0f} us" for k, v in ph.items()))
+    for what, key in (("the steady decode window", "steady_phase_us"), ("the prefill ramp", "ramp_phase_us")):
+        for i, ph in enumerate(r.get(key) or []):
+            lines.append(f"stage {i} host time per microbatch in {what}: "
+                         + ", ".join(f"{k} {v:.0f} us" for k, v in ph.items()))
     return "\n".join(lines)
 
 
