@@ -261,6 +261,9 @@ def main(args) -> int:
     for name in ("concurrency", "prompt_len", "max_new_tokens"):     # refused before anything is launched
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    spread = getattr(args, "prompt_spread", 0.0)
+    if not 0 <= spread <= 1:       # (a NaN fails this too)
+        raise InputError(f"--prompt-spread is a fraction from 0 to 1 of --prompt-len, got {spread}")
     for name in ("out", "timeline"):
         path = getattr(args, name, None)
         if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
@@ -271,7 +274,7 @@ def main(args) -> int:
     try:
         say(f"running {args.concurrency} concurrent requests ...")
         r = run_bench(dep, args.concurrency, args.prompt_len, args.max_new_tokens,
-                      timeline=bool(getattr(args, "timeline", None)))
+                      timeline=bool(getattr(args, "timeline", None)), prompt_spread=spread)
     finally:
         dep.shutdown()
     r["config"] = str(args.config)

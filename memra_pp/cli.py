@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     s.add_argument("--concurrency", type=int, default=32)
     s.add_argument("--prompt-len", type=int, default=64)
     s.add_argument("--max-new-tokens", type=int, default=32)
+    s.add_argument("--prompt-spread", type=float, default=0.0, metavar="S",
+                   help="prompt lengths drawn evenly from prompt-len x [1 - S, 1 + S] (0 to 1), as traffic has them")
     s.add_argument("--out", default=None)
     s.add_argument("--timeline", default=None, metavar="PNG",
                    help="also plot every stage's microbatches against time (prefill chunks, decode steps) here")

@@ -97,6 +97,10 @@ def test_commands_refuse_bad_arguments_before_launching(tmp_path, capsys):
     for argv, msg in ((["demo", "--prompts", "0"], "InputError: the demo needs --prompts and --max-new-tokens >= 1"),
                       (["bench", "cluster_configs/tiny-cpu.yaml", "--concurrency", "0"],
                        "InputError: --concurrency must be >= 1, got 0"),
+                      (["bench", "cluster_configs/tiny-cpu.yaml", "--prompt-spread", "1.5"],
+                       "InputError: --prompt-spread is a fraction from 0 to 1 of --prompt-len, got 1.5"),
+                      (["bench", "cluster_configs/tiny-cpu.yaml", "--prompt-spread", "nan"],
+                       "InputError: --prompt-spread is a fraction from 0 to 1 of --prompt-len, got nan"),
                       (["bench", "cluster_configs/tiny-cpu.yaml", "--timeline", "/nonexistent/dir/t.png"],
                        "InputError: --timeline /nonexistent/dir/t.png: its directory does not exist")):
         assert main(argv) == 2, argv

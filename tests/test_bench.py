@@ -114,11 +114,13 @@ def test_bench_command_plots_the_timeline(ray_cluster, tmp_path, capsys):
     _, path = tiny_checkpoint("dense", False)
     png, out = tmp_path / "timeline.png", tmp_path / "r.json"
     args = argparse.Namespace(config=config(str(path)), concurrency=2, prompt_len=8, max_new_tokens=4, json=False,
-                              out=str(out), timeline=str(png))
+                              out=str(out), timeline=str(png), prompt_spread=0.5)
     assert main(args) == 0
     cap = capsys.readouterr()       # the progress (and the plot's path) on stderr: stdout is the report alone
     assert "timeline plot" in cap.err and "timeline plot" not in cap.out and png.stat().st_size > 10_000
-    tl = json.loads(out.read_text())["timeline"]
+    rep = json.loads(out.read_text())
+    assert rep["prompt_spread"] == 0.5 and 2 * 4 <= rep["prompt_tokens"] <= 2 * 12    # 4-12 tokens a prompt
+    tl = rep["timeline"]
     assert len(tl["stages"]) == 2 and all(any(s[0] == "decode" for s in st) for st in tl["stages"])
 
 
