@@ -93,12 +93,12 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
     by run_bench (its decode graphs are captured), then measured: the steady-state decode rate is the tokens that
     arrived while every request was decoding, over that window (memra_pp.bench)."""
     import memra_pp
-    from memra_pp.bench import run_bench
+    from memra_pp.bench import prompt_range, run_bench
     n = len(devices)
     cfg = {"name": f"bench{n}", "model": {"path": model, "format": fmt, "dtype": "bfloat16"},
            "stages": [{"device": f"cuda:{d}" if isinstance(d, int) else d, "num_cpus": 0.5} for d in devices],
            "scheduler": {"max_batch": max(concurrencies),
-                         "max_context": max(round(prompt_len * (1 + spread)) + new, ttft + 2) + 8,
+                         "max_context": max(prompt_range(prompt_len, spread)[1] + new, ttft + 2) + 8,
                          "prefill_chunk": chunk, "microbatches": microbatches}}
     out = [] if out is None else out      # the caller's list: runs measured before a failure are kept
     t0 = time.time()

@@ -50,10 +50,15 @@ def warm_tokens(concurrency: int, prompt_len: int, max_new_tokens: int, prefill_
     return min(max_new_tokens, 3 + -(-concurrency * prompt_len // max(1, prefill_chunk)))
 
 
+def prompt_range(prompt_len: int, spread: float) -> tuple[int, int]:
+    """The shortest and longest prompt bench_prompts draws: prompt_len x [1 - spread, 1 + spread], at least one
+    token (a deployment's max_context must hold the longest)."""
+    return max(1, round(prompt_len * (1 - spread))), max(1, round(prompt_len * (1 + spread)))
+
+
 def bench_prompts(rng: random.Random, n: int, prompt_len: int, spread: float, vocab: int) -> list[list[int]]:
-    """n prompts of random ids in [4, vocab), their lengths drawn evenly from prompt_len x [1 - spread, 1 + spread]
-    (at least one token)."""
-    lo, hi = max(1, round(prompt_len * (1 - spread))), max(1, round(prompt_len * (1 + spread)))
+    """n prompts of random ids in [4, vocab), their lengths drawn evenly over prompt_range."""
+    lo, hi = prompt_range(prompt_len, spread)
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
