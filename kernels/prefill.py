@@ -3,9 +3,12 @@
 kernels/fused_decode.py's). Torch references off CUDA, as there. Runs in stage processes."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
+
+from memra_pp.model.batch import aligned_parts
 
 from memra_pp.switches import flag
 
@@ -16,13 +19,20 @@ if triton is not None:
 
 CONV_TILE = (32, 128)     # (tokens, channels) a program: one binary for every prompt length
 # launches, and the merged path's layers and groups (rows a slice or gathered), so a check can assert what ran (law 3)
-CALLS = {"conv_prefill": 0, "merged": 0, "rows_whole": 0, "rows_slice": 0, "rows_gather": 0}
+CALLS = {"conv_prefill": 0, "conv_varlen": 0, "merged": 0, "rows_whole": 0, "rows_slice": 0, "rows_gather": 0}
 # the prefill's merged input projections (one GEMM for a layer's q|k|v|z|b|a, q|gate|k|v, gate|up; the last two in
 # eager decode steps too) with silu-mul as one kernel, the conv writing q, k and v as contiguous tensors, and a
 # group's rows as a slice where they are consecutive (no gather or scatter): CUDA only (off it the torch ops stay as
 # they were, so the float32 parity with transformers is unchanged bit for bit); MEMRA_PP_PREFILL_MERGED=0 turns it
 # off (gpu_decode.py --prefill-merged both: side by side), as does gpu_engine_step.py --prefill-torch ("s23")
 MERGED = flag("MEMRA_PP_PREFILL_MERGED")
+# on the merged path, a step's prompt segments through the Gated DeltaNet as one variable-length call of the conv and
+# of the chunked rule (segments, conv_varlen; the rule's chunk_varlen), not one call per group of equal lengths:
+# traffic's prompts differ in length, so a step of 8 of them was 8 groups, each some 20 launches a layer (and with
+# fla a compile of chunk_local_cumsum for each new group count). Off by default until a GPU run has checked it
+# (tests/test_gpu_fla.py, test_gpu_parity.py) and measured it: MEMRA_PP_PREFILL_VARLEN=1 turns it on
+VARLEN = flag("MEMRA_PP_PREFILL_VARLEN")
+FLA_CHUNK = 64            # fla's chunk of the gated delta rule (its default): Segments.chunks counts in these
 
 
 def merged(x: torch.Tensor, lora=None, count: bool = False) -> bool:
@@ -61,6 +71,87 @@ def group_rows(rows: torch.Tensor, span: slice | None, merged: bool):
     return span if merged and span else rows
 
 
+@dataclasses.dataclass
+class Segments:
+    """A step's prompt segments (all but its one-token continuing ones, StepBatch.single_rows) for one
+    variable-length call: segment s is rows[cu[s]:cu[s + 1]] of the step, its cache slot slots[s]. Made once per step
+    (segments), every tensor from one host-to-device copy and 16-byte aligned (batch.aligned_parts)."""
+    idx: list[int]               # the segments' indices into the batch
+    lens: list[int]              # their lengths
+    rows: torch.Tensor           # [R] the step's rows of every segment, in order
+    slots: torch.Tensor          # [N]
+    span: slice | None           # rows as a slice of the step's rows where consecutive (no gather), else None
+    cu: torch.Tensor             # [N + 1] each segment's first position in rows, then R (fla's cu_seqlens)
+    chunks: torch.Tensor         # [NT, 2] (segment, chunk) of every FLA_CHUNK-token chunk (fla's chunk_indices)
+    tiles: torch.Tensor          # [NB, 2] (segment, tile) of every CONV_TILE[0]-token tile (conv_varlen's programs)
+    tail: torch.Tensor           # [N, K - 1] the step row of each segment's last K-1 inputs, or -1 - i where it
+    short: bool                  # is state column i (some segment shorter than K - 1: short)
+
+
+def segments(b, device, K: int) -> Segments:
+    """The step's Segments (b: a StepBatch with prompt segments; K: the conv's kernel width), made once per step."""
+    cache = b.__dict__.setdefault("_segments", {})
+    key = (str(device), K)
+    if key in cache:
+        return cache[key]
+    single, offs = set(b.single_rows(device)[0]), b.offsets
+    idx = [i for i in range(len(b.slots)) if i not in single]
+    lens = [b.counts[i] for i in idx]
+    rows = [offs[i] + t for i in idx for t in range(b.counts[i])]
+    cu = [0, *itertools.accumulate(lens)]
+
+    def pieces(size):
+        return [x for s, n in enumerate(lens) for j in range(-(-n // size)) for x in (s, j)]
+    # a segment's input at position p = n - (K - 1) + j: its row for p >= 0, else the state's column K - 1 + p
+    tail = [rows[cu[s] + p] if p >= 0 else -1 - (K - 1 + p)
+            for s, n in enumerate(lens) for p in range(n - (K - 1), n)]
+    parts = aligned_parts([rows, [b.slots[i] for i in idx], cu, pieces(FLA_CHUNK), pieces(CONV_TILE[0]), tail],
+                          device)
+    span = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+    seg = Segments(idx, lens, parts[0], parts[1], span, parts[2], parts[3].view(-1, 2), parts[4].view(-1, 2),
+                   parts[5].view(len(lens), K - 1), min(lens) < K - 1)
+    cache[key] = seg
+    return seg
+
+
+def conv_varlen_ref(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
+    """conv_prefill_ref segment by segment (state_NCK1: every segment's state, fresh ones zero)."""
+    ys, news, at = [], [], 0
+    for s, n in enumerate(seg.lens):
+        y, new = conv_prefill_ref(u_TC, seg.rows[at:at + n], w_CK, state_NCK1[s:s + 1], 1, n)
+        ys.append(y[0])
+        news.append(new)
+        at += n
+    y = torch.cat(ys)
+    return (y if parts is None else list(torch.split(y, list(parts), -1))), torch.cat(news)
+
+
+def conv_varlen(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
+    """conv_prefill over segments of any lengths in one kernel (program per (segment, tile): Segments.tiles):
+    returns (y [R, C], or with parts a list of contiguous [R, part] tensors; the new states [N, C, K-1]). state_NCK1
+    is every segment's state (a fresh sequence's is zero: StageCache.reset)."""
+    if not _triton(u_TC):
+        return conv_varlen_ref(u_TC, seg, w_CK, state_NCK1, parts)
+    C, K, R = u_TC.shape[1], w_CK.shape[1], seg.rows.numel()
+    assert u_TC.stride(1) == 1 and w_CK.is_contiguous() and state_NCK1.shape == (len(seg.lens), C, K - 1)
+    assert parts is None or (sum(parts) == C and len(parts) <= 3)
+    ends = list(itertools.accumulate(parts or (C,)))
+    C1, C2 = (ends + [C, C])[:2]
+    st = state_NCK1.contiguous()
+    flat = torch.empty(R * C, dtype=u_TC.dtype, device=u_TC.device)
+    BT, BC = CONV_TILE
+    CALLS["conv_varlen"] += 1
+    _conv_prefill_kernel[(seg.tiles.shape[0], triton.cdiv(C, BC))](
+        u_TC, seg.rows, st, w_CK, flat, u_TC.stride(0), 0, C, C1, C2, R, seg.tiles, seg.cu, K=K, BT=BT, BC=BC,
+        HAS_STATE=True, VARLEN=True, num_warps=4)
+    y = [flat[R * a:R * b].view(R, b - a) for a, b in zip([0] + ends, ends)]
+    new = u_TC[seg.tail.clamp(min=0)].transpose(1, 2)            # [N, C, K-1]
+    if seg.short:     # a segment shorter than K - 1 keeps some of its old state's inputs
+        old = st.gather(2, (-1 - seg.tail).clamp(0, K - 2)[:, None, :].expand(-1, C, -1))
+        new = torch.where(seg.tail[:, None, :] >= 0, new, old.to(new.dtype))
+    return (y[0] if parts is None else y), new
+
+
 def conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
     """gdn.causal_conv_batch over the segments' rows, gathered (y split into views of `parts` channels)."""
     from memra_pp.model.gdn import causal_conv_batch
@@ -89,8 +180,8 @@ def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
     BT, BC = CONV_TILE
     CALLS["conv_prefill"] += 1
     _conv_prefill_kernel[(G * triton.cdiv(n, BT), triton.cdiv(C, BC))](
-        u_TC, rows, st, w_CK, flat, u_TC.stride(0), n, C, C1, C2, G * n, K=K, BT=BT, BC=BC,
-        HAS_STATE=state_GCK1 is not None, num_warps=4)
+        u_TC, rows, st, w_CK, flat, u_TC.stride(0), n, C, C1, C2, G * n, rows, rows, K=K, BT=BT, BC=BC,
+        HAS_STATE=state_GCK1 is not None, VARLEN=False, num_warps=4)
     y = [flat[G * n * a:G * n * b].view(G, n, b - a) for a, b in zip([0] + ends, ends)]
     y = y[0] if parts is None else y
     if n >= K - 1:            # each segment's last K-1 inputs, [G, C, K-1]
@@ -104,7 +195,8 @@ def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
 def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
     """Compile, at a stage's load and not in its first request's prefill, the prefill's kernels at the model's
     dimensions (cfg: the text config): the norms (input; residual + post-attention), and where the stage has them
-    the Gated DeltaNet's conv (fresh and continuing, whole and split into q, k, v) and gated norm (both tiles), the
+    the Gated DeltaNet's conv (fresh and continuing, whole and split into q, k, v; with VARLEN over segments of any
+    lengths) and gated norm (both tiles), the
     attention's q / k norms with their rotary embedding (q's heads a strided view, as in the projection), and a
     dense MLP's silu-mul. (The one-split decode attention of a mixed step's decode rows compiles when a cache is
     made: warm_single_rows, against its own table.)"""
@@ -121,6 +213,10 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
         qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         for state in (None, z(1, C, K - 1)):        # q, k, v split (whole: the same binary, at these dimensions)
             conv_prefill(z(T, C), rows, z(C, K), state, 1, T, (qk, qk, C - 2 * qk))
+        if VARLEN:          # and over segments of two lengths
+            from memra_pp.model.batch import StepBatch
+            two = StepBatch([0, 1], [0, 0], [40, T - 40], StepBatch.text_positions([0, 0], [40, T - 40]), [True] * 2)
+            conv_varlen(z(T, C), segments(two, device, K), z(C, K), z(2, C, K - 1), (qk, qk, C - 2 * qk))
         nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         for n in (max(1, (GATED_MANY - 1) // nv), -(-GATED_MANY // nv)):     # both of the gated norm's tiles
             gated_rms_norm(z(n, nv, dv), z(n, nv, dv), z(dv), cfg.rms_norm_eps)
@@ -139,18 +235,28 @@ if triton is not None:
     # rows start where the one before ended: 8-byte aligned, not always 16)
     # y: the output's channels [0, C1), [C1, C2), [C2, C) each a contiguous [R, part] block, one after the other
     @triton.jit(do_not_specialize=["n", "rows", "R"])
-    def _conv_prefill_kernel(u, rows, state, w, y, su, n, C, C1, C2, R, K: tl.constexpr, BT: tl.constexpr,
-                             BC: tl.constexpr, HAS_STATE: tl.constexpr):
-        nb = tl.cdiv(n, BT)
-        g = (tl.program_id(0) // nb).to(tl.int64)
-        t = (tl.program_id(0) % nb) * BT + tl.arange(0, BT)
+    def _conv_prefill_kernel(u, rows, state, w, y, su, n, C, C1, C2, R, tiles, cu, K: tl.constexpr,
+                             BT: tl.constexpr, BC: tl.constexpr, HAS_STATE: tl.constexpr, VARLEN: tl.constexpr):
+        # VARLEN: program i takes tile tiles[i] = (segment, tile) of segments of any lengths, segment s being rows
+        # cu[s]:cu[s + 1] of `rows` (n unused); else G segments of n rows each, nb programs a segment
+        if VARLEN:
+            g = tl.load(tiles + 2 * tl.program_id(0)).to(tl.int64)
+            t = tl.load(tiles + 2 * tl.program_id(0) + 1) * BT + tl.arange(0, BT)
+            base = tl.load(cu + g)
+            n_g = (tl.load(cu + g + 1) - base).to(tl.int32)
+        else:
+            nb = tl.cdiv(n, BT)
+            g = (tl.program_id(0) // nb).to(tl.int64)
+            t = (tl.program_id(0) % nb) * BT + tl.arange(0, BT)
+            base = g * n
+            n_g = n
         c = tl.program_id(1) * BC + tl.arange(0, BC)
-        mt, mc = t < n, c < C
+        mt, mc = t < n_g, c < C
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(K):
             tt = t - (K - 1) + j                      # the input this tap reads: < 0 is before the segment
             inseg = mt & (tt >= 0)
-            r = tl.load(rows + g * n + tt, mask=inseg, other=0).to(tl.int64)
+            r = tl.load(rows + base + tt, mask=inseg, other=0).to(tl.int64)
             x = tl.load(u + r[:, None] * su + c[None, :], mask=inseg[:, None] & mc[None, :], other=0)
             if HAS_STATE:
                 before = mt & (tt < 0)
@@ -162,7 +268,7 @@ if triton is not None:
         p0, p1 = c < C1, (c >= C1) & (c < C2)
         start = tl.where(p0, 0, tl.where(p1, C1, C2))                  # the part's first channel
         width = tl.where(p0, C1, tl.where(p1, C2 - C1, C - C2))
-        at = start.to(tl.int64) * R + (g * n + t[:, None]).to(tl.int64) * width[None, :] + (c - start)[None, :]
+        at = start.to(tl.int64) * R + (base + t[:, None]).to(tl.int64) * width[None, :] + (c - start)[None, :]
         tl.store(y + at, (yv / (1.0 + tl.exp(-yv))).to(y.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 

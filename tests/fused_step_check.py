@@ -36,7 +36,7 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     te, le = eager.greedy([[5, 6, 7, 8]], NEW)
     fd.USE_TRITON = True
     before, qk, sg = dict(gemv.CALLS), pgd.CALLS["qk_kv_write"], fused_moe.CALLS["shared_gate"]
-    cp = pf.CALLS["conv_prefill"]      # the prompt's prefill runs through the Triton norms and conv too
+    cp = pf.CALLS["conv_prefill"] + pf.CALLS["conv_varlen"]   # the prompt's prefill: the Triton norms and conv
     ts, ls = static.greedy([[5, 6, 7, 8]], NEW)
     assert ts == te, (kind, ts, te)
     d = max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True))
@@ -44,8 +44,8 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     ran = {k: gemv.CALLS[k] - before[k] for k in gemv.CALLS}
     ran["qk_kv_write"], ran["shared_gate"] = pgd.CALLS["qk_kv_write"] - qk, fused_moe.CALLS["shared_gate"] - sg
     ran["block"] = moe_block.CALLS["block_split"] - blocks
-    ran["conv_prefill"] = pf.CALLS["conv_prefill"] - cp
-    assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write", "conv_prefill")), (kind, ran)
+    ran["conv"] = pf.CALLS["conv_prefill"] + pf.CALLS["conv_varlen"] - cp
+    assert all(ran[k] > 0 for k in ("gemv", "norm_gemv", "qk_kv_write", "conv")), (kind, ran)
     assert ran["shared_gate"] > 0 and (ran["block"] > 0) == block, (block, ran)     # (prefill: the per-pair kernels)
     S = static.caches[0].max_positions if any_kv else 256     # the graphs' KV length: the capacity, or the bucket
     assert [s.graphs.stats()["graphs"] for s in static.stages] == [[(1, S)]] * 2, (any_kv, static.stages[0].graphs)

@@ -15,27 +15,59 @@ from test_decode_graphs import pipelines  # noqa: E402
 
 # prompts of 9, 5 and 9 tokens: whole, sequences 0 and 2 are one group (rows 0-8 and 14-22: gathered) and 1 another
 # (a slice); in chunks of 3 the first step is one group of every row (its output is the layer's, no copy), the second
-# groups 0 and 2 (rows 0-2 and 5-7: gathered) apart from 1 (2 tokens: a slice)
+# groups 0 and 2 (rows 0-2 and 5-7: gathered) apart from 1 (2 tokens: a slice). Each twice: the Gated DeltaNet's
+# segments as one variable-length call (pf.VARLEN: every step one call, of segments of 3 and 2 tokens in the
+# second), and by groups of equal lengths
 PROMPTS, CHUNK, NEW = [list(range(3, 12)), [40, 41, 42, 43, 44], list(range(60, 69))], 3, 3
 # the test runs the dense model in chunks (every row path; a minute); `prefill_check.py all` adds whole prompts and
 # the MoE (its layers take the same path but for the MLP)
 ALL = sys.argv[1:] == ["all"]
-for kind in ["dense", "moe"] if ALL else ["dense"]:
-    for chunk in (None, CHUNK) if ALL else (CHUNK,):
-        eager, _ = pipelines(kind, [(0, 8)])
-        fd.USE_TRITON = False          # the reference: the eager step through the torch ops
-        te, le = eager.greedy(PROMPTS, NEW, chunk=chunk)
-        fd.USE_TRITON = True
-        before = dict(pf.CALLS)
-        tk, lk = eager.greedy(PROMPTS, NEW, chunk=chunk)
-        ran = {k: pf.CALLS[k] - before[k] for k in pf.CALLS}
-        assert tk == te, (kind, chunk, tk, te)
-        d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, strict=True))
-        assert d < 5e-4, (kind, chunk, d)
-        assert ran["merged"] > 0 and ran["conv_prefill"] > 0, ran
-        assert ran["rows_gather"] > 0 and ran["rows_slice"] > 0 and (ran["rows_whole"] > 0) == (chunk is not None), \
-            (chunk, ran)
-        print(kind, "chunk", chunk, "ok", ran, f"logprob diff {d:.1e}")
+# conv_varlen alone against its reference (segment by segment through conv_prefill_ref): segments shorter than the
+# conv's K - 1 (their new state keeps old inputs), longer than a tile, split into q, k, v parts; a one-token
+# continuing segment among them is not a segment (the decode kernels take it), so the rows are not consecutive
+import torch  # noqa: E402
+from memra_pp.model.batch import StepBatch, aligned_parts  # noqa: E402
+
+torch.manual_seed(0)
+counts, starts = [2, 1, 70, 5, 33, 1], [0, 9, 0, 4, 7, 0]
+step = StepBatch([3, 0, 5, 1, 2, 4], starts, counts, StepBatch.text_positions(starts, counts), [True] * 6)
+seg = pf.segments(step, "cpu", 4)
+assert seg is pf.segments(step, "cpu", 4) and seg.idx == [0, 2, 3, 4, 5] and seg.lens == [2, 70, 5, 33, 1], seg
+assert seg.span is None and seg.short and seg.cu.tolist() == [0, 2, 72, 77, 110, 111], seg
+assert seg.chunks.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [3, 0], [4, 0]], seg.chunks
+assert seg.tiles.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [3, 0], [3, 1], [4, 0]], seg.tiles
+assert all(t.data_ptr() % 16 == 0 for t in (seg.rows, seg.slots, seg.cu, seg.chunks, seg.tiles, seg.tail))
+u, w, st = torch.randn(step.total, 24), torch.randn(24, 4), torch.randn(5, 24, 3)
+before = pf.CALLS["conv_varlen"]
+for parts in (None, (8, 8, 8)):
+    y, new = pf.conv_varlen(u, seg, w, st, parts)
+    yr, newr = pf.conv_varlen_ref(u, seg, w, st, parts)
+    for a, b in zip(y if parts else [y], yr if parts else [yr], strict=True):
+        assert a.is_contiguous() and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert torch.equal(new, newr), (new - newr).abs().max()
+assert pf.CALLS["conv_varlen"] == before + 2
+assert [t.tolist() for t in aligned_parts([[1, 2, 3], [], [4]], "cpu")] == [[1, 2, 3], [], [4]]
+print("conv_varlen ok")
+
+CASES = [(k, c, v) for k in (["dense", "moe"] if ALL else ["dense"]) for c in ((None, CHUNK) if ALL else (CHUNK,))
+         for v in (True, False)]
+for kind, chunk, varlen in CASES:
+    pf.VARLEN = varlen      # the Gated DeltaNet's segments as one variable-length call, or by groups
+    eager, _ = pipelines(kind, [(0, 8)])
+    fd.USE_TRITON = False          # the reference: the eager step through the torch ops
+    te, le = eager.greedy(PROMPTS, NEW, chunk=chunk)
+    fd.USE_TRITON = True
+    before = dict(pf.CALLS)
+    tk, lk = eager.greedy(PROMPTS, NEW, chunk=chunk)
+    ran = {k: pf.CALLS[k] - before[k] for k in pf.CALLS}
+    assert tk == te, (kind, chunk, tk, te)
+    d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, strict=True))
+    assert d < 5e-4, (kind, chunk, d)
+    assert ran["merged"] > 0 and (ran["conv_varlen"] > 0) == varlen and (ran["conv_prefill"] > 0) != varlen, ran
+    whole = chunk is not None or varlen        # a step's rows all in one group: its output is the layer's
+    assert ran["rows_gather"] > 0 and ran["rows_slice"] > 0 and (ran["rows_whole"] > 0) == whole, (chunk, ran)
+    print(kind, "chunk", chunk, "varlen" if varlen else "groups", "ok", ran, f"logprob diff {d:.1e}")
+pf.VARLEN = True        # the mixed steps' prompt chunks too (the switch's default is off: GPU unmeasured)
 # steps mixing decode rows with fresh and continuing prompt chunks (tests/test_model_parity.mixed_greedy): the
 # attention's one decode call for the decode rows through its kernel, and the gated norm's many-heads tile inside
 # the model (GATED_MANY lowered: the tiny model's steps have few heads)

@@ -201,15 +201,16 @@ def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
 def test_prefill_merged_path_in_the_interpreter():
     """The prefill's merged path (one GEMM for each layer's input projections, silu-mul as one kernel, the conv's q,
     k and v written contiguous, a group's rows as a slice, or the layer's output where one group holds every row)
-    through the Triton kernels in Triton's interpreter, float32: a chunked prefill of three prompts, and steps mixing
+    through the Triton kernels in Triton's interpreter, float32: a chunked prefill of three prompts (its Gated
+    DeltaNet segments as one variable-length call, then by groups of equal lengths), and steps mixing
     decode rows (one decode-attention kernel call) with prompt chunks, must decode what the eager torch steps decode;
     the counters prove each row path ran (tests/prefill_check.py)."""
     (code, out, err), = interp.results("prefill")
     assert code == 0 and "prefill ok" in out, out + err[-3000:]
     ran = [ast.literal_eval(line[line.index("{"):line.index("}") + 1]) for line in out.splitlines() if " ok {" in line]
-    assert len(ran) == 2, out            # the chunked prefill, the mixed steps
-    assert all(ran[0][k] > 0 for k in ("merged", "conv_prefill", "rows_whole", "rows_slice", "rows_gather")), ran
-    assert ran[1]["single_rows"] > 0, ran
+    assert len(ran) == 3, out            # the chunked prefill (variable-length, then by groups), the mixed steps
+    assert all(ran[0][k] > 0 for k in ("merged", "conv_varlen", "rows_whole", "rows_slice", "rows_gather")), ran
+    assert ran[1]["conv_prefill"] > 0 and ran[1]["conv_varlen"] == 0 and ran[2]["single_rows"] > 0, ran
 
 
 @pytest.mark.interpreter("fused_moe")

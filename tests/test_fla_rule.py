@@ -77,17 +77,24 @@ def test_available_tells_absent_from_broken(monkeypatch, tmp_path, caplog):
 
 
 def _fake_fla(grouping):
-    """chunk and recurrent entry points with fla's keywords over the torch chunked form; `grouping` maps q / k of H
-    heads onto HV value heads (None: no grouped heads at all, the kernel indexes q / k by the value head)."""
-    from memra_pp.model.gdn import chunk_gated_delta_rule
+    """chunk and recurrent entry points with fla's keywords over the torch chunked form (variable-length too:
+    cu_seqlens with chunk_indices); `grouping` maps q / k of H heads onto HV value heads (None: no grouped heads at
+    all, the kernel indexes q / k by the value head)."""
+    from memra_pp.model.gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_varlen
 
-    def rule(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+    def rule(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens=None,
+             chunk_indices=None):
         H, HV = q.shape[2], v.shape[2]
         if H != HV:
             if grouping is None:
                 raise ValueError(f"q has {H} heads, v {HV}")
             q, k = grouping(q, HV // H), grouping(k, HV // H)
-        o, s = chunk_gated_delta_rule(q.float(), k.float(), v.float(), g, beta.float(), initial_state)
+        args = q.float(), k.float(), v.float(), g, beta.float(), initial_state
+        if cu_seqlens is None:
+            o, s = chunk_gated_delta_rule(*args)
+        else:
+            assert chunk_indices is not None, "the engine passes the chunk indices it made on the host"
+            o, s = chunk_gated_delta_rule_varlen(*args, cu_seqlens.diff().tolist())
         return o.to(v.dtype), s
     return rule
 
@@ -98,7 +105,9 @@ def test_grouped_value_heads_are_used_only_where_they_equal_repeated_ones(monkey
     way (tile: head h reads h % H) or takes no grouped heads (raises) must keep the repeated heads. The finding must
     hold for a second rule of the process with the same dimensions."""
     import torch
+    from memra_pp.kernels import prefill as pf
     monkeypatch.setattr(fla_rule, "_WARM", {})
+    monkeypatch.setattr(pf, "VARLEN", True)     # the warm-up's variable-length call too, with the heads it found
     cases = [("interleave", lambda x, r: x.repeat_interleave(r, 2), True),
              ("tile", lambda x, r: x.repeat(1, 1, r, 1), False),
              ("none", None, False)]

@@ -69,3 +69,48 @@ def test_grouped_value_heads_equal_repeated_q_and_k():
         for a, b, c in ((o.float(), o2.float(), ro), (s, s2, rs)):
             assert ((a - b).abs().max() / b.abs().max()).item() < 1e-2, (q.shape, fn)
             assert ((a - c).abs().max() / c.abs().max()).item() < 2e-2, (q.shape, fn)
+
+
+@pytest.mark.parametrize("gva", [False, True])
+def test_variable_length_call_equals_one_call_per_segment(gva, monkeypatch):
+    """The prefill's variable-length call (FlaRule.chunk_varlen: a step's segments of any lengths packed, fla's
+    cu_seqlens with the chunk indices the step made on the host, kernels/prefill.segments) must give each segment the
+    output and final state that the per-segment call gives it, from each segment's own starting state; and after the
+    load's warm-up it tunes nothing."""
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
+    from memra_pp.kernels import prefill as pf
+    from memra_pp.model import fla_rule
+    from memra_pp.model.batch import StepBatch
+    monkeypatch.setattr(pf, "VARLEN", True)        # the load's warm-up tunes the variable-length call too
+    rule = fla_rule.FlaRule()
+    H, HV, D = (16, 48, 128) if gva else (32, 32, 128)
+    rule.warm_up(HV, D, D, torch.bfloat16, torch.device("cuda"), k_heads=H)
+    assert rule.gva == gva
+    first = fla_rule.tuned_keys()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    lens = [7, 64, 65, 200, 3, 2]
+    step = StepBatch(list(range(len(lens))), [0] * len(lens), lens, StepBatch.text_positions([0] * 6, lens),
+                     [True] * len(lens))
+    seg = pf.segments(step, torch.device("cuda"), 4)
+    assert seg.lens == lens and seg.span == slice(0, sum(lens))
+    R, N = sum(lens), len(lens)
+
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=gen)
+    q, k, v = r(1, R, H, D).bfloat16(), r(1, R, H, D).bfloat16(), r(1, R, HV, D).bfloat16()
+    g, beta = -torch.rand(1, R, HV, device="cuda", generator=gen), \
+        torch.rand(1, R, HV, device="cuda", generator=gen).bfloat16()
+    s0 = r(N, HV, D, D) * 0.1
+    if not gva:
+        q, k = q.repeat_interleave(HV // H, 2), k.repeat_interleave(HV // H, 2)
+    o, s = rule.chunk_varlen(q, k, v, g, beta, s0, seg.cu, seg.chunks)
+    assert fla_rule.tuned_keys() == first, "a variable-length prefill tuned fla's kernels after the warm-up"
+    at = 0
+    for i, n in enumerate(lens):
+        part = [x[:, at:at + n] for x in (q, k, v, g, beta)]
+        fn = rule.chunk if n > 1 else rule.recurrent
+        o1, s1 = fn(*part, s0[i:i + 1])
+        for a, b in ((o[:, at:at + n].float(), o1.float()), (s[i:i + 1], s1)):
+            err = ((a - b).abs().max() / b.abs().max()).item()
+            assert err < 1e-2, (i, n, err)
+        at += n

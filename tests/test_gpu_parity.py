@@ -67,7 +67,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     calls = dict(fused_moe.CALLS)      # module-wide, and loading ran them (MoE.warm_up): count the run's calls only
     blocks = moe_block.CALLS["block"]
     gemv_calls, qk_calls = dict(gemv.CALLS), paged_attention.CALLS["qk_kv_write"]
-    convs, whole = prefill.CALLS["conv_prefill"], prefill.CALLS["rows_whole"]
+    convs, whole = prefill.CALLS["conv_prefill"] + prefill.CALLS["conv_varlen"], prefill.CALLS["rows_whole"]
     toks, lps = [], []
     for p in prompts:
         t, lg = lp.greedy([p], 16)
@@ -106,11 +106,49 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
     # gate|up) with their norm in its prologue (hidden <= 2,048); the q / k norms and the KV write as one kernel
     assert all(gemv.CALLS[k] > gemv_calls[k] for k in ("gemv", "norm_gemv")), (gemv_calls, gemv.CALLS)
     assert paged_attention.CALLS["qk_kv_write"] > qk_calls, "the q / k norms and the KV write ran as one kernel"
-    # the prompts' prefill: the Gated DeltaNet's conv as one kernel a group of segments (kernels/fused_decode.py)
-    assert prefill.CALLS["conv_prefill"] > convs, "the prefill conv did not run as its kernel"
+    # the prompts' prefill: the Gated DeltaNet's conv as one kernel a step's segments (kernels/prefill.py: its
+    # variable-length call, or one a group of equal lengths with MEMRA_PP_PREFILL_VARLEN=0)
+    assert prefill.CALLS["conv_prefill"] + prefill.CALLS["conv_varlen"] > convs, "the prefill conv did not run as " \
+        "its kernel"
     # and its merged path: one GEMM a layer's projections, the one group's output the layer's (kernels/prefill.MERGED)
     assert prefill.CALLS["rows_whole"] > whole, "the prefill did not take its merged path"
     print(f"{size}: {same}/10 prompts identical to generate; worst greedy gap {ours[0]:.3e} (transformers against "
           f"itself {self_[0]:.3e}), worst logprob diff {ours[1]:.3e} (itself {self_[1]:.3e})")
     assert ours[0] <= 2 * self_[0] + 0.05, "one of our tokens is neither transformers' greedy token nor a near tie"
     assert ours[1] <= 2 * self_[1] + 0.05, "our logprobs stray further from transformers' than it does from itself"
+
+
+@pytest.mark.parametrize("size", ["tiny", "mid"])
+def test_variable_length_prefill_equals_groups(cuda, tmp_path, size, monkeypatch):
+    """A prefill step of prompts of many lengths (whole, and in chunks of 48: continuing segments from a state) with
+    the Gated DeltaNet's segments as one variable-length call (kernels/prefill.VARLEN) must leave every
+    linear layer's conv and recurrent states, and give the first tokens, that the call per group of equal lengths
+    gives (MEMRA_PP_PREFILL_VARLEN=0); the counters prove which conv ran. mid: fla's grouped value heads."""
+    from memra_pp.kernels import prefill as pf
+    m = build("dense", tied=False, seed=5, **(MID if size == "mid" else {}))
+    m.save_pretrained(tmp_path)
+    V = (MID if size == "mid" else TEXT)["vocab_size"]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(4, V) for _ in range(n)] for n in (1, 7, 40, 130, 65, 3, 130, 40)]
+    lp = LocalPipeline(SafetensorsSource(tmp_path), [(0, 3), (3, 8)], dtype=torch.bfloat16, device=cuda,
+                       max_seqs=len(prompts))
+    for chunk in (None, 48):
+        runs = {}
+        for varlen in (True, False):
+            monkeypatch.setattr(pf, "VARLEN", varlen)
+            before = dict(pf.CALLS)
+            toks, lps = lp.greedy(prompts, 1, chunk=chunk)
+            ran = {k: pf.CALLS[k] - before[k] for k in ("conv_varlen", "conv_prefill")}
+            assert (ran["conv_varlen"] > 0) == varlen and (ran["conv_prefill"] > 0) != varlen, (varlen, ran)
+            states = [t[:len(prompts)].float().clone() for c in lp.caches for t in (*c.conv.values(),
+                                                                                    *c.rec.values())]
+            runs[varlen] = toks, lps, states
+        (t1, l1, s1), (t0, l0, s0) = runs[True], runs[False]
+        assert s1 and len(s1) == len(s0)
+        for a, b in zip(s1, s0, strict=True):
+            err = ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+            assert err < 2e-2, (chunk, err)
+        for a, b, x, y in zip(t1, t0, l1, l0, strict=True):
+            assert abs(x[0] - y[0]) < 0.05, (chunk, a, b, x, y)      # a token that differs: a near tie
+        print(f"{size} chunk {chunk}: states and first tokens agree; {sum(a == b for a, b in zip(t1, t0))}/"
+              f"{len(prompts)} first tokens identical")

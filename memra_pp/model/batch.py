@@ -156,6 +156,17 @@ def aligned_rows(rows: list[list[int]], device) -> list[torch.Tensor]:
     return [t[i, :n] for i in range(len(rows))]
 
 
+def aligned_parts(parts: list[list[int]], device) -> list[torch.Tensor]:
+    """Int lists of any lengths as int64 tensors on `device` in one host-to-device copy, each starting 16-byte
+    aligned (aligned_rows' reason): each part padded to an even length."""
+    flat, at = [], []
+    for p in parts:
+        at.append((len(flat), len(p)))
+        flat += list(p) + [0] * (len(p) & 1)
+    t = h2d(torch.tensor(flat, dtype=torch.int64), device)
+    return [t[a:a + n] for a, n in at]
+
+
 def positions_3T(parts) -> torch.Tensor:
     """[3, T] int64 rope positions of a step from its segments in order: a range (text: all three rows equal) or a
     [3, c] tensor (an image prompt's M-RoPE rows). Text is one tensor built at once (torch calls per sequence were

@@ -73,8 +73,9 @@ class FlaRule:
         tunings for later processes. k_heads
         (fewer than the value heads `heads`): q and k with their own heads (gva) where this fla takes them; the 27B
         then normalises and reads a third of the q / k rows a prefill would repeat."""
+        from memra_pp.kernels import prefill as pf
         kh = k_heads or heads
-        key = (heads, kh, dk, dv, dtype, str(device))
+        key = (heads, kh, dk, dv, dtype, str(device), pf.VARLEN)
         if key in _WARM:                 # another stage model of this process warmed these: its finding holds here
             self.gva = _WARM[key]
             return
@@ -94,6 +95,11 @@ class FlaRule:
                 self.gva = False
         if not self.gva:
             run(heads)
+        if pf.VARLEN:       # the variable-length call's binaries (IS_VARLEN), one tuning of each
+            qh, cu = kh if self.gva else heads, torch.tensor([0, 40, 64], device=device)
+            self.chunk_varlen(z(1, 64, qh, dk), z(1, 64, qh, dk), z(1, 64, heads, dv),
+                              z(1, 64, heads, dt=torch.float32), z(1, 64, heads), z(2, heads, dk, dv, dt=torch.float32),
+                              cu, torch.tensor([[0, 0], [1, 0]], device=device))
         _WARM[key] = self.gva
 
     def _grouped_equals_repeated(self, kh: int, heads: int, dk: int, dv: int, dtype, device) -> bool:
@@ -126,6 +132,16 @@ class FlaRule:
         o, s = self._chunk(l2norm(q.contiguous()), l2norm(k.contiguous()), v, g=g.float(), beta=beta,
                            initial_state=state.float().contiguous(), output_final_state=True,
                            use_qk_l2norm_in_kernel=False)
+        return o, s.float()
+
+    def chunk_varlen(self, q, k, v, g, beta, state, cu, chunks):
+        """chunk over packed segments: q, k, v, g, beta [1, R, ...] hold segment s at rows cu[s]:cu[s + 1], states
+        [N, ...] (fla's cu_seqlens; chunks: its chunk_indices, (segment, chunk) of every 64-token chunk, made on the
+        host with the step's other indices, so that fla computes none from cu on the device: that waits for it)."""
+        from memra_pp.kernels.fused_decode import l2norm
+        o, s = self._chunk(l2norm(q.contiguous()), l2norm(k.contiguous()), v, g=g.float(), beta=beta,
+                           initial_state=state.float().contiguous(), output_final_state=True,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=cu, chunk_indices=chunks)
         return o, s.float()
 
     def recurrent(self, q, k, v, g, beta, state):

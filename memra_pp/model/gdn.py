@@ -72,6 +72,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     return out.transpose(1, 2), S
 
 
+def chunk_gated_delta_rule_varlen(q, k, v, g, beta, state, lens: list[int]):
+    """chunk_gated_delta_rule over packed segments of lengths `lens` (fla's variable-length call): q, k, v, g, beta
+    [1, sum(lens), ...], state [len(lens), ...] -> (o [1, sum(lens), ...], states), segment by segment."""
+    outs, states, at = [], [], 0
+    for i, n in enumerate(lens):
+        o, s = chunk_gated_delta_rule(*(x[:, at:at + n] for x in (q, k, v, g, beta)), state[i:i + 1])
+        outs.append(o)
+        states.append(s)
+        at += n
+    return torch.cat(outs, 1), torch.cat(states)
+
+
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
     """(g, beta) from the raw b and a projections: g = -exp(A_log) softplus(a + dt_bias) in fp32, beta = sigmoid(b)
     in the model dtype (as transformers rounds it)."""

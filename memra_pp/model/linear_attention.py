@@ -6,7 +6,8 @@ import torch
 from .batch import StepBatch
 from .cache import StageCache
 from .config import TextConfig
-from .gdn import causal_conv_step, chunk_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule
+from .gdn import (causal_conv_step, chunk_gated_delta_rule, chunk_gated_delta_rule_varlen, gdn_gates,
+                  recurrent_gated_delta_rule)
 from .layers import Param, gated_rms_norm
 
 
@@ -69,6 +70,9 @@ class GatedDeltaNet(Param):
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         groups, (single, srows, sslots, _) = pf.row_groups(b, "length", x_TH.device)
+        seg = pf.segments(b, x_TH.device, w.shape[1]) if self.varlen(merged) and groups else None
+        if seg is not None:     # every prompt segment in one call: one group, as far as the output goes
+            groups = [(seg.idx, seg.rows, seg.slots, seg.span)]
         out = None if pf.whole(groups, T, merged) else \
             torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)        # None: the one group's o is out
         if single:      # the decode step's kernels: conv and recurrent states read and written in place at their
@@ -81,6 +85,20 @@ class GatedDeltaNet(Param):
             out[srows] = gdn_decode_fused(y, b_[srows], a_[srows], self.A_log, self.dt_bias, rec, sslots, nk,
                                           dk ** -0.5)
         r, parts = nv // nk, (nk * dk, nk * dk, nv * dv)
+        if seg is not None:
+            _, rows, slots, span = groups[0]
+            sel, R = pf.group_rows(rows, span, merged), rows.numel()
+            (q, k, v), conv[slots] = pf.conv_varlen(u, seg, w, conv[slots], parts)
+            q, k = q.view(1, R, nk, dk), k.view(1, R, nk, dk)
+            if not getattr(self.rule, "gva", False):
+                q, k = q.repeat_interleave(r, 2), k.repeat_interleave(r, 2)
+            o, rec[slots] = self._chunk_varlen(q, k, v.view(1, R, nv, dv), g[sel].view(1, R, nv),
+                                               beta[sel].view(1, R, nv), rec[slots], seg)
+            if out is None:
+                out = o.view(T, nv, dv).to(x_TH.dtype)
+            else:
+                out[sel] = o.view(R, nv, dv).to(out.dtype)
+            groups = []
         # sequences with the same segment length (and both fresh, or both continuing) run as one batched call
         for idx, rows, slots, span in groups:
             G, n, fresh = len(idx), b.counts[idx[0]], b.starts[idx[0]] == 0
@@ -134,6 +152,19 @@ class GatedDeltaNet(Param):
         if self.rule is not None:
             return self.rule.recurrent(q, k, v, g, beta, s)
         return recurrent_gated_delta_rule(q, k, v, g, beta, s)
+
+    def varlen(self, merged: bool) -> bool:
+        """Whether a prompt step's segments take one variable-length call (kernels/prefill.VARLEN): on the merged
+        path, with a rule that has one (fla), or the torch rule segment by segment (Triton's interpreter checks)."""
+        from memra_pp.kernels import prefill as pf
+        return merged and pf.VARLEN and (self.rule is None or hasattr(self.rule, "chunk_varlen"))
+
+    def _chunk_varlen(self, q, k, v, g, beta, s, seg):
+        """The chunked rule over seg's segments of q, k, v, g, beta [1, R, ...] (states s [N, ...]): the rule's
+        variable-length call, or the torch rule segment by segment."""
+        if self.rule is not None:
+            return self.rule.chunk_varlen(q, k, v, g, beta, s, seg.cu, seg.chunks)
+        return chunk_gated_delta_rule_varlen(q, k, v, g, beta, s, seg.lens)
 
     def _chunk(self, q, k, v, g, beta, s):
         if self.rule is not None:
