@@ -176,6 +176,9 @@ def main() -> int:
     ap.add_argument("--prefill-merged", choices=("off", "on", "both"), default="on",
                     help="the prefill's merged path (kernels/prefill.MERGED, the default; off: "
                          "MEMRA_PP_PREFILL_MERGED=0 in the stage processes); both: each layout without, then with")
+    ap.add_argument("--prefill-varlen", choices=("off", "on", "both"), default="off",
+                    help="MEMRA_PP_PREFILL_VARLEN in the stage processes: on, a prefill step's Gated DeltaNet "
+                         "segments as one variable-length call (kernels/prefill.VARLEN); both: without, then with")
     a = ap.parse_args()
     if a.hf_concurrency and not (a.hf or a.hf_device_map):
         ap.error("--hf-concurrency names transformers' concurrencies: give --hf or --hf-device-map too")
@@ -234,15 +237,18 @@ def main() -> int:
             # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
-            for any_kv, in_place, merged, cudnn, cs in [
-                    (k, p, m, cu, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
-                    for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn]
+            for any_kv, in_place, merged, cudnn, varlen, cs in [
+                    (k, p, m, cu, v, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
+                    for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn] for v in sides[a.prefill_varlen]
                     for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
                 # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
                 os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
                 os.environ["MEMRA_PP_KV_IN_PLACE"] = "1" if in_place else "0"
                 os.environ["MEMRA_PP_PREFILL_MERGED"] = "1" if merged else "0"
                 os.environ["MEMRA_PP_SDPA_CUDNN"] = "1" if cudnn else "0"
+                os.environ["MEMRA_PP_PREFILL_VARLEN"] = "1" if varlen else "0"
+                if a.prefill_varlen == "both":
+                    print(f"  prefill's Gated DeltaNet segments as one variable-length call: {varlen}", flush=True)
                 if a.sdpa_cudnn == "both":
                     print(f"  SDPA's own backend choice, cuDNN included: {cudnn}", flush=True)
                 if a.prefill_merged == "both":
@@ -261,6 +267,7 @@ def main() -> int:
                                                          "error": f"{type(e).__name__}: {e}"})
                 for r in rep["runs"][n0:]:
                     r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
+                    r["prefill_varlen"] = varlen
                 save()
     if not a.hf_first:
         hf()
@@ -294,6 +301,7 @@ def plot(rep: dict, path: str) -> None:
                                        + (", a graph per KV bucket" if r.get("any_kv") is False else "")
                                        + (", prefill not merged" if r.get("prefill_merged") is False else "")
                                        + (", cuDNN SDPA" if r.get("sdpa_cudnn") else "")
+                                       + (", varlen prefill" if r.get("prefill_varlen") else "")
                                        + (", KV pools copied to grow" if "in place" not in r.get("kv_growth", [
                                            "in place"]) else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")

@@ -182,7 +182,11 @@ def main() -> int:
     ap.add_argument("--prefill", default="", help="also time prefill steps: comma-separated SEQSxTOKENS (e.g. "
                     "64x128: 64 prompts of 128 tokens in one step), each step timed alone (its spread shown); "
                     "SEQSxTOKENS+DECODE adds DECODE one-token rows of sequences at --ctx (a mixed step, as the "
-                    "scheduler makes them while earlier requests decode)")
+                    "scheduler makes them while earlier requests decode); SEQSxTOKENS~S spreads the prompts' lengths "
+                    "evenly over TOKENS x [1-S, 1+S] (traffic's prompts differ: 8x512~0.5+56)")
+    ap.add_argument("--prefill-varlen", action="store_true", help="time each prefill step with the Gated "
+                    "DeltaNet's segments by groups of equal lengths (groups) and as one variable-length call "
+                    "(varlen: MEMRA_PP_PREFILL_VARLEN), interleaved")
     ap.add_argument("--profile-first", action="store_true", help="profile each prefill shape's first step (host "
                     "and device, sorted by host time: where a new shape's one-time cost goes) before timing it")
     ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step as the "
@@ -209,8 +213,9 @@ def main() -> int:
     print(f"{a.model}: {mc.text.num_hidden_layers} layers loaded in {time.time() - t0:.0f} s, copy "
           f"{bw / 1e12:.2f} TB/s, gdn backend {model.gdn_backend}", flush=True)
     shapes = [prefill_shape(p) for p in a.prefill.split(",") if p]
-    cache = model.new_cache(max(batches + [b + d for b, _, d in shapes]),
-                            max([a.max_context or a.ctx + 64] + [n + 8 for _, n, _ in shapes]))
+    cache = model.new_cache(max(batches + [b + d for b, _, d, _ in shapes]),
+                            max([a.max_context or a.ctx + 64] + [max(spread_lengths(b, n, s)) + 8
+                                                                 for b, n, _, s in shapes]))
     rep = {"model": a.model, "copy_bandwidth_Bps": bw, "gpu": torch.cuda.get_device_name(0), "ctx": a.ctx,
            "rows": []}
     for mode in a.modes.split(","):
@@ -277,12 +282,15 @@ def main() -> int:
             plot_critical(rep["rows"], os.path.join(a.out, "critical_path.png"))
         except ImportError as e:       # matplotlib is the test extra's: the JSON has every figure
             print(f"no critical_path.png: {e}", flush=True)
-        for B, n, D in shapes:  # prefill: B fresh prompts of n tokens as one step (chunk = B * n tokens), D decode
-            b = prefill_batch(B, n, D, a.ctx)       # rows after them (slots B ..)
-            ids = torch.randint(4, mc.text.vocab_size, (B * n + D,), device="cuda")
-            name = f"{B} x {n}" + (f" + {D} decode rows at {a.ctx}" if D else "")
-            tag = f"{mode}-{B}x{n}" + (f"+{D}" if D else "")           # the shape's profile files
-            ways = ("kernels", "s23", "torch") if a.prefill_torch else ("kernels",)
+        for B, n, D, spread in shapes:  # prefill: B fresh prompts of about n tokens as one step, D decode rows
+            b = prefill_batch(B, n, D, a.ctx, spread)       # after them (slots B ..)
+            lens = b.counts[:B]
+            ids = torch.randint(4, mc.text.vocab_size, (sum(lens) + D,), device="cuda")
+            sp = f"~{spread:g}" if spread else ""
+            name = f"{B} x {n}{sp} ({sum(lens)} tokens)" + (f" + {D} decode rows at {a.ctx}" if D else "")
+            tag = f"{mode}-{B}x{n}{sp}" + (f"+{D}" if D else "")           # the shape's profile files
+            ways = (("groups", "varlen") if a.prefill_varlen else ("kernels",)) + \
+                (("s23", "torch") if a.prefill_torch else ())
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             if a.profile_first:         # the shape's first step (what a new prompt length costs once), host side too
                 from torch.profiler import ProfilerActivity, profile
@@ -307,11 +315,12 @@ def main() -> int:
                     times[way].append((time.perf_counter() - t) * 1e3)
                     tuned[way].append(tuned_keys() - k0)
             for way in ways:
-                tf = prefill_flops(mc, B, n) / min(times[way]) * 1e3 / 1e12
-                rep["rows"].append({"mode": mode, "prefill": [B, n], "decode_rows": D, "ctx": a.ctx,
+                tf = sum(prefill_flops(mc, 1, m) for m in lens) / min(times[way]) * 1e3 / 1e12
+                rep["rows"].append({"mode": mode, "prefill": [B, n], "spread": spread, "prompt_lens": lens,
+                                    "decode_rows": D, "ctx": a.ctx,
                                     "prefill_ops": way, "step_ms": times[way],
                                     "kernel_keys_tuned": tuned[way], "tflops_at_fastest": tf})
-                tps = (B * n + D) / min(times[way]) * 1e3
+                tps = (sum(lens) + D) / min(times[way]) * 1e3
                 print(f"  {mode:5s} prefill {name} ({way}): " + ", ".join(f"{x:.1f}" for x in times[way])
                       + f" ms/step ({tps:,.0f} tokens/s at the fastest: {tf:.0f} TFLOP/s "
                       f"of matmul and attention), fla keys tuned per step {tuned[way]}", flush=True)
@@ -335,10 +344,16 @@ def torch_prefill(way: str, model):
     scattered; the gated norm one head a program), "torch" as before it too (its norms and Gated DeltaNet conv as the
     torch ops: kernels/prefill's conv and kernels/fused_decode's norms replaced by their references for the step; q
     / k repeated to the value heads for fla, its grouped value heads off); "kernels" as it is. Captured decode
-    graphs are not affected (they replay what was captured)."""
+    graphs are not affected (they replay what was captured). "groups" and "varlen": as it is, with the Gated
+    DeltaNet's segments by groups of equal lengths, or as one variable-length call (kernels/prefill.VARLEN)."""
     from memra_pp.kernels import fused_decode as fd, prefill as pf
-    if way == "kernels":
-        yield
+    if way in ("kernels", "groups", "varlen"):
+        varlen = pf.VARLEN
+        pf.VARLEN = {"kernels": varlen, "groups": False, "varlen": True}[way]
+        try:
+            yield
+        finally:
+            pf.VARLEN = varlen
         return
     flags, saved = (pf.MERGED, fd.GATED_MANY), (pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm)
     rules = {id(r): r for r in (getattr(layer.mixer, "rule", None) for layer in model.layers) if r is not None}
@@ -358,18 +373,30 @@ def torch_prefill(way: str, model):
             r.gva = gva[k]
 
 
-def prefill_shape(text: str) -> tuple[int, int, int]:
-    """--prefill's SEQSxTOKENS[+DECODE] as (prompts, tokens each, decode rows)."""
+def prefill_shape(text: str) -> tuple[int, int, int, float]:
+    """--prefill's SEQSxTOKENS[~SPREAD][+DECODE] as (prompts, tokens each, decode rows, spread)."""
     head, _, dec = text.partition("+")
+    head, _, spread = head.partition("~")
     B, n = (int(v) for v in head.split("x"))
-    return B, n, int(dec or 0)
+    s = float(spread or 0)
+    if not 0 <= s < 1:
+        raise SystemExit(f"--prefill {text}: a spread is in [0, 1)")
+    return B, n, int(dec or 0), s
 
 
-def prefill_batch(B: int, n: int, D: int, ctx: int):
-    """A prefill step of B fresh prompts of n tokens (slots 0 .. B-1), then D one-token decode rows of sequences
-    holding ctx tokens (slots B .. B+D-1): a mixed step as the scheduler cuts them."""
+def spread_lengths(B: int, n: int, spread: float) -> list[int]:
+    """B prompt lengths evenly over n x [1 - spread, 1 + spread] (all n without a spread, or for one prompt)."""
+    if B == 1 or not spread:
+        return [n] * B
+    return [max(1, round(n * (1 - spread + 2 * spread * i / (B - 1)))) for i in range(B)]
+
+
+def prefill_batch(B: int, n: int, D: int, ctx: int, spread: float = 0.0):
+    """A prefill step of B fresh prompts of n tokens (spread_lengths: spread over n x [1-s, 1+s]; slots 0 .. B-1),
+    then D one-token decode rows of sequences holding ctx tokens (slots B .. B+D-1): a mixed step as the scheduler
+    cuts them."""
     from memra_pp.model.batch import StepBatch
-    starts, counts = [0] * B + [ctx] * D, [n] * B + [1] * D
+    starts, counts = [0] * B + [ctx] * D, spread_lengths(B, n, spread) + [1] * D
     return StepBatch(list(range(B + D)), starts, counts, StepBatch.text_positions(starts, counts), [True] * (B + D))
 
 

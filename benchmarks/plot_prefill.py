@@ -1,7 +1,9 @@
-"""Prefill throughput of each way gpu_engine_step.py --prefill-torch timed side by side in one run ("torch": the norms
-and conv as torch ops; "s23": the kernels without the merged path; "kernels": as it is), one panel a run (a model),
-one bar group a prefill shape (with its decode rows, where a mixed step has them): tokens/s at each way's fastest
-step (the decode rows' tokens counted), with its ratio to "torch".
+"""Prefill throughput of each way gpu_engine_step.py --prefill-torch / --prefill-varlen timed side by side in one run
+("torch": the norms and conv as torch ops; "s23": the kernels without the merged path; "kernels": as it is;
+"groups" / "varlen": the Gated DeltaNet's segments by groups of equal lengths / as one variable-length call), one
+panel a run (a model), one bar group a prefill shape (with its length spread and decode rows, where it has them):
+tokens/s at each way's fastest step (the decode rows' tokens counted), with its ratio to the first way of WAYS the
+shape has ("torch", else "groups").
 
     python benchmarks/plot_prefill.py docs/results/gpu_engine_step_prefill_27b-....json ..._moe-....json --out p.png
 """
@@ -10,21 +12,25 @@ from __future__ import annotations
 import argparse
 import json
 
-WAYS = ("torch", "s23", "kernels")
+WAYS = ("torch", "s23", "kernels", "groups", "varlen")
 
 
-def prefill_rows(rep: dict) -> dict[tuple[int, int, int], dict[str, float]]:
-    """{(prompts, tokens each, decode rows): {way: tokens/s at its fastest step}} from a gpu_engine_step.json."""
+def prefill_rows(rep: dict) -> dict[tuple[int, int, int, float], dict[str, float]]:
+    """{(prompts, tokens each, decode rows, length spread): {way: tokens/s at its fastest step}} from a
+    gpu_engine_step.json."""
     out: dict = {}
     for r in rep["rows"]:
         if "prefill" in r:
             (B, n), D = r["prefill"], r.get("decode_rows", 0)
-            out.setdefault((B, n, D), {})[r.get("prefill_ops", "kernels")] = (B * n + D) / min(r["step_ms"]) * 1e3
+            tokens = sum(r.get("prompt_lens") or [n] * B) + D
+            out.setdefault((B, n, D, r.get("spread", 0.0)), {})[r.get("prefill_ops", "kernels")] = \
+                tokens / min(r["step_ms"]) * 1e3
     return out
 
 
-def label(B: int, n: int, D: int) -> str:
-    return f"{B} x {n} tokens" + (f"\n+ {D} decode rows" if D else "")
+def label(B: int, n: int, D: int, spread: float = 0.0) -> str:
+    return f"{B} x {n}" + (f" (x[{1 - spread:g}, {1 + spread:g}])" if spread else "") + " tokens" + \
+        (f"\n+ {D} decode rows" if D else "")
 
 
 def plot(reps: list[dict], path: str) -> None:
@@ -41,8 +47,9 @@ def plot(reps: list[dict], path: str) -> None:
             ys = [v.get(way, 0.0) for v in rows.values()]
             bars = ax.bar(xs, ys, width, label=way)
             for b, (shape, v) in zip(bars, rows.items(), strict=True):
-                if way in v and "torch" in v:
-                    ax.annotate(f"{v[way] / v['torch']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                base = next((w for w in ("torch", "groups") if w in v), None)
+                if way in v and base:
+                    ax.annotate(f"{v[way] / v[base]:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
                                 ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(rows)), [label(*k) for k in rows])
         ax.set_ylabel("prefill tokens / s (fastest step)")

@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep mixedstep e2e cudnn moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep mixedstep e2e cudnn varlen varlen-e2e moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -59,6 +59,18 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     cudnn) phase gpu-decode-cudnn 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/cudnn" \
              --model ${E2E_MODEL:-preset:qwen3.5-35b-a3b} --layouts 0 --concurrency ${E2E_C:-64,512} --prompt-len 512 \
              --prompt-spread 0.5 --new 256 --sdpa-cudnn both ;;
+    # a prefill step of prompts of spread lengths (traffic's: every step a new mix), the Gated DeltaNet's segments by
+    # groups of equal lengths against one variable-length call (MEMRA_PP_PREFILL_VARLEN), interleaved; then end to
+    # end, the spread workload without and with it (VARLEN_MODEL / VARLEN_C for the other model and levels)
+    varlen) phase varlen-step-27b 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/varlen27" --batches 1 \
+              --modes graph --iters 3 --ctx 600 --prefill 8x512~0.5+56,8x512+56,16x256~0.75 --prefill-varlen \
+              --profile --profile-first ;
+            phase varlen-step-moe 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/varlenmoe" \
+              --model preset:qwen3.5-35b-a3b --batches 1 --modes graph --iters 3 --ctx 600 \
+              --prefill 8x512~0.5+56,8x512+56,16x256~0.75 --prefill-varlen --profile --profile-first ;;
+    varlen-e2e) phase varlen-e2e 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/varlene2e" \
+                  --model ${VARLEN_MODEL:-preset:qwen3.5-35b-a3b} --layouts 0 --concurrency ${VARLEN_C:-64,512} \
+                  --prompt-len 512 --prompt-spread 0.5 --new 256 --prefill-varlen both ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
     # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and

@@ -353,11 +353,14 @@ def test_prefill_ways_plot(tmp_path):
              for B, n in ((1, 4096), (8, 512)) for way, ms in (("kernels", 340.0), ("s23", 370.0), ("torch", 475.0))]
     rows += [{"mode": "graph", "prefill": [8, 512], "decode_rows": 248, "prefill_ops": way, "step_ms": [ms]}
              for way, ms in (("kernels", 400.0), ("s23", 500.0))]      # a mixed step: its own group
+    rows += [{"mode": "graph", "prefill": [2, 512], "spread": 0.5, "prompt_lens": [256, 768], "decode_rows": 8,
+              "prefill_ops": way, "step_ms": [ms]} for way, ms in (("groups", 100.0), ("varlen", 80.0))]  # spread
     rep = {"model": "preset:qwen3.5-27b", "gpu": "cpu", "rows": rows}
     got = plot_prefill.prefill_rows(rep)
-    assert list(got) == [(1, 4096, 0), (8, 512, 0), (8, 512, 248)]
-    assert got[(1, 4096, 0)]["kernels"] == pytest.approx(4096 / 0.340)
-    assert got[(8, 512, 248)] == pytest.approx({"kernels": 4344 / 0.4, "s23": 4344 / 0.5})
+    assert list(got) == [(1, 4096, 0, 0.0), (8, 512, 0, 0.0), (8, 512, 248, 0.0), (2, 512, 8, 0.5)]
+    assert got[(1, 4096, 0, 0.0)]["kernels"] == pytest.approx(4096 / 0.340)
+    assert got[(8, 512, 248, 0.0)] == pytest.approx({"kernels": 4344 / 0.4, "s23": 4344 / 0.5})
+    assert got[(2, 512, 8, 0.5)] == pytest.approx({"groups": 1032 / 0.1, "varlen": 1032 / 0.08})
     plot_prefill.plot([rep, rep], str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
@@ -372,7 +375,11 @@ def test_engine_step_mixed_prefill_runs_again_and_again():
     from memra_pp.model import linear_attention as la, stage_model
     from memra_pp.model.stage_model import StageModel
     from memra_pp.model.weights import SafetensorsSource
-    assert prefill_shape("8x512") == (8, 512, 0) and prefill_shape("8x512+248") == (8, 512, 248)
+    assert prefill_shape("8x512") == (8, 512, 0, 0.0) and prefill_shape("8x512+248") == (8, 512, 248, 0.0)
+    assert prefill_shape("8x512~0.5+56") == (8, 512, 56, 0.5) and prefill_batch(3, 10, 1, 9, 0.5).counts == [5, 10,
+                                                                                                           15, 1]
+    with pytest.raises(SystemExit, match="a spread is in"):
+        prefill_shape("8x512~1.5")
     _, path = tiny_checkpoint("dense", False)
     src = SafetensorsSource(path)
     model = StageModel(src.config, 0, src.config.text.num_hidden_layers, True, True).load(src)
