@@ -1,0 +1,124 @@
+"""The Gated DeltaNet prefill's chunked rule alone (memra_pp/model/fla_rule.py over flash-linear-attention), host
+and device time per layer for one prefill step's worth of segments, the ways the engine can call it:
+
+- equal: B prompts of n tokens as one batched call (the groups path's best case: every length the same);
+- groups: prompts of spread lengths (n x [1-S, 1+S], gpu_engine_step.spread_lengths) one batched call per group of
+  equal lengths, as GatedDeltaNet.forward does without MEMRA_PP_PREFILL_VARLEN (every length differs: B calls);
+- varlen: the same prompts as one variable-length call (FlaRule.chunk_varlen, the chunk indices made on the host);
+- varlen-equal: the equal prompts as one variable-length call.
+
+With the conv (kernels/prefill.conv_prefill per group against conv_varlen) in each way too. Host time is the
+enqueue time of `--iters` calls without a sync (the device queue does not fill at these counts); device time from
+CUDA events. --cprofile prints where one way's host time goes in Python (the twenty-sixth session's profile had
+fla's chunk at about 1 ms of host time a layer in the MoE's prefill step, ~30 ms a step).
+
+    python -u benchmarks/fla_host.py --out DIR [--model preset:qwen3.5-35b-a3b] [--prompts 8x512~0.5] [--cprofile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="preset:qwen3.5-35b-a3b")
+    ap.add_argument("--prompts", default="8x512~0.5,16x256~0.75", help="comma-separated BxN~S (gpu_engine_step's "
+                    "--prefill spelling, no decode rows)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cprofile", action="store_true", help="cProfile each way's calls (host side)")
+    a = ap.parse_args()
+    assert torch.cuda.is_available(), "fla_host.py times the GPU path: it needs a CUDA GPU"
+    os.makedirs(a.out, exist_ok=True)
+    from gpu_engine_step import prefill_shape, spread_lengths
+    from memra_pp.kernels import prefill as pf
+    from memra_pp.model import fla_rule, presets
+    from memra_pp.model.batch import StepBatch
+    t = presets.get(a.model.removeprefix("preset:"))["text_config"]
+    H, HV, D, K = t["linear_num_key_heads"], t["linear_num_value_heads"], t["linear_key_head_dim"], \
+        t["linear_conv_kernel_dim"]
+    C = 2 * H * D + HV * D
+    dev = torch.device("cuda")
+    pf.VARLEN = True                 # the warm-up tunes the variable-length call too
+    rule = fla_rule.FlaRule()
+    rule.warm_up(HV, D, D, torch.bfloat16, dev, k_heads=H)
+    qh = H if rule.gva else HV
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rep = {"model": a.model, "gpu": torch.cuda.get_device_name(), "gva": rule.gva, "rows": []}
+    print(f"{a.model}: q/k heads {H}, v heads {HV}, dim {D}, gva {rule.gva}; {torch.cuda.get_device_name()}",
+          flush=True)
+
+    def r(*s, dt=torch.bfloat16):
+        return torch.randn(*s, device=dev, generator=gen).to(dt)
+
+    for spec in a.prompts.split(","):
+        B, n, _, spread = prefill_shape(spec)
+        for label, lens in ((("spread", spread_lengths(B, n, spread)),) if spread else ()) + (("equal", [n] * B),):
+            R = sum(lens)
+            step = StepBatch(list(range(B)), [0] * B, lens, StepBatch.text_positions([0] * B, lens), [True] * B)
+            seg = pf.segments(step, dev, K)
+            q, k, v = r(1, R, qh, D), r(1, R, qh, D), r(1, R, HV, D)
+            g, beta = -torch.rand(1, R, HV, device=dev, generator=gen), r(1, R, HV).sigmoid()
+            u, w = r(R, C), r(C, K)
+            s0, c0 = torch.zeros(B, HV, D, D, device=dev), torch.zeros(B, C, K - 1, device=dev, dtype=torch.bfloat16)
+            groups: dict[int, list[int]] = {}
+            for i, m in enumerate(lens):
+                groups.setdefault(m, []).append(i)
+            starts = [sum(lens[:i]) for i in range(B)]
+            gidx = {m: torch.tensor([starts[i] + j for i in idx for j in range(m)], device=dev)
+                    for m, idx in groups.items()}
+
+            def by_groups():
+                for m, idx in groups.items():
+                    rows = gidx[m]
+                    y, _ = pf.conv_prefill(u, rows, w, c0[:len(idx)], len(idx), m, (qh * D, qh * D, HV * D))
+                    G = len(idx)
+                    rule.chunk(*(x[0, rows].view(G, m, *x.shape[2:]) for x in (q, k, v, g, beta)), s0[:G])
+
+            def one_call():
+                pf.conv_varlen(u, seg, w, c0, (qh * D, qh * D, HV * D))
+                rule.chunk_varlen(q, k, v, g, beta, s0, seg.cu, seg.chunks)
+            ways = {"groups" if label == "spread" else "equal": by_groups,
+                    "varlen" if label == "spread" else "varlen-equal": one_call}
+            for way, fn in ways.items():
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                h0 = time.perf_counter()
+                for _ in range(a.iters):
+                    fn()
+                host = (time.perf_counter() - h0) / a.iters * 1e6
+                e1.record()
+                torch.cuda.synchronize()
+                device = e0.elapsed_time(e1) / a.iters * 1e3
+                row = {"prompts": spec, "lens": lens, "way": way, "calls": len(groups) if "groups" in way or
+                       way == "equal" else 1, "host_us": host, "device_us": device}
+                rep["rows"].append(row)
+                print(f"  {spec} {way:12s} ({len(set(lens))} lengths, {R} tokens): host {host:8.1f} us, device "
+                      f"{device:8.1f} us a layer", flush=True)
+                if a.cprofile:
+                    import cProfile
+                    import io
+                    import pstats
+                    pr = cProfile.Profile()
+                    pr.enable()
+                    for _ in range(a.iters):
+                        fn()
+                    pr.disable()
+                    torch.cuda.synchronize()
+                    s = io.StringIO()
+                    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(25)
+                    open(os.path.join(a.out, f"cprofile-{spec}-{way}.txt"), "w").write(s.getvalue())
+    json.dump(rep, open(os.path.join(a.out, "fla_host.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
