@@ -292,17 +292,19 @@ def main() -> int:
             ways = (("groups", "varlen") if a.prefill_varlen else ("kernels",)) + \
                 (("s23", "torch") if a.prefill_torch else ())
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
-            if a.profile_first:         # the shape's first step (what a new prompt length costs once), host side too
-                from torch.profiler import ProfilerActivity, profile
-                with torch_prefill(ways[0], model), profile(activities=[ProfilerActivity.CPU,
-                                                                        ProfilerActivity.CUDA]) as prof:
+            # the profiled ways: the first, or both of --prefill-varlen's (their files named by way)
+            profiled = [(w, f"{tag}-{w}" if a.prefill_varlen else tag) for w in ways[:2 if a.prefill_varlen else 1]]
+            for way, wtag in profiled if a.profile_first else ():   # the shape's first step (what a new prompt
+                from torch.profiler import ProfilerActivity, profile  # length costs once), host side too
+                with torch_prefill(way, model), profile(activities=[ProfilerActivity.CPU,
+                                                                    ProfilerActivity.CUDA]) as prof:
                     k0, t = tuned_keys(), time.perf_counter()
                     prefill_step(model, cache, b, ids)
                     torch.cuda.synchronize()
-                times[ways[0]].append((time.perf_counter() - t) * 1e3)
-                tuned[ways[0]].append(tuned_keys() - k0)
-                open(os.path.join(a.out, f"profile-first-{tag}.txt"), "w").write(
-                    f"first step {times[ways[0]][0]:.1f} ms (profiled)\n\n"
+                times[way].append((time.perf_counter() - t) * 1e3)
+                tuned[way].append(tuned_keys() - k0)
+                open(os.path.join(a.out, f"profile-first-{wtag}.txt"), "w").write(
+                    f"first step {times[way][0]:.1f} ms (profiled)\n\n"
                     + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n\n"
                     + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
             for _ in range(6):
@@ -324,15 +326,16 @@ def main() -> int:
                 print(f"  {mode:5s} prefill {name} ({way}): " + ", ".join(f"{x:.1f}" for x in times[way])
                       + f" ms/step ({tps:,.0f} tokens/s at the fastest: {tf:.0f} TFLOP/s "
                       f"of matmul and attention), fla keys tuned per step {tuned[way]}", flush=True)
-            if a.profile:      # where a prefill step's device time goes, by kernel
+            for way, wtag in profiled if a.profile else ():     # where a prefill step's time goes, by kernel
                 from torch.profiler import ProfilerActivity, profile
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with torch_prefill(way, model), profile(activities=[ProfilerActivity.CPU,
+                                                                    ProfilerActivity.CUDA]) as prof:
                     prefill_step(model, cache, b, ids)
                     torch.cuda.synchronize()
                 ks = kernel_summary(prof, top=40)
-                open(os.path.join(a.out, f"profile-prefill-{tag}.txt"), "w").write(
+                open(os.path.join(a.out, f"profile-prefill-{wtag}.txt"), "w").write(
                     ks + "\n\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
-                print(ks, flush=True)
+                print(f"  {way}:\n" + ks, flush=True)
             json.dump(rep, open(os.path.join(a.out, "gpu_engine_step.json"), "w"), indent=1)
     return 0
 

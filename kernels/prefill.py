@@ -86,6 +86,7 @@ class Segments:
     tiles: torch.Tensor          # [NB, 2] (segment, tile) of every CONV_TILE[0]-token tile (conv_varlen's programs)
     tail: torch.Tensor           # [N, K - 1] the step row of each segment's last K-1 inputs, or -1 - i where it
     short: bool                  # is state column i (some segment shorter than K - 1: short)
+    fresh: bool                  # every segment a new sequence's first (its states zero: none read)
 
 
 def segments(b, device, K: int) -> Segments:
@@ -109,16 +110,17 @@ def segments(b, device, K: int) -> Segments:
                           device)
     span = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
     seg = Segments(idx, lens, parts[0], parts[1], span, parts[2], parts[3].view(-1, 2), parts[4].view(-1, 2),
-                   parts[5].view(len(lens), K - 1), min(lens) < K - 1)
+                   parts[5].view(len(lens), K - 1), min(lens) < K - 1, all(b.starts[i] == 0 for i in idx))
     cache[key] = seg
     return seg
 
 
 def conv_varlen_ref(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
-    """conv_prefill_ref segment by segment (state_NCK1: every segment's state, fresh ones zero)."""
+    """conv_prefill_ref segment by segment (state_NCK1: every segment's state, fresh ones zero; None: all zero)."""
     ys, news, at = [], [], 0
     for s, n in enumerate(seg.lens):
-        y, new = conv_prefill_ref(u_TC, seg.rows[at:at + n], w_CK, state_NCK1[s:s + 1], 1, n)
+        st = None if state_NCK1 is None else state_NCK1[s:s + 1]
+        y, new = conv_prefill_ref(u_TC, seg.rows[at:at + n], w_CK, st, 1, n)
         ys.append(y[0])
         news.append(new)
         at += n
@@ -129,26 +131,29 @@ def conv_varlen_ref(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
 def conv_varlen(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
     """conv_prefill over segments of any lengths in one kernel (program per (segment, tile): Segments.tiles):
     returns (y [R, C], or with parts a list of contiguous [R, part] tensors; the new states [N, C, K-1]). state_NCK1
-    is every segment's state (a fresh sequence's is zero: StageCache.reset)."""
+    is every segment's state (a fresh sequence's is zero: StageCache.reset), or None where all are zero (seg.fresh:
+    none read)."""
     if not _triton(u_TC):
         return conv_varlen_ref(u_TC, seg, w_CK, state_NCK1, parts)
     C, K, R = u_TC.shape[1], w_CK.shape[1], seg.rows.numel()
-    assert u_TC.stride(1) == 1 and w_CK.is_contiguous() and state_NCK1.shape == (len(seg.lens), C, K - 1)
+    assert u_TC.stride(1) == 1 and w_CK.is_contiguous()
+    assert state_NCK1 is None or state_NCK1.shape == (len(seg.lens), C, K - 1)
     assert parts is None or (sum(parts) == C and len(parts) <= 3)
     ends = list(itertools.accumulate(parts or (C,)))
     C1, C2 = (ends + [C, C])[:2]
-    st = state_NCK1.contiguous()
+    st = state_NCK1.contiguous() if state_NCK1 is not None else u_TC
     flat = torch.empty(R * C, dtype=u_TC.dtype, device=u_TC.device)
     BT, BC = CONV_TILE
     CALLS["conv_varlen"] += 1
     _conv_prefill_kernel[(seg.tiles.shape[0], triton.cdiv(C, BC))](
         u_TC, seg.rows, st, w_CK, flat, u_TC.stride(0), 0, C, C1, C2, R, seg.tiles, seg.cu, K=K, BT=BT, BC=BC,
-        HAS_STATE=True, VARLEN=True, num_warps=4)
+        HAS_STATE=state_NCK1 is not None, VARLEN=True, num_warps=4)
     y = [flat[R * a:R * b].view(R, b - a) for a, b in zip([0] + ends, ends)]
     new = u_TC[seg.tail.clamp(min=0)].transpose(1, 2)            # [N, C, K-1]
-    if seg.short:     # a segment shorter than K - 1 keeps some of its old state's inputs
-        old = st.gather(2, (-1 - seg.tail).clamp(0, K - 2)[:, None, :].expand(-1, C, -1))
-        new = torch.where(seg.tail[:, None, :] >= 0, new, old.to(new.dtype))
+    if seg.short:     # a segment shorter than K - 1 keeps some of its old state's inputs (zero: none)
+        old = torch.zeros((), dtype=new.dtype, device=new.device) if state_NCK1 is None else \
+            st.gather(2, (-1 - seg.tail).clamp(0, K - 2)[:, None, :].expand(-1, C, -1)).to(new.dtype)
+        new = torch.where(seg.tail[:, None, :] >= 0, new, old)
     return (y[0] if parts is None else y), new
 
 
@@ -213,10 +218,11 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
         qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         for state in (None, z(1, C, K - 1)):        # q, k, v split (whole: the same binary, at these dimensions)
             conv_prefill(z(T, C), rows, z(C, K), state, 1, T, (qk, qk, C - 2 * qk))
-        if VARLEN:          # and over segments of two lengths
+        if VARLEN:          # and over segments of two lengths, fresh and continuing
             from memra_pp.model.batch import StepBatch
             two = StepBatch([0, 1], [0, 0], [40, T - 40], StepBatch.text_positions([0, 0], [40, T - 40]), [True] * 2)
-            conv_varlen(z(T, C), segments(two, device, K), z(C, K), z(2, C, K - 1), (qk, qk, C - 2 * qk))
+            for state in (None, z(2, C, K - 1)):
+                conv_varlen(z(T, C), segments(two, device, K), z(C, K), state, (qk, qk, C - 2 * qk))
         nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         for n in (max(1, (GATED_MANY - 1) // nv), -(-GATED_MANY // nv)):     # both of the gated norm's tiles
             gated_rms_norm(z(n, nv, dv), z(n, nv, dv), z(dv), cfg.rms_norm_eps)
@@ -232,9 +238,10 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
 
 if triton is not None:
     # one binary for every prompt length, and for rows at any offset into the step's index tensor (a later group's
-    # rows start where the one before ended: 8-byte aligned, not always 16)
+    # rows start where the one before ended: 8-byte aligned, not always 16); tiles and cu too (the groups path passes
+    # rows for them, unread: specialized, a group's alignment would pick a second binary in a request)
     # y: the output's channels [0, C1), [C1, C2), [C2, C) each a contiguous [R, part] block, one after the other
-    @triton.jit(do_not_specialize=["n", "rows", "R"])
+    @triton.jit(do_not_specialize=["n", "rows", "R", "tiles", "cu"])
     def _conv_prefill_kernel(u, rows, state, w, y, su, n, C, C1, C2, R, tiles, cu, K: tl.constexpr,
                              BT: tl.constexpr, BC: tl.constexpr, HAS_STATE: tl.constexpr, VARLEN: tl.constexpr):
         # VARLEN: program i takes tile tiles[i] = (segment, tile) of segments of any lengths, segment s being rows

@@ -62,12 +62,14 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     # a prefill step of prompts of spread lengths (traffic's: every step a new mix), the Gated DeltaNet's segments by
     # groups of equal lengths against one variable-length call (MEMRA_PP_PREFILL_VARLEN), interleaved; then end to
     # end, the spread workload without and with it (VARLEN_MODEL / VARLEN_C for the other model and levels)
-    varlen) phase fla-host 200 sh -c "python3 -u benchmarks/fla_host.py --out $OUT/flahost --cprofile && \
+    # (MEMRA_PP_PREFILL_VARLEN=1 so that the load's warm-up compiles and tunes the variable-length call as a
+    # deployment with it on would; the groups way turns it off for its steps)
+    varlen) MEMRA_PP_PREFILL_VARLEN=1 phase fla-host 200 sh -c "python3 -u benchmarks/fla_host.py --out $OUT/flahost --cprofile && \
               python3 -u benchmarks/fla_host.py --out $OUT/flahost27 --model preset:qwen3.5-27b" ;
-            phase varlen-step-27b 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/varlen27" --batches 1 \
+            MEMRA_PP_PREFILL_VARLEN=1 phase varlen-step-27b 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/varlen27" --batches 1 \
               --modes graph --iters 3 --ctx 600 --prefill 8x512~0.5+56,8x512+56,16x256~0.75 --prefill-varlen \
               --profile --profile-first ;
-            phase varlen-step-moe 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/varlenmoe" \
+            MEMRA_PP_PREFILL_VARLEN=1 phase varlen-step-moe 240 python3 -u benchmarks/gpu_engine_step.py --out "$OUT/varlenmoe" \
               --model preset:qwen3.5-35b-a3b --batches 1 --modes graph --iters 3 --ctx 600 \
               --prefill 8x512~0.5+56,8x512+56,16x256~0.75 --prefill-varlen --profile --profile-first ;;
     varlen-e2e) phase varlen-e2e 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/varlene2e" \

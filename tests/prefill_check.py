@@ -33,19 +33,21 @@ counts, starts = [2, 1, 70, 5, 33, 1], [0, 9, 0, 4, 7, 0]
 step = StepBatch([3, 0, 5, 1, 2, 4], starts, counts, StepBatch.text_positions(starts, counts), [True] * 6)
 seg = pf.segments(step, "cpu", 4)
 assert seg is pf.segments(step, "cpu", 4) and seg.idx == [0, 2, 3, 4, 5] and seg.lens == [2, 70, 5, 33, 1], seg
-assert seg.span is None and seg.short and seg.cu.tolist() == [0, 2, 72, 77, 110, 111], seg
+assert seg.span is None and seg.short and not seg.fresh and seg.cu.tolist() == [0, 2, 72, 77, 110, 111], seg
 assert seg.chunks.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [3, 0], [4, 0]], seg.chunks
 assert seg.tiles.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [3, 0], [3, 1], [4, 0]], seg.tiles
 assert all(t.data_ptr() % 16 == 0 for t in (seg.rows, seg.slots, seg.cu, seg.chunks, seg.tiles, seg.tail))
 u, w, st = torch.randn(step.total, 24), torch.randn(24, 4), torch.randn(5, 24, 3)
 before = pf.CALLS["conv_varlen"]
-for parts in (None, (8, 8, 8)):
-    y, new = pf.conv_varlen(u, seg, w, st, parts)
-    yr, newr = pf.conv_varlen_ref(u, seg, w, st, parts)
+for parts, state in ((None, st), ((8, 8, 8), st), ((8, 8, 8), None)):     # None: every state zero, none read
+    y, new = pf.conv_varlen(u, seg, w, state, parts)
+    yr, newr = pf.conv_varlen_ref(u, seg, w, state if state is not None else torch.zeros_like(st), parts)
     for a, b in zip(y if parts else [y], yr if parts else [yr], strict=True):
         assert a.is_contiguous() and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
     assert torch.equal(new, newr), (new - newr).abs().max()
-assert pf.CALLS["conv_varlen"] == before + 2
+assert pf.CALLS["conv_varlen"] == before + 3
+fresh = StepBatch([0, 1], [0, 0], [2, 9], StepBatch.text_positions([0, 0], [2, 9]), [True] * 2)
+assert pf.segments(fresh, "cpu", 4).fresh and pf.segments(fresh, "cpu", 4).span == slice(0, 11)
 assert [t.tolist() for t in aligned_parts([[1, 2, 3], [], [4]], "cpu")] == [[1, 2, 3], [], [4]]
 print("conv_varlen ok")
 

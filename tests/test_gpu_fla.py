@@ -103,7 +103,12 @@ def test_variable_length_call_equals_one_call_per_segment(gva, monkeypatch):
     s0 = r(N, HV, D, D) * 0.1
     if not gva:
         q, k = q.repeat_interleave(HV // H, 2), k.repeat_interleave(HV // H, 2)
-    o, s = rule.chunk_varlen(q, k, v, g, beta, s0, seg.cu, seg.chunks)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")     # the variable-length call must not wait for the device
+    try:
+        o, s = rule.chunk_varlen(q, k, v, g, beta, s0, seg.cu, seg.chunks)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert fla_rule.tuned_keys() == first, "a variable-length prefill tuned fla's kernels after the warm-up"
     at = 0
     for i, n in enumerate(lens):
@@ -114,3 +119,40 @@ def test_variable_length_call_equals_one_call_per_segment(gva, monkeypatch):
             err = ((a - b).abs().max() / b.abs().max()).item()
             assert err < 1e-2, (i, n, err)
         at += n
+
+
+def test_prefill_conv_compiles_nothing_in_a_request(monkeypatch):
+    """After the load's warm-up (kernels/prefill.prefill_warm_up), the prefill's conv kernel takes every step with
+    the binaries it has: groups whose rows start at any offset of the step's index tensor (an odd one after a group
+    of an odd row count), fresh and continuing, whole and split into q, k, v, and the variable-length call over
+    segments of any lengths. A second binary would compile inside a request."""
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
+    from memra_pp.kernels import prefill as pf
+    from memra_pp.model.batch import StepBatch
+    from memra_pp.model.config import parse_config
+    from memra_pp.model.tiny import tiny_config
+    monkeypatch.setattr(pf, "VARLEN", True)
+    cfg, dev = parse_config(tiny_config(num_layers=4)).text, torch.device("cuda")
+    pf.prefill_warm_up(cfg, True, True, torch.bfloat16, dev)
+
+    def binaries():
+        return sum(len(c[0]) for c in pf._conv_prefill_kernel.device_caches.values())
+    first = binaries()
+    assert first > 0, "the warm-up compiled no conv binary (or this Triton keeps them elsewhere)"
+    C, K = cfg.conv_dim, cfg.linear_conv_kernel_dim
+    qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    counts, starts = [3, 5, 5, 7, 1, 2], [0, 0, 4, 0, 9, 6]
+    b = StepBatch(list(range(6)), starts, counts, StepBatch.text_positions(starts, counts), [True] * 6)
+    u, w = torch.randn(sum(counts), C, device=dev).bfloat16(), torch.randn(C, K, device=dev).bfloat16()
+    groups = b.groups("prompt_length", dev)
+    assert any(rows.data_ptr() % 16 for _, rows, _, _ in groups), "no group's rows at an odd offset: the case is lost"
+    for idx, rows, _, _ in groups:
+        G, n = len(idx), counts[idx[0]]
+        for state in (None, torch.zeros(G, C, K - 1, device=dev, dtype=torch.bfloat16)):
+            for parts in (None, (qk, qk, C - 2 * qk)):
+                pf.conv_prefill(u, rows, w, state, G, n, parts)
+    seg = pf.segments(b, dev, K)
+    for state in (None, torch.zeros(len(seg.lens), C, K - 1, device=dev, dtype=torch.bfloat16)):
+        pf.conv_varlen(u, seg, w, state, (qk, qk, C - 2 * qk))
+    torch.cuda.synchronize()
+    assert binaries() == first, f"the conv compiled {binaries() - first} binaries after the warm-up"

@@ -129,7 +129,10 @@ def test_variable_length_prefill_equals_groups(cuda, tmp_path, size, monkeypatch
     m.save_pretrained(tmp_path)
     V = (MID if size == "mid" else TEXT)["vocab_size"]
     rng = random.Random(1)
-    prompts = [[rng.randrange(4, V) for _ in range(n)] for n in (1, 7, 40, 130, 65, 3, 130, 40)]
+    # 49 and 50 tokens: in chunks of 48 their second steps are a one-token continuing row (the decode kernels) and a
+    # two-token segment (shorter than the conv's K - 1: its new conv state keeps an old input), so those steps' rows
+    # are not one run (the output gathered)
+    prompts = [[rng.randrange(4, V) for _ in range(n)] for n in (1, 7, 40, 130, 65, 3, 130, 40, 49, 50)]
     lp = LocalPipeline(SafetensorsSource(tmp_path), [(0, 3), (3, 8)], dtype=torch.bfloat16, device=cuda,
                        max_seqs=len(prompts))
     for chunk in (None, 48):
@@ -144,7 +147,6 @@ def test_variable_length_prefill_equals_groups(cuda, tmp_path, size, monkeypatch
                                                                                     *c.rec.values())]
             runs[varlen] = toks, lps, states
         (t1, l1, s1), (t0, l0, s0) = runs[True], runs[False]
-        assert s1 and len(s1) == len(s0)
         for a, b in zip(s1, s0, strict=True):
             err = ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
             assert err < 2e-2, (chunk, err)

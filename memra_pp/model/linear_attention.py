@@ -69,10 +69,13 @@ class GatedDeltaNet(Param):
         g, beta = gdn_gates(b_, a_, self.A_log, self.dt_bias)
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
-        groups, (single, srows, sslots, _) = pf.row_groups(b, "length", x_TH.device)
-        seg = pf.segments(b, x_TH.device, w.shape[1]) if self.varlen(merged) and groups else None
-        if seg is not None:     # every prompt segment in one call: one group, as far as the output goes
-            groups = [(seg.idx, seg.rows, seg.slots, seg.span)]
+        seg = None
+        if self.varlen(merged, x_TH.device):    # every prompt segment in one call: one group, as far as the output
+            single, srows, sslots, _ = b.single_rows(x_TH.device)          # goes (no groups made)
+            seg = pf.segments(b, x_TH.device, w.shape[1]) if len(single) < len(b.slots) else None
+            groups = [(seg.idx, seg.rows, seg.slots, seg.span)] if seg is not None else []
+        else:
+            groups, (single, srows, sslots, _) = pf.row_groups(b, "length", x_TH.device)
         out = None if pf.whole(groups, T, merged) else \
             torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)        # None: the one group's o is out
         if single:      # the decode step's kernels: conv and recurrent states read and written in place at their
@@ -88,12 +91,13 @@ class GatedDeltaNet(Param):
         if seg is not None:
             _, rows, slots, span = groups[0]
             sel, R = pf.group_rows(rows, span, merged), rows.numel()
-            (q, k, v), conv[slots] = pf.conv_varlen(u, seg, w, conv[slots], parts)
+            (q, k, v), conv[slots] = pf.conv_varlen(u, seg, w, None if seg.fresh else conv[slots], parts)
             q, k = q.view(1, R, nk, dk), k.view(1, R, nk, dk)
             if not getattr(self.rule, "gva", False):
                 q, k = q.repeat_interleave(r, 2), k.repeat_interleave(r, 2)
+            s0 = rec.new_zeros(len(seg.lens), *rec.shape[1:]) if seg.fresh else rec[slots]   # (fresh: none read)
             o, rec[slots] = self._chunk_varlen(q, k, v.view(1, R, nv, dv), g[sel].view(1, R, nv),
-                                               beta[sel].view(1, R, nv), rec[slots], seg)
+                                               beta[sel].view(1, R, nv), s0, seg)
             if out is None:
                 out = o.view(T, nv, dv).to(x_TH.dtype)
             else:
@@ -153,11 +157,13 @@ class GatedDeltaNet(Param):
             return self.rule.recurrent(q, k, v, g, beta, s)
         return recurrent_gated_delta_rule(q, k, v, g, beta, s)
 
-    def varlen(self, merged: bool) -> bool:
+    def varlen(self, merged: bool, device) -> bool:
         """Whether a prompt step's segments take one variable-length call (kernels/prefill.VARLEN): on the merged
-        path, with a rule that has one (fla), or the torch rule segment by segment (Triton's interpreter checks)."""
+        path, with a rule that has one (fla), or off CUDA the torch rule segment by segment (Triton's interpreter
+        checks; on CUDA without fla the groups' batched calls are faster)."""
         from memra_pp.kernels import prefill as pf
-        return merged and pf.VARLEN and (self.rule is None or hasattr(self.rule, "chunk_varlen"))
+        return merged and pf.VARLEN and (hasattr(self.rule, "chunk_varlen") if self.rule is not None
+                                         else torch.device(device).type != "cuda")
 
     def _chunk_varlen(self, q, k, v, g, beta, s, seg):
         """The chunked rule over seg's segments of q, k, v, g, beta [1, R, ...] (states s [N, ...]): the rule's
