@@ -93,7 +93,12 @@ class Layer(nn.Module):
         for idx, rows, slots, span in groups:
             G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
             sel = pf.group_rows(rows, span, merged)     # consecutive rows: a slice (a view, no gather)
-            kg, vg = cache.gather(kp, slots, start + n), cache.gather(vp, slots, start + n)
+            if start == 0:      # a fresh group's keys are its own rows of this step, as just written to its pages:
+                #                 [G, kv_heads, n, D] views of them, no gather of the pages (and none of the table)
+                kg, vg = (t[sel].view(G, n, *t.shape[1:]).transpose(1, 2) for t in (k, v))
+                CALLS["fresh_kv"] += 1
+            else:
+                kg, vg = cache.gather(kp, slots, start + n), cache.gather(vp, slots, start + n)
             og = attend_batch(q[sel].view(G, n, *q.shape[1:]), kg, vg, start).reshape(G * n, -1)
             if whole:
                 o = og
@@ -107,7 +112,8 @@ class Layer(nn.Module):
         return at.lin(y, "o_proj", lora)
 
 
-CALLS = {"single_rows": 0}     # one-token segments of steps with prompts, attended in one decode call (law 3)
+# one-token segments of steps with prompts, attended in one decode call; fresh groups attended over their own rows
+CALLS = {"single_rows": 0, "fresh_kv": 0}      # (no gather of their pages): law 3's counters
 
 
 class StageModel(nn.Module):
