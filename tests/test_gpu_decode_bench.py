@@ -394,3 +394,24 @@ def test_engine_step_mixed_prefill_runs_again_and_again():
     full = sum(layer.full for layer in model.layers)
     assert stage_model.CALLS["single_rows"] - before == 3 * D * full                  # each attention layer, each run
     assert la.CALLS["single_rows"] - gdn == 3 * D * (len(model.layers) - full)       # each Gated DeltaNet layer
+
+
+def test_prefill_host_counts_the_launches_of_each_way(tmp_path):
+    """benchmarks/prefill_host.py (a prefill step's host work, kernels as no-ops, on the CPU): with four prompts of
+    four lengths the groups path makes a conv and rule call per group and layer, the variable-length path one a
+    layer; with equal lengths both make one. Its JSON has every step's time."""
+    import json
+    import subprocess
+    out = tmp_path / "ph.json"
+    r = subprocess.run([sys.executable, "-u", str(Path(__file__).parents[1] / "benchmarks" / "prefill_host.py"),
+                        "--prompts", "4x8~0.5,4x8", "--layers", "4", "--steps", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = {(tuple(x["lens"]), x["way"]): x for x in json.loads(out.read_text())["rows"]}
+    gdn = 3                                   # of the 4 layers
+    spread, equal = (4, 7, 9, 12), (8, 8, 8, 8)
+    assert rows[(spread, "groups")]["rule_calls"] == 4 * gdn and rows[(spread, "varlen")]["rule_calls"] == gdn
+    assert rows[(spread, "groups")]["conv_calls"] == 4 * gdn and rows[(spread, "varlen")]["conv_calls"] == gdn
+    assert rows[(equal, "groups")]["rule_calls"] == rows[(equal, "varlen")]["rule_calls"] == gdn
+    assert rows[(spread, "varlen")]["triton_launches"] < rows[(spread, "groups")]["triton_launches"]
+    assert all(len(x["step_ms"]) == 2 for x in rows.values())
