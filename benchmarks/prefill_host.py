@@ -1,7 +1,8 @@
 """A prefill step's host work alone, on any machine (no GPU): the merged path's Python and torch dispatch with every
-Triton kernel's launch a no-op (Triton's interpreter, its run replaced) and the chunked rule a stand-in with fla's
-interface that returns empty tensors, so what is timed is the engine's own work a step: index building, views,
-torch calls on tiny tensors, and the launches it asks for (counted). Side by side in one run: the Gated DeltaNet's
+Triton kernel's launch a no-op (Triton's interpreter, its run replaced), the chunked rule a stand-in with fla's
+interface and the attention (SDPA, flash's variable-length call) stand-ins, all returning empty tensors, so what is
+timed is the engine's own work a step: index building, views, torch calls on tiny tensors (the projections' GEMMs
+included, on this CPU), and the launches it asks for (counted). Side by side in one run: the Gated DeltaNet's
 segments by groups of equal lengths and as one variable-length call (kernels/prefill.VARLEN), for prompts of equal
 and of spread lengths. The numbers are this CPU's and leave out the CUDA launch itself and fla's own host work
 (benchmarks/fla_host.py measures that on a GPU); what they show is how our host work scales with a step's shapes.
@@ -69,6 +70,14 @@ def main() -> int:
     def no_launch(self, *args, **kwargs):
         launches[0] += 1
     ti.InterpretedFunction.run = no_launch
+    from memra_pp.model import attention, stage_model     # attention: SDPA, and the variable-length call (flash's
+
+    def no_sdpa(q, k, v, **kw):                           # one kernel on a GPU), as no-ops of the right shapes
+        return torch.empty(*q.shape[:-1], v.shape[-1])
+
+    def no_varlen(q, k, v, cu32, lens):
+        return torch.empty(q.shape[0], q.shape[1] * v.shape[-1])
+    attention.sdpa, stage_model.attend_varlen = no_sdpa, no_varlen
     torch.set_num_threads(1)
     fd.USE_TRITON = True
     path = make_tiny(os.path.join(tempfile.gettempdir(), f"memra-prefill-host-{a.kind}-{a.layers}"),

@@ -19,7 +19,8 @@ if triton is not None:
 
 CONV_TILE = (32, 128)     # (tokens, channels) a program: one binary for every prompt length
 # launches, and the merged path's layers and groups (rows a slice or gathered), so a check can assert what ran (law 3)
-CALLS = {"conv_prefill": 0, "conv_varlen": 0, "merged": 0, "rows_whole": 0, "rows_slice": 0, "rows_gather": 0}
+CALLS = {"conv_prefill": 0, "conv_varlen": 0, "attn_varlen": 0, "merged": 0, "rows_whole": 0, "rows_slice": 0,
+         "rows_gather": 0}
 # the prefill's merged input projections (one GEMM for a layer's q|k|v|z|b|a, q|gate|k|v, gate|up; the last two in
 # eager decode steps too) with silu-mul as one kernel, the conv writing q, k and v as contiguous tensors, and a
 # group's rows as a slice where they are consecutive (no gather or scatter): CUDA only (off it the torch ops stay as
@@ -113,6 +114,35 @@ def segments(b, device, K: int) -> Segments:
                    parts[5].view(len(lens), K - 1), min(lens) < K - 1, all(b.starts[i] == 0 for i in idx))
     cache[key] = seg
     return seg
+
+
+@dataclasses.dataclass
+class FreshSegments:
+    """A step's fresh prompt segments (start 0) for one variable-length attention call (model/attention.py
+    attend_varlen): segment s is rows[cu[s]:cu[s + 1]] of the step. Made once per step (fresh_segments)."""
+    idx: list[int]               # their indices into the batch
+    lens: list[int]
+    rows: torch.Tensor           # [R] int64
+    span: slice | None           # rows as a slice where consecutive
+    cu32: torch.Tensor           # [N + 1] int32 (flash attention's cu_seqlens)
+
+
+def fresh_segments(b, device) -> FreshSegments | None:
+    """The step's FreshSegments where the variable-length attention replaces groups (VARLEN, and fresh segments of
+    more than one length: one length is one group already), else None."""
+    cache = b.__dict__.setdefault("_segments", {})
+    key = ("fresh", str(device))
+    if key not in cache:
+        single, offs = set(b.single_rows(device)[0]), b.offsets
+        idx = [i for i in range(len(b.slots)) if i not in single and b.starts[i] == 0]
+        lens = [b.counts[i] for i in idx]
+        cache[key] = None
+        if VARLEN and len(set(lens)) > 1:
+            rows = [offs[i] + t for i in idx for t in range(b.counts[i])]
+            parts = aligned_parts([rows, [0, *itertools.accumulate(lens)]], device)
+            span = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
+            cache[key] = FreshSegments(idx, lens, parts[0], span, parts[1].to(torch.int32))
+    return cache[key]
 
 
 def conv_varlen_ref(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):

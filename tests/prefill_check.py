@@ -66,8 +66,14 @@ for kind, chunk, varlen in CASES:
     d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, strict=True))
     assert d < 5e-4, (kind, chunk, d)
     assert ran["merged"] > 0 and (ran["conv_varlen"] > 0) == varlen and (ran["conv_prefill"] > 0) != varlen, ran
+    # whole prompts of 9 and 5 tokens are fresh segments of two lengths: one variable-length attention call in each
+    # of the 2 full-attention layers (in chunks of 3 the fresh segments have one length: a group, as before)
+    assert ran["attn_varlen"] == (2 if varlen and chunk is None else 0), ran
     whole = chunk is not None or varlen        # a step's rows all in one group: its output is the layer's
-    assert ran["rows_gather"] > 0 and ran["rows_slice"] > 0 and (ran["rows_whole"] > 0) == whole, (chunk, ran)
+    # gathered rows: the groups of sequences 0 and 2; none where every segment is in one variable-length call
+    gathered = not (varlen and chunk is None)
+    assert (ran["rows_gather"] > 0) == gathered and ran["rows_slice"] > 0 and (ran["rows_whole"] > 0) == whole, \
+        (chunk, ran)
     print(kind, "chunk", chunk, "varlen" if varlen else "groups", "ok", ran, f"logprob diff {d:.1e}")
 pf.VARLEN = True        # the mixed steps' prompt chunks too (the switch's default is off: GPU unmeasured)
 # steps mixing decode rows with fresh and continuing prompt chunks (tests/test_model_parity.mixed_greedy): the

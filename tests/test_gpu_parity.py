@@ -121,9 +121,10 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
 @pytest.mark.parametrize("size", ["tiny", "mid"])
 def test_variable_length_prefill_equals_groups(cuda, tmp_path, size, monkeypatch):
     """A prefill step of prompts of many lengths (whole, and in chunks of 48: continuing segments from a state) with
-    the Gated DeltaNet's segments as one variable-length call (kernels/prefill.VARLEN) must leave every
-    linear layer's conv and recurrent states, and give the first tokens, that the call per group of equal lengths
-    gives (MEMRA_PP_PREFILL_VARLEN=0); the counters prove which conv ran. mid: fla's grouped value heads."""
+    the Gated DeltaNet's segments, and the fresh ones' attention, each one variable-length call (kernels/prefill
+    VARLEN: fla's and flash attention's kernels) must leave every linear layer's conv and recurrent states, and give
+    the first tokens, that the calls per group of equal lengths give (MEMRA_PP_PREFILL_VARLEN=0); the counters prove
+    which calls ran. mid: fla's grouped value heads."""
     from memra_pp.kernels import prefill as pf
     m = build("dense", tied=False, seed=5, **(MID if size == "mid" else {}))
     m.save_pretrained(tmp_path)
@@ -141,8 +142,10 @@ def test_variable_length_prefill_equals_groups(cuda, tmp_path, size, monkeypatch
             monkeypatch.setattr(pf, "VARLEN", varlen)
             before = dict(pf.CALLS)
             toks, lps = lp.greedy(prompts, 1, chunk=chunk)
-            ran = {k: pf.CALLS[k] - before[k] for k in ("conv_varlen", "conv_prefill")}
+            ran = {k: pf.CALLS[k] - before[k] for k in ("conv_varlen", "conv_prefill", "attn_varlen")}
             assert (ran["conv_varlen"] > 0) == varlen and (ran["conv_prefill"] > 0) != varlen, (varlen, ran)
+            # the fresh prompts (or first chunks) differ in length: their attention one variable-length call a layer
+            assert (ran["attn_varlen"] > 0) == varlen, (varlen, chunk, ran)
             states = [t[:len(prompts)].float().clone() for c in lp.caches for t in (*c.conv.values(),
                                                                                     *c.rec.values())]
             runs[varlen] = toks, lps, states

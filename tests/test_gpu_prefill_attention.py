@@ -83,3 +83,33 @@ def test_prefill_attention_leaves_cudnn_out():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+def test_variable_length_attention_equals_each_segment_alone():
+    """attend_varlen (the prefill's fresh segments of several lengths in one call of flash attention's
+    variable-length kernel, kernels/prefill.fresh_segments) at the 27B's heads (24 query heads over 4 KV heads of
+    256), the value rows a strided view as the merged projection gives them: each segment's rows must be what
+    attend_batch gives that segment alone, with no host sync."""
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
+    from memra_pp.model.attention import attend_batch, attend_varlen
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lens = [1, 37, 512, 64, 300]
+    R = sum(lens)
+    P = torch.randn(R, 24 * 256 + 2 * 4 * 256, generator=gen, device="cuda").to(torch.bfloat16)
+    q = P[:, :24 * 256].view(R, 24, 256)
+    k, v = P[:, 24 * 256:28 * 256].view(R, 4, 256), P[:, 28 * 256:].view(R, 4, 256)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o = attend_varlen(q, k, v, cu, lens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert o.shape == (R, 24 * 256)
+    at = 0
+    for n in lens:
+        ref = attend_batch(q[at:at + n][None], k[at:at + n][None].transpose(1, 2), v[at:at + n][None].transpose(1, 2),
+                           0)[0]
+        d = (o[at:at + n].float() - ref.float()).abs().max().item()
+        assert d < 2e-2, (n, d)
+        at += n

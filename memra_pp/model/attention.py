@@ -151,3 +151,22 @@ def attend_decode(q_BHD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tenso
     mask = (torch.arange(S, device=q_BHD.device)[None, :] < lens[:, None])[:, None, None, :]
     o = sdpa(q_BHD[:, :, None], k_BHSD, v_BHSD, attn_mask=mask, enable_gqa=True)
     return o[:, :, 0].reshape(q_BHD.shape[0], -1)
+
+
+def attend_varlen(q_RHD: torch.Tensor, k_RHD: torch.Tensor, v_RHD: torch.Tensor, cu32: torch.Tensor,
+                  lens: list[int]) -> torch.Tensor:
+    """Causal attention of fresh segments packed one after another (segment s: rows cu32[s]:cu32[s + 1], its keys
+    its own rows) -> [R, nh*D]: one call of flash attention's variable-length kernel on CUDA in half precision
+    (grouped heads taken as they are; cu32: int32 on the device, lens: the same lengths on the host), instead of one
+    call a group of equal lengths. Elsewhere attend_batch segment by segment (the reference)."""
+    R = q_RHD.shape[0]
+    if q_RHD.is_cuda and q_RHD.dtype in (torch.bfloat16, torch.float16):
+        n = max(lens)
+        o = torch.ops.aten._flash_attention_forward(q_RHD, k_RHD, v_RHD, cu32, cu32, n, n, 0.0, True, False)[0]
+        return o.reshape(R, -1)
+    outs, at = [], 0
+    for n in lens:
+        k, v = (t[at:at + n][None].transpose(1, 2) for t in (k_RHD, v_RHD))
+        outs.append(attend_batch(q_RHD[at:at + n][None], k, v, 0)[0])
+        at += n
+    return torch.cat(outs)

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import GatedAttention, Rope, attend_batch
+from .attention import GatedAttention, Rope, attend_batch, attend_varlen
 from .batch import StepBatch, h2d
 from .cache import StageCache
 from .config import ModelConfig
@@ -88,8 +88,21 @@ class Layer(nn.Module):
         kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
         T, merged = q.shape[0], pf.merged(x_TH, lora, count=True)
         groups, (single, srows, sslots, slens) = pf.row_groups(b, "start", x_TH.device)
-        whole = pf.whole(groups, T, merged)         # the one group's output is o
+        fresh = pf.fresh_segments(b, x_TH.device) if merged else None      # (VARLEN: one call for them all)
+        if fresh is not None:
+            groups = [g for g in groups if b.starts[g[0][0]] != 0]
+            whole = not groups and not single and fresh.span == slice(0, T)
+        else:
+            whole = pf.whole(groups, T, merged)         # the one group's output is o
         o = None if whole else torch.empty(T, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        if fresh is not None:   # every fresh segment in one variable-length call, keys its own rows
+            sel = pf.group_rows(fresh.rows, fresh.span, merged)
+            of = attend_varlen(q[sel], k[sel], v[sel], fresh.cu32, fresh.lens)
+            pf.CALLS["attn_varlen"] += 1
+            if whole:
+                o = of
+            else:
+                o[sel] = of
         for idx, rows, slots, span in groups:
             G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
             sel = pf.group_rows(rows, span, merged)     # consecutive rows: a slice (a view, no gather)
