@@ -135,7 +135,31 @@ def main() -> int:
                 print(out.getvalue(), flush=True)
     if a.out:
         json.dump(rep, open(a.out, "w"), indent=1)
+        try:
+            plot([rep], a.out.removesuffix(".json") + ".png")
+        except ImportError as e:        # matplotlib is the test extra's: the JSON has every figure
+            print(f"no plot: {e}", flush=True)
     return 0
+
+
+def plot(reps: list[dict], path: str) -> None:
+    """Median host time a step, groups against varlen, a bar pair a prompt shape (one panel a run)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(reps), figsize=(6 * len(reps), 4), squeeze=False)
+    for ax, rep in zip(axes[0], reps, strict=True):
+        shapes = list(dict.fromkeys((tuple(r["prompts"]), r["spread"]) for r in rep["rows"]))
+        for j, way in enumerate(("groups", "varlen")):
+            ys = [next(r["median_ms"] for r in rep["rows"] if (tuple(r["prompts"]), r["spread"]) == s_
+                       and r["way"] == way) for s_ in shapes]
+            ax.bar([i + (j - 0.5) * 0.4 for i in range(len(shapes))], ys, 0.4, label=way)
+        ax.set_xticks(range(len(shapes)), [f"{B} x {n}" + (f"\nspread {sp:g}" if sp else "") for (B, n), sp in shapes])
+        ax.set_ylabel("host ms a prefill step (kernels as no-ops)")
+        ax.set_title(f"tiny {rep['kind']}, {rep['layers']} layers, {rep['cpu']} CPUs", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
