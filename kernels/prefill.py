@@ -19,8 +19,8 @@ if triton is not None:
 
 CONV_TILE = (32, 128)     # (tokens, channels) a program: one binary for every prompt length
 # launches, and the merged path's layers and groups (rows a slice or gathered), so a check can assert what ran (law 3)
-CALLS = {"conv_prefill": 0, "conv_varlen": 0, "attn_varlen": 0, "merged": 0, "rows_whole": 0, "rows_slice": 0,
-         "rows_gather": 0}
+CALLS = {"conv_prefill": 0, "conv_varlen": 0, "attn_varlen": 0, "attn_varlen_part": 0, "merged": 0, "rows_whole": 0,
+         "rows_slice": 0, "rows_gather": 0}
 # the prefill's merged input projections (one GEMM for a layer's q|k|v|z|b|a, q|gate|k|v, gate|up; the last two in
 # eager decode steps too) with silu-mul as one kernel, the conv writing q, k and v as contiguous tensors, and a
 # group's rows as a slice where they are consecutive (no gather or scatter): CUDA only (off it the torch ops stay as
@@ -127,11 +127,15 @@ class FreshSegments:
     cu32: torch.Tensor           # [N + 1] int32 (flash attention's cu_seqlens)
 
 
-def fresh_segments(b, device) -> FreshSegments | None:
-    """The step's FreshSegments where the variable-length attention replaces groups (VARLEN, and fresh segments of
-    more than one length: one length is one group already), else None."""
+def fresh_segments(b, device, dtype) -> FreshSegments | None:
+    """The step's FreshSegments where the variable-length attention replaces groups (VARLEN; fresh segments of more
+    than one length, one length being one group already; on CUDA in half precision, where flash attention's
+    variable-length kernel takes them: elsewhere on CUDA it would be a call a segment, and off CUDA it is, for the
+    interpreter checks), else None."""
     cache = b.__dict__.setdefault("_segments", {})
     key = ("fresh", str(device))
+    if torch.device(device).type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
+        return None
     if key not in cache:
         single, offs = set(b.single_rows(device)[0]), b.offsets
         idx = [i for i in range(len(b.slots)) if i not in single and b.starts[i] == 0]

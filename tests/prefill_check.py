@@ -81,16 +81,19 @@ pf.VARLEN = True        # the mixed steps' prompt chunks too (the switch's defau
 # the model (GATED_MANY lowered: the tiny model's steps have few heads)
 from memra_pp.model import stage_model  # noqa: E402
 from test_model_parity import mixed_greedy  # noqa: E402
-mixed = [[5, 6, 7], list(range(10, 30)), [9, 8, 7, 6, 5, 4, 3], list(range(40, 52))]
+# (the second step: a decode row, fresh chunks of 7 and 5 tokens with a continuing one between them: the fresh
+# segments' one variable-length attention call beside other rows, gathered)
+mixed = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3], list(range(10, 30)), [40, 41, 42, 43, 44]]
+arrive = [0, 1, 0, 1]
 eager, _ = pipelines("dense", [(0, 4), (4, 8)])
 fd.USE_TRITON = False
-te, le = mixed_greedy(eager, mixed, [0, 0, 1, 2], NEW, 8)
+te, le = mixed_greedy(eager, mixed, arrive, NEW, 8)
 fd.USE_TRITON, many = True, fd.GATED_MANY
 fd.GATED_MANY = 8
 from memra_pp.model import linear_attention as la  # noqa: E402
 before, single, gsingle = dict(pf.CALLS), stage_model.CALLS["single_rows"], la.CALLS["single_rows"]
 try:
-    tk, lk = mixed_greedy(eager, mixed, [0, 0, 1, 2], NEW, 8)
+    tk, lk = mixed_greedy(eager, mixed, arrive, NEW, 8)
 finally:
     fd.GATED_MANY = many
 ran = {k: pf.CALLS[k] - before[k] for k in pf.CALLS}

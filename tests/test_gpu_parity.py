@@ -157,3 +157,15 @@ def test_variable_length_prefill_equals_groups(cuda, tmp_path, size, monkeypatch
             assert abs(x[0] - y[0]) < 0.05, (chunk, a, b, x, y)      # a token that differs: a near tie
         print(f"{size} chunk {chunk}: states and first tokens agree; {sum(a == b for a, b in zip(t1, t0))}/"
               f"{len(prompts)} first tokens identical")
+    # steps as the scheduler mixes them: a decode row, fresh chunks of two lengths and a continuing chunk between
+    # them (the fresh segments' one attention call beside other rows, its output gathered into the step's)
+    from test_model_parity import mixed_greedy
+    mixed, arrive = [prompts[1], prompts[2][:30], prompts[3], prompts[5]], [0, 1, 0, 1]
+    runs = {}
+    for varlen in (True, False):
+        monkeypatch.setattr(pf, "VARLEN", varlen)
+        part = pf.CALLS["attn_varlen_part"]
+        runs[varlen] = mixed_greedy(lp, mixed, arrive, 4, 16)
+        assert (pf.CALLS["attn_varlen_part"] > part) == varlen, (varlen, pf.CALLS)
+    for x, y in zip(runs[True][1], runs[False][1], strict=True):
+        assert abs(x[0] - y[0]) < 0.05, (x, y)

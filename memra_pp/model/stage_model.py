@@ -88,10 +88,11 @@ class Layer(nn.Module):
         kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
         T, merged = q.shape[0], pf.merged(x_TH, lora, count=True)
         groups, (single, srows, sslots, slens) = pf.row_groups(b, "start", x_TH.device)
-        fresh = pf.fresh_segments(b, x_TH.device) if merged else None      # (VARLEN: one call for them all)
+        fresh = pf.fresh_segments(b, x_TH.device, q.dtype) if merged else None      # (VARLEN: one call for all)
         if fresh is not None:
             groups = [g for g in groups if b.starts[g[0][0]] != 0]
             whole = not groups and not single and fresh.span == slice(0, T)
+            pf.CALLS["rows_whole"] += whole
         else:
             whole = pf.whole(groups, T, merged)         # the one group's output is o
         o = None if whole else torch.empty(T, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
@@ -101,8 +102,9 @@ class Layer(nn.Module):
             pf.CALLS["attn_varlen"] += 1
             if whole:
                 o = of
-            else:
+            else:               # beside continuing segments or decode rows
                 o[sel] = of
+                pf.CALLS["attn_varlen_part"] += 1
         for idx, rows, slots, span in groups:
             G, start, n = len(idx), b.starts[idx[0]], b.counts[idx[0]]
             sel = pf.group_rows(rows, span, merged)     # consecutive rows: a slice (a view, no gather)
