@@ -1,8 +1,9 @@
 """The routed experts of one MoE layer at the Qwen3.5-35B-A3B dimensions (256 experts, 8 per token, hidden 2048,
 expert width 512), side by side in one run: kernels/fused_moe.py (and its tile choices) against the torch paths
 layers.MoE runs without it (the gathered experts for few rows, every expert on every row for more, one expert at a
-time with a host sync for prefill), each timed as device time inside a CUDA graph (as a decode step runs it), against the floor: the routed experts' bytes (each distinct expert once) over
-the copy bandwidth measured in this run.
+time with a host sync for prefill), each timed as device time inside a CUDA graph (as a decode step runs it),
+against the floor: the routed experts' bytes (each distinct expert once) over the copy bandwidth measured in this
+run.
 
     python -u benchmarks/moe_kernels.py --out DIR [--rows 1,4,16,64,256,1024,4096]
 """

@@ -41,7 +41,8 @@ def same_context_publication(r) -> dict:
         rows.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
     return {"auto_aliases": auto.rows.data_ptr() == rows.data_ptr(), "auto_published": c1 - c0,
             "force_published": c2 - c1, "force_bytes_identical": same,
-            "force_resident": residency_of(forced.rows, e) == e.ctx, "force_copy": forced.rows.data_ptr() != rows.data_ptr()}
+            "force_resident": residency_of(forced.rows, e) == e.ctx,
+            "force_copy": forced.rows.data_ptr() != rows.data_ptr()}
 
 
 def foreign_context(r, other_ctx) -> dict:

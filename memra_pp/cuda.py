@@ -161,7 +161,8 @@ class DeviceAlloc:
 
 
 def mem_alloc_2mib(nbytes: int) -> DeviceAlloc:
-    """Allocate in the current context, rounded up to 2 MiB, aligned to 2 MiB (over-allocating if the driver did not)."""
+    """Allocate in the current context, rounded up to 2 MiB, aligned to 2 MiB (over-allocating if the driver did
+    not)."""
     size = -(-max(nbytes, 1) // SLOT_ALIGN) * SLOT_ALIGN
     base = int(ck(drv().cuMemAlloc(size), f"cuMemAlloc({size})"))
     if base % SLOT_ALIGN == 0:

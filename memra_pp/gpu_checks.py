@@ -88,7 +88,7 @@ def secondary_context(dev: int = 0) -> dict:
                "splice": refusal(lambda: ov.splice_into(eng, emb, 0)),
                "publish_source": refusal(lambda: publish_out(eng, rows, spans)),
                "splice_wrote_nothing": bool(emb.abs().sum().item() == 0), "splices": eng.counters.splices}
-        del ov, rows, raw
+        ov = rows = raw = None      # no reference to the secondary context's memory before it is freed
     finally:
         with cuda.pushed(sec):
             alloc.free()
@@ -348,7 +348,8 @@ def main() -> int:
         return 2
     src, dst = devices()
     print(f"torch {torch.__version__}, {torch.cuda.device_count()} GPU(s); src cuda:{src}, dst cuda:{dst}", flush=True)
-    scenarios = [("primary_context", lambda: primary_context(src)), ("secondary_context", lambda: secondary_context(src)),
+    scenarios = [("primary_context", lambda: primary_context(src)),
+                 ("secondary_context", lambda: secondary_context(src)),
                  ("publication", lambda: publication(src, dst)), ("two_processes", lambda: two_processes(src)),
                  ("probe_p2p", lambda: probe_p2p(src, dst)), ("raw_copies", lambda: raw_copies(src, dst)),
                  ("host_calls", lambda: handoff_probe.host_calls(src)),

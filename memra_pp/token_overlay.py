@@ -85,7 +85,8 @@ class TokenOverlaySet:
 def _check_token_rows(slot: int, ids, rows, vocab: int, hidden):
     if ids is None or rows is None or ids.dim() != 1 or rows.dim() != 2 or rows.shape[0] != ids.shape[0]:
         raise OverlayError(f"token overlay slot {slot}: ids (K,) and rows (K, H) must come together, got "
-                           f"{None if ids is None else tuple(ids.shape)} and {None if rows is None else tuple(rows.shape)}")
+                           f"{None if ids is None else tuple(ids.shape)} and "
+                           f"{None if rows is None else tuple(rows.shape)}")
     if hidden is not None and rows.shape[1] != hidden:
         raise OverlayError(f"token overlay slot {slot} has hidden size {rows.shape[1]}, other slots {hidden}")
     bad = ids[(ids < 0) | (ids >= vocab)]

@@ -45,7 +45,8 @@ def _require_current(ctx: ContextId, what: str, engine: Engine, fast: bool = Tru
     uid = cuda.context_uid(cur) if int(cur) else None
     if not ctx.is_local() or uid != ctx.uid:
         raise ResidencyError(f"{what} was opened in {ctx} but this thread runs in ctx#{uid} of pid {os.getpid()}: "
-                             f"an IPC pointer means nothing there; use the sender on its engine (engine.make_current())")
+                             f"an IPC pointer means nothing there; use the sender on its engine "
+                             f"(engine.make_current())")
 
 
 class _GpuReceiver(SlotReceiverBase):

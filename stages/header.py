@@ -39,7 +39,8 @@ def _default(obj):
     if isinstance(obj, torch.Tensor):
         code = _CODE_OF_TORCH.get(obj.dtype)
         if code is None:
-            raise TypeError(f"header tensor of dtype {obj.dtype} is not carried; use one of {sorted(map(str, _CODE_OF_TORCH))}")
+            raise TypeError(f"header tensor of dtype {obj.dtype} is not carried; use one of "
+                            f"{sorted(map(str, _CODE_OF_TORCH))}")
         arr = obj.detach().cpu().contiguous().numpy()
         return _pack_array(code, tuple(arr.shape), arr.astype(_DTYPES[code][0], copy=False).tobytes())
     if isinstance(obj, np.ndarray):

@@ -200,7 +200,8 @@ class SlotReceiverBase(_Link):
         """Give `slot` back to the sender (a credit frame); views over it must not be used afterwards."""
         with self._lock:
             if slot not in self._held:
-                raise InputError(f"boundary {self.name}: free({slot!r}) of a slot not held (held: {sorted(self._held)})")
+                raise InputError(f"boundary {self.name}: free({slot!r}) of a slot not held "
+                                 f"(held: {sorted(self._held)})")
             mb = self._held.pop(slot)
         self._ch.send({"kind": _CREDIT, "mb": mb, "slot": slot})
 

@@ -66,7 +66,8 @@ def test_roundtrip_in_order_with_tensors(address):
 
 
 def test_cross_process_echo_with_concurrent_sender_and_receiver_threads():
-    """Through a real second process, one sender thread and one receiver thread on one Channel must see every frame once, in order."""
+    """Through a real second process, one sender thread and one receiver thread on one Channel must see every frame
+    once, in order."""
     lis = ChannelListener()
     p = SPAWN.Process(target=_child_echo, args=(lis.address, 300))
     p.start()
@@ -85,7 +86,8 @@ def test_cross_process_echo_with_concurrent_sender_and_receiver_threads():
 
 
 def test_timeouts_keep_partial_frames():
-    """recv, accept and connect must raise TimeoutError on time; bytes of a partial frame must survive a recv timeout."""
+    """recv, accept and connect must raise TimeoutError on time; bytes of a partial frame must survive a recv
+    timeout."""
     lis, a, b = _pair()
     try:
         t0 = time.monotonic()
