@@ -116,8 +116,40 @@ def main() -> int:
                     s = io.StringIO()
                     pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(25)
                     open(os.path.join(a.out, f"cprofile-{spec}-{way}.txt"), "w").write(s.getvalue())
+    rep["empty_segments"] = empty_segments(rule, qh, HV, D, dev, gen)
+    print(f"  empty segments: {rep['empty_segments']}", flush=True)
     json.dump(rep, open(os.path.join(a.out, "fla_host.json"), "w"), indent=1)
     return 0
+
+
+def empty_segments(rule, qh: int, HV: int, D: int, dev, gen) -> dict:
+    """Whether fla's variable-length call takes empty segments (cu_seqlens repeating an offset; no chunk of theirs
+    in the chunk indices), as padding to a graph's segment bucket would need (docs/PERF.md, the twenty-eighth
+    session): the other segments' outputs and states as without them, and an empty segment's final state its
+    initial one (passed through) or something else (reported, not asserted: what the next design must know)."""
+    lens = [70, 0, 33, 0]
+    R, N = sum(lens), len(lens)
+
+    def r(*shape, dt=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=gen).to(dt)
+    q, k, v = r(1, R, qh, D), r(1, R, qh, D), r(1, R, HV, D)
+    g, beta = -torch.rand(1, R, HV, device=dev, generator=gen), r(1, R, HV).sigmoid()
+    s0 = r(N, HV, D, D, dt=torch.float32) * 0.1
+
+    def call(ls, states):
+        cu = torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], device=dev)
+        chunks = torch.tensor([[i, j] for i, n in enumerate(ls) for j in range(-(-n // 64))], device=dev)
+        return rule.chunk_varlen(q, k, v, g, beta, states, cu, chunks)
+    try:
+        o, st = call(lens, s0)
+        o2, st2 = call([70, 33], s0[[0, 2]])
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the answer is that it does not
+        return {"taken": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    return {"taken": True, "others_output_max_diff": (o.float() - o2.float()).abs().max().item(),
+            "others_state_max_diff": (st[[0, 2]] - st2).abs().max().item(),
+            "empty_state_passed_through": bool(torch.equal(st[[1, 3]], s0[[1, 3]])),
+            "empty_state_max_diff_from_initial": (st[[1, 3]] - s0[[1, 3]]).abs().max().item()}
 
 
 if __name__ == "__main__":
