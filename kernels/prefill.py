@@ -90,16 +90,23 @@ class Segments:
     fresh: bool                  # every segment a new sequence's first (its states zero: none read)
 
 
+def _packed_rows(b, idx: list[int]) -> tuple[list[int], slice | None]:
+    """The step's rows of segments idx, in order, and those rows as a slice where consecutive (else None)."""
+    offs = b.offsets
+    rows = [offs[i] + t for i in idx for t in range(b.counts[i])]
+    return rows, (slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None)
+
+
 def segments(b, device, K: int) -> Segments:
     """The step's Segments (b: a StepBatch with prompt segments; K: the conv's kernel width), made once per step."""
     cache = b.__dict__.setdefault("_segments", {})
     key = (str(device), K)
     if key in cache:
         return cache[key]
-    single, offs = set(b.single_rows(device)[0]), b.offsets
+    single = set(b.single_rows(device)[0])
     idx = [i for i in range(len(b.slots)) if i not in single]
     lens = [b.counts[i] for i in idx]
-    rows = [offs[i] + t for i in idx for t in range(b.counts[i])]
+    rows, span = _packed_rows(b, idx)
     cu = [0, *itertools.accumulate(lens)]
 
     def pieces(size):
@@ -109,7 +116,6 @@ def segments(b, device, K: int) -> Segments:
             for s, n in enumerate(lens) for p in range(n - (K - 1), n)]
     parts = aligned_parts([rows, [b.slots[i] for i in idx], cu, pieces(FLA_CHUNK), pieces(CONV_TILE[0]), tail],
                           device)
-    span = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
     seg = Segments(idx, lens, parts[0], parts[1], span, parts[2], parts[3].view(-1, 2), parts[4].view(-1, 2),
                    parts[5].view(len(lens), K - 1), min(lens) < K - 1, all(b.starts[i] == 0 for i in idx))
     cache[key] = seg
@@ -120,7 +126,6 @@ def segments(b, device, K: int) -> Segments:
 class FreshSegments:
     """A step's fresh prompt segments (start 0) for one variable-length attention call (model/attention.py
     attend_varlen): segment s is rows[cu[s]:cu[s + 1]] of the step. Made once per step (fresh_segments)."""
-    idx: list[int]               # their indices into the batch
     lens: list[int]
     rows: torch.Tensor           # [R] int64
     span: slice | None           # rows as a slice where consecutive
@@ -137,15 +142,14 @@ def fresh_segments(b, device, dtype) -> FreshSegments | None:
     if torch.device(device).type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
         return None
     if key not in cache:
-        single, offs = set(b.single_rows(device)[0]), b.offsets
+        single = set(b.single_rows(device)[0])
         idx = [i for i in range(len(b.slots)) if i not in single and b.starts[i] == 0]
         lens = [b.counts[i] for i in idx]
         cache[key] = None
         if VARLEN and len(set(lens)) > 1:
-            rows = [offs[i] + t for i in idx for t in range(b.counts[i])]
+            rows, span = _packed_rows(b, idx)
             parts = aligned_parts([rows, [0, *itertools.accumulate(lens)]], device)
-            span = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
-            cache[key] = FreshSegments(idx, lens, parts[0], span, parts[1].to(torch.int32))
+            cache[key] = FreshSegments(lens, parts[0], span, parts[1].to(torch.int32))
     return cache[key]
 
 

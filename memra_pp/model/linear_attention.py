@@ -89,8 +89,7 @@ class GatedDeltaNet(Param):
                                           dk ** -0.5)
         r, parts = nv // nk, (nk * dk, nk * dk, nv * dv)
         if seg is not None:
-            _, rows, slots, span = groups[0]
-            sel, R = pf.group_rows(rows, span, merged), rows.numel()
+            slots, sel, R = seg.slots, pf.group_rows(seg.rows, seg.span, merged), seg.rows.numel()
             (q, k, v), conv[slots] = pf.conv_varlen(u, seg, w, None if seg.fresh else conv[slots], parts)
             q, k = q.view(1, R, nk, dk), k.view(1, R, nk, dk)
             if not getattr(self.rule, "gva", False):

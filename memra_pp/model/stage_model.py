@@ -89,12 +89,9 @@ class Layer(nn.Module):
         T, merged = q.shape[0], pf.merged(x_TH, lora, count=True)
         groups, (single, srows, sslots, slens) = pf.row_groups(b, "start", x_TH.device)
         fresh = pf.fresh_segments(b, x_TH.device, q.dtype) if merged else None      # (VARLEN: one call for all)
-        if fresh is not None:
+        if fresh is not None:   # the fresh segments leave the groups: one group of their own, as far as o goes
             groups = [g for g in groups if b.starts[g[0][0]] != 0]
-            whole = not groups and not single and fresh.span == slice(0, T)
-            pf.CALLS["rows_whole"] += whole
-        else:
-            whole = pf.whole(groups, T, merged)         # the one group's output is o
+        whole = pf.whole(([(None, fresh.rows, None, fresh.span)] if fresh is not None else []) + groups, T, merged)
         o = None if whole else torch.empty(T, q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
         if fresh is not None:   # every fresh segment in one variable-length call, keys its own rows
             sel = pf.group_rows(fresh.rows, fresh.span, merged)
