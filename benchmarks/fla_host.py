@@ -66,18 +66,12 @@ def main() -> int:
             g, beta = -torch.rand(1, R, HV, device=dev, generator=gen), r(1, R, HV).sigmoid()
             u, w = r(R, C), r(C, K)
             s0, c0 = torch.zeros(B, HV, D, D, device=dev), torch.zeros(B, C, K - 1, device=dev, dtype=torch.bfloat16)
-            groups: dict[int, list[int]] = {}
-            for i, m in enumerate(lens):
-                groups.setdefault(m, []).append(i)
-            starts = [sum(lens[:i]) for i in range(B)]
-            gidx = {m: torch.tensor([starts[i] + j for i in idx for j in range(m)], device=dev)
-                    for m, idx in groups.items()}
+            groups = step.groups("length", dev)     # as GatedDeltaNet.forward groups them without VARLEN
 
             def by_groups():
-                for m, idx in groups.items():
-                    rows = gidx[m]
-                    y, _ = pf.conv_prefill(u, rows, w, c0[:len(idx)], len(idx), m, (qh * D, qh * D, HV * D))
-                    G = len(idx)
+                for idx, rows, _, _ in groups:
+                    G, m = len(idx), lens[idx[0]]
+                    pf.conv_prefill(u, rows, w, c0[:G], G, m, (qh * D, qh * D, HV * D))
                     rule.chunk(*(x[0, rows].view(G, m, *x.shape[2:]) for x in (q, k, v, g, beta)), s0[:G])
 
             def one_call():

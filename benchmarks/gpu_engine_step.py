@@ -388,10 +388,13 @@ def prefill_shape(text: str) -> tuple[int, int, int, float]:
 
 
 def spread_lengths(B: int, n: int, spread: float) -> list[int]:
-    """B prompt lengths evenly over n x [1 - spread, 1 + spread] (all n without a spread, or for one prompt)."""
+    """B prompt lengths evenly over bench.prompt_range(n, spread), the span `memra-pp bench --prompt-spread` draws
+    from (all n without a spread, or for one prompt)."""
+    from memra_pp.bench import prompt_range
     if B == 1 or not spread:
         return [n] * B
-    return [max(1, round(n * (1 - spread + 2 * spread * i / (B - 1)))) for i in range(B)]
+    lo, hi = prompt_range(n, spread)
+    return [round(lo + (hi - lo) * i / (B - 1)) for i in range(B)]
 
 
 def prefill_batch(B: int, n: int, D: int, ctx: int, spread: float = 0.0):
