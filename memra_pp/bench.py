@@ -56,10 +56,25 @@ def prompt_range(prompt_len: int, spread: float) -> tuple[int, int]:
     return max(1, round(prompt_len * (1 - spread))), max(1, round(prompt_len * (1 + spread)))
 
 
-def bench_prompts(rng: random.Random, n: int, prompt_len: int, spread: float, vocab: int) -> list[list[int]]:
-    """n prompts of random ids in [4, vocab), their lengths drawn evenly over prompt_range."""
+def bench_prompts(rng: random.Random, n: int, prompt_len: int, spread: float, vocab: int,
+                  avoid: frozenset[int] = frozenset()) -> list[list[int]]:
+    """n prompts of random ids in [4, vocab) but not in `avoid`, their lengths drawn evenly over prompt_range."""
     lo, hi = prompt_range(prompt_len, spread)
-    return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+    def tok() -> int:
+        while (t := rng.randrange(4, vocab)) in avoid:
+            pass
+        return t
+    return [[tok() for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def placeholder_ids(dep) -> frozenset[int]:
+    """The ids a text prompt must not hold: a vision model's image and video placeholders (the intake refuses a
+    placeholder without its image; a 512-token random prompt over Qwen3.5's 248k ids holds one 1 time in 240)."""
+    mc = dep.model_config
+    if mc.vision is None:
+        return frozenset()
+    return frozenset(t for t in (mc.image_token_id, mc.video_token_id) if t is not None)
 
 
 def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed: int = 0,
@@ -76,7 +91,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     c = dep.client()
     rng = random.Random(seed)
     V = dep.vocab_size
-    prompts = bench_prompts(rng, concurrency, prompt_len, prompt_spread, V)
+    prompts = bench_prompts(rng, concurrency, prompt_len, prompt_spread, V, placeholder_ids(dep))
     p50, p99 = actor_call_us(dep.stage_actor(0))
 
     # the steady-state window (every request decoding, none finished yet) gets its own stats: the stages' busy

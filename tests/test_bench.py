@@ -23,6 +23,26 @@ def test_bench_prompts_spread_their_lengths():
     assert {len(p) for p in bench_prompts(random.Random(0), 50, 2, 1.0, 50)} == {1, 2, 3, 4}
 
 
+def test_bench_prompts_hold_no_image_placeholders():
+    """A vision model's intake refuses a text prompt holding its image or video placeholder id: the benchmark's
+    random prompts never draw them (seed 0 over the tiny checkpoint's 512 ids drew 300 in a 200-token prompt)."""
+    import random
+    import types
+    from memra_pp.bench import placeholder_ids
+    _, path = tiny_checkpoint("dense", False)
+    from placement.schema import load_placement
+    dep = types.SimpleNamespace(placement=load_placement(config(str(path))))
+    from memra_pp.deployment import Deployment
+    dep.model_config = Deployment.model_config.fget(dep)
+    avoid = placeholder_ids(dep)
+    assert dep.model_config.image_token_id in avoid and len(avoid) == 2, avoid
+    ps = bench_prompts(random.Random(0), 20, 200, 0.0, 512, avoid)
+    assert not avoid & {t for p in ps for t in p}
+    assert avoid & {t for p in bench_prompts(random.Random(0), 20, 200, 0.0, 512) for t in p}   # without: drawn
+    dep.model_config = types.SimpleNamespace(vision=None, image_token_id=7, video_token_id=8)
+    assert placeholder_ids(dep) == frozenset()
+
+
 def test_decode_window_counts_only_while_every_request_decodes():
     # two requests: first tokens at 1.0 and 2.0, one token per 0.5 s, finishing at 5.0 and 6.0
     a = (0.0, [(1.0 + 0.5 * i, 1) for i in range(9)])        # 1.0 .. 5.0
