@@ -88,7 +88,7 @@ def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
 
 def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: int, microbatches,
               fmt: str = "dummy", ttft: int = 0, out: list | None = None, chunk: int = 4096,
-              spread: float = 0.0) -> list[dict]:
+              spread: float = 0.0, pipeline_chunks="auto") -> list[dict]:
     """One deployment over `devices` (one stage per entry; a GPU may hold several). Each concurrency is warmed up
     by run_bench (its decode graphs are captured), then measured: the steady-state decode rate is the tokens that
     arrived while every request was decoding, over that window (memra_pp.bench)."""
@@ -99,7 +99,8 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
            "stages": [{"device": f"cuda:{d}" if isinstance(d, int) else d, "num_cpus": 0.5} for d in devices],
            "scheduler": {"max_batch": max(concurrencies),
                          "max_context": max(prompt_range(prompt_len, spread)[1] + new, ttft + 2) + 8,
-                         "prefill_chunk": chunk, "microbatches": microbatches}}
+                         "prefill_chunk": chunk, "microbatches": microbatches,
+                         "pipeline_chunks": pipeline_chunks}}
     out = [] if out is None else out      # the caller's list: runs measured before a failure are kept
     t0 = time.time()
     with memra_pp.launch(cfg) as dep:
@@ -131,10 +132,13 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                              if key == "ramp_phase_us" else ""), flush=True)
         if ttft:      # one long prompt alone: time to first token (chunked prefill through every stage)
             r = run_bench(dep, 1, ttft, 2, seed=1, timeline=True)   # each stage's chunks against time
-            r.update(n_stages=n, devices=devices, model=model, kind="ttft")
+            pre = [s[1] for s in (r.get("timeline") or {}).get("stages", [[]])[0] if s[0] == "prefill"]
+            r.update(n_stages=n, devices=devices, model=model, kind="ttft", pipeline_chunks=pipeline_chunks,
+                     prompt_cut=len(pre) > -(-ttft // chunk), prefill_steps=pre)
             out.append(r)
-            print(f"  {n} stage(s), one {ttft}-token prompt: time to first token {r['ttft_p50_s'] * 1e3:.0f} ms",
-                  flush=True)
+            print(f"  {n} stage(s), one {ttft}-token prompt (pipeline_chunks {pipeline_chunks}): time to first token "
+                  f"{r['ttft_p50_s'] * 1e3:.0f} ms, prefill steps on stage 0 {len(pre)} "
+                  f"({'cut in pieces' if r['prompt_cut'] else 'whole chunks'}: {pre[:3]}...)", flush=True)
     return out
 
 
@@ -153,6 +157,9 @@ def main() -> int:
     ap.add_argument("--deploy-each", action="store_true", help="one deployment per concurrency (saturation)")
     ap.add_argument("--prefill-chunk", type=int, default=4096,
                     help="scheduler.prefill_chunk (a long prompt's chunks pipeline across stages)")
+    ap.add_argument("--pipeline-chunks", default="auto",
+                    help="scheduler.pipeline_chunks, or a comma-separated list (1,auto): one deployment each for "
+                         "layouts of several stages (a lone long prompt's pieces; 1 = whole chunks)")
     ap.add_argument("--hf", action="store_true", help="transformers' generate on GPU 0")
     ap.add_argument("--hf-concurrency", default="", help="transformers' concurrencies (default: --concurrency); "
                     "its generate takes about 150 ms a step at 27B, so a sweep usually gives it fewer")
@@ -210,6 +217,10 @@ def main() -> int:
     print(f"copy {bw / 1e12:.2f} TB/s, weights {wb / 1e9:.1f} GB/token, batch-1 floor {bw / wb:.1f} tokens/s",
           flush=True)
     mb = a.microbatches if a.microbatches == "auto" else int(a.microbatches)
+    try:
+        pipeline_chunks = [x if x == "auto" else int(x) for x in a.pipeline_chunks.split(",")]
+    except ValueError:
+        ap.error(f"--pipeline-chunks {a.pipeline_chunks!r}: give auto or integers >= 1, comma-separated")
 
     def save():
         with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
@@ -237,10 +248,11 @@ def main() -> int:
             # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
-            for any_kv, in_place, merged, cudnn, varlen, cs in [
-                    (k, p, m, cu, v, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
+            pcs = pipeline_chunks if len(devices) > 1 else pipeline_chunks[:1]   # one stage: never cut
+            for any_kv, in_place, merged, cudnn, varlen, pc, cs in [
+                    (k, p, m, cu, v, pc, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
                     for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn] for v in sides[a.prefill_varlen]
-                    for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
+                    for pc in pcs for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
                 # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
                 os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
                 os.environ["MEMRA_PP_KV_IN_PLACE"] = "1" if in_place else "0"
@@ -260,14 +272,14 @@ def main() -> int:
                 n0 = len(rep["runs"])
                 try:
                     run_memra(a.model, devices, cs, a.prompt_len, a.new, mb_l, ttft=a.ttft, out=rep["runs"],
-                              chunk=a.prefill_chunk, spread=a.prompt_spread)
+                              chunk=a.prefill_chunk, spread=a.prompt_spread, pipeline_chunks=pc)
                 except Exception as e:  # noqa: BLE001 - record it and go on
                     print(f"  layout {devices}, concurrency {cs} failed: {type(e).__name__}: {e}", flush=True)
                     rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs, "any_kv": any_kv,
                                                          "error": f"{type(e).__name__}: {e}"})
                 for r in rep["runs"][n0:]:
                     r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
-                    r["prefill_varlen"] = varlen
+                    r["prefill_varlen"], r["pipeline_chunks"] = varlen, pc
                 save()
     if not a.hf_first:
         hf()
@@ -276,8 +288,9 @@ def main() -> int:
     ttfts = [r for r in rep["runs"] if r.get("kind") == "ttft" and r.get("timeline")]
     if ttfts:   # each layout's long prompt: every stage's chunks against time (is the prefill pipelined?)
         from memra_pp.bench import plot_timelines
-        plot_timelines([(f"{r['n_stages']} stage(s) on cuda {r['devices']}: one {a.ttft}-token prompt in "
-                         f"{a.prefill_chunk}-token chunks", r["timeline"]) for r in ttfts],
+        plot_timelines([(f"{r['n_stages']} stage(s) on cuda {r['devices']}: one {a.ttft}-token prompt, "
+                         f"prefill_chunk {a.prefill_chunk}, pipeline_chunks {r.get('pipeline_chunks')}",
+                         r["timeline"]) for r in ttfts],
                        os.path.join(a.out, "ttft_timeline.png"), f"{a.model}, {rep['gpu']}")
     return 0
 

@@ -4,7 +4,10 @@ stages at most 0.6x one, chunked prefill pipelined across stages). Each stage is
 Qwen3.5 written as a config only. Prints the ratio and how many chunks followed their predecessor down the pipeline.
 
     .venv/bin/python benchmarks/prefill_pipeline.py [--prompt 2048] [--chunk 256] [--device cpu] [--json OUT]
-        [--model DIR | preset:NAME] [--plot PNG]
+        [--model DIR | preset:NAME] [--plot PNG] [--pipeline-chunks 1,auto]
+
+Two stages run once per --pipeline-chunks value (scheduler.pipeline_chunks: 1 sends the prompt in whole
+prefill_chunk chunks; auto cuts a lone prompt in 8 equal pieces), one deployment each.
 """
 from __future__ import annotations
 
@@ -89,7 +92,9 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a model directory or preset:NAME (dummy weights); default MID")
     ap.add_argument("--n", type=int, default=3)
     ap.add_argument("--json")
-    ap.add_argument("--plot", help="a PNG of both runs' last prompt: each stage's chunks against time")
+    ap.add_argument("--plot", help="a PNG of every run's last prompt: each stage's chunks against time")
+    ap.add_argument("--pipeline-chunks", default="auto",
+                    help="scheduler.pipeline_chunks for the two-stage runs, comma-separated (1,auto: side by side)")
     a = ap.parse_args()
     import ray
     import memra_pp
@@ -98,40 +103,49 @@ def main() -> int:
     path = a.model or mid_model(tmp)
     rng = random.Random(0)
     res = {"prompt": a.prompt, "chunk": a.chunk, "device": a.device, "model": a.model or MID, "runs": {}}
-    for n in (1, 2):
+    pcs = [x if x == "auto" else int(x) for x in a.pipeline_chunks.split(",")]
+    for n, pc in [(1, "auto")] + [(2, pc) for pc in pcs]:
+        key = "1" if n == 1 else f"2, pipeline_chunks {pc}"
         dev = (lambda i: "cpu") if a.device == "cpu" else (lambda i: f"cuda:{i}")
         cfg = {"name": f"prefill{n}", "model": {"path": path, "format": "dummy",
                                                 "dtype": "float32" if a.device == "cpu" else "bfloat16"},
                "stages": [{"device": dev(i), "num_cpus": 0.5, "threads": 1} for i in range(n)],
-               "scheduler": {"max_batch": 2, "max_context": a.prompt + 64, "prefill_chunk": a.chunk}}
+               "scheduler": {"max_batch": 2, "max_context": a.prompt + 64, "prefill_chunk": a.chunk,
+                             "pipeline_chunks": pc}}
         with memra_pp.launch(cfg) as dep:
-            prompt = [rng.randrange(4, dep.vocab_size) for _ in range(a.prompt)]
+            from memra_pp.bench import bench_prompts, placeholder_ids
+            prompt = bench_prompts(rng, 1, a.prompt, 0.0, dep.vocab_size, placeholder_ids(dep))[0]
             ts, tl = ttft(dep, prompt, a.n)
             st = dep.stats()["stages"]
-        res["runs"][n] = {"ttft_s": ts, "median_s": statistics.median(ts),
-                          "pipelined_chunks": st[0].get("pipelined_chunks"),
-                          "busy": [s["busy"] for s in st], "timeline": tl}
-        print(f"{n} stage(s): time to first token of a {a.prompt}-token prompt in {a.chunk}-token chunks: median "
-              f"{statistics.median(ts) * 1e3:.0f} ms ({', '.join(f'{t * 1e3:.0f}' for t in ts)}); chunks pipelined "
+        pre = [s[1] for s in tl["stages"][0] if s[0] == "prefill"]
+        res["runs"][key] = {"ttft_s": ts, "median_s": statistics.median(ts), "pipeline_chunks": pc,
+                            "pipelined_chunks": st[0].get("pipelined_chunks"), "prompts_cut": st[0].get("prompts_cut"),
+                            "prefill_steps": pre, "busy": [s["busy"] for s in st], "timeline": tl}
+        print(f"{n} stage(s){'' if n == 1 else f', pipeline_chunks {pc}'}: time to first token of a {a.prompt}-token "
+              f"prompt, prefill_chunk {a.chunk}: median {statistics.median(ts) * 1e3:.0f} ms "
+              f"({', '.join(f'{t * 1e3:.0f}' for t in ts)}); its {len(pre)} prefill steps {pre}; chunks pipelined "
               f"{st[0].get('pipelined_chunks')}", flush=True)
     if a.device == "cpu":
         res["cpu_parallel_scaling"] = parallel_scaling()
         print(f"this machine: two single-threaded processes compute {res['cpu_parallel_scaling']:.2f}x one "
               f"(2.00 = two real cores)", flush=True)
-    r = res["runs"][2]["median_s"] / res["runs"][1]["median_s"]
-    k = -(-a.prompt // a.chunk)
-    res["ratio_2_over_1"] = r
-    res["ideal_pipelined"] = (k + 1) / (2 * k)
-    print(f"two stages / one stage: {r:.2f} (a perfect two-stage pipeline of {k} chunks: {(k + 1) / (2 * k):.2f}; "
-          f"chunks one at a time: >= 1.0)", flush=True)
+    one = res["runs"]["1"]["median_s"]
+    for key, run in res["runs"].items():
+        if key == "1":
+            continue
+        k = len(run["prefill_steps"]) or 1
+        run["ratio_2_over_1"], run["ideal_pipelined"] = run["median_s"] / one, (k + 1) / (2 * k)
+        print(f"two stages ({key.partition(', ')[2]}) / one stage: {run['ratio_2_over_1']:.2f} (a perfect two-stage "
+              f"pipeline of its {k} steps: {run['ideal_pipelined']:.2f}; one step: >= 1.0)", flush=True)
     if a.json:
         json.dump(res, open(a.json, "w"), indent=1)
     if a.plot:
         from memra_pp.bench import plot_timelines
-        plot_timelines([(f"{n} stage(s), {a.prompt}-token prompt in {a.chunk}-token chunks on {a.device}",
-                         res["runs"][n]["timeline"]) for n in (1, 2)], a.plot,
-                       f"time to first token: two stages / one = {r:.2f} (a perfect pipeline: "
-                       f"{res['ideal_pipelined']:.2f})")
+        plot_timelines([(("1 stage" if key == "1" else f"2 stages ({key.partition(', ')[2]})")
+                         + f", {a.prompt}-token prompt, prefill_chunk {a.chunk}, on {a.device}"
+                         + (f": {run['ratio_2_over_1']:.2f}x one stage" if key != "1" else ""), run["timeline"])
+                        for key, run in res["runs"].items()], a.plot,
+                       "time to first token, one long prompt alone: each stage's prefill steps")
     ray.shutdown()
     return 0
 

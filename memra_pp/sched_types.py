@@ -40,6 +40,7 @@ class Seq:
     done: bool = False                            # finished: tokens of a continuation still in flight are dropped
     last_run: int = 0
     pages: int = 0                                # KV pages reserved for it at admission (Scheduler.kv_pages)
+    piece: int = 0                                # most prompt tokens a microbatch takes (Scheduler.piece; 0: unset)
 
 
 @dataclasses.dataclass

@@ -12,9 +12,24 @@ from .model.batch import positions_3T
 from .sched_types import Event, Microbatch, Request, Seq
 
 
+def auto_pipeline_chunks(stages: int) -> int:
+    """`scheduler.pipeline_chunks: auto`: how many pieces a prompt is cut into when it alone would leave stages idle.
+    A lone prompt's n stages finish after its k pieces plus n - 1 more piece times (the pipe's fill and drain), so
+    against one stage its prefill takes (k + n - 1) / (k n) of the time, plus a step's fixed cost per piece: k = 8
+    (n - 1) keeps the fill and drain within 1/8 of the ideal 1/n. One stage: no pieces (1)."""
+    return 1 if stages <= 1 else 8 * (stages - 1)
+
+
 class Scheduler:
-    def __init__(self, max_batch: int, microbatches: int, prefill_chunk: int, max_context: int):
+    def __init__(self, max_batch: int, microbatches: int, prefill_chunk: int, max_context: int,
+                 pipeline_chunks: int = 1):
         self.max_batch, self.M, self.chunk, self.max_context = max_batch, microbatches, prefill_chunk, max_context
+        # a prompt whose first chunk is cut while the prompts waiting to be prefilled are at most one chunk for
+        # each microbatch in flight (M x prefill_chunk: full chunks could not keep every stage busy) goes down the
+        # pipeline in `pipeline_chunks` equal pieces (Seq.piece), so stage i+1 runs piece k while stage i runs
+        # k + 1; never below a KV page nor prefill_chunk / 8. Under load the chunks stay whole (the budget).
+        self.pieces = pipeline_chunks
+        self.cut = 0                              # prompts cut into pieces for the pipeline (stats, tests)
         self.waiting: deque[Request] = deque()
         self.active: dict[int, Seq] = {}          # slot -> Seq
         self.free_slots = list(range(max_batch))[::-1]
@@ -59,6 +74,39 @@ class Scheduler:
 
     def _pages_fit(self, r: Request) -> bool:
         return self.kv_pages is None or self.kv_used + self.pages(r) <= self.kv_pages
+
+    @classmethod
+    def for_placement(cls, sc, stages: int, microbatches: int) -> "Scheduler":
+        """The intake's scheduler for a placement's SchedulerSpec `sc` over `stages` stages."""
+        pieces = auto_pipeline_chunks(stages) if sc.pipeline_chunks is None else sc.pipeline_chunks
+        return cls(sc.max_batch, microbatches, sc.prefill_chunk, sc.max_context, pieces)
+
+    def piece(self, s: Seq) -> int:
+        """The most prompt tokens of `s` one microbatch takes, fixed when its first chunk is cut."""
+        if not s.piece:
+            s.piece = self.chunk
+            n = len(s.req.prompt)
+            if self.pieces > 1 and n > self.chunk // 8 and self._thin():
+                blk = self.kv_block
+                p = max(-(-n // self.pieces), self.chunk // 8, blk)
+                p = min(self.chunk, -(-p // blk) * blk)
+                if p < min(n, self.chunk):
+                    s.piece = p
+                    self.cut += 1
+        return s.piece
+
+    def _thin(self) -> bool:
+        """Are the prompt tokens not yet sent (admitted and waiting) at most one chunk per microbatch in flight?"""
+        cap, left = self.M * self.chunk, 0
+        for s in self.active.values():
+            left += max(0, len(s.req.prompt) - s.sent)
+            if left > cap:
+                return False
+        for r in self.waiting:
+            left += len(r.prompt)
+            if left > cap:
+                return False
+        return True
 
     def idle(self) -> bool:
         return not self.waiting and not self.active
@@ -155,7 +203,7 @@ class Scheduler:
                 take.append(s)
                 counts.append(1)
             elif budget > 0:
-                c = min(len(s.req.prompt) - s.sent, budget)
+                c = min(len(s.req.prompt) - s.sent, budget, self.piece(s))
                 budget -= c
                 take.append(s)
                 counts.append(c)

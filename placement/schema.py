@@ -66,6 +66,10 @@ class SchedulerSpec:
     # KV pages (64 positions each) the sequences may hold at once on every stage; None = auto: what the fullest
     # stage's memory holds (beside its headroom). Requests wait for pages at admission instead of failing mid-step
     kv_pages: int | None = None
+    # pieces a prompt is cut into when the prompts waiting are too few to keep every stage busy in full chunks, so
+    # its pieces pipeline across the stages (time to first token); None = auto: 8 per stage beyond the first, 1 on
+    # one stage (memra_pp.scheduler.auto_pipeline_chunks). 1 = off. No piece is below prefill_chunk / 8
+    pipeline_chunks: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +120,8 @@ class Placement:
         d["stages"] = [dict(s, layers=list(s["layers"]) if s["layers"] else "auto") for s in d["stages"]]
         d["scheduler"]["microbatches"] = self.scheduler.microbatches or "auto"
         d["scheduler"]["kv_pages"] = "auto" if self.scheduler.kv_pages is None else self.scheduler.kv_pages
+        pc = self.scheduler.pipeline_chunks
+        d["scheduler"]["pipeline_chunks"] = "auto" if pc is None else pc
         d["transport_poll_us"] = "auto" if self.transport_poll_us is None else self.transport_poll_us
         return d
 
@@ -223,6 +229,12 @@ def _scheduler(raw: Any) -> SchedulerSpec:
     kv = d.get("kv_pages", "auto")
     if kv not in ("auto", None):
         kw["kv_pages"] = _int(kv, "scheduler.kv_pages")
+    pc = d.get("pipeline_chunks", "auto")
+    if pc not in ("auto", None):
+        if isinstance(pc, bool) or not isinstance(pc, int) or pc < 1:
+            raise _bad("scheduler.pipeline_chunks", f"must be auto or an integer >= 1 (1: prompts keep whole "
+                                                    f"chunks), got {pc!r}")
+        kw["pipeline_chunks"] = pc
     return SchedulerSpec(**kw)
 
 

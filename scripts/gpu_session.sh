@@ -29,7 +29,8 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     # nvidia-h200-x2, issue 7 targets 1 (two stages), 2 (saturation: 512 in, 256 out, up to 1024 requests),
     # 4 (8k prompt, chunks pipelined across stages) and 5 (busy, handoffs): one phase per call
     sat) phase gpu-decode-sat 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "${SAT_LAYOUTS:-0;0,1}" --concurrency ${SAT_C:-64,256,384,512,1024} --prompt-len 512 --new 256 --deploy-each ;;
-    ttft2) phase gpu-ttft-2 300 python3 -u benchmarks/gpu_decode.py --out "$OUT/ttft" --layouts "0;0,1" --concurrency 1 --new 64 --ttft 8192 --prefill-chunk ${TTFT_CHUNK:-1024} ;;
+    # target 4 on two GPUs: one stage, then two stages with the prompt in whole chunks (1), in auto's 8 pieces, in 16
+    ttft2) phase gpu-ttft-2 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/ttft" --layouts "0;0,1" --concurrency 1 --new 64 --ttft 8192 --prefill-chunk ${TTFT_CHUNK:-4096} --pipeline-chunks ${TTFT_PIECES:-1,auto,16} ;;
     bench4) phase gpu-decode-4 560 python3 -u benchmarks/gpu_decode.py --out "$OUT" --layouts "0;0,1;0,1,2,3" --concurrency 64,256 ;;
     engine) phase gpu-engine-step ${ENGINE_S:-200} python3 -u benchmarks/gpu_engine_step.py --out "$OUT" --batches 1,64,256 --modes graph --profile ;;
     # issue 7 on the 35B-A3B MoE dimensions: the engine step (profiled) and the deployment against transformers

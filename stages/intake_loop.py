@@ -31,6 +31,7 @@ class IntakeLoop(_Loop):
         out = super().stats(reset, timeline)
         out["async_dropped"] = self.sched.dropped
         out["pipelined_chunks"] = self.sched.pipelined
+        out["prompts_cut"] = self.sched.cut       # prompts sent in pipeline pieces (scheduler.pipeline_chunks)
         return out
 
     def _read_ring(self):

@@ -59,7 +59,7 @@ class RecoveryMixin:
                 if kind == "req":
                     evs.append(Event(item.client, item.rid, [], [], "error", ("StageFailed", message, stage)))
             self.mail.post(evs)
-            self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
+            self.scheduler = Scheduler.for_placement(sc, len(self.plan.stages), self.plan.microbatches)
         g = self.model.graphs
         capture = None if g is None else g.capture
         # the old graphs hold the old cache (grown to its budget) and their memory pool: both go before the new

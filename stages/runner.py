@@ -134,7 +134,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         info = self.relink(run_dir, transport)
         info.update(ctx=str(self.engine.ctx), load_s=self.load_s, tensors=len(self.src.read_names))
         if sp.intake:
-            self.scheduler = Scheduler(sc.max_batch, self.plan.microbatches, sc.prefill_chunk, sc.max_context)
+            self.scheduler = Scheduler.for_placement(sc, len(self.plan.stages), self.plan.microbatches)
         return info
 
     def kv_report(self) -> dict:

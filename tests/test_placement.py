@@ -162,6 +162,9 @@ def test_layer_refusals(stages, needles):
     ({"scheduler": {"microbatches": 0}}, ["scheduler.microbatches: must be auto or an integer >= 1, got 0"]),
     ({"scheduler": 5}, ["scheduler: must be a mapping, got 5"]),
     ({"scheduler": {"kv_pages": 0}}, ["scheduler.kv_pages: must be an integer >= 1, got 0"]),
+    ({"scheduler": {"pipeline_chunks": 0}}, ["scheduler.pipeline_chunks: must be auto or an integer >= 1 (1: "
+                                             "prompts keep whole chunks), got 0"]),
+    ({"scheduler": {"pipeline_chunks": "many"}}, ["scheduler.pipeline_chunks: must be auto or an integer >= 1"]),
     ({"transport_poll_us": "fast"}, ["transport_poll_us: must be auto or microseconds in [0, 1000000]"]),
     ({"transport_poll_us": -1}, ["transport_poll_us: must be auto or microseconds in [0, 1000000]"]),
     ({"adapters": {"max_loras": 0}}, ["adapters.max_loras: must be an integer >= 1"]),
@@ -229,7 +232,8 @@ def test_round_trips(tmp_path):
     raw = cfg({"device": "cpu", "layers": [0, 2], "num_cpus": 0.25, "threads": 2}, "auto", "auto",
               vision={"engine": "stage:1"}, overlay_publish="never", transport="host", recover="replay",
               transport_poll_us=500,
-              scheduler={"microbatches": 2, "max_batch": 3, "max_context": 64, "prefill_chunk": 7, "kv_pages": 9},
+              scheduler={"microbatches": 2, "max_batch": 3, "max_context": 64, "prefill_chunk": 7, "kv_pages": 9,
+                         "pipeline_chunks": 3},
               adapters={"max_loras": 1, "max_rank": 8}, ray={"address": "auto", "namespace": "n", "listen": "10.1.2.3"},
               timeouts={"ready_s": 1, "step_s": 2.5, "heartbeat_s": 0.5})
     p = load_placement(raw)

@@ -163,6 +163,30 @@ def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
     assert st[0]["kv_pages"] == 4 and st[0]["kv_admission_waits"] > 0 and st[0]["kv_pages_reserved"] == 0, st[0]
 
 
+def test_a_lone_prompt_goes_down_two_stages_in_pieces(ray_cluster):
+    """scheduler.pipeline_chunks auto (8 on two stages), prefill_chunk 256: a 200-token prompt alone would be one
+    chunk, the second stage idle while the first runs it; it goes in pieces of one KV page (64, 64, 64, 8), each
+    on stage 1 after stage 0 finished it, sent before the one before it is back, and it equals transformers.
+    With pipeline_chunks 1 the same prompt is one chunk."""
+    import time
+    from memra_pp.bench import timeline_since
+    _, path = tiny_checkpoint("dense", False)
+    prompt = tuple(range(1, 201))
+    for pc, steps in (("auto", [64, 64, 64, 8]), (1, [200])):
+        with memra_pp.launch(config(path, 2, prefill_chunk=256, pipeline_chunks=pc)) as dep:
+            c = dep.client()
+            tm0 = time.monotonic()
+            assert_same("dense", False, prompt, c.generate(list(prompt), max_new_tokens=NEW, logprobs=True))
+            st = dep.stats(timeline=True)["stages"]
+        pre = [[sp for sp in lane if sp[0] == "prefill"] for lane in timeline_since(st, tm0, 0, 0)["stages"]]
+        assert [[sp[1] for sp in lane] for lane in pre] == [steps, steps], pre
+        for a, b in zip(pre[0], pre[1]):                     # [kind, tokens, start, end]
+            assert a[3] <= b[2], (a, b)
+        # three pieces go at once (microbatches auto: 3 on two CPU stages); the fourth once a slot is back
+        assert st[0]["prompts_cut"] == (pc == "auto")
+        assert st[0]["pipelined_chunks"] >= 2 if pc == "auto" else st[0]["pipelined_chunks"] == 0, st[0]
+
+
 @pytest.mark.parametrize("n_stages", [1, 2])
 def test_sampled_logprobs_are_the_raw_distributions(dense, n_stages):
     """A sampled request's logprobs[i] must be log_softmax (temperature 1) of the model's logits at the position

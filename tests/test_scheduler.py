@@ -146,6 +146,67 @@ def test_a_long_prompt_is_chunked_through_the_pipeline():
     assert [q.req.rid for q in dec.seqs] == ["r0"] and dec.starts == [10] and dec.ids == [7]
 
 
+def _prefill_pieces(s: Scheduler) -> list[list[tuple[str, int, int]]]:
+    """Cut microbatches until none can go, then return all tokens in order; each microbatch as (rid, start, count)."""
+    out, inflight = [], []
+    while not s.idle():
+        while True:
+            mb, _ = s.next_microbatch()
+            if mb is None:
+                break
+            out.append([(q.req.rid, st, c) for q, st, c in zip(mb.seqs, mb.starts, mb.counts)])
+            inflight.append(mb)
+        mb = inflight.pop(0)
+        s.on_tokens(mb.mb, [5] * sum(mb.sample), [-0.1] * sum(mb.sample))
+    return out
+
+
+def test_a_lone_long_prompt_goes_down_the_pipeline_in_equal_pieces():
+    """Two stages (pipeline_chunks 8), prefill_chunk 4096: an 8,192-token prompt alone would be two whole chunks,
+    one stage always idle; it goes in 8 pieces of 1,024, each sent while the one before is in flight. The pieces are
+    fixed when the first is cut: a request arriving later does not change them, and is itself cut only once the
+    prompts waiting fit the pipe (M x prefill_chunk)."""
+    s = Scheduler(max_batch=4, microbatches=2, prefill_chunk=4096, max_context=9000, pipeline_chunks=8)
+    s.add(req(0, n=8192, new=1))
+    a, _ = s.next_microbatch()
+    b, _ = s.next_microbatch()
+    assert (a.starts, a.counts, b.starts, b.counts) == ([0], [1024], [1024], [1024]) and s.pipelined == 1
+    s.add(req(1, n=9000 - 1, new=1))               # r0: 6,144 unsent + 8,999 > 2 x 4,096: whole chunks for r1
+    s.on_tokens(a.mb, [], [])
+    rest = _prefill_pieces(s)
+    r0 = [c for mb in rest for rid, _, c in mb if rid == "r0"]
+    r1 = [c for mb in rest for rid, _, c in mb if rid == "r1"]
+    assert r0 == [1024] * 6 and r1 == [4096, 4096, 807] and s.cut == 1 and s.idle(), rest
+
+
+def test_pipeline_pieces_keep_their_floors_and_stay_off_under_load_or_on_one_stage():
+    """No piece is below prefill_chunk / 8 nor a KV page, and pieces are whole pages; a prompt no longer than that
+    floor is not cut; pipeline_chunks 1 (one stage's auto) cuts nothing; with more prompts waiting than the pipe's
+    M x prefill_chunk, every prompt keeps whole chunks (the budget fills the steps)."""
+    def counts(n, chunk=4096, pieces=8, M=2, others=0):
+        s = Scheduler(max_batch=8, microbatches=M, prefill_chunk=chunk, max_context=9000, pipeline_chunks=pieces)
+        s.add(req(0, n=n, new=1))
+        for i in range(others):
+            s.add(req(1 + i, n=n, new=1))
+        return [c for mb in _prefill_pieces(s) for rid, _, c in mb if rid == "r0"], s.cut
+    assert counts(700) == ([512, 188], 1)                 # ceil(700 / 8) = 88 < 4096 / 8
+    assert counts(500) == ([500], 0)                      # not above the floor
+    assert counts(2000, chunk=1024) == ([256] * 7 + [208], 1)   # 250 -> whole pages: 256
+    assert counts(2000, chunk=256) == ([256] * 7 + [208], 0)    # whole chunks are already as small
+    assert counts(8192, pieces=1) == ([4096, 4096], 0)
+    assert counts(8192, others=1) == ([4096, 4096], 0)   # two 8k prompts: 16,384 > 2 x 4,096
+    assert counts(3000, M=3, others=1) == ([512] * 5 + [440], 2)   # 6,000 <= 3 x 4,096: both cut, 375 -> 512
+
+
+def test_pipeline_chunks_auto_is_eight_per_stage_beyond_the_first():
+    from placement.schema import SchedulerSpec
+    from memra_pp.scheduler import auto_pipeline_chunks
+    assert [auto_pipeline_chunks(n) for n in (1, 2, 3, 4)] == [1, 8, 16, 24]
+    assert Scheduler.for_placement(SchedulerSpec(), 2, 2).pieces == 8
+    assert Scheduler.for_placement(SchedulerSpec(), 1, 1).pieces == 1
+    assert Scheduler.for_placement(SchedulerSpec(pipeline_chunks=3), 2, 2).pieces == 3
+
+
 def test_an_aborted_prompt_sends_no_more_chunks_and_ends_when_its_chunks_are_back():
     s = Scheduler(max_batch=2, microbatches=3, prefill_chunk=4, max_context=64)
     s.add(req(0, n=12, new=3))
