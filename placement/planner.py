@@ -69,12 +69,19 @@ def _mixer_params(t: TextConfig, full: bool) -> int:
     return H * (C + Dv + 2 * nv) + H * Dv + C * K + t.linear_value_head_dim + 2 * nv
 
 
-def _ffn_params_read(t: TextConfig) -> int:
+def experts_read(t: TextConfig, batch: int = 1) -> float:
+    """Distinct routed experts a step of `batch` tokens reads, each token taking k of E at random: E (1 - (1 - k/E)^b)
+    (k at one token; all E as the batch grows)."""
+    E, k = t.num_experts, t.num_experts_per_tok
+    return float(k) if batch <= 1 else E * (1.0 - (1.0 - k / E) ** batch)
+
+
+def _ffn_params_read(t: TextConfig, batch: int = 1) -> float:
     H = t.hidden_size
     if not t.moe:
         return 3 * H * t.intermediate_size
     shared = 3 * H * t.shared_expert_intermediate_size + (H if t.shared_expert_intermediate_size else 0)
-    return t.num_experts * H + t.num_experts_per_tok * 3 * H * t.moe_intermediate_size + shared
+    return t.num_experts * H + experts_read(t, batch) * 3 * H * t.moe_intermediate_size + shared
 
 
 def state_bytes(t: TextConfig) -> float:
@@ -82,24 +89,34 @@ def state_bytes(t: TextConfig) -> float:
     return 2.0 * 4 * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim
 
 
-def default_layer_costs(model: ModelConfig, dtype_bytes: int = 2) -> tuple[float, ...]:
-    """Bytes one decode token reads in each decoder layer: the memory-bound decode step costs what it reads.
+def default_layer_costs(model: ModelConfig, dtype_bytes: int = 2, batch: int = 1) -> tuple[float, ...]:
+    """Bytes a decode step of `batch` sequences moves in each decoder layer: the memory-bound step costs what it
+    moves (issue 7's step floor), so stages of equal cost take equal time per microbatch.
 
-    Per layer: its mixer's weights (gated full attention and Gated DeltaNet differ), the FFN weights a token
-    touches (dense: gate, up, down; MoE: the router, the top-k experts and the shared expert with its gate, not
-    all E experts), the two RMSNorms, all at ``dtype_bytes``; plus ``state_bytes`` charged to every layer alike
-    (full-attention layers read a KV cache instead, comparable at a few thousand tokens of context).
+    Per layer: its mixer's weights (gated full attention and Gated DeltaNet differ), the FFN weights the step
+    touches (dense: gate, up, down; MoE: the router, the distinct routed experts `batch` tokens of top-k reach
+    (``experts_read``) and the shared expert with its gate), the two RMSNorms, all at ``dtype_bytes`` and read once
+    per step; plus ``state_bytes`` for each sequence, charged to every layer alike (full-attention layers read a KV
+    cache instead, comparable at a few thousand tokens of context). At batch 1 the weights dominate; at a
+    saturated microbatch (hundreds of sequences) the per-sequence state does, and every layer costs about the same.
     """
     t = model.text
-    ffn, norms, st = _ffn_params_read(t), 2 * t.hidden_size, state_bytes(t)
-    return tuple(float((_mixer_params(t, t.is_full(i)) + ffn + norms) * dtype_bytes) + st
+    ffn, norms, st = _ffn_params_read(t, batch), 2 * t.hidden_size, state_bytes(t)
+    return tuple(float((_mixer_params(t, t.is_full(i)) + ffn + norms) * dtype_bytes) + max(1, batch) * st
                  for i in range(t.num_hidden_layers))
 
 
-def default_head_cost(model: ModelConfig, dtype_bytes: int = 2) -> float:
-    """lm_head (V x H, read whole for every token, tied or not) plus the final norm: charged to the last stage."""
+def default_head_cost(model: ModelConfig, dtype_bytes: int = 2, batch: int = 1) -> float:
+    """lm_head (V x H, read whole once a step, tied or not) plus the final norm, and beyond one sequence each
+    further sequence's logits written and read (2 V at ``dtype_bytes``): charged to the last stage."""
     t = model.text
-    return float((t.vocab_size + 1) * t.hidden_size * dtype_bytes)
+    return float((t.vocab_size + 1) * t.hidden_size * dtype_bytes
+                 + (max(1, batch) - 1) * 2 * t.vocab_size * dtype_bytes)
+
+
+def decode_batch(placement: Placement, microbatches: int) -> int:
+    """Sequences in one decode microbatch when the deployment is full: max_batch spread over the microbatches."""
+    return max(1, -(-placement.scheduler.max_batch // max(1, microbatches)))
 
 
 def split_layers(costs: Sequence[float], n: int, first_extra: float = 0.0, last_extra: float = 0.0
@@ -229,14 +246,17 @@ def _warnings(placement: Placement, model: ModelConfig, n: int, tower: int) -> t
 def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[float] | None = None,
               head_cost: float | None = None) -> Plan:
     """Resolve a placement against a model: layer ranges, roles, microbatches and warnings. Pure; refuses with
-    ConfigError naming the key. Measured ``layer_costs`` (one per layer) replace the byte model; then the
-    embedding is free and ``head_cost`` (default 0, same units as the measurement) is added to the last stage.
+    ConfigError naming the key. The byte model costs a decode step of a full microbatch (``decode_batch``: max_batch
+    over the microbatches). Measured ``layer_costs`` (one per layer) replace it; then the embedding is free and
+    ``head_cost`` (default 0, same units as the measurement) is added to the last stage.
     """
     L, n = model.text.num_hidden_layers, len(placement.stages)
+    mb = placement.scheduler.microbatches
+    mb = mb if mb is not None else auto_microbatches(placement)
     if layer_costs is None:
-        b = DTYPE_BYTES[placement.model.dtype]
-        costs = default_layer_costs(model, b)
-        embed, head = float(model.text.hidden_size * b), default_head_cost(model, b)
+        b, batch = DTYPE_BYTES[placement.model.dtype], decode_batch(placement, mb)
+        costs = default_layer_costs(model, b, batch)
+        embed, head = float(model.text.hidden_size * b * batch), default_head_cost(model, b, batch)
     else:
         costs = tuple(float(c) for c in layer_costs)
         if len(costs) != L or not all(math.isfinite(c) and c >= 0 for c in costs):
@@ -253,7 +273,5 @@ def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[fl
         num_cpus=s.num_cpus, threads=s.threads,
         cost=sum(costs[a:b]) + (embed if i == 0 else 0.0) + (head if i == n - 1 else 0.0))
         for i, (s, (a, b)) in enumerate(zip(placement.stages, ranges)))
-    mb = placement.scheduler.microbatches
-    mb = mb if mb is not None else auto_microbatches(placement)
     return Plan(name=placement.name, stages=stages, intake_index=0, primary_index=n - 1, tower_index=tower,
                 microbatches=mb, num_layers=L, warnings=_warnings(placement, model, n, tower))

@@ -97,6 +97,35 @@ def test_moe_costs_count_only_what_a_token_reads():
     assert base[0] - base[3] == dense[0] - dense[3]    # linear vs full attention differ by the mixer alone
 
 
+def test_costs_of_a_decode_step_of_many_sequences():
+    """A step of b sequences moves each one's state in every layer and its logits at the head, reads the weights
+    once, and reaches E (1 - (1 - k/E)^b) distinct experts of a MoE layer: k at one token, nearly all E at many."""
+    from memra_pp.placement import experts_read
+    t = model().text
+    one, many = default_layer_costs(model(), 2, 1), default_layer_costs(model(), 2, 9)
+    assert all(m - o == 8 * 2 * 4 * 4 * 16 * 16 for o, m in zip(one, many))
+    assert default_head_cost(model(), 2, 9) - default_head_cost(model(), 2) == 8 * 2 * t.vocab_size * 2
+    moe = model(MOE).text
+    assert experts_read(moe, 1) == 2 and experts_read(moe, 2) == 8 * (1 - (6 / 8) ** 2)
+    assert 7.99 < experts_read(moe, 64) <= 8
+    a, b = default_layer_costs(model(MOE), 2, 1), default_layer_costs(model(MOE), 2, 2)
+    extra = (experts_read(moe, 2) - 2) * 3 * 64 * 32 * 2 + 4 * 4 * 16 * 16 * 2
+    assert all(abs(y - x - extra) < 1e-6 for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("base,max_batch,split", [
+    (B27, 1, 34), (B27, 64, 33),                 # a full microbatch of 32 moves states the head's layers do not
+    ("moe", 1, 24), ("moe", 64, 20)])            # one token reads 8 of 256 experts; 32 tokens about 163
+def test_the_split_follows_the_microbatch_the_deployment_runs(base, max_batch, split):
+    """Two GPU stages (2 microbatches): the split balances a decode step of max_batch / 2 sequences. At one
+    sequence the lm_head's weights outweigh layers (more layers on stage 0); at 32 the layers' states and experts
+    weigh more, and the 35B-A3B's 40 layers split evenly where one token's read would put 24 on stage 0."""
+    from memra_pp.model import presets
+    m = model(B27) if base is B27 else parse_config(presets.get("qwen3.5-35b-a3b"))
+    p = plan(cfg(*GPU2, model={"path": "/m", "dtype": "bfloat16"}, scheduler={"max_batch": max_batch}), m=m)
+    assert p.microbatches == 2 and ranges(p) == [(0, split), (split, m.text.num_hidden_layers)]
+
+
 def test_27b_default_plan_is_balanced():
     """The 27B byte model must split 64 layers so the lm_head's stage holds fewer layers."""
     p = plan(cfg(*[{"device": f"cuda:{i}"} for i in range(4)], model={"path": "/m", "dtype": "bfloat16"}),
