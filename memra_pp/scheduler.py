@@ -13,10 +13,10 @@ from .sched_types import Event, Microbatch, Request, Seq
 
 
 def auto_pipeline_chunks(stages: int) -> int:
-    """`scheduler.pipeline_chunks: auto`: how many pieces a prompt is cut into when it alone would leave stages idle.
-    A lone prompt's n stages finish after its k pieces plus n - 1 more piece times (the pipe's fill and drain), so
-    against one stage its prefill takes (k + n - 1) / (k n) of the time, plus a step's fixed cost per piece: k = 8
-    (n - 1) keeps the fill and drain within 1/8 of the ideal 1/n. One stage: no pieces (1)."""
+    """`scheduler.pipeline_chunks: auto`: how many pieces a prompt alone in the deployment is cut into. n stages
+    finish its k pieces in k + n - 1 piece times, against k n on one stage: (k + n - 1) / (k n) of one stage's time
+    (plus a step's fixed cost per piece). k = 8 (n - 1) puts that within 1/8 of the ideal 1/n, where the prompt is
+    long enough for k pieces above the floor (Scheduler.piece). One stage: no pieces (1)."""
     return 1 if stages <= 1 else 8 * (stages - 1)
 
 
@@ -24,10 +24,9 @@ class Scheduler:
     def __init__(self, max_batch: int, microbatches: int, prefill_chunk: int, max_context: int,
                  pipeline_chunks: int = 1):
         self.max_batch, self.M, self.chunk, self.max_context = max_batch, microbatches, prefill_chunk, max_context
-        # a prompt whose first chunk is cut while the prompts waiting to be prefilled are at most one chunk for
-        # each microbatch in flight (M x prefill_chunk: full chunks could not keep every stage busy) goes down the
-        # pipeline in `pipeline_chunks` equal pieces (Seq.piece), so stage i+1 runs piece k while stage i runs
-        # k + 1; never below a KV page nor prefill_chunk / 8. Under load the chunks stay whole (the budget).
+        # a prompt alone in the deployment when its first chunk is cut goes down the pipeline in up to
+        # `pipeline_chunks` equal pieces (Scheduler.piece), so stage i+1 runs piece k while stage i runs k + 1;
+        # with other requests about, their microbatches keep the stages busy and its chunks stay whole
         self.pieces = pipeline_chunks
         self.cut = 0                              # prompts cut into pieces for the pipeline (stats, tests)
         self.waiting: deque[Request] = deque()
@@ -77,36 +76,28 @@ class Scheduler:
 
     @classmethod
     def for_placement(cls, sc, stages: int, microbatches: int) -> "Scheduler":
-        """The intake's scheduler for a placement's SchedulerSpec `sc` over `stages` stages."""
+        """The intake's scheduler for a placement's SchedulerSpec `sc` over `stages` stages. Pieces need another
+        stage to run on and a second microbatch to travel in: on one stage or with one microbatch, none."""
         pieces = auto_pipeline_chunks(stages) if sc.pipeline_chunks is None else sc.pipeline_chunks
+        if stages < 2 or microbatches < 2:
+            pieces = 1
         return cls(sc.max_batch, microbatches, sc.prefill_chunk, sc.max_context, pieces)
 
     def piece(self, s: Seq) -> int:
-        """The most prompt tokens of `s` one microbatch takes, fixed when its first chunk is cut."""
+        """The most prompt tokens of `s` one microbatch takes, fixed when its first chunk is cut: prefill_chunk,
+        unless `s` is then alone in the deployment (no other request admitted or waiting). Alone, its prompt of n
+        tokens goes in k = min(pipeline_chunks, n // least) equal pieces of ceil(n / k) (at most prefill_chunk),
+        none below `least` = max(prefill_chunk / 8, a KV page): fewer than two, and it stays whole."""
         if not s.piece:
             s.piece = self.chunk
             n = len(s.req.prompt)
-            if self.pieces > 1 and n > self.chunk // 8 and self._thin():
-                blk = self.kv_block
-                p = max(-(-n // self.pieces), self.chunk // 8, blk)
-                p = min(self.chunk, -(-p // blk) * blk)
-                if p < min(n, self.chunk):
+            if self.pieces > 1 and len(self.active) == 1 and not self.waiting:
+                k = min(self.pieces, n // max(self.chunk // 8, self.kv_block))
+                p = min(self.chunk, -(-n // max(k, 1)))
+                if k >= 2 and p < min(n, self.chunk):
                     s.piece = p
                     self.cut += 1
         return s.piece
-
-    def _thin(self) -> bool:
-        """Are the prompt tokens not yet sent (admitted and waiting) at most one chunk per microbatch in flight?"""
-        cap, left = self.M * self.chunk, 0
-        for s in self.active.values():
-            left += max(0, len(s.req.prompt) - s.sent)
-            if left > cap:
-                return False
-        for r in self.waiting:
-            left += len(r.prompt)
-            if left > cap:
-                return False
-        return True
 
     def idle(self) -> bool:
         return not self.waiting and not self.active

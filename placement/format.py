@@ -12,7 +12,9 @@ def format_plan(plan: Plan) -> str:
                       ",".join(s.roles) or "-", f"{100.0 * s.cost / total:.1f}") for s in plan.stages]
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = [f"plan {plan.name}: {len(plan.stages)} stage(s), {plan.num_layers} layers, "
-             f"{plan.microbatches} microbatch(es)"]
+             f"{plan.microbatches} microbatch(es)"
+             + (f", split for decode steps of {plan.split_batch} sequence(s) (max_batch / microbatches)"
+                if plan.split_batch else "")]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)

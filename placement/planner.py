@@ -24,7 +24,7 @@ class StagePlan:
     tower: bool               # runs the vision tower (vision.engine)
     num_cpus: float
     threads: int
-    cost: float = 0.0         # estimated cost (default model: bytes read per decode token), for the share column
+    cost: float = 0.0         # estimated cost (default: bytes a full decode microbatch moves), for the share column
 
     @property
     def num_layers(self) -> int:
@@ -42,9 +42,10 @@ class Plan:
     intake_index: int
     primary_index: int
     tower_index: int
-    microbatches: int         # resolved: scheduler.microbatches, or auto = n_stages + 1 (1 for a single stage)
+    microbatches: int         # resolved: scheduler.microbatches, or auto (planner.auto_microbatches)
     num_layers: int
     warnings: tuple[str, ...] = ()   # settings that are silently ineffective here; the caller logs them
+    split_batch: int | None = None   # the byte model's decode batch (decode_batch); None: measured layer costs
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -107,11 +108,10 @@ def default_layer_costs(model: ModelConfig, dtype_bytes: int = 2, batch: int = 1
 
 
 def default_head_cost(model: ModelConfig, dtype_bytes: int = 2, batch: int = 1) -> float:
-    """lm_head (V x H, read whole once a step, tied or not) plus the final norm, and beyond one sequence each
-    further sequence's logits written and read (2 V at ``dtype_bytes``): charged to the last stage."""
+    """lm_head (V x H, read whole once a step, tied or not) plus the final norm, at ``dtype_bytes``; and each
+    sequence's logits, float32, written and read by the sampler (8 V bytes): charged to the last stage."""
     t = model.text
-    return float((t.vocab_size + 1) * t.hidden_size * dtype_bytes
-                 + (max(1, batch) - 1) * 2 * t.vocab_size * dtype_bytes)
+    return float((t.vocab_size + 1) * t.hidden_size * dtype_bytes + max(1, batch) * 2 * t.vocab_size * 4)
 
 
 def decode_batch(placement: Placement, microbatches: int) -> int:
@@ -220,6 +220,11 @@ def _warnings(placement: Placement, model: ModelConfig, n: int, tower: int) -> t
     if mb is not None and mb < n:
         out.append(f"scheduler.microbatches: {mb} is fewer microbatches than stages ({n}): stages will idle; "
                    f"use auto ({auto_microbatches(placement)}) or at least {n}")
+    pc = placement.scheduler.pipeline_chunks
+    if pc is not None and pc > 1 and (n == 1 or (mb if mb is not None else auto_microbatches(placement)) < 2):
+        why = "a single-stage placement" if n == 1 else "one microbatch in flight"
+        out.append(f"scheduler.pipeline_chunks: {pc} has no effect with {why}: a prompt's pieces could not run on "
+                   f"two stages at once, so prompts keep whole chunks")
     mode = placement.overlay_publish
     if mode != "auto" and tower == 0:
         why = "a single-stage placement" if n == 1 else "vision.engine puts the tower on the intake stage"
@@ -274,4 +279,5 @@ def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[fl
         cost=sum(costs[a:b]) + (embed if i == 0 else 0.0) + (head if i == n - 1 else 0.0))
         for i, (s, (a, b)) in enumerate(zip(placement.stages, ranges)))
     return Plan(name=placement.name, stages=stages, intake_index=0, primary_index=n - 1, tower_index=tower,
-                microbatches=mb, num_layers=L, warnings=_warnings(placement, model, n, tower))
+                microbatches=mb, num_layers=L, warnings=_warnings(placement, model, n, tower),
+                split_batch=decode_batch(placement, mb) if layer_costs is None else None)

@@ -66,9 +66,9 @@ class SchedulerSpec:
     # KV pages (64 positions each) the sequences may hold at once on every stage; None = auto: what the fullest
     # stage's memory holds (beside its headroom). Requests wait for pages at admission instead of failing mid-step
     kv_pages: int | None = None
-    # pieces a prompt is cut into when the prompts waiting are too few to keep every stage busy in full chunks, so
-    # its pieces pipeline across the stages (time to first token); None = auto: 8 per stage beyond the first, 1 on
-    # one stage (memra_pp.scheduler.auto_pipeline_chunks). 1 = off. No piece is below prefill_chunk / 8
+    # the most pieces a prompt alone in the deployment is cut into, so that they pipeline across the stages (time to
+    # first token); None = auto: 8 per stage beyond the first (memra_pp.scheduler.auto_pipeline_chunks); 1 = off.
+    # No piece is below prefill_chunk / 8; one stage or one microbatch: no pieces (Scheduler.piece)
     pipeline_chunks: int | None = None
 
 

@@ -83,7 +83,7 @@ def test_default_costs_hand_computed():
     full = 64 * 32 * (8 + 4 + 4) + 2 * 32                        # q(+gate), k, v, o, q_norm, k_norm
     ffn, norms = 3 * 64 * 128, 2 * 64
     assert c == tuple(float(4 * (m + ffn + norms) + state) for m in [linear] * 3 + [full, linear, full])
-    assert default_head_cost(model(), 4) == (512 + 1) * 64 * 4
+    assert default_head_cost(model(), 4) == (512 + 1) * 64 * 4 + 8 * 512    # lm_head, norm; fp32 logits w + r
 
 
 def test_moe_costs_count_only_what_a_token_reads():
@@ -104,7 +104,7 @@ def test_costs_of_a_decode_step_of_many_sequences():
     t = model().text
     one, many = default_layer_costs(model(), 2, 1), default_layer_costs(model(), 2, 9)
     assert all(m - o == 8 * 2 * 4 * 4 * 16 * 16 for o, m in zip(one, many))
-    assert default_head_cost(model(), 2, 9) - default_head_cost(model(), 2) == 8 * 2 * t.vocab_size * 2
+    assert default_head_cost(model(), 2, 9) - default_head_cost(model(), 2) == 8 * 2 * t.vocab_size * 4
     moe = model(MOE).text
     assert experts_read(moe, 1) == 2 and experts_read(moe, 2) == 8 * (1 - (6 / 8) ** 2)
     assert 7.99 < experts_read(moe, 64) <= 8
@@ -337,6 +337,17 @@ def test_microbatches_resolved():
     assert plan(cfg(*GPU2)).microbatches == 2
     assert plan(cfg({"device": "cuda:0"}, "auto")).microbatches == 3      # a CPU stage in the pipeline
     assert plan(cfg("auto", "auto", scheduler={"microbatches": 7})).microbatches == 7
+
+
+def test_pipeline_chunks_without_a_second_stage_or_microbatch_warn():
+    """scheduler.pipeline_chunks > 1 on one stage, or with one microbatch in flight, cannot overlap two pieces: the
+    plan says so (the scheduler then sends whole chunks); auto never warns."""
+    one = plan(cfg("auto", scheduler={"pipeline_chunks": 4})).warnings
+    assert one == ("scheduler.pipeline_chunks: 4 has no effect with a single-stage placement: a prompt's pieces "
+                   "could not run on two stages at once, so prompts keep whole chunks",)
+    w = plan(cfg("auto", "auto", scheduler={"microbatches": 1, "pipeline_chunks": 4})).warnings
+    assert len(w) == 2 and "pipeline_chunks: 4 has no effect with one microbatch in flight" in w[1], w
+    assert plan(cfg("auto")).warnings == () and plan(cfg(*GPU2, scheduler={"pipeline_chunks": 4})).warnings == ()
 
 
 @pytest.mark.parametrize("raw,needle", [

@@ -164,14 +164,14 @@ def _prefill_pieces(s: Scheduler) -> list[list[tuple[str, int, int]]]:
 def test_a_lone_long_prompt_goes_down_the_pipeline_in_equal_pieces():
     """Two stages (pipeline_chunks 8), prefill_chunk 4096: an 8,192-token prompt alone would be two whole chunks,
     one stage always idle; it goes in 8 pieces of 1,024, each sent while the one before is in flight. The pieces are
-    fixed when the first is cut: a request arriving later does not change them, and is itself cut only once the
-    prompts waiting fit the pipe (M x prefill_chunk)."""
+    fixed when the first is cut: a request arriving later does not change them, and is itself not cut (it is not
+    alone)."""
     s = Scheduler(max_batch=4, microbatches=2, prefill_chunk=4096, max_context=9000, pipeline_chunks=8)
     s.add(req(0, n=8192, new=1))
     a, _ = s.next_microbatch()
     b, _ = s.next_microbatch()
     assert (a.starts, a.counts, b.starts, b.counts) == ([0], [1024], [1024], [1024]) and s.pipelined == 1
-    s.add(req(1, n=9000 - 1, new=1))               # r0: 6,144 unsent + 8,999 > 2 x 4,096: whole chunks for r1
+    s.add(req(1, n=9000 - 1, new=1))               # r0 is active: whole chunks for r1
     s.on_tokens(a.mb, [], [])
     rest = _prefill_pieces(s)
     r0 = [c for mb in rest for rid, _, c in mb if rid == "r0"]
@@ -179,23 +179,32 @@ def test_a_lone_long_prompt_goes_down_the_pipeline_in_equal_pieces():
     assert r0 == [1024] * 6 and r1 == [4096, 4096, 807] and s.cut == 1 and s.idle(), rest
 
 
-def test_pipeline_pieces_keep_their_floors_and_stay_off_under_load_or_on_one_stage():
-    """No piece is below prefill_chunk / 8 nor a KV page, and pieces are whole pages; a prompt no longer than that
-    floor is not cut; pipeline_chunks 1 (one stage's auto) cuts nothing; with more prompts waiting than the pipe's
-    M x prefill_chunk, every prompt keeps whole chunks (the budget fills the steps)."""
-    def counts(n, chunk=4096, pieces=8, M=2, others=0):
-        s = Scheduler(max_batch=8, microbatches=M, prefill_chunk=chunk, max_context=9000, pipeline_chunks=pieces)
+def test_pipeline_pieces_are_equal_above_their_floor_and_only_for_a_prompt_alone():
+    """A prompt alone of n tokens goes in k = min(pipeline_chunks, n // least) equal pieces, least = max(
+    prefill_chunk / 8, a KV page); fewer than two and it stays whole; pieces are at most prefill_chunk (a prompt
+    past pipeline_chunks chunks is already many). pipeline_chunks 1 cuts nothing. With another request admitted or
+    waiting, whether prefilling or decoding, its microbatches keep the stages busy: whole chunks, which ride with
+    the decode rows instead of one piece a round."""
+    def counts(n, chunk=4096, pieces=8, M=2, others=0, decoding=False):
+        s = Scheduler(max_batch=8, microbatches=M, prefill_chunk=chunk, max_context=70000, pipeline_chunks=pieces)
+        if decoding:               # a request already decoding when the long prompt arrives
+            s.add(req(9, n=3, new=50))
+            mb, _ = s.next_microbatch()
+            s.on_tokens(mb.mb, [5], [-0.1])
         s.add(req(0, n=n, new=1))
         for i in range(others):
             s.add(req(1 + i, n=n, new=1))
         return [c for mb in _prefill_pieces(s) for rid, _, c in mb if rid == "r0"], s.cut
-    assert counts(700) == ([512, 188], 1)                 # ceil(700 / 8) = 88 < 4096 / 8
-    assert counts(500) == ([500], 0)                      # not above the floor
-    assert counts(2000, chunk=1024) == ([256] * 7 + [208], 1)   # 250 -> whole pages: 256
-    assert counts(2000, chunk=256) == ([256] * 7 + [208], 0)    # whole chunks are already as small
+    assert counts(700) == ([700], 0)                       # 700 // 512 = 1 piece: whole
+    assert counts(1024) == ([512, 512], 1)
+    assert counts(8193) == ([1025] * 7 + [1018], 1)
+    assert counts(12288) == ([1536] * 8, 1)                # above M x prefill_chunk too
+    assert counts(65536) == ([4096] * 16, 0)               # 8 pieces would pass prefill_chunk: whole chunks
+    assert counts(2000, chunk=1024) == ([250] * 8, 1)      # least = 128
+    assert counts(200, chunk=256) == ([67, 67, 66], 1)      # least = a KV page (64): 3 pieces
     assert counts(8192, pieces=1) == ([4096, 4096], 0)
-    assert counts(8192, others=1) == ([4096, 4096], 0)   # two 8k prompts: 16,384 > 2 x 4,096
-    assert counts(3000, M=3, others=1) == ([512] * 5 + [440], 2)   # 6,000 <= 3 x 4,096: both cut, 375 -> 512
+    assert counts(8192, others=1) == ([4096, 4096], 0)
+    assert counts(4096, decoding=True) == ([4096], 0)
 
 
 def test_pipeline_chunks_auto_is_eight_per_stage_beyond_the_first():
@@ -205,6 +214,9 @@ def test_pipeline_chunks_auto_is_eight_per_stage_beyond_the_first():
     assert Scheduler.for_placement(SchedulerSpec(), 2, 2).pieces == 8
     assert Scheduler.for_placement(SchedulerSpec(), 1, 1).pieces == 1
     assert Scheduler.for_placement(SchedulerSpec(pipeline_chunks=3), 2, 2).pieces == 3
+    # pieces need a second stage and a second microbatch to overlap: else none, whatever was asked
+    assert Scheduler.for_placement(SchedulerSpec(pipeline_chunks=3), 1, 2).pieces == 1
+    assert Scheduler.for_placement(SchedulerSpec(pipeline_chunks=3), 2, 1).pieces == 1
 
 
 def test_an_aborted_prompt_sends_no_more_chunks_and_ends_when_its_chunks_are_back():
