@@ -4,12 +4,18 @@ from __future__ import annotations
 from .planner import Plan
 
 
+def _bytes(n: float) -> str:
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
 def format_plan(plan: Plan) -> str:
-    """A fixed-width table: stage, device, layers, layer count, roles, estimated cost share; then the warnings."""
+    """A fixed-width table: stage, device, layers, layer count, roles, estimated cost share, estimated memory
+    (weights and max_batch sequences' cache at max_context, the tower not counted); then the warnings."""
     total = sum(s.cost for s in plan.stages) or 1.0
-    head = ("stage", "device", "layers", "n", "roles", "cost %")
+    head = ("stage", "device", "layers", "n", "roles", "cost %", "memory")
     rows = [head] + [(str(s.index), s.device, f"[{s.layer_start}, {s.layer_end})", str(s.num_layers),
-                      ",".join(s.roles) or "-", f"{100.0 * s.cost / total:.1f}") for s in plan.stages]
+                      ",".join(s.roles) or "-", f"{100.0 * s.cost / total:.1f}", _bytes(s.memory))
+                     for s in plan.stages]
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = [f"plan {plan.name}: {len(plan.stages)} stage(s), {plan.num_layers} layers, "
              f"{plan.microbatches} microbatch(es)"

@@ -11,6 +11,9 @@ from memra_pp.model.config import ModelConfig, TextConfig
 from .schema import Placement
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# how much more than the best largest stage cost a split may cost when it holds the memory better balanced (the
+# fullest stage bounds the KV pages every stage can give; split_layers)
+SPLIT_SLACK = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +28,7 @@ class StagePlan:
     num_cpus: float
     threads: int
     cost: float = 0.0         # estimated cost (default: bytes a full decode microbatch moves), for the share column
+    memory: float = 0.0       # estimated bytes held: weights and max_batch sequences' cache at max_context
 
     @property
     def num_layers(self) -> int:
@@ -114,46 +118,104 @@ def default_head_cost(model: ModelConfig, dtype_bytes: int = 2, batch: int = 1) 
     return float((t.vocab_size + 1) * t.hidden_size * dtype_bytes + max(1, batch) * 2 * t.vocab_size * 4)
 
 
+def _ffn_params(t: TextConfig) -> int:
+    """Every FFN weight a layer holds (a MoE layer: all E experts, the router, the shared expert and its gate)."""
+    H = t.hidden_size
+    if not t.moe:
+        return 3 * H * t.intermediate_size
+    shared = 3 * H * t.shared_expert_intermediate_size + (H if t.shared_expert_intermediate_size else 0)
+    return t.num_experts * H + t.num_experts * 3 * H * t.moe_intermediate_size + shared
+
+
+def seq_cache_bytes(t: TextConfig, layer: int, max_context: int, dtype_bytes: int = 2) -> int:
+    """One sequence's cache in a layer: a Gated DeltaNet's conv state (C x (K - 1), model dtype) and fp32
+    recurrent state (nv x dk x dv); a full-attention layer's keys and values for max_context positions."""
+    if t.is_full(layer):
+        return 2 * t.num_key_value_heads * t.head_dim * dtype_bytes * max_context
+    return (t.conv_dim * (t.linear_conv_kernel_dim - 1) * dtype_bytes
+            + 4 * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim)
+
+
+def layer_weight_bytes(t: TextConfig, layer: int, dtype_bytes: int = 2) -> int:
+    """The weights a decoder layer holds: its mixer, every FFN weight (all experts), its two RMSNorms."""
+    return (_mixer_params(t, t.is_full(layer)) + _ffn_params(t) + 2 * t.hidden_size) * dtype_bytes
+
+
+def default_layer_memory(model: ModelConfig, dtype_bytes: int = 2, max_batch: int = 1, max_context: int = 0
+                         ) -> tuple[float, ...]:
+    """Bytes each decoder layer holds on its stage: its weights and the cache of max_batch sequences plus the
+    scratch slot (StageCache's rows), the keys and values as if every sequence reached max_context (an upper
+    bound: KV pages are taken as sequences grow)."""
+    t = model.text
+    return tuple(float(layer_weight_bytes(t, i, dtype_bytes)
+                       + (max_batch + 1) * seq_cache_bytes(t, i, max_context, dtype_bytes))
+                 for i in range(t.num_hidden_layers))
+
+
 def decode_batch(placement: Placement, microbatches: int) -> int:
     """Sequences in one decode microbatch when the deployment is full: max_batch spread over the microbatches."""
     return max(1, -(-placement.scheduler.max_batch // max(1, microbatches)))
 
 
-def split_layers(costs: Sequence[float], n: int, first_extra: float = 0.0, last_extra: float = 0.0
-                 ) -> tuple[int, ...]:
+def split_layers(costs: Sequence[float], n: int, first_extra: float = 0.0, last_extra: float = 0.0,
+                 memory: Sequence[float] | None = None, mem_first: float = 0.0, mem_last: float = 0.0,
+                 slack: float = 0.0) -> tuple[int, ...]:
     """Boundaries 0 = b0 < b1 < ... < bn = len(costs) minimising the largest stage cost, exactly (DP, O(n L^2)).
 
     Stage s costs sum(costs[b_s:b_s+1]), plus ``first_extra`` on stage 0 and ``last_extra`` on stage n-1.
-    Ties: each stage in turn takes as many layers as the optimum allows (the largest boundaries), so spare
-    capacity lands on the later stages, whose primary also samples. Needs 1 <= n <= len(costs).
+    With ``memory`` (per layer, plus ``mem_first`` / ``mem_last`` on the end stages): among the splits whose every
+    stage costs at most (1 + ``slack``) x that optimum, one with the smallest largest stage memory (a second exact
+    DP), since the fullest stage bounds what the cache can hold. Ties: each stage in turn takes as many layers as
+    the optimum allows (the largest boundaries), so spare capacity lands on the later stages, whose primary also
+    samples. Needs 1 <= n <= len(costs).
     """
     L = len(costs)
     assert 1 <= n <= L, (n, L)
-    pre = [0.0]
-    for c in costs:
-        pre.append(pre[-1] + c)
+
+    def prefix(xs: Sequence[float]) -> list[float]:
+        out = [0.0]
+        for x in xs:
+            out.append(out[-1] + x)
+        return out
+    pre = prefix(costs)
 
     def cost(s: int, a: int, b: int) -> float:
         return pre[b] - pre[a] + (first_extra if s == 0 else 0.0) + (last_extra if s == n - 1 else 0.0)
 
-    # best[s][a]: the smallest max cost of stages s..n-1 over layers [a, L), each stage non-empty.
-    best = [[math.inf] * (L + 1) for _ in range(n + 1)]
-    best[n][L] = 0.0
-    for s in range(n - 1, -1, -1):
-        for a in range(s, L - (n - s) + 1):
-            best[s][a] = min(max(cost(s, a, b), best[s + 1][b]) for b in range(a + 1, L - (n - s - 1) + 1))
-    top = best[0][0]
+    def solve(value, ok) -> tuple[list[list[float]], float]:
+        """best[s][a]: the smallest max value of stages s..n-1 over layers [a, L), each non-empty and ok."""
+        best = [[math.inf] * (L + 1) for _ in range(n + 1)]
+        best[n][L] = 0.0
+        for s in range(n - 1, -1, -1):
+            for a in range(s, L - (n - s) + 1):
+                best[s][a] = min((max(value(s, a, b), best[s + 1][b])
+                                  for b in range(a + 1, L - (n - s - 1) + 1) if ok(s, a, b)), default=math.inf)
+        return best, best[0][0]
+
+    best, top = solve(cost, lambda s, a, b: True)
+    value, ok = cost, (lambda s, a, b: True)
+    if memory is not None:
+        mpre, cap = prefix(memory), top * (1.0 + slack) + 1e-9 * abs(top)
+
+        def value(s: int, a: int, b: int) -> float:     # noqa: F811 - the memory objective replaces the cost
+            return mpre[b] - mpre[a] + (mem_first if s == 0 else 0.0) + (mem_last if s == n - 1 else 0.0)
+
+        def ok(s: int, a: int, b: int) -> bool:           # noqa: F811
+            return cost(s, a, b) <= cap
+        best, top = solve(value, ok)
     bounds, a = [0], 0
     for s in range(n - 1):
-        a = max(b for b in range(a + 1, L - (n - s - 1) + 1) if max(cost(s, a, b), best[s + 1][b]) <= top)
+        a = max(b for b in range(a + 1, L - (n - s - 1) + 1)
+                if ok(s, a, b) and max(value(s, a, b), best[s + 1][b]) <= top)
         bounds.append(a)
     bounds.append(L)
     return tuple(bounds)
 
 
-def _ranges(placement: Placement, L: int, costs: Sequence[float], embed: float, head: float
-            ) -> list[tuple[int, int]]:
-    """Per-stage ranges: explicit stages are fixed; each run of auto stages splits the gap between its neighbours."""
+def _ranges(placement: Placement, L: int, costs: Sequence[float], embed: float, head: float,
+            memory: Sequence[float], mem_embed: float, mem_head: float) -> list[tuple[int, int]]:
+    """Per-stage ranges: explicit stages are fixed; each run of auto stages splits the gap between its neighbours
+    (by cost, then by memory among the splits within SPLIT_SLACK of the best cost)."""
     specs, n = placement.stages, len(placement.stages)
     if n > L:
         raise ConfigError(f"stages: {n} stages for a model of {L} layers; every stage needs at least one layer, "
@@ -180,8 +242,9 @@ def _ranges(placement: Placement, L: int, costs: Sequence[float], embed: float, 
             raise ConfigError(f"stages[{run[0]}..{run[-1]}].layers: {len(run)} auto stage(s) but only "
                               f"{hi - lo} layer(s) left in [{lo}, {hi}); every stage needs at least one layer")
         if run:
-            bounds = split_layers(costs[lo:hi], len(run), embed if run[0] == 0 else 0.0,
-                                  head if run[-1] == n - 1 else 0.0)
+            first, last = run[0] == 0, run[-1] == n - 1
+            bounds = split_layers(costs[lo:hi], len(run), embed if first else 0.0, head if last else 0.0,
+                                  memory[lo:hi], mem_embed if first else 0.0, mem_head if last else 0.0, SPLIT_SLACK)
             for k, s in enumerate(run):
                 out[s] = (lo + bounds[k], lo + bounds[k + 1])
         if i < n:
@@ -272,11 +335,17 @@ def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[fl
             raise ConfigError(f"head_cost: must be a finite cost >= 0, got {head_cost!r}")
         head = float(head_cost)
     tower = _tower(placement, n)
-    ranges = _ranges(placement, L, costs, embed, head)
+    t, db, sc = model.text, DTYPE_BYTES[placement.model.dtype], placement.scheduler
+    memory = default_layer_memory(model, db, sc.max_batch, sc.max_context)
+    mem_embed = float(t.vocab_size * t.hidden_size * db)
+    # the primary's lm_head (a tied one is the embedding: the same tensor on one stage, a copy on another) and norm
+    mem_head = float(((0 if t.tie_word_embeddings and n == 1 else t.vocab_size) + 1) * t.hidden_size * db)
+    ranges = _ranges(placement, L, costs, embed, head, memory, mem_embed, mem_head)
     stages = tuple(StagePlan(
         index=i, device=s.device, layer_start=a, layer_end=b, intake=i == 0, primary=i == n - 1, tower=i == tower,
         num_cpus=s.num_cpus, threads=s.threads,
-        cost=sum(costs[a:b]) + (embed if i == 0 else 0.0) + (head if i == n - 1 else 0.0))
+        cost=sum(costs[a:b]) + (embed if i == 0 else 0.0) + (head if i == n - 1 else 0.0),
+        memory=sum(memory[a:b]) + (mem_embed if i == 0 else 0.0) + (mem_head if i == n - 1 else 0.0))
         for i, (s, (a, b)) in enumerate(zip(placement.stages, ranges)))
     return Plan(name=placement.name, stages=stages, intake_index=0, primary_index=n - 1, tower_index=tower,
                 microbatches=mb, num_layers=L, warnings=_warnings(placement, model, n, tower),
