@@ -7,10 +7,13 @@ and device time per layer for one prefill step's worth of segments, the ways the
 - varlen: the same prompts as one variable-length call (FlaRule.chunk_varlen, the chunk indices made on the host);
 - varlen-equal: the equal prompts as one variable-length call.
 
-With the conv (kernels/prefill.conv_prefill per group against conv_varlen) in each way too. Host time is the
-enqueue time of `--iters` calls without a sync (the device queue does not fill at these counts); device time from
-CUDA events. --cprofile prints where one way's host time goes in Python (the twenty-sixth session's profile had
-fla's chunk at about 1 ms of host time a layer in the MoE's prefill step, ~30 ms a step).
+With the conv (kernels/prefill.conv_prefill per group against conv_varlen) in each way too; a group's rows a slice
+where consecutive, as the engine takes them. Host time is the enqueue time of `--iters` calls without a sync (the
+device queue does not fill at these counts); device time from CUDA events around the same calls queued behind a
+sleep kernel, so that it is the kernels' time and not the host's. fla's own backend dispatch is off for memra_pp's
+calls (FLA_FLASH_QLA=0, fla_rule); the report says whether flash_qla was installed. --cprofile prints where one
+way's host time goes in Python (the twenty-sixth session's profile had fla's chunk at about 1 ms of host time a layer
+in the MoE's prefill step, ~30 ms a step).
 
     python -u benchmarks/fla_host.py --out DIR [--model preset:qwen3.5-35b-a3b] [--prompts 8x512~0.5] [--cprofile]
 """
@@ -49,9 +52,12 @@ def main() -> int:
     rule.warm_up(HV, D, D, torch.bfloat16, dev, k_heads=H)
     qh = H if rule.gva else HV
     gen = torch.Generator(device=dev).manual_seed(0)
-    rep = {"model": a.model, "gpu": torch.cuda.get_device_name(), "gva": rule.gva, "rows": []}
-    print(f"{a.model}: q/k heads {H}, v heads {HV}, dim {D}, gva {rule.gva}; {torch.cuda.get_device_name()}",
-          flush=True)
+    import importlib.util
+    rep = {"model": a.model, "gpu": torch.cuda.get_device_name(), "gva": rule.gva, "rows": [],
+           "flash_qla_installed": importlib.util.find_spec("flash_qla") is not None,
+           "FLA_FLASH_QLA": os.environ.get("FLA_FLASH_QLA")}
+    print(f"{a.model}: q/k heads {H}, v heads {HV}, dim {D}, gva {rule.gva}; {torch.cuda.get_device_name()}; "
+          f"flash_qla installed {rep['flash_qla_installed']}, FLA_FLASH_QLA={rep['FLA_FLASH_QLA']}", flush=True)
 
     def r(*s, dt=torch.bfloat16):
         return torch.randn(*s, device=dev, generator=gen).to(dt)
@@ -68,11 +74,12 @@ def main() -> int:
             s0, c0 = torch.zeros(B, HV, D, D, device=dev), torch.zeros(B, C, K - 1, device=dev, dtype=torch.bfloat16)
             groups = step.groups("length", dev)     # as GatedDeltaNet.forward groups them without VARLEN
 
-            def by_groups():
-                for idx, rows, _, _ in groups:
+            def by_groups():     # a group's rows a slice where consecutive, as the engine takes them (pf.whole)
+                for idx, rows, _, span in groups:
                     G, m = len(idx), lens[idx[0]]
                     pf.conv_prefill(u, rows, w, c0[:G], G, m, (qh * D, qh * D, HV * D))
-                    rule.chunk(*(x[0, rows].view(G, m, *x.shape[2:]) for x in (q, k, v, g, beta)), s0[:G])
+                    rule.chunk(*((x[0, span] if span is not None else x[0, rows]).view(G, m, *x.shape[2:])
+                                 for x in (q, k, v, g, beta)), s0[:G])
 
             def one_call():
                 pf.conv_varlen(u, seg, w, c0, (qh * D, qh * D, HV * D))
@@ -83,12 +90,19 @@ def main() -> int:
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
                 h0 = time.perf_counter()
                 for _ in range(a.iters):
                     fn()
-                host = (time.perf_counter() - h0) / a.iters * 1e6
+                host = (time.perf_counter() - h0) / a.iters * 1e6      # enqueue time, no sync inside
+                torch.cuda.synchronize()
+                # the device's own time: the stream held back by a sleep kernel (about twice the enqueue time, at
+                # 2 GHz) while the host queues every call, so the events time the kernels back to back and not the
+                # host's pace (where the host is the slower, timing events around its loop give its time)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(int(host * a.iters * 4e3))
+                e0.record()
+                for _ in range(a.iters):
+                    fn()
                 e1.record()
                 torch.cuda.synchronize()
                 device = e0.elapsed_time(e1) / a.iters * 1e3

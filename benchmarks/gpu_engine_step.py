@@ -307,25 +307,34 @@ def main() -> int:
                     f"first step {times[way][0]:.1f} ms (profiled)\n\n"
                     + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40) + "\n\n"
                     + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+            from memra_pp.kernels import prefill as pf
+            calls = {way: dict.fromkeys(pf.CALLS, 0) for way in ways}    # which paths each way's steps took
             for _ in range(6):
                 for way in ways:        # interleaved, so drift falls on both
                     with torch_prefill(way, model):
                         torch.cuda.synchronize()
+                        c0 = dict(pf.CALLS)
                         k0, t = tuned_keys(), time.perf_counter()
                         prefill_step(model, cache, b, ids)
                         torch.cuda.synchronize()
                     times[way].append((time.perf_counter() - t) * 1e3)
                     tuned[way].append(tuned_keys() - k0)
+                    for k, v in pf.CALLS.items():
+                        calls[way][k] += v - c0.get(k, 0)
             for way in ways:
                 tf = sum(prefill_flops(mc, 1, m) for m in lens) / min(times[way]) * 1e3 / 1e12
                 rep["rows"].append({"mode": mode, "prefill": [B, n], "spread": spread, "prompt_lens": lens,
                                     "decode_rows": D, "ctx": a.ctx,
                                     "prefill_ops": way, "step_ms": times[way],
-                                    "kernel_keys_tuned": tuned[way], "tflops_at_fastest": tf})
+                                    "kernel_keys_tuned": tuned[way], "tflops_at_fastest": tf,
+                                    "prefill_calls": {k: v // 6 for k, v in calls[way].items() if v}})
                 tps = (sum(lens) + D) / min(times[way]) * 1e3
                 print(f"  {mode:5s} prefill {name} ({way}): " + ", ".join(f"{x:.1f}" for x in times[way])
                       + f" ms/step ({tps:,.0f} tokens/s at the fastest: {tf:.0f} TFLOP/s "
-                      f"of matmul and attention), fla keys tuned per step {tuned[way]}", flush=True)
+                      f"of matmul and attention), fla keys tuned per step {tuned[way]}; per step "
+                      + ", ".join(f"{k} {v // 6}" for k, v in calls[way].items() if v), flush=True)
+                if way == "varlen" and not calls[way]["conv_varlen"]:
+                    print("  WARNING: the varlen way took no variable-length conv: it measured groups", flush=True)
             for way, wtag in profiled if a.profile else ():     # where a prefill step's time goes, by kernel
                 from torch.profiler import ProfilerActivity, profile
                 with torch_prefill(way, model), profile(activities=[ProfilerActivity.CPU,

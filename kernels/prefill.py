@@ -138,7 +138,7 @@ def fresh_segments(b, device, dtype) -> FreshSegments | None:
     variable-length kernel takes them: elsewhere on CUDA it would be a call a segment, and off CUDA it is, for the
     interpreter checks), else None."""
     cache = b.__dict__.setdefault("_segments", {})
-    key = ("fresh", str(device))
+    key = ("fresh", str(device), VARLEN)     # VARLEN: a benchmark flips it between ways over one StepBatch
     if torch.device(device).type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
         return None
     if key not in cache:
@@ -254,13 +254,18 @@ def prefill_warm_up(cfg, gdn: bool, full: bool, dtype, device) -> None:
         C, K = cfg.conv_dim, cfg.linear_conv_kernel_dim
         rows = torch.arange(T, device=device)
         qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        for state in (None, z(1, C, K - 1)):        # q, k, v split (whole: the same binary, at these dimensions)
-            conv_prefill(z(T, C), rows, z(C, K), state, 1, T, (qk, qk, C - 2 * qk))
-        if VARLEN:          # and over segments of two lengths, fresh and continuing
-            from memra_pp.model.batch import StepBatch
-            two = StepBatch([0, 1], [0, 0], [40, T - 40], StepBatch.text_positions([0, 0], [40, T - 40]), [True] * 2)
-            for state in (None, z(2, C, K - 1)):
-                conv_varlen(z(T, C), segments(two, device, K), z(C, K), state, (qk, qk, C - 2 * qk))
+        # u as the engine passes it: its own projection (row stride C) or the merged one's first C columns (row
+        # stride C + Z + 2 nv); Triton specializes the stride by its divisibility by 16, so both are compiled here
+        W = C + cfg.linear_num_value_heads * (cfg.linear_value_head_dim + 2)
+        for u in (z(T, C), z(T, W)[:, :C]):
+            for state in (None, z(1, C, K - 1)):    # q, k, v split (whole: the same binary, at these dimensions)
+                conv_prefill(u, rows, z(C, K), state, 1, T, (qk, qk, C - 2 * qk))
+            if VARLEN:      # and over segments of two lengths, fresh and continuing
+                from memra_pp.model.batch import StepBatch
+                two = StepBatch([0, 1], [0, 0], [40, T - 40], StepBatch.text_positions([0, 0], [40, T - 40]),
+                                [True] * 2)
+                for state in (None, z(2, C, K - 1)):
+                    conv_varlen(u, segments(two, device, K), z(C, K), state, (qk, qk, C - 2 * qk))
         nv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         for n in (max(1, (GATED_MANY - 1) // nv), -(-GATED_MANY // nv)):     # both of the gated norm's tiles
             gated_rms_norm(z(n, nv, dv), z(n, nv, dv), z(dv), cfg.rms_norm_eps)

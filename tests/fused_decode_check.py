@@ -113,7 +113,7 @@ from memra_pp.model.config import parse_config  # noqa: E402
 from memra_pp.model.tiny import tiny_config  # noqa: E402
 n0 = pf.CALLS["conv_prefill"]
 pf.prefill_warm_up(parse_config(tiny_config(num_layers=4)).text, True, True, dt, sys.argv[2])
-assert pf.CALLS["conv_prefill"] == n0 + 2, pf.CALLS
+assert pf.CALLS["conv_prefill"] == n0 + 4, pf.CALLS      # fresh and continuing, u of either row stride
 # the Gated DeltaNet step from raw projections
 B, H, HV, Kd, V = 3, 2, 4, 16, 16
 y = torch.randn(B, 2 * H * Kd + HV * V, dtype=dt)

@@ -80,3 +80,18 @@ def test_spans_read_the_offsets_once_a_step(monkeypatch):
     for _ in range(80):         # the layers
         assert [g[3] for g in b.groups("length", "cpu")] == first
     assert first == [slice(0, 500), slice(500, 1012)] and len(reads) == n <= 2, len(reads)
+
+
+def test_fresh_segments_follow_the_switch_over_one_step(monkeypatch):
+    """kernels/prefill.fresh_segments is made once a step and kept on the StepBatch; a benchmark that times the
+    groups way and then the varlen way over one StepBatch must get the variable-length segments the second time
+    (cached under the switch), not the first way's None."""
+    from memra_pp.kernels import prefill as pf
+    counts, starts = [3, 5, 1, 4], [0, 0, 7, 0]
+    b = StepBatch(list(range(4)), starts, counts, StepBatch.text_positions(starts, counts), [True] * 4)
+    monkeypatch.setattr(pf, "VARLEN", False)
+    assert pf.fresh_segments(b, "cpu", torch.float32) is None
+    monkeypatch.setattr(pf, "VARLEN", True)
+    seg = pf.fresh_segments(b, "cpu", torch.float32)
+    assert seg is not None and seg.lens == [3, 5, 4] and seg.cu32.tolist() == [0, 3, 8, 12]
+    assert pf.fresh_segments(b, "cpu", torch.float32) is seg          # once a step

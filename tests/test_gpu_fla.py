@@ -125,7 +125,8 @@ def test_prefill_conv_compiles_nothing_in_a_request(monkeypatch):
     """After the load's warm-up (kernels/prefill.prefill_warm_up), the prefill's conv kernel takes every step with
     the binaries it has: groups whose rows start at any offset of the step's index tensor (an odd one after a group
     of an odd row count), fresh and continuing, whole and split into q, k, v, and the variable-length call over
-    segments of any lengths. A second binary would compile inside a request."""
+    segments of any lengths, from u of either row stride the engine passes (its own projection, or the merged one's
+    first C columns). A second binary would compile inside a request."""
     assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
     from memra_pp.kernels import prefill as pf
     from memra_pp.model.batch import StepBatch
@@ -143,16 +144,20 @@ def test_prefill_conv_compiles_nothing_in_a_request(monkeypatch):
     qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     counts, starts = [3, 5, 5, 7, 1, 2], [0, 0, 4, 0, 9, 6]
     b = StepBatch(list(range(6)), starts, counts, StepBatch.text_positions(starts, counts), [True] * 6)
-    u, w = torch.randn(sum(counts), C, device=dev).bfloat16(), torch.randn(C, K, device=dev).bfloat16()
+    W = C + cfg.linear_num_value_heads * (cfg.linear_value_head_dim + 2)    # the merged projection's width
+    assert (C % 16 == 0) != (W % 16 == 0), (C, W)     # the tiny model's two row strides specialize apart
+    w = torch.randn(C, K, device=dev).bfloat16()
     groups = b.groups("prompt_length", dev)
     assert any(rows.data_ptr() % 16 for _, rows, _, _ in groups), "no group's rows at an odd offset: the case is lost"
-    for idx, rows, _, _ in groups:
-        G, n = len(idx), counts[idx[0]]
-        for state in (None, torch.zeros(G, C, K - 1, device=dev, dtype=torch.bfloat16)):
-            for parts in (None, (qk, qk, C - 2 * qk)):
-                pf.conv_prefill(u, rows, w, state, G, n, parts)
     seg = pf.segments(b, dev, K)
-    for state in (None, torch.zeros(len(seg.lens), C, K - 1, device=dev, dtype=torch.bfloat16)):
-        pf.conv_varlen(u, seg, w, state, (qk, qk, C - 2 * qk))
+    for u in (torch.randn(sum(counts), C, device=dev).bfloat16(),                 # its own projection
+              torch.randn(sum(counts), W, device=dev).bfloat16()[:, :C]):         # the merged projection's columns
+        for idx, rows, _, _ in groups:
+            G, n = len(idx), counts[idx[0]]
+            for state in (None, torch.zeros(G, C, K - 1, device=dev, dtype=torch.bfloat16)):
+                for parts in (None, (qk, qk, C - 2 * qk)):
+                    pf.conv_prefill(u, rows, w, state, G, n, parts)
+        for state in (None, torch.zeros(len(seg.lens), C, K - 1, device=dev, dtype=torch.bfloat16)):
+            pf.conv_varlen(u, seg, w, state, (qk, qk, C - 2 * qk))
     torch.cuda.synchronize()
     assert binaries() == first, f"the conv compiled {binaries() - first} binaries after the warm-up"

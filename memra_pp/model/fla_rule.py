@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 
 import torch
@@ -61,6 +62,11 @@ class FlaRule:
     gva = False
 
     def __init__(self):
+        # fla 0.6 dispatches chunk_gated_delta_rule to other backends where installed (flash_qla, priority 3, on by
+        # default: TileLang kernels that take no chunk indices and were never tuned at load); memra_pp's calls,
+        # warm-ups and no-sync contract are fla's Triton kernels', so that backend stays off unless asked for (fla
+        # reads the variable at every call)
+        os.environ.setdefault("FLA_FLASH_QLA", "0")
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         from fla.ops.utils import cumsum
         self._chunk, self._rec = chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
