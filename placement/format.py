@@ -10,7 +10,8 @@ def _bytes(n: float) -> str:
 
 def format_plan(plan: Plan) -> str:
     """A fixed-width table: stage, device, layers, layer count, roles, estimated cost share, estimated memory
-    (weights and max_batch sequences' cache at max_context, the tower not counted); then the warnings."""
+    (weights and max_batch sequences' cache at max_context; not LoRA pools, the vision tower, activations, decode
+    graphs or boundary slots: planner.default_layer_memory); then the warnings."""
     total = sum(s.cost for s in plan.stages) or 1.0
     head = ("stage", "device", "layers", "n", "roles", "cost %", "memory")
     rows = [head] + [(str(s.index), s.device, f"[{s.layer_start}, {s.layer_end})", str(s.num_layers),

@@ -11,8 +11,8 @@ from memra_pp.model.config import ModelConfig, TextConfig
 from .schema import Placement
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# how much more than the best largest stage cost a split may cost when it holds the memory better balanced (the
-# fullest stage bounds the KV pages every stage can give; split_layers)
+# how much more than the best largest stage cost a split may cost when its fullest stage holds less memory (stages
+# on GPUs of their own: on equal cards the fullest stage bounds the KV pages every stage can give; split_layers)
 SPLIT_SLACK = 0.01
 
 
@@ -28,7 +28,8 @@ class StagePlan:
     num_cpus: float
     threads: int
     cost: float = 0.0         # estimated cost (default: bytes a full decode microbatch moves), for the share column
-    memory: float = 0.0       # estimated bytes held: weights and max_batch sequences' cache at max_context
+    memory: float = 0.0       # estimated bytes held: weights, max_batch sequences' cache at max_context (not LoRA
+                              # pools, the tower, activations, graphs or slots: default_layer_memory)
 
     @property
     def num_layers(self) -> int:
@@ -127,11 +128,12 @@ def _ffn_params(t: TextConfig) -> int:
     return t.num_experts * H + t.num_experts * 3 * H * t.moe_intermediate_size + shared
 
 
-def seq_cache_bytes(t: TextConfig, layer: int, max_context: int, dtype_bytes: int = 2) -> int:
+def seq_cache_bytes(t: TextConfig, layer: int, max_context: int, dtype_bytes: int = 2, kv_block: int = 64) -> int:
     """One sequence's cache in a layer: a Gated DeltaNet's conv state (C x (K - 1), model dtype) and fp32
-    recurrent state (nv x dk x dv); a full-attention layer's keys and values for max_context positions."""
+    recurrent state (nv x dk x dv); a full-attention layer's keys and values for max_context positions in whole
+    KV pages of kv_block positions."""
     if t.is_full(layer):
-        return 2 * t.num_key_value_heads * t.head_dim * dtype_bytes * max_context
+        return 2 * t.num_key_value_heads * t.head_dim * dtype_bytes * -(-max_context // kv_block) * kv_block
     return (t.conv_dim * (t.linear_conv_kernel_dim - 1) * dtype_bytes
             + 4 * t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim)
 
@@ -141,14 +143,18 @@ def layer_weight_bytes(t: TextConfig, layer: int, dtype_bytes: int = 2) -> int:
     return (_mixer_params(t, t.is_full(layer)) + _ffn_params(t) + 2 * t.hidden_size) * dtype_bytes
 
 
-def default_layer_memory(model: ModelConfig, dtype_bytes: int = 2, max_batch: int = 1, max_context: int = 0
-                         ) -> tuple[float, ...]:
-    """Bytes each decoder layer holds on its stage: its weights and the cache of max_batch sequences plus the
-    scratch slot (StageCache's rows), the keys and values as if every sequence reached max_context (an upper
-    bound: KV pages are taken as sequences grow)."""
+def default_layer_memory(model: ModelConfig, dtype_bytes: int = 2, max_batch: int = 1, max_context: int = 0,
+                         kv_block: int = 64) -> tuple[float, ...]:
+    """Bytes each decoder layer holds on its stage: its weights, and the cache as StageCache holds it with every
+    sequence at max_context (an upper bound: KV pages are taken as sequences grow): a Gated DeltaNet's states for
+    max_batch rows and the scratch row, a full-attention layer's pages for max_batch sequences and the two reserved
+    ones. Not counted: LoRA pools (adapters), the vision tower, the block table, activations, decode graphs' pools
+    and the boundary slots."""
     t = model.text
     return tuple(float(layer_weight_bytes(t, i, dtype_bytes)
-                       + (max_batch + 1) * seq_cache_bytes(t, i, max_context, dtype_bytes))
+                       + (max_batch * seq_cache_bytes(t, i, max_context, dtype_bytes, kv_block)
+                          + seq_cache_bytes(t, i, 2 * kv_block, dtype_bytes, kv_block) if t.is_full(i)
+                          else (max_batch + 1) * seq_cache_bytes(t, i, max_context, dtype_bytes)))
                  for i in range(t.num_hidden_layers))
 
 
@@ -164,13 +170,13 @@ def split_layers(costs: Sequence[float], n: int, first_extra: float = 0.0, last_
 
     Stage s costs sum(costs[b_s:b_s+1]), plus ``first_extra`` on stage 0 and ``last_extra`` on stage n-1.
     With ``memory`` (per layer, plus ``mem_first`` / ``mem_last`` on the end stages): among the splits whose every
-    stage costs at most (1 + ``slack``) x that optimum, one with the smallest largest stage memory (a second exact
-    DP), since the fullest stage bounds what the cache can hold. Ties: each stage in turn takes as many layers as
-    the optimum allows (the largest boundaries), so spare capacity lands on the later stages, whose primary also
-    samples. Needs 1 <= n <= len(costs).
+    stage costs at most (1 + ``slack``) x that optimum, those with the smallest largest stage memory (a second exact
+    DP), and among those the cheapest (a third), since the fullest stage of a card bounds what its cache can hold.
+    Ties: each stage in turn takes as many layers as the optimum allows (the largest boundaries), so spare capacity
+    lands on the later stages, whose primary also samples. Needs 1 <= n <= len(costs) and slack >= 0.
     """
     L = len(costs)
-    assert 1 <= n <= L, (n, L)
+    assert 1 <= n <= L and slack >= 0, (n, L, slack)
 
     def prefix(xs: Sequence[float]) -> list[float]:
         out = [0.0]
@@ -192,21 +198,25 @@ def split_layers(costs: Sequence[float], n: int, first_extra: float = 0.0, last_
                                   for b in range(a + 1, L - (n - s - 1) + 1) if ok(s, a, b)), default=math.inf)
         return best, best[0][0]
 
-    best, top = solve(cost, lambda s, a, b: True)
-    value, ok = cost, (lambda s, a, b: True)
+    def anything(s: int, a: int, b: int) -> bool:
+        return True
+    ok = anything
+    best, top = solve(cost, ok)
     if memory is not None:
         mpre, cap = prefix(memory), top * (1.0 + slack) + 1e-9 * abs(top)
 
-        def value(s: int, a: int, b: int) -> float:     # noqa: F811 - the memory objective replaces the cost
+        def mem(s: int, a: int, b: int) -> float:
             return mpre[b] - mpre[a] + (mem_first if s == 0 else 0.0) + (mem_last if s == n - 1 else 0.0)
+        _, least = solve(mem, lambda s, a, b: cost(s, a, b) <= cap)
+        mcap = least + 1e-9 * abs(least)
 
-        def ok(s: int, a: int, b: int) -> bool:           # noqa: F811
-            return cost(s, a, b) <= cap
-        best, top = solve(value, ok)
+        def ok(s: int, a: int, b: int) -> bool:     # noqa: F811 - within the slack and the least memory
+            return cost(s, a, b) <= cap and mem(s, a, b) <= mcap
+        best, top = solve(cost, ok)
     bounds, a = [0], 0
     for s in range(n - 1):
         a = max(b for b in range(a + 1, L - (n - s - 1) + 1)
-                if ok(s, a, b) and max(value(s, a, b), best[s + 1][b]) <= top)
+                if ok(s, a, b) and max(cost(s, a, b), best[s + 1][b]) <= top)
         bounds.append(a)
     bounds.append(L)
     return tuple(bounds)
@@ -243,8 +253,12 @@ def _ranges(placement: Placement, L: int, costs: Sequence[float], embed: float, 
                               f"{hi - lo} layer(s) left in [{lo}, {hi}); every stage needs at least one layer")
         if run:
             first, last = run[0] == 0, run[-1] == n - 1
+            # memory decides among the cheapest only where each stage has a GPU of its own: stages sharing a card
+            # (or the host's memory) draw on one pool, where one stage's bytes bound nothing alone
+            own = all(specs[k].is_cuda for k in run) and len({specs[k].device for k in run}) == len(run)
             bounds = split_layers(costs[lo:hi], len(run), embed if first else 0.0, head if last else 0.0,
-                                  memory[lo:hi], mem_embed if first else 0.0, mem_head if last else 0.0, SPLIT_SLACK)
+                                  memory[lo:hi] if own else None, mem_embed if first else 0.0,
+                                  mem_head if last else 0.0, SPLIT_SLACK)
             for k, s in enumerate(run):
                 out[s] = (lo + bounds[k], lo + bounds[k + 1])
         if i < n:

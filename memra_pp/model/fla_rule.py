@@ -65,7 +65,7 @@ class FlaRule:
         # fla 0.6 dispatches chunk_gated_delta_rule to other backends where installed (flash_qla, priority 3, on by
         # default: TileLang kernels that take no chunk indices and were never tuned at load); memra_pp's calls,
         # warm-ups and no-sync contract are fla's Triton kernels', so that backend stays off unless asked for (fla
-        # reads the variable at every call)
+        # reads the variable at every call; this sets it for the whole process and its children)
         os.environ.setdefault("FLA_FLASH_QLA", "0")
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         from fla.ops.utils import cumsum
