@@ -10,7 +10,8 @@ and device time per layer for one prefill step's worth of segments, the ways the
 With the conv (kernels/prefill.conv_prefill per group against conv_varlen) in each way too; a group's rows a slice
 where consecutive, as the engine takes them. Host time is the enqueue time of `--iters` calls without a sync (the
 device queue does not fill at these counts); device time from CUDA events around the same calls queued behind a
-sleep kernel, so that it is the kernels' time and not the host's. fla's own backend dispatch is off for memra_pp's
+sleep kernel, so that it is the kernels' time and not the host's, and the kernels' durations summed by the profiler
+(kernels_us: the same where the launch queue held every call). fla's own backend dispatch is off for memra_pp's
 calls (FLA_FLASH_QLA=0, fla_rule); the report says whether flash_qla was installed. --cprofile prints where one
 way's host time goes in Python (the twenty-sixth session's profile had fla's chunk at about 1 ms of host time a layer
 in the MoE's prefill step, ~30 ms a step).
@@ -106,11 +107,20 @@ def main() -> int:
                 e1.record()
                 torch.cuda.synchronize()
                 device = e0.elapsed_time(e1) / a.iters * 1e3
+                # and the kernels' own durations summed (CUPTI): what the device spends whatever the host's pace (a
+                # way of more launches than the queue holds, ~1,024, meets the host again behind the sleep kernel)
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(a.iters):
+                        fn()
+                    torch.cuda.synchronize()
+                kernels = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+                              for e in prof.key_averages()) / a.iters
                 row = {"prompts": spec, "lens": lens, "way": way, "calls": len(groups) if "groups" in way or
-                       way == "equal" else 1, "host_us": host, "device_us": device}
+                       way == "equal" else 1, "host_us": host, "device_us": device, "kernels_us": kernels}
                 rep["rows"].append(row)
                 print(f"  {spec} {way:12s} ({len(set(lens))} lengths, {R} tokens): host {host:8.1f} us, device "
-                      f"{device:8.1f} us a layer", flush=True)
+                      f"{device:8.1f} us, kernels {kernels:8.1f} us a layer", flush=True)
                 if a.cprofile:
                     import cProfile
                     import io
