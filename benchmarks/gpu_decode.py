@@ -93,7 +93,7 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
     by run_bench (its decode graphs are captured), then measured: the steady-state decode rate is the tokens that
     arrived while every request was decoding, over that window (memra_pp.bench)."""
     import memra_pp
-    from memra_pp.bench import prompt_range, run_bench
+    from memra_pp.bench import prompt_range, ring_line, run_bench
     n = len(devices)
     cfg = {"name": f"bench{n}", "model": {"path": model, "format": fmt, "dtype": "bfloat16"},
            "stages": [{"device": f"cuda:{d}" if isinstance(d, int) else d, "num_cpus": 0.5} for d in devices],
@@ -118,8 +118,8 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                   f"ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms, busy "
                   + ", ".join(f"{s['busy']:.0%}" for s in r["stages"])
                   + " (steady decode " + ", ".join(f"{b:.0%}" for b in r.get("steady_busy") or []) + ")"
-                  + (", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us"
-                     if n > 1 else "")       # one stage has no boundary
+                  + (", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us, "
+                     + ring_line(r["stages"][0]) if n > 1 else "")       # one stage has no boundary nor ring
                   + f", decode graphs captured in the timed run {r['graph_captures_in_run']}"
                   + f", KV growths in it {r['kv_growths_in_run']} ({', '.join(r['kv_growth'])})"
                   + f", kernel keys tuned in it {r['kernel_tunings_in_run']}",

@@ -77,6 +77,20 @@ def placeholder_ids(dep) -> frozenset[int]:
     return frozenset(t for t in (mc.image_token_id, mc.video_token_id) if t is not None)
 
 
+# the intake's ring figures in a pipeline (stages/intake_loop.py): the tokens' way back from the primary to the next
+# launch, what the first stage waits for between a microbatch's step and its next one
+RING_KEYS = tuple(f"ring_{k}_p{q}_us" for k in ("transit", "queue", "launch") for q in (50, 99))
+
+
+def ring_line(s: dict) -> str:
+    """'ring back p50 / p99: transit a / b us, queue ..., launch ...' from a stage's stats, or '' (no ring)."""
+    if s.get("ring_transit_p50_us") is None:
+        return ""
+    return "ring back p50 / p99: " + ", ".join(
+        f"{k} {s[f'ring_{k}_p50_us']:.0f} / {s[f'ring_{k}_p99_us']:.0f} us" for k in ("transit", "queue", "launch")
+        if s.get(f"ring_{k}_p50_us") is not None)
+
+
 def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed: int = 0,
               warm: bool = True, timeline: bool = False, prompt_spread: float = 0.0) -> dict:
     """`concurrency` requests at once, each streamed on its own thread (the public `stream` API), every event's
@@ -164,7 +178,8 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             "ray_actor_call_p50_us": p50, "ray_actor_call_p99_us": p99,
             "stages": [{k: s.get(k) for k in ("index", "device", "layers", "busy", "microbatches", "handoffs",
                                               "handoff_p50_us", "handoff_p99_us", "phase_us_per_microbatch",
-                                              "async_steps", "host_busy", "send_write_us", "send_header_us")}
+                                              "async_steps", "host_busy", "send_write_us", "send_header_us",
+                                              *RING_KEYS)}
                        for s in st],
             "steady_busy": steady.get("busy", []),
             # each stage's host time per microbatch in that window (no prefill in it): where a decode step's goes
@@ -262,6 +277,9 @@ def format_report(r: dict) -> str:
         lines.append(f"{s['index']:>5} {s['device']:>8} {str(tuple(s['layers'])):>9} {s['busy']:>6.1%} "
                      f"{s['microbatches']:>12} {s['handoffs']:>9} {s['handoff_p50_us'] or 0:>15.1f} "
                      f"{s['handoff_p99_us'] or 0:>8.1f}")
+    if r["stages"] and ring_line(r["stages"][0]):
+        lines.append(f"stage 0 {ring_line(r['stages'][0])} (the primary's send to the intake's receipt, to its loop, "
+                     f"to the next launch)")
     for s in r["stages"]:
         ph = s.get("phase_us_per_microbatch") or {}
         if ph:

@@ -4,6 +4,8 @@ stage 0 process.
 """
 from __future__ import annotations
 
+import collections
+import math
 import queue
 import threading
 import time
@@ -24,6 +26,11 @@ class IntakeLoop(_Loop):
         super().__init__(runner)
         self.sched = runner.scheduler
         self.pending = None     # one stage: (microbatch, PendingTokens, launch token) on the device, tokens unread
+        # the ring's way back, in a pipeline (seconds; stats as us): the primary's send to this process's receipt
+        # (transit), the receipt to the loop taking the tokens (queue), the tokens taken to the next launch (launch):
+        # what the first stage waits for between a microbatch's step and its next one
+        self.ring_s = {k: collections.deque(maxlen=4096) for k in ("transit", "queue", "launch")}
+        self._tokens_at: float | None = None
         if runner.ring is not None:
             self.ring_thread = threading.Thread(target=self._read_ring, name="memra-ring", daemon=True)
 
@@ -32,6 +39,12 @@ class IntakeLoop(_Loop):
         out["async_dropped"] = self.sched.dropped
         out["pipelined_chunks"] = self.sched.pipelined
         out["prompts_cut"] = self.sched.cut       # prompts sent in pipeline pieces (scheduler.pipeline_chunks)
+        for k, d in self.ring_s.items():
+            xs = sorted(d)      # (a copy first: the loop appends meanwhile)
+            for q in (0.5, 0.99):
+                out[f"ring_{k}_p{round(q * 100)}_us"] = xs[max(0, math.ceil(q * len(xs)) - 1)] * 1e6 if xs else None
+            if reset:
+                d.clear()
         return out
 
     def _read_ring(self):
@@ -46,6 +59,7 @@ class IntakeLoop(_Loop):
                     last = len(self.r.plan.stages) - 1
                     self.r.inbox.put(("dead", (last, f"stage {last} is lost: the ring from it broke: {e}")))
                 return
+            msg["_rx"] = time.monotonic()
             self.r.inbox.put(("ring", msg))
 
     def run(self):
@@ -63,8 +77,13 @@ class IntakeLoop(_Loop):
             r.mail.post(evs)
             if mb is not None:   # schedule: inbox, admissions, next microbatch; ring tokens count as "tokens"
                 self._phase("schedule", t + self.phase_s.get("tokens", 0.0) - tok)
+                if self._tokens_at is not None:
+                    self.ring_s["launch"].append(time.monotonic() - self._tokens_at)
+                    self._tokens_at = None
                 self._run_mb(mb)
             elif not worked:
+                if not sched.inflight:      # idle: the next launch waits for a request, not for the ring
+                    self._tokens_at = None
                 self._drain(block=True)
 
     def _drain(self, block: bool) -> bool:
@@ -85,6 +104,11 @@ class IntakeLoop(_Loop):
                 r.mail.post(sched.abort(item))
             elif kind == "ring" and item["kind"] == "tokens":
                 t = time.monotonic()
+                if "t" in item and "_rx" in item:    # (from the ring thread; a test may hand tokens in directly)
+                    self.ring_s["transit"].append(item["_rx"] - item["t"])
+                    self.ring_s["queue"].append(t - item["_rx"])
+                if self._tokens_at is None:
+                    self._tokens_at = t
                 r.mail.post(sched.on_tokens(item["mb"], item["tokens"], item["logprobs"]))
                 self._phase("tokens", t)
             elif kind == "ring":   # mb_error: that microbatch's requests fail, the others go on

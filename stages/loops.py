@@ -267,7 +267,8 @@ class StageLoop(_Loop):
             if launched is not None:
                 try:
                     toks, lps = self._await(*launched)
-                    hdr = {"kind": "tokens", "mb": hdr["mb"], "tokens": toks, "logprobs": lps}
+                    # t: when the tokens were on the host (CLOCK_MONOTONIC, shared by the node's processes)
+                    hdr = {"kind": "tokens", "mb": hdr["mb"], "tokens": toks, "logprobs": lps, "t": time.monotonic()}
                 except Exception as e:  # pragma: no cover - a device fault surfaces here; the microbatch fails
                     hdr = mb_error(hdr["mb"], r.index, e)
             r.ring.send(hdr)

@@ -282,3 +282,21 @@ def test_stats_has_the_documented_keys(dense):
         assert s["index"] == ps.index and str(s["device"]) == str(ps.device), (s, ps)
         assert list(s["layers"]) == [ps.layer_start, ps.layer_end], (s["layers"], ps)
         assert 0 <= s["busy"] <= 1 and s["handoff_p99_us"] >= s["handoff_p50_us"] >= 0, s
+
+
+def test_the_ring_back_is_timed_in_a_pipeline(dense):
+    """A pipeline's intake times the tokens' way back from the primary: its send to the intake's receipt (transit), to
+    the loop taking them (queue), to the next launch (launch), p50 <= p99, each under a second here; the counters
+    are the timed window's (stats(reset=True) empties them). Only the intake has them."""
+    dep = dense(2)
+    c = dep.client()
+    dep.stats(reset=True)
+    assert dep.stats()["stages"][0]["ring_transit_p50_us"] is None
+    c.generate(list(PROMPTS[0]), max_new_tokens=NEW)
+    st = dep.stats()["stages"]
+    for k in ("transit", "queue", "launch"):
+        p50, p99 = st[0][f"ring_{k}_p50_us"], st[0][f"ring_{k}_p99_us"]
+        assert p50 is not None and 0 <= p50 <= p99 < 1e6, (k, st[0])
+        assert f"ring_{k}_p50_us" not in st[1]
+    from memra_pp.bench import ring_line
+    assert ring_line(st[0]).startswith("ring back p50 / p99: transit ") and ring_line(st[1]) == ""
