@@ -173,20 +173,9 @@ def conv_varlen(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
     none read)."""
     if not _triton(u_TC):
         return conv_varlen_ref(u_TC, seg, w_CK, state_NCK1, parts)
-    C, K, R = u_TC.shape[1], w_CK.shape[1], seg.rows.numel()
-    assert u_TC.stride(1) == 1 and w_CK.is_contiguous()
+    C, K = u_TC.shape[1], w_CK.shape[1]
     assert state_NCK1 is None or state_NCK1.shape == (len(seg.lens), C, K - 1)
-    assert parts is None or (sum(parts) == C and len(parts) <= 3)
-    ends = list(itertools.accumulate(parts or (C,)))
-    C1, C2 = (ends + [C, C])[:2]
-    st = state_NCK1.contiguous() if state_NCK1 is not None else u_TC
-    flat = torch.empty(R * C, dtype=u_TC.dtype, device=u_TC.device)
-    BT, BC = CONV_TILE
-    CALLS["conv_varlen"] += 1
-    _conv_prefill_kernel[(seg.tiles.shape[0], triton.cdiv(C, BC))](
-        u_TC, seg.rows, st, w_CK, flat, u_TC.stride(0), 0, C, C1, C2, R, seg.tiles, seg.cu, K=K, BT=BT, BC=BC,
-        HAS_STATE=state_NCK1 is not None, VARLEN=True, num_warps=4)
-    y = [flat[R * a:R * b].view(R, b - a) for a, b in zip([0] + ends, ends)]
+    y, st = _conv_launch(u_TC, seg.rows, state_NCK1, w_CK, 0, seg.tiles.shape[0], parts, seg)
     new = u_TC[seg.tail.clamp(min=0)].transpose(1, 2)            # [N, C, K-1]
     if seg.short:     # a segment shorter than K - 1 keeps some of its old state's inputs (zero: none)
         old = torch.zeros((), dtype=new.dtype, device=new.device) if state_NCK1 is None else \
@@ -202,6 +191,26 @@ def conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
     return (y if parts is None else list(torch.split(y, list(parts), -1))), new
 
 
+def _conv_launch(u_TC, rows, state, w_CK, n: int, programs: int, parts, seg: Segments | None = None):
+    """The conv kernel over the R rows `rows` of u in `programs` x channel-tile programs: segments of n rows each, or
+    (seg) Segments' tiles of any lengths. Returns (y: [R, part] views of one buffer, a part each, or [R, C]; the
+    state the kernel read, u itself where there is none)."""
+    C, K, R = u_TC.shape[1], w_CK.shape[1], rows.numel()
+    assert u_TC.stride(1) == 1 and w_CK.is_contiguous()
+    assert (parts is None or (sum(parts) == C and len(parts) <= 3)) and all(p >= 0 for p in (parts or ()))
+    ends = list(itertools.accumulate(parts or (C,)))        # each part's channel end; the last is C
+    C1, C2 = (ends + [C, C])[:2]
+    st = state.contiguous() if state is not None else u_TC
+    flat = torch.empty(R * C, dtype=u_TC.dtype, device=u_TC.device)
+    BT, BC = CONV_TILE
+    CALLS["conv_prefill" if seg is None else "conv_varlen"] += 1
+    tiles, cu = (rows, rows) if seg is None else (seg.tiles, seg.cu)
+    _conv_prefill_kernel[(programs, triton.cdiv(C, BC))](
+        u_TC, rows, st, w_CK, flat, u_TC.stride(0), n, C, C1, C2, R, tiles, cu, K=K, BT=BT, BC=BC,
+        HAS_STATE=state is not None, VARLEN=seg is not None, num_warps=4)
+    return [flat[R * a:R * b].view(R, b - a) for a, b in zip([0] + ends, ends)], st
+
+
 def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
     """silu(depthwise causal conv) over G segments of n tokens each: their rows of u [T, C] (unit last stride) are
     `rows` [G * n], segment by segment; the K-1 inputs before each segment come from state [G, C, K-1] (None:
@@ -214,18 +223,9 @@ def conv_prefill(u_TC, rows, w_CK, state_GCK1, G: int, n: int, parts=None):
     if not _triton(u_TC):
         return conv_prefill_ref(u_TC, rows, w_CK, state_GCK1, G, n, parts)
     C, K = u_TC.shape[1], w_CK.shape[1]
-    assert u_TC.stride(1) == 1 and w_CK.is_contiguous() and rows.numel() == G * n
-    assert (parts is None or (sum(parts) == C and len(parts) <= 3)) and all(p >= 0 for p in (parts or ()))
-    ends = list(itertools.accumulate(parts or (C,)))        # each part's channel end; the last is C
-    C1, C2 = (ends + [C, C])[:2]
-    st = state_GCK1.contiguous() if state_GCK1 is not None else u_TC
-    flat = torch.empty(G * n * C, dtype=u_TC.dtype, device=u_TC.device)
-    BT, BC = CONV_TILE
-    CALLS["conv_prefill"] += 1
-    _conv_prefill_kernel[(G * triton.cdiv(n, BT), triton.cdiv(C, BC))](
-        u_TC, rows, st, w_CK, flat, u_TC.stride(0), n, C, C1, C2, G * n, rows, rows, K=K, BT=BT, BC=BC,
-        HAS_STATE=state_GCK1 is not None, VARLEN=False, num_warps=4)
-    y = [flat[G * n * a:G * n * b].view(G, n, b - a) for a, b in zip([0] + ends, ends)]
+    assert rows.numel() == G * n
+    y, _ = _conv_launch(u_TC, rows, state_GCK1, w_CK, n, G * triton.cdiv(n, CONV_TILE[0]), parts)
+    y = [x.view(G, n, -1) for x in y]
     y = y[0] if parts is None else y
     if n >= K - 1:            # each segment's last K-1 inputs, [G, C, K-1]
         new = u_TC[rows.view(G, n)[:, n - (K - 1):]].transpose(1, 2)
