@@ -77,17 +77,21 @@ def _mixer_params(t: TextConfig, full: bool) -> int:
 
 def experts_read(t: TextConfig, batch: int = 1) -> float:
     """Distinct routed experts a step of `batch` tokens reads, each token taking k of E at random: E (1 - (1 - k/E)^b)
-    (k at one token; all E as the batch grows)."""
+    (k at one token; all E as the batch grows; none in a dense model)."""
     E, k = t.num_experts, t.num_experts_per_tok
+    if not t.moe:
+        return 0.0
     return float(k) if batch <= 1 else E * (1.0 - (1.0 - k / E) ** batch)
 
 
-def _ffn_params_read(t: TextConfig, batch: int = 1) -> float:
+def _ffn_params(t: TextConfig, experts: float) -> float:
+    """A layer's FFN weights with `experts` of its routed experts (a MoE layer: those, the router, the shared expert
+    and its gate): all E for what it holds, experts_read for what a step reads."""
     H = t.hidden_size
     if not t.moe:
         return 3 * H * t.intermediate_size
     shared = 3 * H * t.shared_expert_intermediate_size + (H if t.shared_expert_intermediate_size else 0)
-    return t.num_experts * H + experts_read(t, batch) * 3 * H * t.moe_intermediate_size + shared
+    return t.num_experts * H + experts * 3 * H * t.moe_intermediate_size + shared
 
 
 def state_bytes(t: TextConfig) -> float:
@@ -107,7 +111,7 @@ def default_layer_costs(model: ModelConfig, dtype_bytes: int = 2, batch: int = 1
     saturated microbatch (hundreds of sequences) the per-sequence state does, and every layer costs about the same.
     """
     t = model.text
-    ffn, norms, st = _ffn_params_read(t, batch), 2 * t.hidden_size, state_bytes(t)
+    ffn, norms, st = _ffn_params(t, experts_read(t, batch)), 2 * t.hidden_size, state_bytes(t)
     return tuple(float((_mixer_params(t, t.is_full(i)) + ffn + norms) * dtype_bytes) + max(1, batch) * st
                  for i in range(t.num_hidden_layers))
 
@@ -117,15 +121,6 @@ def default_head_cost(model: ModelConfig, dtype_bytes: int = 2, batch: int = 1) 
     sequence's logits, float32, written and read by the sampler (8 V bytes): charged to the last stage."""
     t = model.text
     return float((t.vocab_size + 1) * t.hidden_size * dtype_bytes + max(1, batch) * 2 * t.vocab_size * 4)
-
-
-def _ffn_params(t: TextConfig) -> int:
-    """Every FFN weight a layer holds (a MoE layer: all E experts, the router, the shared expert and its gate)."""
-    H = t.hidden_size
-    if not t.moe:
-        return 3 * H * t.intermediate_size
-    shared = 3 * H * t.shared_expert_intermediate_size + (H if t.shared_expert_intermediate_size else 0)
-    return t.num_experts * H + t.num_experts * 3 * H * t.moe_intermediate_size + shared
 
 
 def seq_cache_bytes(t: TextConfig, layer: int, max_context: int, dtype_bytes: int = 2, kv_block: int = 64) -> int:
@@ -140,7 +135,7 @@ def seq_cache_bytes(t: TextConfig, layer: int, max_context: int, dtype_bytes: in
 
 def layer_weight_bytes(t: TextConfig, layer: int, dtype_bytes: int = 2) -> int:
     """The weights a decoder layer holds: its mixer, every FFN weight (all experts), its two RMSNorms."""
-    return (_mixer_params(t, t.is_full(layer)) + _ffn_params(t) + 2 * t.hidden_size) * dtype_bytes
+    return int(_mixer_params(t, t.is_full(layer)) + _ffn_params(t, t.num_experts) + 2 * t.hidden_size) * dtype_bytes
 
 
 def default_layer_memory(model: ModelConfig, dtype_bytes: int = 2, max_batch: int = 1, max_context: int = 0,
@@ -151,11 +146,13 @@ def default_layer_memory(model: ModelConfig, dtype_bytes: int = 2, max_batch: in
     ones. Not counted: LoRA pools (adapters), the vision tower, the block table, activations, decode graphs' pools
     and the boundary slots."""
     t = model.text
-    return tuple(float(layer_weight_bytes(t, i, dtype_bytes)
-                       + (max_batch * seq_cache_bytes(t, i, max_context, dtype_bytes, kv_block)
-                          + seq_cache_bytes(t, i, 2 * kv_block, dtype_bytes, kv_block) if t.is_full(i)
-                          else (max_batch + 1) * seq_cache_bytes(t, i, max_context, dtype_bytes)))
-                 for i in range(t.num_hidden_layers))
+
+    def cache(i: int) -> int:
+        if t.is_full(i):
+            return (max_batch * seq_cache_bytes(t, i, max_context, dtype_bytes, kv_block)
+                    + seq_cache_bytes(t, i, 2 * kv_block, dtype_bytes, kv_block))
+        return (max_batch + 1) * seq_cache_bytes(t, i, max_context, dtype_bytes)
+    return tuple(float(layer_weight_bytes(t, i, dtype_bytes) + cache(i)) for i in range(t.num_hidden_layers))
 
 
 def decode_batch(placement: Placement, microbatches: int) -> int:
@@ -291,14 +288,14 @@ def auto_microbatches(placement: Placement) -> int:
     return n if all(s.is_cuda for s in placement.stages) else n + 1
 
 
-def _warnings(placement: Placement, model: ModelConfig, n: int, tower: int) -> tuple[str, ...]:
+def _warnings(placement: Placement, model: ModelConfig, n: int, tower: int, mb: int) -> tuple[str, ...]:
+    """mb: the resolved microbatches (auto is never fewer than the stages)."""
     out = []
-    mb = placement.scheduler.microbatches
-    if mb is not None and mb < n:
+    if mb < n:
         out.append(f"scheduler.microbatches: {mb} is fewer microbatches than stages ({n}): stages will idle; "
                    f"use auto ({auto_microbatches(placement)}) or at least {n}")
     pc = placement.scheduler.pipeline_chunks
-    if pc is not None and pc > 1 and (n == 1 or (mb if mb is not None else auto_microbatches(placement)) < 2):
+    if pc is not None and pc > 1 and (n == 1 or mb < 2):
         why = "a single-stage placement" if n == 1 else "one microbatch in flight"
         out.append(f"scheduler.pipeline_chunks: {pc} has no effect with {why}: a prompt's pieces could not run on "
                    f"two stages at once, so prompts keep whole chunks")
@@ -335,10 +332,11 @@ def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[fl
     L, n = model.text.num_hidden_layers, len(placement.stages)
     mb = placement.scheduler.microbatches
     mb = mb if mb is not None else auto_microbatches(placement)
-    if layer_costs is None:
-        b, batch = DTYPE_BYTES[placement.model.dtype], decode_batch(placement, mb)
-        costs = default_layer_costs(model, b, batch)
-        embed, head = float(model.text.hidden_size * b * batch), default_head_cost(model, b, batch)
+    t, db, sc = model.text, DTYPE_BYTES[placement.model.dtype], placement.scheduler
+    batch = decode_batch(placement, mb) if layer_costs is None else None
+    if batch is not None:
+        costs = default_layer_costs(model, db, batch)
+        embed, head = float(t.hidden_size * db * batch), default_head_cost(model, db, batch)
     else:
         costs = tuple(float(c) for c in layer_costs)
         if len(costs) != L or not all(math.isfinite(c) and c >= 0 for c in costs):
@@ -349,7 +347,6 @@ def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[fl
             raise ConfigError(f"head_cost: must be a finite cost >= 0, got {head_cost!r}")
         head = float(head_cost)
     tower = _tower(placement, n)
-    t, db, sc = model.text, DTYPE_BYTES[placement.model.dtype], placement.scheduler
     memory = default_layer_memory(model, db, sc.max_batch, sc.max_context)
     mem_embed = float(t.vocab_size * t.hidden_size * db)
     # the primary's lm_head (a tied one is the embedding: the same tensor on one stage, a copy on another) and norm
@@ -362,5 +359,4 @@ def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[fl
         memory=sum(memory[a:b]) + (mem_embed if i == 0 else 0.0) + (mem_head if i == n - 1 else 0.0))
         for i, (s, (a, b)) in enumerate(zip(placement.stages, ranges)))
     return Plan(name=placement.name, stages=stages, intake_index=0, primary_index=n - 1, tower_index=tower,
-                microbatches=mb, num_layers=L, warnings=_warnings(placement, model, n, tower),
-                split_batch=decode_batch(placement, mb) if layer_costs is None else None)
+                microbatches=mb, num_layers=L, warnings=_warnings(placement, model, n, tower, mb), split_batch=batch)
