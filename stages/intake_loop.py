@@ -5,7 +5,6 @@ stage 0 process.
 from __future__ import annotations
 
 import collections
-import math
 import queue
 import threading
 import time
@@ -16,6 +15,7 @@ from ..errors import MemraError
 from ..model.batch import StepBatch, h2d
 from .channel import ChannelClosed
 from .loops import _Loop
+from .slots import nearest_rank
 
 
 class IntakeLoop(_Loop):
@@ -40,9 +40,9 @@ class IntakeLoop(_Loop):
         out["pipelined_chunks"] = self.sched.pipelined
         out["prompts_cut"] = self.sched.cut       # prompts sent in pipeline pieces (scheduler.pipeline_chunks)
         for k, d in self.ring_s.items():
-            xs = sorted(d)      # (a copy first: the loop appends meanwhile)
+            xs = list(d)        # (a copy first: the loop appends meanwhile)
             for q in (0.5, 0.99):
-                out[f"ring_{k}_p{round(q * 100)}_us"] = xs[max(0, math.ceil(q * len(xs)) - 1)] * 1e6 if xs else None
+                out[f"ring_{k}_p{round(q * 100)}_us"] = nearest_rank(xs, q, 1e-6)
             if reset:
                 d.clear()
         return out

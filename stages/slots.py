@@ -30,6 +30,12 @@ RESERVED_KEYS = ("slot", "dtype", "shape", "t_ns", "_q")
 _HELLO, _CREDIT = "_hello", "_credit"
 
 
+def nearest_rank(xs, q: float, unit: float = 1.0):
+    """The q-quantile of xs by nearest rank, in units of `unit` (1e3: ns as us), or None where xs is empty."""
+    s = sorted(xs)
+    return s[max(0, math.ceil(q * len(s)) - 1)] / unit if s else None
+
+
 class _HandoffStats:
     """Counters plus a bounded ring of per-handoff latencies (ns) for p50/p99."""
 
@@ -40,10 +46,10 @@ class _HandoffStats:
         self.write_ns = self.sent_ns = 0     # sender: of all handoffs' time (sent), the data path's (write)
 
     def as_dict(self) -> dict:
-        s = sorted(self.lat_ns)
-        pct = (lambda q: s[max(0, math.ceil(q * len(s)) - 1)] / 1e3) if s else (lambda q: None)  # nearest rank
+        s = list(self.lat_ns)
         out = {"handoffs": self.handoffs, "headers": self.headers, "bytes": self.bytes, "wait_s": self.wait_s,
-               "handoff_p50_us": pct(0.50), "handoff_p99_us": pct(0.99), "samples": len(s)}
+               "handoff_p50_us": nearest_rank(s, 0.50, 1e3), "handoff_p99_us": nearest_rank(s, 0.99, 1e3),
+               "samples": len(s)}
         if self.write_ns:           # where a sender's handoff goes: the data path, the rest is the header's
             out["write_us_mean"] = self.write_ns / 1e3 / max(self.handoffs, 1)
             out["header_us_mean"] = (self.sent_ns - self.write_ns) / 1e3 / max(self.handoffs, 1)
