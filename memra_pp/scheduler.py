@@ -37,6 +37,7 @@ class Scheduler:
         self._mb = itertools.count()
         self.dropped = 0                          # tokens of continuations whose sequence had already ended
         self.pipelined = 0                        # prompt chunks sent while the same prompt's previous one ran
+        self.aborted = 0                          # requests an abort found, waiting or admitted (stats, tests)
         self._tick = itertools.count(1)          # a sequence never run has last_run 0: it goes first
         # KV admission: the pages (of kv_block positions) every stage can hold for sequences at once (the least
         # over the stages, set when the pipeline is wired; None: no limit). A request is admitted only when its
@@ -142,13 +143,16 @@ class Scheduler:
         for i, r in enumerate(self.waiting):
             if r.rid == rid:
                 del self.waiting[i]
+                self.aborted += 1
                 return [Event(r.client, rid, [], [], "abort")]
         for s in list(self.active.values()):
-            if s.req.rid == rid and not s.in_flight:
-                self._finish(s)
-                return [Event(s.req.client, rid, [], [], "abort")]
             if s.req.rid == rid:
+                self.aborted += 1
+                if not s.in_flight:
+                    self._finish(s)
+                    return [Event(s.req.client, rid, [], [], "abort")]
                 s.req.max_new_tokens = 0          # ends when its microbatch returns
+                break
         return []
 
     def _admit(self) -> list[Event]:

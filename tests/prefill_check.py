@@ -19,8 +19,8 @@ from test_decode_graphs import pipelines  # noqa: E402
 # segments as one variable-length call (pf.VARLEN: every step one call, of segments of 3 and 2 tokens in the
 # second), and by groups of equal lengths
 PROMPTS, CHUNK, NEW = [list(range(3, 12)), [40, 41, 42, 43, 44], list(range(60, 69))], 3, 3
-# the test runs the dense model in chunks (every row path; a minute); `prefill_check.py all` adds whole prompts and
-# the MoE (its layers take the same path but for the MLP)
+# the test runs the dense model in chunks (every row path; a minute) and whole through the variable-length calls;
+# `prefill_check.py all` adds whole prompts by groups and the MoE (its layers take the same path but for the MLP)
 ALL = sys.argv[1:] == ["all"]
 # conv_varlen alone against its reference (segment by segment through conv_prefill_ref): segments shorter than the
 # conv's K - 1 (their new state keeps old inputs), longer than a tile, split into q, k, v parts; a one-token
@@ -53,6 +53,8 @@ print("conv_varlen ok")
 
 CASES = [(k, c, v) for k in (["dense", "moe"] if ALL else ["dense"]) for c in ((None, CHUNK) if ALL else (CHUNK,))
          for v in (True, False)]
+if not ALL:     # and the whole prompts as one variable-length call (the fresh segments' attention, whole output)
+    CASES.append(("dense", None, True))
 for kind, chunk, varlen in CASES:
     pf.VARLEN = varlen      # the Gated DeltaNet's segments as one variable-length call, or by groups
     eager, _ = pipelines(kind, [(0, 8)])
@@ -75,7 +77,7 @@ for kind, chunk, varlen in CASES:
     assert (ran["rows_gather"] > 0) == gathered and ran["rows_slice"] > 0 and (ran["rows_whole"] > 0) == whole, \
         (chunk, ran)
     print(kind, "chunk", chunk, "varlen" if varlen else "groups", "ok", ran, f"logprob diff {d:.1e}")
-pf.VARLEN = True        # the mixed steps' prompt chunks too (the switch's default is off: GPU unmeasured)
+pf.VARLEN = True        # the mixed steps' prompt chunks too (the switch's default)
 # steps mixing decode rows with fresh and continuing prompt chunks (tests/test_model_parity.mixed_greedy): the
 # attention's one decode call for the decode rows through its kernel, and the gated norm's many-heads tile inside
 # the model (GATED_MANY lowered: the tiny model's steps have few heads)

@@ -277,10 +277,13 @@ def test_a_cancelled_agenerate_is_aborted(dep):
             return True
         return False
     for decoding in (False, True):          # at once (the submit likely still running), then while it decodes
+        before = aborted(dep)
         # a fast machine may decode all CTX - 3 tokens between two polls of the client: then try again
         ran = any(asyncio.run(go(decoding)) for _ in range(3))
         assert ran, "the agenerate finished before it was cancelled, three times: the test ran nothing"
         assert untracked(c), f"a cancelled agenerate's request is still tracked (decoding: {decoding})"
+        # the intake's scheduler found the request and dropped it (not merely the client forgetting it)
+        assert aborted(dep, above=before) > before, f"no abort reached the intake (decoding: {decoding})"
         serves(dep)
         assert pages() == free, f"the cancelled request's KV pages did not come back (decoding: {decoding})"
 
@@ -397,6 +400,17 @@ def test_timeouts_and_keyword_only_arguments(dep):
     serves(dep)
 
 
+def aborted(dep, above: int | None = None, wait: float = 5.0) -> int:
+    """The intake's count of requests an abort reached; with `above`, waited for (up to `wait` s) to pass it:
+    a client sends its abort after it untracks the request."""
+    end = time.monotonic() + wait
+    while True:
+        n = dep.stats()["stages"][0]["aborted"]
+        if above is None or n > above or time.monotonic() > end:
+            return n
+        time.sleep(0.02)
+
+
 def untracked(c, wait: float = 5.0) -> bool:
     """Whether the client tracks no request, within `wait` seconds: a reader's cleanup runs at once when the
     client's lock is free, else the pump finishes it (Client._let_go)."""
@@ -417,6 +431,7 @@ def test_a_stream_is_checked_at_the_call_and_freed_when_dropped(dep):
         return [s["kv_pages_free"] for s in dep.stats()["stages"]]
     serves(dep)
     free = pages()
+    before = aborted(dep)
     c = dep.client()
     with pytest.raises(InputError, match=f"outside the vocabulary \\[0, {V}\\)"):
         c.stream([5, V])
@@ -447,6 +462,8 @@ def test_a_stream_is_checked_at_the_call_and_freed_when_dropped(dep):
     t.join(10)
     assert not t.is_alive(), "a collected stream's cleanup deadlocked on the client's lock"
     assert untracked(c), "the pump did not finish the collected stream's request"
+    # all four reached the intake's scheduler as aborts (not merely forgotten by the client)
+    assert aborted(dep, above=before + 3) == before + 4, (before, aborted(dep))
     serves(dep)
     assert pages() == free, "the dropped streams' KV pages did not come back"
 

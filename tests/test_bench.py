@@ -85,7 +85,8 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     assert "in the steady decode window" in format_report(r)
     # and in the prefill ramp (until every request has its first token), where the prefill steps' host time goes
     assert len(r["ramp_phase_us"]) == 2 and "model" in r["ramp_phase_us"][0] and "sample" in r["ramp_phase_us"][1]
-    assert all(0 < n <= s["microbatches"] for n, s in zip(r["ramp_microbatches"], r["stages"]))
+    assert len(r["ramp_microbatches"]) == len(r["ramp_busy"]) == 2, r
+    assert all(0 < n <= s["microbatches"] for n, s in zip(r["ramp_microbatches"], r["stages"], strict=True))
     assert all(0 < b <= 1 for b in r["ramp_busy"]) and "in the prefill ramp" in format_report(r)
     assert r["graph_captures_in_run"] == 0          # CPU stages decode eagerly
 

@@ -49,6 +49,7 @@ def test_grouped_value_heads_equal_repeated_q_and_k():
     rule.warm_up(HV, D, D, torch.bfloat16, torch.device("cuda"), k_heads=H)
     assert rule.gva, "this fla (0.6) takes grouped value heads: the warm-up must have turned gva on"
     first = fla_rule.tuned_keys()
+    assert first > 0, "fla's autotuners were not found (or the warm-up tuned nothing): tuned_keys() counts nothing"
     gen = torch.Generator(device="cuda").manual_seed(1)
 
     def r(*s):
@@ -87,6 +88,7 @@ def test_variable_length_call_equals_one_call_per_segment(gva, monkeypatch):
     rule.warm_up(HV, D, D, torch.bfloat16, torch.device("cuda"), k_heads=H)
     assert rule.gva == gva
     first = fla_rule.tuned_keys()
+    assert first > 0, "fla's autotuners were not found (or the warm-up tuned nothing): tuned_keys() counts nothing"
     gen = torch.Generator(device="cuda").manual_seed(2)
     lens = [7, 64, 65, 200, 3, 2]
     step = StepBatch(list(range(len(lens))), [0] * len(lens), lens, StepBatch.text_positions([0] * 6, lens),

@@ -153,10 +153,9 @@ def test_variable_length_prefill_equals_groups(cuda, tmp_path, size, monkeypatch
         for a, b in zip(s1, s0, strict=True):
             err = ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
             assert err < 2e-2, (chunk, err)
-        for a, b, x, y in zip(t1, t0, l1, l0, strict=True):
-            assert abs(x[0] - y[0]) < 0.05, (chunk, a, b, x, y)      # a token that differs: a near tie
-        print(f"{size} chunk {chunk}: states and first tokens agree; {sum(a == b for a, b in zip(t1, t0))}/"
-              f"{len(prompts)} first tokens identical")
+        same = _agree(t1, l1, t0, l0, chunk)
+        assert same >= len(prompts) - 2, f"only {same}/{len(prompts)} first tokens identical (chunk {chunk})"
+        print(f"{size} chunk {chunk}: states and first tokens agree; {same}/{len(prompts)} first tokens identical")
     # steps as the scheduler mixes them: a decode row, fresh chunks of two lengths and a continuing chunk between
     # them (the fresh segments' one attention call beside other rows, its output gathered into the step's)
     from test_model_parity import mixed_greedy
@@ -167,5 +166,23 @@ def test_variable_length_prefill_equals_groups(cuda, tmp_path, size, monkeypatch
         part = pf.CALLS["attn_varlen_part"]
         runs[varlen] = mixed_greedy(lp, mixed, arrive, 4, 16)
         assert (pf.CALLS["attn_varlen_part"] > part) == varlen, (varlen, pf.CALLS)
-    for x, y in zip(runs[True][1], runs[False][1], strict=True):
-        assert abs(x[0] - y[0]) < 0.05, (x, y)
+    same = _agree(*runs[True], *runs[False], "mixed")
+    assert same >= len(mixed) - 1, f"only {same}/{len(mixed)} mixed-step sequences identical"
+    print(f"{size} mixed steps: {same}/{len(mixed)} sequences' 4 tokens identical")
+
+
+def _agree(t1, l1, t0, l0, where) -> int:
+    """Two bf16 runs' greedy tokens and logprobs, sequence by sequence, position by position: equal tokens with
+    logprobs within 0.05, up to a first differing token, which must be a near tie (its logprob within 0.05 of the
+    other run's token's: both near the top); after it the sequences differ. Returns the sequences identical
+    throughout."""
+    same = 0
+    for i, (a, b, x, y) in enumerate(zip(t1, t0, l1, l0, strict=True)):
+        assert len(a) == len(b) == len(x) == len(y) > 0, (where, i, a, b)
+        for k in range(len(a)):
+            assert abs(x[k] - y[k]) < 0.05, (where, i, k, a, b, x, y)   # equal tokens, or a near tie at k
+            if a[k] != b[k]:
+                break
+        else:
+            same += 1
+    return same

@@ -229,6 +229,9 @@ def test_an_aborted_prompt_sends_no_more_chunks_and_ends_when_its_chunks_are_bac
     assert s.on_tokens(a.mb, [], []) == []
     ev = s.on_tokens(b.mb, [], [])
     assert [(e.rid, e.finish) for e in ev] == [("r0", "abort")] and s.idle()
+    assert s.abort("r0") == [] and s.aborted == 1   # gone: an abort that finds nothing counts nothing
+    s.add(req(1, n=3, new=1))
+    assert [(e.rid, e.finish) for e in s.abort("r1")] == [("r1", "abort")] and s.aborted == 2   # waiting
 
 
 def test_a_follow_on_chunk_travels_alone():
