@@ -183,9 +183,10 @@ def main() -> int:
     ap.add_argument("--prefill-merged", choices=("off", "on", "both"), default="on",
                     help="the prefill's merged path (kernels/prefill.MERGED, the default; off: "
                          "MEMRA_PP_PREFILL_MERGED=0 in the stage processes); both: each layout without, then with")
-    ap.add_argument("--prefill-varlen", choices=("off", "on", "both"), default="off",
-                    help="MEMRA_PP_PREFILL_VARLEN in the stage processes: on, a prefill step's Gated DeltaNet "
-                         "segments as one variable-length call (kernels/prefill.VARLEN); both: without, then with")
+    ap.add_argument("--prefill-varlen", choices=("off", "on", "both"), default="on",
+                    help="MEMRA_PP_PREFILL_VARLEN in the stage processes: on (the default), a prefill step's Gated "
+                         "DeltaNet segments as one variable-length call (kernels/prefill.VARLEN); off: by groups of "
+                         "equal lengths; both: without, then with")
     a = ap.parse_args()
     if a.hf_concurrency and not (a.hf or a.hf_device_map):
         ap.error("--hf-concurrency names transformers' concurrencies: give --hf or --hf-device-map too")

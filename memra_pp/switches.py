@@ -16,9 +16,9 @@ SWITCHES = {
                                    "cuDNN included (it plans each new shape: model/attention.sdpa; GPU only)"),
     "MEMRA_PP_PREFILL_MERGED": (True, "the prefill's merged projections, contiguous conv parts and row slices, "
                                       "and eager decode's merged projections (kernels/prefill.py; GPU only)"),
-    "MEMRA_PP_PREFILL_VARLEN": (False, "on the merged path, a prefill step's Gated DeltaNet segments as one "
-                                       "variable-length conv and chunked-rule call (kernels/prefill.py; GPU only; "
-                                       "off until a GPU run has checked and measured it: tests/test_gpu_fla.py)"),
+    "MEMRA_PP_PREFILL_VARLEN": (True, "on the merged path, a prefill step's Gated DeltaNet segments, and its fresh "
+                                      "segments' attention, as one variable-length call each (kernels/prefill.py; "
+                                      "GPU only; 0: one call per group of equal lengths)"),
 }
 _VALUES = {"0": False, "1": True}
 
