@@ -62,6 +62,13 @@ class Scheduler:
                              f"({self.max_context}); shorten it or raise max_context")
         if r.max_new_tokens < 0:
             raise InputError(f"max_new_tokens must be >= 0, got {r.max_new_tokens}")
+        # a request runs to its max_new_tokens unless a stop token ends it (the last token is sampled, never fed:
+        # n + m - 1 positions), never cut short at max_context
+        if len(r.prompt) + r.max_new_tokens - 1 > self.max_context:
+            raise InputError(f"the prompt's {len(r.prompt)} tokens and max_new_tokens {r.max_new_tokens} need "
+                             f"{len(r.prompt) + r.max_new_tokens - 1} positions, more than scheduler.max_context "
+                             f"({self.max_context}); ask for at most {self.max_context + 1 - len(r.prompt)} new "
+                             f"tokens or raise max_context")
         if self.kv_pages is not None and self.pages(r) > self.kv_pages:
             raise InputError(f"the request can reach {self.pages(r) * self.kv_block} positions "
                              f"({len(r.prompt)} prompt + {r.max_new_tokens} new tokens, capped at max_context); the "

@@ -52,6 +52,10 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     "negative id": (dict(prompt=[-1, 5]), InputError, "outside the vocabulary"),
     "empty prompt": (dict(prompt=[]), InputError, "the prompt is empty"),
     "too long": (dict(prompt=[5] * (CTX + 1)), InputError, f"more than scheduler.max_context ({CTX})"),
+    # a request is never cut short at max_context: it is refused (10 + CTX - 8 - 1 positions)
+    "past max_context": (dict(prompt=[5] * 10, max_new_tokens=CTX - 8), InputError,
+                         f"need {CTX + 1} positions, more than scheduler.max_context ({CTX}); ask for at most "
+                         f"{CTX - 9} new tokens"),
     "not a prompt": (dict(prompt=3.5), InputError, "a prompt is a string or a list of token ids"),
     "negative max_new_tokens": (dict(max_new_tokens=-2), InputError, "max_new_tokens must be >= 0"),
     "fractional max_new_tokens": (dict(max_new_tokens=2.5), InputError, "max_new_tokens must be an integer"),

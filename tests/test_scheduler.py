@@ -56,18 +56,20 @@ def test_microbatches_spread_sequences_and_respect_chunk():
 
 
 def test_stop_token_and_context_limit():
-    """A stop id must end the request with 'stop'; reaching max_context must end it with 'length'."""
+    """A stop id must end the request with 'stop'; a request runs to exactly its max_new_tokens ('length'), up to
+    max_context positions (its last token is sampled, never fed: n + m - 1 positions); one that would need more is
+    refused at submission, never cut short."""
     s = Scheduler(max_batch=2, microbatches=1, prefill_chunk=16, max_context=8)
-    s.add(req(0, n=3, new=10, stop=[7]))
-    s.add(req(1, n=6, new=10))
+    s.add(req(0, n=3, new=6, stop=[7]))
+    s.add(req(1, n=6, new=3))                  # 6 + 3 - 1 = 8 positions: just fits
     ev = run_to_end(s, token=7)
     assert [e.finish for e in ev if e.rid == "r0"] == ["stop"]
-    r1 = [e for e in ev if e.rid == "r1"]      # 7 is no stop of r1's: it runs into max_context (6 + 3 > 8)
+    r1 = [e for e in ev if e.rid == "r1"]      # 7 is no stop of r1's: it runs to its max_new_tokens
     assert sum(len(e.tokens) for e in r1) == 3 and [e.finish for e in r1 if e.finish] == ["length"], r1
-    s2 = Scheduler(max_batch=1, microbatches=1, prefill_chunk=16, max_context=8)
-    s2.add(req(1, n=6, new=10))
-    ev = run_to_end(s2, token=9)
-    assert sum(len(e.tokens) for e in ev) == 3 and ev[-1].finish == "length"
+    with pytest.raises(InputError, match=r"the prompt's 6 tokens and max_new_tokens 4 need 9 positions, more than "
+                                         r"scheduler.max_context \(8\); ask for at most 3 new tokens"):
+        s.add(req(1, n=6, new=4))
+    assert s.idle()
 
 
 @pytest.mark.parametrize("r,msg", [
