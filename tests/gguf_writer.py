@@ -112,11 +112,11 @@ def _add(w: gguf.GGUFWriter, name: str, a: np.ndarray, keep_f32: bool, qtype: st
 
 
 def write_gguf(model_or_sd, config, path, qtype: str = "F32", fuse_gate_up: bool = False,
-               eos_token_id: int | None = None, tensor_hook=None) -> Path:
+               eos_token_id: int | None = None, tensor_hook=None, rope_scaling: str | None = None) -> Path:
     """Write a GGUF as llama.cpp's converter would. `config`: ModelConfig, HF config object or dict.
 
     `tensor_hook(gguf_name, array) -> array | (raw, qtype) | None` lets refusal tests reshape a tensor, write it
-    as raw bytes of another type, or drop it (None).
+    as raw bytes of another type, or drop it (None). `rope_scaling`: a rope.scaling.type to write ("yarn", ...).
     """
     if not isinstance(config, ModelConfig):
         config = parse_config(config if isinstance(config, dict) else config.to_dict(), "test config")
@@ -155,6 +155,8 @@ def write_gguf(model_or_sd, config, path, qtype: str = "F32", fuse_gate_up: bool
     w.add_full_attention_interval(4)
     w.add_rope_dimension_count(int(c.head_dim * 0.25))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if rope_scaling is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
     eos = eos_token_id if eos_token_id is not None else (config.eos_token_ids or (None,))[0]
     if eos is not None:
         w.add_eos_token_id(int(eos))

@@ -57,6 +57,16 @@ REFUSED = {
                           r"layer_types\[7\] is 'sliding_attention'"),
     "dense needs intermediate": (dict(intermediate_size=0), r"intermediate_size must be positive for a dense model"),
     "zero hidden": (dict(hidden_size=0), r"hidden_size must be a positive integer, got 0"),
+    # modes this runtime does not implement: refused, never run as the default (DESIGN law 2)
+    "yarn": (dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e7, partial_rotary_factor=0.25,
+                                       mrope_section=[2, 1, 1])),
+             r"text_config\.rope_parameters\.rope_type 'yarn' is not supported; this runtime implements 'default' "
+             r"or 'mrope' RoPE \(no scaling such as YaRN\)"),
+    "linear scaling, old spelling": (dict(rope_parameters=None, rope_scaling=dict(type="linear", factor=2.0)),
+                                     r"text_config\.rope_scaling\.rope_type 'linear' is not supported"),
+    "activation": (dict(hidden_act="gelu"), r"text_config\.hidden_act 'gelu' is not supported; this runtime "
+                                            r"implements 'silu'"),
+    "attention bias": (dict(attention_bias=True), r"text_config\.attention_bias True is not supported"),
 }
 
 
@@ -66,3 +76,12 @@ def test_config_refusals_name_the_key(case):
     over, msg = REFUSED[case]
     with pytest.raises(ConfigError, match=r"^/x/config\.json: " + msg):
         parse_config({"model_type": "qwen3_5", "text_config": flat(**over)}, "/x/config.json")
+
+
+def test_implemented_modes_are_accepted():
+    """The values the runtime implements load: silu, no attention bias, default RoPE (and Qwen2-VL's mrope spelling),
+    flat configs naming the key without a text_config prefix."""
+    assert parse_config({"model_type": "qwen3_5", "text_config": flat(hidden_act="silu", attention_bias=False)})
+    assert parse_config(flat(rope_parameters=None, rope_scaling=dict(type="mrope", mrope_section=[2, 1, 1])))
+    with pytest.raises(ConfigError, match=r"^/y: hidden_act 'relu' is not supported"):
+        parse_config(flat(hidden_act="relu"), "/y")

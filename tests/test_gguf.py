@@ -249,6 +249,15 @@ def test_bad_names_and_values_refused(tmp_path):
         src.get("layers.0.linear_attn.A_log", torch.float32)
 
 
+def test_rope_scaling_is_refused(tmp_path):
+    """A GGUF whose rope.scaling.type asks for scaling (YaRN) must be refused naming it, not run as plain RoPE;
+    "none" loads."""
+    cfg, want = model("dense-untied-layout")
+    GGUFSource(write_gguf(want, cfg, tmp_path / "none.gguf", rope_scaling="none")).config
+    with pytest.raises(ConfigError, match=r"yarn\.gguf: rope_parameters\.rope_type 'yarn' is not supported"):
+        GGUFSource(write_gguf(want, cfg, tmp_path / "yarn.gguf", rope_scaling="yarn")).config
+
+
 def test_a_metadata_string_that_is_not_utf8_is_a_config_error(tmp_path):
     """Found by tests/test_fuzz.py: the architecture string's first byte mutated to 0x80 made gguf's reader raise
     UnicodeDecodeError out of GGUFSource; it is a ConfigError naming the key."""

@@ -132,6 +132,24 @@ def _eos(v) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
 
 
+# Config keys that choose the text model's math, and the values this runtime implements (DESIGN law 2: a value it
+# does not implement is refused, never run as the default): the key, its accepted values
+TEXT_MODES = {"hidden_act": ("silu",), "attention_bias": (False,)}
+ROPE_TYPES = ("default", "mrope")     # mrope: Qwen2-VL's rope_scaling spelling of the same sections; no YaRN etc.
+
+
+def _check_modes(text: dict, rope: dict, rope_key: str, prefix: str, where: str) -> None:
+    for key, ok in TEXT_MODES.items():
+        if text.get(key) is not None and text[key] not in ok:
+            raise ConfigError(f"{where}: {prefix}{key} {text[key]!r} is not supported; this runtime implements "
+                              f"{' or '.join(map(repr, ok))}")
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind is not None and kind not in ROPE_TYPES:
+        raise ConfigError(f"{where}: {prefix}{rope_key}.rope_type {kind!r} is not supported; this runtime implements "
+                          f"{' or '.join(map(repr, ROPE_TYPES))} RoPE (no scaling such as YaRN): remove the scaling "
+                          f"or use a checkpoint without it")
+
+
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     """Build a ModelConfig from the dict of a Hugging Face config.json; refuses unknown model types."""
     mtype = raw.get("model_type")
@@ -143,8 +161,11 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: model_type {mtype!r} is not a Qwen3.5 model; supported: "
                           f"{sorted(TEXT_TYPES)}")
     moe = TEXT_TYPES.get(ttype, TEXT_TYPES.get(mtype))
+    prefix = "text_config." if raw.get("text_config") is not None else ""
     text = dict(text)
+    rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
     rope = text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {}
+    _check_modes(text, rope, rope_key, prefix, where)
     n = text.get("num_hidden_layers")
     if "layer_types" not in text and isinstance(n, int):
         every = text.get("full_attention_interval", 4)

@@ -127,6 +127,8 @@ class GGUFSource:
         while sections and sections[-1] == 0:
             sections.pop()
         nv = int(k("ssm.time_step_rank"))
+        scaling = str(k("rope.scaling.type", "none"))    # llama.cpp's: none, linear, yarn, ... (parse_config
+        #                                                  refuses any scaling)
         text = dict(
             model_type=ARCHS[arch], vocab_size=int(emb.shape[1]), hidden_size=int(k("embedding_length")),
             num_hidden_layers=n, num_attention_heads=int(k("attention.head_count")),
@@ -137,7 +139,8 @@ class GGUFSource:
             rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
             max_position_embeddings=int(k("context_length", 262144)),
             rope_parameters=dict(rope_theta=_f32(k("rope.freq_base")), mrope_section=sections,
-                                 partial_rotary_factor=2 * sum(sections) / head_dim, mrope_interleaved=True),
+                                 partial_rotary_factor=2 * sum(sections) / head_dim, mrope_interleaved=True,
+                                 rope_type="default" if scaling == "none" else scaling),
             tie_word_embeddings="output.weight" not in self._tensors,
             eos_token_id=self._field("tokenizer.ggml.eos_token_id", None))
         if arch == "qwen35moe":
