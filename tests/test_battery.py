@@ -29,6 +29,7 @@ def test_cpu_battery_passes_with_evidence(ray_cluster, tmp_path):
     assert all(rows[c]["exercised"].startswith("not applicable: ") for c in skipped)
     assert "not a CUDA device" in rows["secondary_context"]["exercised"]
     assert rows["transport_peer"]["evidence"] == {"cuda_stages": 0}
+    assert rows["pipeline_equals_one_stage"]["evidence"]["boundary_microbatches"] > 0   # the boundary was crossed
     assert rows["image_publication"]["evidence"]["publications_moved"] == 1
     assert rows["same_context_publication"]["evidence"]["force_published"] == 1
     assert "overlay_publish: never" in rows["never_refuses"]["evidence"]["message"]
