@@ -32,8 +32,9 @@ class Deployment:
         self.slot_names = [shm_names(x) for x in infos]   # each stage's receiving segments (to clean after a kill)
         self.run_dir, self.owns_ray, self.detached = run_dir, owns_ray, detached
         self._clients = []
-        self._adapters: dict[str, int] = {}
-        self._adapter_paths: dict[str, tuple[int, str]] = {}   # name -> (slot, path): a restarted stage reloads
+        # name -> (slot, path) as this handle last saw the intake's registry (stages/runner.reserve_adapter: the
+        # table that gives out slots, whichever handle loads): what a restart reloads if the intake itself is lost
+        self._adapter_paths: dict[str, tuple[int, str]] = {}
         self._actors_lock = threading.Lock()
         self._pg, self.transports, self.supervisor = None, ["shm"] * len(actors), None
         self._tokenizer = None
@@ -236,28 +237,25 @@ class Deployment:
 
     # -- adapters (operator side: paths come from here, never from a client request) ----------------------------
     def load_adapter(self, name: str, path: str) -> int:
-        """Load a PEFT adapter on every stage into a free slot; clients then select it by `name`."""
+        """Load a PEFT adapter on every stage into a free slot; clients then select it by `name`. The intake's
+        registry gives the slot, so handles of one deployment (launch's, connect()'s) never share one."""
         from .errors import InputError
         self._require_up("load_adapter")
         if not isinstance(name, str) or not name:
             raise InputError(f"an adapter's name is a non-empty string, got {name!r}")
-        if name in self._adapters:
-            raise InputError(f"adapter {name!r} is already loaded (slot {self._adapters[name]}); unload it first")
-        free = [s for s in range(self.placement.adapters.max_loras) if s not in self._adapters.values()]
-        if not free:
-            raise InputError(f"the adapter pool is full ({self.placement.adapters.max_loras} slots: "
-                             f"{sorted(self._adapters)}); unload one or raise adapters.max_loras")
-        slot = free[0]
         t = self.placement.timeouts.ready_s
+        slot = _get(self.actors[0].reserve_adapter.remote(name, str(path)), t, "reserve an adapter slot")
         try:
             _get([a.load_adapter.remote(name, str(path), slot) for a in self.actors], t, f"load adapter {name!r}")
         except BaseException:
-            _get([a.unload_adapter.remote(slot) for a in self.actors], t, "unload after a failed load")
+            try:
+                _get([a.unload_adapter.remote(slot) for a in self.actors], t, "unload after a failed load")
+            finally:
+                _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
             raise
         _get(self.actors[0].name_adapter.remote(name, slot), t, "name adapter")
         self._rebudget(t)                # the first load made LoRA pools: the KV budget shrinks by what they took
-        self._adapters[name] = slot
-        self._adapter_paths[name] = (slot, str(path))
+        self._adapter_paths = _get(self.actors[0].adapters.remote(), t, "adapters")
         return slot
 
     def _rebudget(self, t: float) -> None:
@@ -269,18 +267,19 @@ class Deployment:
     def unload_adapter(self, name: str) -> None:
         from .errors import InputError
         self._require_up("unload_adapter")
-        if not isinstance(name, str) or name not in self._adapters:
-            raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self._adapters)}")
-        slot = self._adapters[name]
         t = self.placement.timeouts.ready_s
+        loaded = _get(self.actors[0].adapters.remote(), t, "adapters")
+        if not isinstance(name, str) or name not in loaded:
+            raise InputError(f"unknown adapter {name!r}; loaded: {sorted(loaded)}")
+        slot = loaded[name][0]
         _get(self.actors[0].name_adapter.remote(name, None), t, "withdraw adapter name")   # no new requests
         users = _get(self.actors[0].adapter_users.remote(slot), t, "adapter users")
         if users:   # unloading now would change the weights under requests still generating with them
             _get(self.actors[0].name_adapter.remote(name, slot), t, "restore adapter name")
             raise InputError(f"adapter {name!r} is still used by {users} request(s); unload it when they finish")
-        del self._adapters[name]
-        self._adapter_paths.pop(name, None)
         _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
+        _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+        self._adapter_paths = _get(self.actors[0].adapters.remote(), t, "adapters")
 
     def stage_actor(self, i: int):
         return self.actors[i]

@@ -138,8 +138,9 @@ class Supervisor:
                     last = e
                     log.warning(f"restart of stage {stage} failed (attempt {attempt + 1}): {e}")
             else:
-                self.failure = StageFailed(f"stage {stage} failed ({reason}) and could not be restarted: "
-                                           f"{type(last).__name__}: {last}", stage=stage)
+                self.failure = StageFailed(f"stage {stage} failed ({reason}) and could not be restarted in "
+                                           f"{ATTEMPTS} attempts: {type(last).__name__}: {last}; shut the deployment "
+                                           f"down and launch it again once that is fixed", stage=stage)
                 self.log.append({"stage": stage, "reason": reason, "recovered": False})
                 for c in list(dep._clients):
                     c.on_recovery_failed(self.failure)
@@ -185,12 +186,18 @@ class Supervisor:
                       else a.relink.remote(run_dir, tr[i]) for i, a in enumerate(dep.actors)], t, "stage restart")
         dep.slot_names = [shm_names(x) for x in infos]
         dep.wire(dep.actors, infos, t)
-        for name, (slot, path) in dep._adapter_paths.items():
+        # the adapters to reload: the intake's registry where the intake survived (every handle's loads), else
+        # what this handle last saw of it (a new intake's registry is filled again here)
+        loaded = dep._adapter_paths if 0 in failed else _get(dep.actors[0].adapters.remote(), t, "adapters")
+        for name, (slot, path) in loaded.items():
+            if 0 in failed:
+                _get(dep.actors[0].reserve_adapter.remote(name, path, slot), t, "reserve adapter slot")
             _get([dep.actors[i].load_adapter.remote(name, path, slot) for i in sorted(failed)], t,
                  f"reload adapter {name!r}")
             if 0 in failed:
                 _get(dep.actors[0].name_adapter.remote(name, slot), t, "name adapter")
-        if dep._adapter_paths:      # reloaded LoRA pools took memory after the wiring measured it
+        dep._adapter_paths = dict(loaded)
+        if loaded:      # reloaded LoRA pools took memory after the wiring measured it
             dep._rebudget(t)
         _get([a.start.remote() for a in dep.actors], t, "stage start")
 

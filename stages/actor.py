@@ -64,6 +64,15 @@ class StageActor:
     def name_adapter(self, name: str, slot) -> None:
         return self.runner.name_adapter(name, slot)
 
+    def reserve_adapter(self, name: str, path: str, slot: int | None = None) -> int:
+        return self.runner.reserve_adapter(name, path, slot)
+
+    def release_adapter(self, name: str) -> None:
+        return self.runner.release_adapter(name)
+
+    def adapters(self) -> dict:
+        return self.runner.adapters()
+
     def run_check(self, name: str, *args):
         from ..battery_stage import CHECKS
         self.runner.here()

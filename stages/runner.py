@@ -81,6 +81,10 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}
         self.adapter_names: dict[str, int] = {}     # intake: the names clients may use -> slot
+        # intake: every adapter loaded or being loaded, name -> (slot, path), whichever handle (launch's or a
+        # connect()'s) loads it: the one table that gives out slots, so no handle overwrites another's adapter
+        self.adapter_registry: dict[str, tuple[int, str]] = {}
+        self._registry_lock = threading.Lock()
 
     def here(self) -> None:
         """Make this stage's context current on the calling thread (Ray calls arrive on pool threads)."""
@@ -231,6 +235,31 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         if self.adapter_weights.pop(slot, None) is not None:
             self.token_overlay = token_overlay_set(self.engine, self.adapter_weights,
                                                    self.placement.adapters.max_loras, self.mc.tied)
+
+    def reserve_adapter(self, name: str, path: str, slot: int | None = None) -> int:
+        """Intake: take the lowest free adapter slot for `name` (or `slot`, a restart's reload), refusing a name
+        already loaded or a full pool; the slot is the caller's until release_adapter."""
+        with self._registry_lock:
+            reg, cap = self.adapter_registry, self.placement.adapters.max_loras
+            if name in reg and (slot is None or reg[name][0] != slot):
+                raise InputError(f"adapter {name!r} is already loaded (slot {reg[name][0]}); unload it first")
+            used = {s for n, (s, _) in reg.items() if n != name}
+            free = [k for k in range(cap) if k not in used] if slot is None else [slot]
+            if not free or free[0] in used:
+                raise InputError(f"the adapter pool is full ({cap} slots: {sorted(reg)}); unload one or raise "
+                                 f"adapters.max_loras")
+            reg[name] = (free[0], path)
+            return free[0]
+
+    def release_adapter(self, name: str) -> None:
+        """Intake: give `name`'s slot back (an unload, or a load that failed)."""
+        with self._registry_lock:
+            self.adapter_registry.pop(name, None)
+
+    def adapters(self) -> dict[str, tuple[int, str]]:
+        """Intake: every adapter loaded or being loaded, name -> (slot, path)."""
+        with self._registry_lock:
+            return dict(self.adapter_registry)
 
     def name_adapter(self, name: str, slot: int | None) -> None:
         """Intake: publish (slot) or withdraw (None) the name clients select an adapter by."""

@@ -135,3 +135,32 @@ def test_a_recovered_stage_reloads_its_adapter_and_the_kv_budget_is_measured_aga
         ref = peft_reference("dense", False, "A", PROMPTS[0])
         assert r.token_ids == ref[0] and max(abs(x - y) for x, y in zip(r.logprobs, ref[1], strict=True)) < 5e-4
         assert dep.stats()["stages"][0]["kv_rebudgets"] == 2
+
+
+def test_handles_of_one_deployment_share_its_adapter_slots(ray_cluster):
+    """launch's handle and a connect()ed one load adapters through the intake's registry: the second handle's load
+    takes another slot (it once took slot 0 again, overwriting the first adapter under its requests), a name loaded
+    by one is refused to the other, and either may unload the other's; each adapter keeps serving PEFT's tokens."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(dict(cfg(path, 2), name="adshare"), detached=True) as dep:
+        other = memra_pp.connect("adshare", namespace="memra-test")
+        assert dep.load_adapter("a", adapter("dense", False, "A")[1]) == 0
+        assert other.load_adapter("b", adapter("dense", False, "B")[1]) == 1
+        with pytest.raises(InputError, match=r"adapter 'a' is already loaded \(slot 0\); unload it first"):
+            other.load_adapter("a", adapter("dense", False, "B")[1])
+        with pytest.raises(InputError, match=r"the adapter pool is full \(2 slots: \['a', 'b'\]\)"):
+            dep.load_adapter("c", adapter("dense", False, "B")[1])
+        p = PROMPTS[1]
+        for h, w in ((dep, "a"), (other, "b"), (other, "a")):
+            assert h.client().generate(list(p), max_new_tokens=NEW, adapter=w).token_ids == \
+                peft_reference("dense", False, w.upper(), p)[0], (h is dep, w)
+        other.unload_adapter("a")                       # loaded by launch's handle
+        with pytest.raises(InputError, match="unknown adapter 'a'"):
+            dep.client().generate(list(p), max_new_tokens=NEW, adapter="a")
+        assert dep.load_adapter("c", adapter("dense", False, "A")[1]) == 0     # the freed slot
+        assert ray_get_adapters(dep) == {"b": 1, "c": 0}
+
+
+def ray_get_adapters(dep) -> dict:
+    import ray
+    return {n: s for n, (s, _) in ray.get(dep.actors[0].adapters.remote(), timeout=30).items()}
