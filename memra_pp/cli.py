@@ -67,24 +67,15 @@ def cmd_launch(args) -> int:
            f"deployment {name!r} ready: {len(dep.actors)} stages; ray address {addr}; stop with "
            f"`memra-pp stop {name} --address {addr}`")
     sys.stdout.flush()
-    from ray.experimental import internal_kv
-    key = _stop_key(dep.placement.name)
-    try:
-        while not internal_kv._internal_kv_get(key):
+    try:      # the supervisor answers a stop (`memra-pp stop`, a connect()ed handle's shutdown): it shuts down
+        while not dep._torn_down:
             time.sleep(0.5)
-        internal_kv._internal_kv_del(key)
-        print(f"stop requested: shutting {dep.placement.name!r} down", file=sys.stderr, flush=True)
+        print(f"stop requested: {dep.placement.name!r} was shut down", file=sys.stderr, flush=True)
+        time.sleep(2.0)        # let a waiting `memra-pp stop` read the answer before the cluster goes away
     except KeyboardInterrupt:
         pass
-    dep.shutdown(stop_ray=False)
-    internal_kv._internal_kv_put(key + b":done", b"1")
-    time.sleep(2.0)            # let a waiting `memra-pp stop` read that before the cluster goes away
     dep.shutdown()
     return 0
-
-
-def _stop_key(name: str) -> bytes:
-    return f"memra_pp:{name}:stop".encode()
 
 
 def _comma_ids(flag: str, text: str) -> list[int]:
@@ -127,21 +118,14 @@ def cmd_status(args) -> int:
 def cmd_stop(args) -> int:
     """Ask the `memra-pp launch` process to shut its deployment down (its supervisor would otherwise restart
     killed stages); if no launcher answers within 20 s, kill the stages directly."""
-    import ray
     import memra_pp
-    from ray.experimental import internal_kv
     dep = memra_pp.connect(args.name, args.namespace, args.address)
-    internal_kv._internal_kv_put(_stop_key(args.name), b"1")
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        if internal_kv._internal_kv_get(_stop_key(args.name) + b":done"):
-            ray.shutdown()     # disconnect before the launcher takes its cluster down
-            _print(args, {"stopped": args.name, "by": "launcher"}, f"stopped {args.name}")
-            return 0
-        time.sleep(0.2)
-    internal_kv._internal_kv_del(_stop_key(args.name))
-    dep.shutdown()
-    _print(args, {"stopped": args.name, "by": "killed"}, f"stopped {args.name} (no launcher answered; stages killed)")
+    dep.shutdown()             # (and disconnects before the launcher takes its cluster down)
+    if dep.stopped_by == "launcher":
+        _print(args, {"stopped": args.name, "by": "launcher"}, f"stopped {args.name}")
+    else:
+        _print(args, {"stopped": args.name, "by": "killed"},
+               f"stopped {args.name} (no launcher answered; stages killed)")
     return 0
 
 

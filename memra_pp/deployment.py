@@ -25,6 +25,17 @@ from .switches import check_environment
 log = logging.getLogger("memra_pp")
 
 
+def stop_key(name: str) -> bytes:
+    """The Ray KV key that asks a detached deployment to stop (`memra-pp stop`, a connect()ed handle's shutdown);
+    the launching process's supervisor shuts it down and sets KEY + b":done"."""
+    return f"memra_pp:{name}:stop".encode()
+
+
+def pg_name(name: str) -> str:
+    """A detached deployment's placement group: named, so that a connect()ed handle can remove it."""
+    return f"memra_pp:{name}"
+
+
 class Deployment:
     def __init__(self, placement: Placement, plan: Plan, actors: list, infos: list[dict], run_dir: str | None,
                  owns_ray: bool, detached: bool):
@@ -39,6 +50,8 @@ class Deployment:
         self._pg, self.transports, self.supervisor = None, ["shm"] * len(actors), None
         self._tokenizer = None
         self._down = False             # shutdown was called: every later use is refused
+        self.connected = False         # made by connect(): its shutdown asks the launching process to stop it
+        self.stopped_by: str | None = None   # a connected handle's shutdown: "launcher" or "killed"
         self._torn_down = False        # its teardown completed: a second shutdown only stops Ray if still asked
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
@@ -76,8 +89,12 @@ class Deployment:
                     raise ConfigError(f"name: a deployment named {placement.name!r} is already running in namespace "
                                       f"{ray.get_runtime_context().namespace!r}; stop it (memra-pp stop "
                                       f"{placement.name}) or give this one another name")
+                from ray.experimental import internal_kv
+                for k in (stop_key(placement.name), stop_key(placement.name) + b":done"):   # an earlier one's
+                    internal_kv._internal_kv_del(k)
             pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK",
-                                 lifetime="detached" if detached else None)   # detached actors outlive us
+                                 lifetime="detached" if detached else None,    # detached actors outlive us
+                                 name=pg_name(placement.name) if detached else "")
             _get(pg.ready(), placement.timeouts.ready_s, "placement group")
             for s in plan.stages:
                 actors.append(cls._make_actor(placement, s, pg, detached))
@@ -203,7 +220,9 @@ class Deployment:
         plan = Plan.from_dict(d["plan"])
         actors = [first] + [ray.get_actor(f"{name}.stage{i}") for i in range(1, len(plan.stages))]
         infos = [{"vocab_size": d["vocab_size"], "eos": d["eos"]}]
-        return cls(load_placement(d["placement"]), plan, actors, infos, None, owns, True)
+        dep = cls(load_placement(d["placement"]), plan, actors, infos, None, owns, True)
+        dep.connected = True
+        return dep
 
     # -- use --------------------------------------------------------------------------------------------------
     def _require_up(self, what: str) -> None:
@@ -304,10 +323,31 @@ class Deployment:
         call only stops Ray where the first left it up."""
         self._down = True                 # refuse every later call, also while this one tears down
         if not self._torn_down:
-            self._teardown()
+            if self.connected:
+                self.stopped_by = self._stop_remote()
+            else:
+                self._teardown()
             self._torn_down = True        # (a teardown that raised, e.g. on Ctrl-C, runs again on the next call)
         if self.owns_ray and stop_ray and ray.is_initialized():
             ray.shutdown()
+
+    def _stop_remote(self, wait_s: float = 20.0) -> str:
+        """A connect()ed handle's shutdown: ask the launching process (its supervisor) to shut the deployment down,
+        which stops its restarts first; where none answers within `wait_s`, kill the stages and remove the
+        placement group from here. Returns who stopped it."""
+        import time
+        from ray.experimental import internal_kv
+        for c in self._clients:
+            c.close()
+        key = stop_key(self.placement.name)
+        internal_kv._internal_kv_put(key, b"1")     # stays set: a supervisor that wakes later restarts nothing
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if internal_kv._internal_kv_get(key + b":done"):
+                return "launcher"
+            time.sleep(0.2)
+        self._teardown()
+        return "killed"
 
     def _teardown(self) -> None:
         if self.supervisor is not None:   # first: no restart may race the teardown
@@ -323,9 +363,15 @@ class Deployment:
         for a in actors:
             ray.kill(a)
         unlink_shm([n for names in self.slot_names for n in names])   # what a killed stage could not (this host)
-        if getattr(self, "_pg", None) is not None:
-            from ray.util.placement_group import remove_placement_group
-            remove_placement_group(self._pg)
+        from ray.util.placement_group import get_placement_group, remove_placement_group
+        pg = getattr(self, "_pg", None)
+        if pg is None and self.connected:     # the launching process's detached group, found by its name
+            try:
+                pg = get_placement_group(pg_name(self.placement.name))
+            except ValueError:
+                pg = None
+        if pg is not None:
+            remove_placement_group(pg)
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

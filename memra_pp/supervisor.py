@@ -71,6 +71,8 @@ class Supervisor:
     def _run(self) -> None:
         hb = self.dep.placement.timeouts.heartbeat_s
         while not self.stopping.wait(hb):
+            if self.dep.detached and self._stop_requested():
+                return
             if self.failure is not None:
                 continue
             try:
@@ -81,6 +83,26 @@ class Supervisor:
                 log.exception("supervisor: recovery failed")
                 self.failure = StageFailed(f"the supervisor failed while recovering: {type(e).__name__}: {e}")
                 self.ready.set()
+
+    def _stop_requested(self) -> bool:
+        """A detached deployment asked to stop (`memra-pp stop`, a connect()ed handle's shutdown): shut it down
+        from another thread (shutdown stops this one) and say so under the key's `:done`."""
+        from ray.experimental import internal_kv
+        from .deployment import stop_key
+        key = stop_key(self.dep.placement.name)
+        try:
+            if not internal_kv._internal_kv_get(key):
+                return False
+        except Exception:  # noqa: BLE001 - the cluster is going away: nothing to answer
+            return False
+        log.warning(f"stop requested: shutting {self.dep.placement.name!r} down")
+        self.stopping.set()               # no restart from here on
+
+        def stop():
+            self.dep.shutdown(stop_ray=False)
+            internal_kv._internal_kv_put(key + b":done", b"1")
+        threading.Thread(target=stop, name="memra-stop", daemon=True).start()
+        return True
 
     def check(self, timeout: float, confirm: bool = True) -> tuple[int, str] | None:
         """(stage, reason) of the failed stage to blame, or None. A dead or silent actor outranks a loop that
@@ -118,7 +140,7 @@ class Supervisor:
     def recover(self, stage: int, reason: str) -> None:
         dep = self.dep
         with self.lock:
-            if self.stopping.is_set():
+            if self.stopping.is_set() or (dep.detached and self._stop_requested()):   # stopped, not failed
                 return
             t0 = time.monotonic()
             self.ready.clear()

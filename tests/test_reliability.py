@@ -173,3 +173,49 @@ def test_stuck_stage_is_detected_and_replaced(ray_cluster):
         dep.wait_ready(timeout=60)
         ref = hf_reference("dense", False, SHORT, 4)[0]
         assert c.generate(list(SHORT), max_new_tokens=4).token_ids == ref
+
+
+def _pg_state(name: str) -> str | None:
+    from memra_pp.deployment import pg_name
+    states = [p["state"] for p in ray.util.placement_group_table().values() if p.get("name") == pg_name(name)]
+    return states[-1] if states else None
+
+
+def test_a_connected_handle_stops_a_detached_deployment(ray_cluster):
+    """shutdown() on a connect()ed handle must stop the deployment for good: the launching process's supervisor
+    shuts it down (its restarts stop first: it once restarted the stages a connected handle killed, and the
+    detached placement group stayed), the actors and the named placement group go, the launching handle refuses
+    further use. Where no launcher answers, the connected handle kills the stages and removes the group itself.
+    A new deployment of the same name then starts and serves (the stop request of the last one does not stop
+    it)."""
+    from memra_pp.deployment import Deployment
+    _, path = tiny_checkpoint("dense", False)
+    dep = None
+    try:
+        cfg = dict(config(path, 2), name="stopme")
+        dep = memra_pp.launch(cfg, detached=True)
+        other = memra_pp.connect("stopme", namespace="memra-test")
+        want = hf_reference("dense", False, SHORT, 4)[0]
+        assert other.client().generate(list(SHORT), max_new_tokens=4).token_ids == want
+        other.shutdown()
+        assert other.stopped_by == "launcher" and dep._torn_down and dep.supervisor.stopping.is_set()
+        with pytest.raises(StageFailed, match="the deployment 'stopme' was shut down"):
+            dep.client()
+        for i in range(2):
+            with pytest.raises(ValueError):
+                ray.get_actor(f"stopme.stage{i}")
+        assert _pg_state("stopme") == "REMOVED"
+        # again, with a launcher that does not answer (its supervisor stopped): killed from the connected side
+        dep = memra_pp.launch(cfg, detached=True)
+        time.sleep(3 * 0.5)                 # heartbeats: the earlier stop request does not stop this one
+        assert not dep._down and dep.client().generate(list(SHORT), max_new_tokens=4).token_ids == want
+        dep.supervisor.stop()
+        other = Deployment.connect("stopme", namespace="memra-test")
+        assert other._stop_remote(wait_s=1.0) == "killed"
+        for i in range(2):
+            with pytest.raises(ValueError):
+                ray.get_actor(f"stopme.stage{i}")
+        assert _pg_state("stopme") == "REMOVED"
+    finally:
+        if dep is not None:
+            dep.shutdown()
