@@ -134,7 +134,8 @@ class Client(ReplayMixin):
         t = self.dep.placement.timeouts
         sup = self._sup
         if sup is not None and not sup.ready.wait(t.ready_s):   # a recovery is in progress: wait for it
-            raise sup.failure or StageFailed(f"the deployment did not recover within {t.ready_s:.0f} s")
+            raise sup.failure or StageFailed(f"the deployment did not recover within {t.ready_s:g} s "
+                                             f"(timeouts.ready_s); retry once dep.wait_ready() returns")
         if sup is not None and sup.failure is not None:         # a recovery gave up: nothing will serve this
             raise sup.failure
         tr = _Track(uuid.uuid4().hex, req, sink or q.put, gen=sup.generation if sup else 0)

@@ -173,7 +173,8 @@ def residency_of(tensor: torch.Tensor, engine: Engine) -> ContextId:
     from memra_pp import cuda
 
     if tensor.data_ptr() == 0:
-        raise ConfigError("residency of an empty CUDA tensor cannot be read (it has no allocation)")
+        raise ConfigError("residency of an empty CUDA tensor cannot be read (it has no allocation); pass a tensor of "
+                          "at least one element")
     info = cuda.pointer_info(tensor.data_ptr())
     if int(info.ctx) == 0:
         # VMM memory (expandable segments) belongs to no context; torch maps it for the primary context only.

@@ -185,7 +185,8 @@ class PublishedRows:
     def _torch_dtype(self) -> torch.dtype:
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
-            raise OverlayError(f"published rows carry unknown dtype {self.dtype!r}")
+            raise OverlayError(f"published rows carry unknown dtype {self.dtype!r}: not a dtype of this process's "
+                               f"torch {torch.__version__}; the tower and intake stages must run the same torch")
         return dtype
 
     def land(self, intake: Engine, host: torch.Tensor | None = None) -> EmbedOverlay:

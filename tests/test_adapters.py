@@ -191,6 +191,14 @@ REFUSALS = {
     "dora": (dict(cfg={"use_dora": True}), 8, r"use_dora=True: DoRA"),
     "moe experts": (dict(cfg={"target_parameters": ["mlp.experts.gate_up_proj"]}), 8, r"MoE routed experts"),
     "not lora": (dict(cfg={"peft_type": "IA3"}), 8, r"peft_type 'IA3' is not supported"),
+    "trained biases": (dict(cfg={"bias": "lora_only"}), 8,
+                       r"bias='lora_only': trained biases are not supported \(bias must be 'none'\)"),
+    "lora_A of the wrong width": (dict(add={_PEFT_KEY + "layers.0.mlp.up_proj.lora_A.weight": torch.zeros(8, 63)}), 8,
+                                  r"layers.0.mlp.up_proj has lora_A \(8, 63\), lora_B \(128, 8\); the model needs "
+                                  r"\(r, 64\) and \(128, r\)"),
+    "token rows of the wrong width": (dict(add={_PEFT_KEY + "embed_tokens.token_adapter.trainable_tokens_delta":
+                                                torch.zeros(4, 63)}), 8,
+                                      r"embed_tokens token rows have shape \(4, 63\), the model needs \(K, 64\)"),
 }
 
 

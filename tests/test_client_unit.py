@@ -141,3 +141,24 @@ def test_a_cancel_that_arrives_with_a_piece_is_not_lost():
     assert [asyncio.run(race(turns)) for turns in (1, 2)] == ["cancelled"] * 2
     got, getters = asyncio.run(timeout_and_piece())
     assert got == "later" and not getters           # the timed-out get left no waiter behind
+
+
+def test_a_request_during_a_recovery_longer_than_ready_s_is_refused(monkeypatch):
+    """A request made while a recovery is in progress waits for it at most timeouts.ready_s; then it must fail with
+    StageFailed naming that wait, its setting and the fix, having sent nothing to the intake and tracking nothing."""
+    import time
+
+    import pytest
+
+    from memra_pp.errors import StageFailed
+    c, log = _client(monkeypatch)
+    try:
+        c._sup.ready.clear()        # a recovery is in progress
+        t0 = time.monotonic()
+        with pytest.raises(StageFailed, match=r"the deployment did not recover within 1 s \(timeouts.ready_s\); "
+                                              r"retry once dep.wait_ready\(\) returns"):
+            c.generate([5, 17], max_new_tokens=2)
+        assert time.monotonic() - t0 >= 1.0
+        assert not [e for e in log if e[0] == "submit"] and not c._tracks and not c._held, log
+    finally:
+        c.close()
