@@ -208,11 +208,14 @@ def test_prefill_merged_path_in_the_interpreter():
     (code, out, err), = interp.results("prefill")
     assert code == 0 and "prefill ok" in out, out + err[-3000:]
     ran = [ast.literal_eval(line[line.index("{"):line.index("}") + 1]) for line in out.splitlines() if " ok {" in line]
-    assert len(ran) == 3, out            # the chunked prefill (variable-length, then by groups), the mixed steps
+    # the chunked prefill (variable-length, then by groups), the whole prompts (variable-length), the mixed steps
+    assert len(ran) == 4, out
     assert all(ran[0][k] > 0 for k in ("merged", "conv_varlen", "rows_whole", "rows_slice", "rows_gather")), ran
-    assert ran[1]["conv_prefill"] > 0 and ran[1]["conv_varlen"] == 0 and ran[2]["single_rows"] > 0, ran
+    assert ran[1]["conv_prefill"] > 0 and ran[1]["conv_varlen"] == 0 and ran[3]["single_rows"] > 0, ran
+    # whole prompts of two lengths: one attention call a full-attention layer, every row in one call (no gather)
+    assert ran[2]["attn_varlen"] == 2 and ran[2]["rows_gather"] == 0, ran
     # the mixed steps' fresh chunks of two lengths: one attention call, beside a decode row and a continuing chunk
-    assert ran[2]["attn_varlen_part"] > 0, ran
+    assert ran[3]["attn_varlen_part"] > 0, ran
 
 
 @pytest.mark.interpreter("fused_moe")
@@ -309,13 +312,14 @@ def test_graphs_see_every_pool_replacement(oom_on_new_zeros):
                      c, 2, capture=False)
     calls = oom_on_new_zeros()
     need = 64 * (len(c.free_blocks) + 1)             # one page more than is free: the pools must grow
-    with pytest.raises(InputError):                  # the first pool grows, the second fails
+    oom = r"could not grow to \d+ blocks .*\(out of memory\)"
+    with pytest.raises(InputError, match=oom):       # the first pool grows, the second fails
         c.reserve([0], [need])
     assert g._kv_key() != g.kv_key
     g.kv_key = g._kv_key()                           # (what the next run does: drop, recapture)
     first = next(iter(c.k.values())).data_ptr()
     calls.update(n=0, fail=2)
-    with pytest.raises(InputError):                  # the second pool grows (the first is skipped), the third fails
+    with pytest.raises(InputError, match=oom):       # the second pool grows (the first is skipped), the third fails
         c.reserve([0], [need])
     assert next(iter(c.k.values())).data_ptr() == first
     assert g._kv_key() != g.kv_key, "a pool was replaced: the graphs' addresses are stale"
