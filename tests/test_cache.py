@@ -140,7 +140,7 @@ def test_growth_counts_only_the_pools_that_grow(oom_on_new_zeros):
     the target (its growth) plus the largest old one held while it is copied, not the first pool's size for all."""
     c = cache()
     oom_on_new_zeros()
-    with pytest.raises(InputError):
+    with pytest.raises(InputError, match=r"could not grow to 20 blocks of 64 positions on cpu \(out of memory\)"):
         c.reserve([0], [64 * 10])
     big = c.n_blocks * 2
     blk = 4 * 64 * 256 * 2                           # one page of one pool: 4 kv heads x 64 x 256 x bf16

@@ -99,7 +99,7 @@ def _fake_fla(grouping):
     return rule
 
 
-def test_grouped_value_heads_are_used_only_where_they_equal_repeated_ones(monkeypatch):
+def test_grouped_value_heads_are_used_only_where_they_equal_repeated_ones(monkeypatch, caplog):
     """FlaRule.warm_up(k_heads=) must turn gva on only where the grouped call gives what repeated q and k give
     (value head h reads key head h // (HV / H), as repeat_interleave maps them): an fla that maps the heads another
     way (tile: head h reads h % H) or takes no grouped heads (raises) must keep the repeated heads. The finding must
@@ -115,8 +115,12 @@ def test_grouped_value_heads_are_used_only_where_they_equal_repeated_ones(monkey
         rule = fla_rule.FlaRule.__new__(fla_rule.FlaRule)
         rule._chunk = rule._rec = _fake_fla(grouping)
         dk = 8 + i          # each case its own dimensions (the cache's key)
-        rule.warm_up(4, dk, 8, torch.float32, torch.device("cpu"), k_heads=2)
+        caplog.clear()
+        with caplog.at_level("INFO", logger=fla_rule.__name__):
+            rule.warm_up(4, dk, 8, torch.float32, torch.device("cpu"), k_heads=2)
         assert rule.gva is expect, name
+        # an fla that refuses grouped heads is said so, with its error (the warm-up's fallback ran)
+        assert ("fla takes no grouped value heads" in caplog.text) == (grouping is None), (name, caplog.text)
         again = fla_rule.FlaRule.__new__(fla_rule.FlaRule)
         again._chunk = again._rec = _fake_fla(None)     # would raise if asked: the finding comes from the cache
         again.warm_up(4, dk, 8, torch.float32, torch.device("cpu"), k_heads=2)
