@@ -68,8 +68,8 @@ def cmd_launch(args) -> int:
            f"`memra-pp stop {name} --address {addr}`")
     sys.stdout.flush()
     try:      # the supervisor answers a stop (`memra-pp stop`, a connect()ed handle's shutdown): it shuts down
-        while not dep._torn_down:
-            time.sleep(0.5)
+        while not dep.stop_done.wait(0.5):
+            pass
         print(f"stop requested: {dep.placement.name!r} was shut down", file=sys.stderr, flush=True)
         time.sleep(2.0)        # let a waiting `memra-pp stop` read the answer before the cluster goes away
     except KeyboardInterrupt:

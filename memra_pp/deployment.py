@@ -25,15 +25,25 @@ from .switches import check_environment
 log = logging.getLogger("memra_pp")
 
 
-def stop_key(name: str) -> bytes:
-    """The Ray KV key that asks a detached deployment to stop (`memra-pp stop`, a connect()ed handle's shutdown);
-    the launching process's supervisor shuts it down and sets KEY + b":done"."""
-    return f"memra_pp:{name}:stop".encode()
+def stop_key(namespace: str, name: str, pg_id: str) -> bytes:
+    """The Ray KV key that asks one detached deployment to stop (`memra-pp stop`, a connect()ed handle's shutdown):
+    its namespace, name and placement group (one launch: a later deployment of the name has another group, so an
+    old request never stops it); the launching process's supervisor shuts it down and sets KEY + b":done"."""
+    return f"memra_pp:{namespace}:{name}:{pg_id}:stop".encode()
 
 
 def pg_name(name: str) -> str:
     """A detached deployment's placement group: named, so that a connect()ed handle can remove it."""
     return f"memra_pp:{name}"
+
+
+def _named_pg_id(name: str) -> str | None:
+    """The id of the detached deployment `name`'s placement group in this namespace (None: there is none)."""
+    from ray.util.placement_group import get_placement_group
+    try:
+        return get_placement_group(pg_name(name)).id.hex()
+    except ValueError:
+        return None
 
 
 class Deployment:
@@ -51,7 +61,9 @@ class Deployment:
         self._tokenizer = None
         self._down = False             # shutdown was called: every later use is refused
         self.connected = False         # made by connect(): its shutdown asks the launching process to stop it
-        self.stopped_by: str | None = None   # a connected handle's shutdown: "launcher" or "killed"
+        self.stopped_by: str | None = None   # a connected handle's shutdown: "launcher", "killed" or "gone"
+        self.stop_done = threading.Event()   # a stop request was answered (the launcher's shutdown ran or failed)
+        self._pg_id: str | None = None       # a connected handle: the detached group it found (stop_key)
         self._torn_down = False        # its teardown completed: a second shutdown only stops Ray if still asked
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
@@ -89,9 +101,6 @@ class Deployment:
                     raise ConfigError(f"name: a deployment named {placement.name!r} is already running in namespace "
                                       f"{ray.get_runtime_context().namespace!r}; stop it (memra-pp stop "
                                       f"{placement.name}) or give this one another name")
-                from ray.experimental import internal_kv
-                for k in (stop_key(placement.name), stop_key(placement.name) + b":done"):   # an earlier one's
-                    internal_kv._internal_kv_del(k)
             pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK",
                                  lifetime="detached" if detached else None,    # detached actors outlive us
                                  name=pg_name(placement.name) if detached else "")
@@ -222,7 +231,15 @@ class Deployment:
         infos = [{"vocab_size": d["vocab_size"], "eos": d["eos"]}]
         dep = cls(load_placement(d["placement"]), plan, actors, infos, None, owns, True)
         dep.connected = True
+        dep._pg_id = _named_pg_id(dep.placement.name)
         return dep
+
+    def stop_key(self) -> bytes | None:
+        """This detached deployment's stop key (None: not detached, or its group is not found)."""
+        pg_id = self._pg.id.hex() if self._pg is not None else self._pg_id
+        if not self.detached or pg_id is None:
+            return None
+        return stop_key(ray.get_runtime_context().namespace, self.placement.name, pg_id)
 
     # -- use --------------------------------------------------------------------------------------------------
     def _require_up(self, what: str) -> None:
@@ -257,7 +274,8 @@ class Deployment:
     # -- adapters (operator side: paths come from here, never from a client request) ----------------------------
     def load_adapter(self, name: str, path: str) -> int:
         """Load a PEFT adapter on every stage into a free slot; clients then select it by `name`. The intake's
-        registry gives the slot, so handles of one deployment (launch's, connect()'s) never share one."""
+        registry gives the slot and publishes the name once every stage holds it, so handles of one deployment
+        (launch's, connect()'s) never share a slot or unload what another is loading."""
         from .errors import InputError
         self._require_up("load_adapter")
         if not isinstance(name, str) or not name:
@@ -266,15 +284,15 @@ class Deployment:
         slot = _get(self.actors[0].reserve_adapter.remote(name, str(path)), t, "reserve an adapter slot")
         try:
             _get([a.load_adapter.remote(name, str(path), slot) for a in self.actors], t, f"load adapter {name!r}")
+            _get(self.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
         except BaseException:
             try:
                 _get([a.unload_adapter.remote(slot) for a in self.actors], t, "unload after a failed load")
             finally:
                 _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
             raise
-        _get(self.actors[0].name_adapter.remote(name, slot), t, "name adapter")
         self._rebudget(t)                # the first load made LoRA pools: the KV budget shrinks by what they took
-        self._adapter_paths = _get(self.actors[0].adapters.remote(), t, "adapters")
+        self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
         return slot
 
     def _rebudget(self, t: float) -> None:
@@ -286,19 +304,17 @@ class Deployment:
     def unload_adapter(self, name: str) -> None:
         from .errors import InputError
         self._require_up("unload_adapter")
+        if not isinstance(name, str):
+            raise InputError(f"unknown adapter {name!r}: an adapter's name is a string")
         t = self.placement.timeouts.ready_s
-        loaded = _get(self.actors[0].adapters.remote(), t, "adapters")
-        if not isinstance(name, str) or name not in loaded:
-            raise InputError(f"unknown adapter {name!r}; loaded: {sorted(loaded)}")
-        slot = loaded[name][0]
-        _get(self.actors[0].name_adapter.remote(name, None), t, "withdraw adapter name")   # no new requests
+        slot = _get(self.actors[0].begin_unload.remote(name), t, "withdraw the adapter's name")   # no new requests
         users = _get(self.actors[0].adapter_users.remote(slot), t, "adapter users")
         if users:   # unloading now would change the weights under requests still generating with them
-            _get(self.actors[0].name_adapter.remote(name, slot), t, "restore adapter name")
+            _get(self.actors[0].abort_unload.remote(name), t, "publish the adapter's name again")
             raise InputError(f"adapter {name!r} is still used by {users} request(s); unload it when they finish")
         _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
         _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
-        self._adapter_paths = _get(self.actors[0].adapters.remote(), t, "adapters")
+        self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
 
     def stage_actor(self, i: int):
         return self.actors[i]
@@ -331,21 +347,30 @@ class Deployment:
         if self.owns_ray and stop_ray and ray.is_initialized():
             ray.shutdown()
 
-    def _stop_remote(self, wait_s: float = 20.0) -> str:
+    def _stop_remote(self, wait_s: float | None = None) -> str:
         """A connect()ed handle's shutdown: ask the launching process (its supervisor) to shut the deployment down,
-        which stops its restarts first; where none answers within `wait_s`, kill the stages and remove the
-        placement group from here. Returns who stopped it."""
+        which stops its restarts first; where none answers within `wait_s` (default: 20 s beyond the supervisor's
+        longest check), kill the stages and remove the placement group from here, if they are still the ones this
+        handle connected to. Returns who stopped it: "launcher", "killed", or "gone" (another launch by now)."""
         import time
         from ray.experimental import internal_kv
+        from .supervisor import MISSED_BEATS
         for c in self._clients:
             c.close()
-        key = stop_key(self.placement.name)
-        internal_kv._internal_kv_put(key, b"1")     # stays set: a supervisor that wakes later restarts nothing
-        deadline = time.monotonic() + wait_s
+        key = self.stop_key()
+        if key is None or _named_pg_id(self.placement.name) != self._pg_id:
+            return "gone"
+        internal_kv._internal_kv_put(key, b"1")     # stays set while unanswered: a supervisor restarts nothing
+        hb = self.placement.timeouts.heartbeat_s
+        deadline = time.monotonic() + (wait_s if wait_s is not None else 20.0 + 2 * MISSED_BEATS * hb + 1.0)
         while time.monotonic() < deadline:
             if internal_kv._internal_kv_get(key + b":done"):
+                for k in (key, key + b":done"):
+                    internal_kv._internal_kv_del(k)
                 return "launcher"
             time.sleep(0.2)
+        if _named_pg_id(self.placement.name) != self._pg_id:   # a new launch took the name meanwhile
+            return "gone"
         self._teardown()
         return "killed"
 
@@ -369,6 +394,8 @@ class Deployment:
             try:
                 pg = get_placement_group(pg_name(self.placement.name))
             except ValueError:
+                pg = None
+            if pg is not None and pg.id.hex() != self._pg_id:   # another launch's: not this handle's to remove
                 pg = None
         if pg is not None:
             remove_placement_group(pg)

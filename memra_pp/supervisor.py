@@ -11,7 +11,7 @@ import time
 
 import ray
 
-from .errors import StageFailed
+from .errors import ConfigError, InputError, StageFailed
 from .rayutil import get as _get
 from .shm import shm_names
 
@@ -88,10 +88,11 @@ class Supervisor:
         """A detached deployment asked to stop (`memra-pp stop`, a connect()ed handle's shutdown): shut it down
         from another thread (shutdown stops this one) and say so under the key's `:done`."""
         from ray.experimental import internal_kv
-        from .deployment import stop_key
-        key = stop_key(self.dep.placement.name)
+        if self.stopping.is_set():
+            return False
         try:
-            if not internal_kv._internal_kv_get(key):
+            key = self.dep.stop_key()
+            if key is None or not internal_kv._internal_kv_get(key):
                 return False
         except Exception:  # noqa: BLE001 - the cluster is going away: nothing to answer
             return False
@@ -99,8 +100,13 @@ class Supervisor:
         self.stopping.set()               # no restart from here on
 
         def stop():
-            self.dep.shutdown(stop_ray=False)
-            internal_kv._internal_kv_put(key + b":done", b"1")
+            try:
+                self.dep.shutdown(stop_ray=False)
+                internal_kv._internal_kv_put(key + b":done", b"1")
+            except Exception:  # noqa: BLE001 - the asker falls back to killing the stages; the launcher exits
+                log.exception("stop requested: the shutdown failed")
+            finally:
+                self.dep.stop_done.set()
         threading.Thread(target=stop, name="memra-stop", daemon=True).start()
         return True
 
@@ -120,6 +126,8 @@ class Supervisor:
             except Exception as e:  # RayActorError and friends: the process is gone
                 dead.append((i, f"its actor died ({type(e).__name__})"))
                 continue
+            if "adapters" in h:     # the intake's loaded adapters, every handle's: what a restart of it reloads
+                self.dep._adapter_paths = h["adapters"]
             if not h["alive"]:
                 (lost if h["lost_link"] else broken).append(
                     (i, f"its loop ended: {(h['error'] or 'a link to a neighbour closed').strip().splitlines()[-1]}"))
@@ -151,7 +159,7 @@ class Supervisor:
                 c.on_stage_failed(err)
             last = None
             for attempt in range(ATTEMPTS):
-                if self.stopping.is_set():
+                if self.stopping.is_set() or (dep.detached and self._stop_requested()):
                     return
                 try:
                     self._restart(stage, err)
@@ -208,17 +216,29 @@ class Supervisor:
                       else a.relink.remote(run_dir, tr[i]) for i, a in enumerate(dep.actors)], t, "stage restart")
         dep.slot_names = [shm_names(x) for x in infos]
         dep.wire(dep.actors, infos, t)
-        # the adapters to reload: the intake's registry where the intake survived (every handle's loads), else
-        # what this handle last saw of it (a new intake's registry is filled again here)
-        loaded = dep._adapter_paths if 0 in failed else _get(dep.actors[0].adapters.remote(), t, "adapters")
+        # the adapters to reload: the loaded ones of the intake's registry where the intake survived (every
+        # handle's loads), else as the last heartbeat saw them (a new intake's registry is filled again here). One
+        # that no longer loads (its files gone) is dropped and logged, not a failed restart.
+        loaded = dep._adapter_paths if 0 in failed else _get(dep.actors[0].adapters.remote(True), t, "adapters")
+        kept = {}
         for name, (slot, path) in loaded.items():
-            if 0 in failed:
-                _get(dep.actors[0].reserve_adapter.remote(name, path, slot), t, "reserve adapter slot")
-            _get([dep.actors[i].load_adapter.remote(name, path, slot) for i in sorted(failed)], t,
-                 f"reload adapter {name!r}")
-            if 0 in failed:
-                _get(dep.actors[0].name_adapter.remote(name, slot), t, "name adapter")
-        dep._adapter_paths = dict(loaded)
+            try:
+                if 0 in failed:
+                    _get(dep.actors[0].reserve_adapter.remote(name, path, slot), t, "reserve adapter slot")
+                _get([dep.actors[i].load_adapter.remote(name, path, slot) for i in sorted(failed)], t,
+                     f"reload adapter {name!r}")
+                if 0 in failed:
+                    _get(dep.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
+                kept[name] = (slot, path)
+            except (ConfigError, InputError, OSError) as e:    # its files, not a stage failing again
+                log.warning(f"adapter {name!r} (slot {slot}, {path}) could not be reloaded and is dropped: {e}")
+                if 0 in failed:
+                    _get(dep.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+                else:       # the survivors still hold it: unload it everywhere, then free its slot
+                    _get([a.unload_adapter.remote(slot) for a in dep.actors], t, "unload a dropped adapter")
+                    _get(dep.actors[0].begin_unload.remote(name), t, "withdraw a dropped adapter")
+                    _get(dep.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+        dep._adapter_paths = kept
         if loaded:      # reloaded LoRA pools took memory after the wiring measured it
             dep._rebudget(t)
         _get([a.start.remote() for a in dep.actors], t, "stage start")

@@ -61,17 +61,23 @@ class StageActor:
     def adapter_users(self, slot: int) -> int:
         return self.runner.adapter_users(slot)
 
-    def name_adapter(self, name: str, slot) -> None:
-        return self.runner.name_adapter(name, slot)
-
     def reserve_adapter(self, name: str, path: str, slot: int | None = None) -> int:
         return self.runner.reserve_adapter(name, path, slot)
+
+    def commit_adapter(self, name: str, slot: int) -> None:
+        return self.runner.commit_adapter(name, slot)
+
+    def begin_unload(self, name: str) -> int:
+        return self.runner.begin_unload(name)
+
+    def abort_unload(self, name: str) -> None:
+        return self.runner.abort_unload(name)
 
     def release_adapter(self, name: str) -> None:
         return self.runner.release_adapter(name)
 
-    def adapters(self) -> dict:
-        return self.runner.adapters()
+    def adapters(self, loaded_only: bool = False) -> dict:
+        return self.runner.adapters(loaded_only)
 
     def run_check(self, name: str, *args):
         from ..battery_stage import CHECKS

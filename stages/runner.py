@@ -81,10 +81,12 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}
         self.adapter_names: dict[str, int] = {}     # intake: the names clients may use -> slot
-        # intake: every adapter loaded or being loaded, name -> (slot, path), whichever handle (launch's or a
-        # connect()'s) loads it: the one table that gives out slots, so no handle overwrites another's adapter
-        self.adapter_registry: dict[str, tuple[int, str]] = {}
+        # intake: every adapter loading, loaded or unloading, name -> [slot, path, state], whichever handle (launch's
+        # or a connect()'s) loads it: the one table that gives out slots and publishes names, so no handle
+        # overwrites or unloads an adapter another is loading; the supervisor reads its loaded ones every heartbeat
+        self.adapter_registry: dict[str, list] = {}
         self._registry_lock = threading.Lock()
+        self._adapter_lock = threading.Lock()       # this stage's pools: one load or unload at a time
 
     def here(self) -> None:
         """Make this stage's context current on the calling thread (Ray calls arrive on pool threads)."""
@@ -219,54 +221,90 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         ad = self.placement.adapters
         aw = load_peft_adapter(path, self.mc, ad.max_rank)
         sp = self.spec
-        if self.lora is None:
-            self.lora = LoraPool(self.mc, range(sp.layer_start, sp.layer_end), ad.max_loras, ad.max_rank,
-                                 self.dtype, sp.device)
-        self.lora.load(slot, aw.for_layers(sp.layer_start, sp.layer_end))
-        if sp.intake or sp.primary:
-            self.adapter_weights[slot] = aw
-            self.token_overlay = token_overlay_set(self.engine, self.adapter_weights, ad.max_loras, self.mc.tied)
+        with self._adapter_lock:        # (Ray runs actor calls on several threads: two handles may load at once)
+            if self.lora is None:
+                self.lora = LoraPool(self.mc, range(sp.layer_start, sp.layer_end), ad.max_loras, ad.max_rank,
+                                     self.dtype, sp.device)
+            self.lora.load(slot, aw.for_layers(sp.layer_start, sp.layer_end))
+            if sp.intake or sp.primary:
+                self.adapter_weights[slot] = aw
+                self.token_overlay = token_overlay_set(self.engine, self.adapter_weights, ad.max_loras, self.mc.tied)
 
     def unload_adapter(self, slot: int) -> None:
         from ..adapters import token_overlay_set
         self.here()
-        if self.lora is not None:
-            self.lora.unload(slot)
-        if self.adapter_weights.pop(slot, None) is not None:
-            self.token_overlay = token_overlay_set(self.engine, self.adapter_weights,
-                                                   self.placement.adapters.max_loras, self.mc.tied)
+        with self._adapter_lock:
+            if self.lora is not None:
+                self.lora.unload(slot)
+            if self.adapter_weights.pop(slot, None) is not None:
+                self.token_overlay = token_overlay_set(self.engine, self.adapter_weights,
+                                                       self.placement.adapters.max_loras, self.mc.tied)
 
+    # the intake's registry (stages/runner.adapter_registry): reserve -> (every stage loads) -> commit publishes the
+    # name; begin_unload withdraws it -> (every stage unloads) -> release, or abort_unload publishes it again
     def reserve_adapter(self, name: str, path: str, slot: int | None = None) -> int:
         """Intake: take the lowest free adapter slot for `name` (or `slot`, a restart's reload), refusing a name
-        already loaded or a full pool; the slot is the caller's until release_adapter."""
+        already known or a full pool; the slot is the caller's (loading) until commit_adapter or release_adapter."""
         with self._registry_lock:
             reg, cap = self.adapter_registry, self.placement.adapters.max_loras
-            if name in reg and (slot is None or reg[name][0] != slot):
-                raise InputError(f"adapter {name!r} is already loaded (slot {reg[name][0]}); unload it first")
-            used = {s for n, (s, _) in reg.items() if n != name}
+            if name in reg:
+                raise InputError(f"adapter {name!r} is already {reg[name][2]} (slot {reg[name][0]}); unload it "
+                                 f"first" if reg[name][2] == "loaded" else
+                                 f"adapter {name!r} is being {reg[name][2][:-3]}ed by another handle (slot "
+                                 f"{reg[name][0]}); try again when that finishes")
+            used = {e[0] for e in reg.values()}
+            if slot is not None and not 0 <= slot < cap:
+                raise InputError(f"adapter slot {slot} is outside adapters.max_loras ({cap})")
             free = [k for k in range(cap) if k not in used] if slot is None else [slot]
             if not free or free[0] in used:
                 raise InputError(f"the adapter pool is full ({cap} slots: {sorted(reg)}); unload one or raise "
                                  f"adapters.max_loras")
-            reg[name] = (free[0], path)
+            reg[name] = [free[0], path, "loading"]
             return free[0]
 
+    def commit_adapter(self, name: str, slot: int) -> None:
+        """Intake: every stage holds `name` in `slot`: it is loaded, and clients may select it by name."""
+        with self._registry_lock:
+            e = self.adapter_registry.get(name)
+            if e is None or e[0] != slot or e[2] != "loading":
+                raise InputError(f"adapter {name!r} is not being loaded into slot {slot} (registry: {e}); it was "
+                                 f"unloaded or replaced meanwhile")
+            e[2] = "loaded"
+            self.adapter_names[name] = slot
+
+    def begin_unload(self, name: str) -> int:
+        """Intake: withdraw a loaded adapter's name (no new request selects it) and mark it unloading; its slot."""
+        with self._registry_lock:
+            e = self.adapter_registry.get(name)
+            if e is None:
+                raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self.adapter_names)}")
+            if e[2] != "loaded":
+                raise InputError(f"adapter {name!r} is being {e[2][:-3]}ed by another handle; try again when that "
+                                 f"finishes")
+            e[2] = "unloading"
+            self.adapter_names.pop(name, None)
+            return e[0]
+
+    def abort_unload(self, name: str) -> None:
+        """Intake: an unload that did not happen (requests still use the adapter): loaded and published again."""
+        with self._registry_lock:
+            e = self.adapter_registry.get(name)
+            if e is not None and e[2] == "unloading":
+                e[2] = "loaded"
+                self.adapter_names[name] = e[0]
+
     def release_adapter(self, name: str) -> None:
-        """Intake: give `name`'s slot back (an unload, or a load that failed)."""
+        """Intake: give `name`'s slot back (an unload, or a load that failed) and withdraw its name."""
         with self._registry_lock:
             self.adapter_registry.pop(name, None)
-
-    def adapters(self) -> dict[str, tuple[int, str]]:
-        """Intake: every adapter loaded or being loaded, name -> (slot, path)."""
-        with self._registry_lock:
-            return dict(self.adapter_registry)
-
-    def name_adapter(self, name: str, slot: int | None) -> None:
-        """Intake: publish (slot) or withdraw (None) the name clients select an adapter by."""
-        if slot is None:
             self.adapter_names.pop(name, None)
-        else:
-            self.adapter_names[name] = slot
+
+    def adapters(self, loaded_only: bool = False) -> dict[str, tuple]:
+        """Intake: the registry, name -> (slot, path, state); `loaded_only`: name -> (slot, path) of the loaded."""
+        with self._registry_lock:
+            if loaded_only:
+                return {n: (e[0], e[1]) for n, e in self.adapter_registry.items() if e[2] == "loaded"}
+            return {n: tuple(e) for n, e in self.adapter_registry.items()}
 
     def adapter_users(self, slot: int) -> int:
         """Intake: requests waiting or running with this adapter slot (read from an actor thread: a snapshot)."""

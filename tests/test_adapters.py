@@ -240,3 +240,46 @@ def test_pool_refusals():
     assert pool.step(_batch(PROMPTS[:2], [1, -1])[0]) is not None
     pool.unload(1)
     assert all(not t for t in pool.targets.values()) and all(float(a.abs().sum()) == 0 for a in pool.a.values())
+
+
+def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
+    """stages/runner's registry (the table every Deployment handle loads and unloads through): reserve gives the
+    lowest free slot (loading), commit publishes the name (loaded), begin_unload withdraws it (unloading), abort_unload
+    publishes it again, release frees the slot. A name in any state is refused a second reserve, a loading or
+    unloading one an unload, a commit whose reservation is gone is refused, and so is a slot outside max_loras."""
+    import threading
+    import types
+    from memra_pp.errors import InputError
+    from memra_pp.stages.runner import StageRunner
+    r = StageRunner.__new__(StageRunner)
+    r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2))
+    r.adapter_registry, r.adapter_names, r._registry_lock = {}, {}, threading.Lock()
+    assert r.reserve_adapter("a", "/a") == 0 and r.adapters() == {"a": (0, "/a", "loading")}
+    with pytest.raises(InputError, match=r"adapter 'a' is being loaded by another handle \(slot 0\)"):
+        r.reserve_adapter("a", "/a2")
+    with pytest.raises(InputError, match=r"adapter 'a' is being loaded by another handle; try again"):
+        r.begin_unload("a")
+    assert "a" not in r.adapter_names                  # not published before every stage holds it
+    r.commit_adapter("a", 0)
+    assert r.adapter_names == {"a": 0} and r.adapters(loaded_only=True) == {"a": (0, "/a")}
+    with pytest.raises(InputError, match=r"adapter 'a' is already loaded \(slot 0\); unload it first"):
+        r.reserve_adapter("a", "/a")
+    assert r.reserve_adapter("b", "/b") == 1
+    with pytest.raises(InputError, match=r"the adapter pool is full \(2 slots: \['a', 'b'\]\)"):
+        r.reserve_adapter("c", "/c")
+    r.release_adapter("b")                             # a load that failed
+    with pytest.raises(InputError, match=r"adapter 'b' is not being loaded into slot 1"):
+        r.commit_adapter("b", 1)
+    assert r.begin_unload("a") == 0 and r.adapter_names == {}
+    with pytest.raises(InputError, match=r"adapter 'a' is being unloaded by another handle"):
+        r.begin_unload("a")
+    r.abort_unload("a")                                # still in use: published again
+    assert r.adapter_names == {"a": 0} and r.adapters()["a"][2] == "loaded"
+    with pytest.raises(InputError, match=r"unknown adapter 'zz'; loaded: \['a'\]"):
+        r.begin_unload("zz")
+    with pytest.raises(InputError, match=r"adapter slot 5 is outside adapters.max_loras \(2\)"):
+        r.reserve_adapter("d", "/d", slot=5)
+    assert r.reserve_adapter("d", "/d", slot=1) == 1   # a restart's reload names its slot
+    r.begin_unload("a")
+    r.release_adapter("a")
+    assert r.adapters() == {"d": (1, "/d", "loading")} and r.adapter_names == {}

@@ -175,10 +175,8 @@ def test_stuck_stage_is_detected_and_replaced(ray_cluster):
         assert c.generate(list(SHORT), max_new_tokens=4).token_ids == ref
 
 
-def _pg_state(name: str) -> str | None:
-    from memra_pp.deployment import pg_name
-    states = [p["state"] for p in ray.util.placement_group_table().values() if p.get("name") == pg_name(name)]
-    return states[-1] if states else None
+def _pg_state(pg_id: str) -> str | None:
+    return ray.util.placement_group_table().get(pg_id, {}).get("state")
 
 
 def test_a_connected_handle_stops_a_detached_deployment(ray_cluster):
@@ -186,36 +184,39 @@ def test_a_connected_handle_stops_a_detached_deployment(ray_cluster):
     shuts it down (its restarts stop first: it once restarted the stages a connected handle killed, and the
     detached placement group stayed), the actors and the named placement group go, the launching handle refuses
     further use. Where no launcher answers, the connected handle kills the stages and removes the group itself.
-    A new deployment of the same name then starts and serves (the stop request of the last one does not stop
-    it)."""
+    A handle of an earlier launch of the name stops nothing of a later one ("gone")."""
     from memra_pp.deployment import Deployment
     _, path = tiny_checkpoint("dense", False)
     dep = None
     try:
         cfg = dict(config(path, 2), name="stopme")
         dep = memra_pp.launch(cfg, detached=True)
+        first = dep._pg.id.hex()
         other = memra_pp.connect("stopme", namespace="memra-test")
+        assert other._pg_id == first and other.stop_key() == dep.stop_key()
         want = hf_reference("dense", False, SHORT, 4)[0]
         assert other.client().generate(list(SHORT), max_new_tokens=4).token_ids == want
         other.shutdown()
-        assert other.stopped_by == "launcher" and dep._torn_down and dep.supervisor.stopping.is_set()
+        assert other.stopped_by == "launcher" and dep._torn_down and dep.stop_done.is_set()
         with pytest.raises(StageFailed, match="the deployment 'stopme' was shut down"):
             dep.client()
         for i in range(2):
             with pytest.raises(ValueError):
                 ray.get_actor(f"stopme.stage{i}")
-        assert _pg_state("stopme") == "REMOVED"
+        assert _pg_state(first) == "REMOVED"
         # again, with a launcher that does not answer (its supervisor stopped): killed from the connected side
         dep = memra_pp.launch(cfg, detached=True)
-        time.sleep(3 * 0.5)                 # heartbeats: the earlier stop request does not stop this one
-        assert not dep._down and dep.client().generate(list(SHORT), max_new_tokens=4).token_ids == want
+        second = dep._pg.id.hex()
+        assert second != first and not dep._down
+        assert other._stop_remote() == "gone"           # the first launch's handle: this one is not its to stop
+        assert dep.client().generate(list(SHORT), max_new_tokens=4).token_ids == want
         dep.supervisor.stop()
         other = Deployment.connect("stopme", namespace="memra-test")
         assert other._stop_remote(wait_s=1.0) == "killed"
         for i in range(2):
             with pytest.raises(ValueError):
                 ray.get_actor(f"stopme.stage{i}")
-        assert _pg_state("stopme") == "REMOVED"
+        assert _pg_state(second) == "REMOVED"
     finally:
         if dep is not None:
             dep.shutdown()

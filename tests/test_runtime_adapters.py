@@ -158,9 +158,39 @@ def test_handles_of_one_deployment_share_its_adapter_slots(ray_cluster):
         with pytest.raises(InputError, match="unknown adapter 'a'"):
             dep.client().generate(list(p), max_new_tokens=NEW, adapter="a")
         assert dep.load_adapter("c", adapter("dense", False, "A")[1]) == 0     # the freed slot
-        assert ray_get_adapters(dep) == {"b": 1, "c": 0}
+        import ray
+        reg = ray.get(dep.actors[0].adapters.remote(), timeout=30)
+        assert {n: (slot, state) for n, (slot, _, state) in reg.items()} == {"b": (1, "loaded"), "c": (0, "loaded")}
+        # the supervisor's heartbeat reads the loaded ones (what a restart of the intake would reload)
+        assert ray.get(dep.actors[0].health.remote(), timeout=30)["adapters"].keys() == {"b", "c"}
 
 
-def ray_get_adapters(dep) -> dict:
+def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_files_are_gone(ray_cluster, tmp_path):
+    """The intake holds the registry; if it is restarted, the supervisor reloads what its heartbeats last read there:
+    an adapter a connect()ed handle loaded too (the launching handle's own list once lost it), and one whose files
+    were deleted meanwhile is dropped and logged instead of failing the restart. The deployment serves both ways."""
+    import shutil
     import ray
-    return {n: s for n, (s, _) in ray.get(dep.actors[0].adapters.remote(), timeout=30).items()}
+    _, path = tiny_checkpoint("dense", False)
+    gone = tmp_path / "gone"
+    shutil.copytree(adapter("dense", False, "A")[1], gone)
+    c = dict(cfg(path, 2), name="adrestart", timeouts={"heartbeat_s": 0.5})
+    with memra_pp.launch(c, detached=True) as dep:
+        other = memra_pp.connect("adrestart", namespace="memra-test")
+        dep.load_adapter("a", str(gone))
+        other.load_adapter("b", adapter("dense", False, "B")[1])
+        time.sleep(1.5)                                  # heartbeats read the registry
+        assert set(dep._adapter_paths) == {"a", "b"}
+        shutil.rmtree(gone)
+        ray.kill(dep.actors[0])
+        time.sleep(1.0)
+        dep.wait_ready(90)
+        assert dep.supervisor.log[-1]["recovered"] and dep.supervisor.log[-1]["stage"] == 0, dep.supervisor.log
+        p = PROMPTS[1]
+        cl = dep.client()
+        assert cl.generate(list(p), max_new_tokens=NEW, adapter="b").token_ids == \
+            peft_reference("dense", False, "B", p)[0]
+        with pytest.raises(InputError, match="unknown adapter 'a'"):
+            cl.generate(list(p), max_new_tokens=NEW, adapter="a")
+        assert {n: e[0] for n, e in ray.get(dep.actors[0].adapters.remote(), timeout=30).items()} == {"b": 1}
+        assert cl.generate(list(p), max_new_tokens=NEW).token_ids == hf_reference("dense", False, p, NEW)[0]
