@@ -83,6 +83,7 @@ class Client(ReplayMixin):
             except Exception as e:  # the intake stage is gone or silent: every waiting request fails (or waits)
                 self.on_stage_failed(StageFailed(f"stage 0 failed: it did not answer a poll: {type(e).__name__}: "
                                                  f"{e}", stage=0))
+                self.dep.refresh_actors()       # a connect()ed handle: the restarted stages, by name
                 self._closed.wait(0.2)
                 continue
             for rid, toks, lps, finish, err in evs:
@@ -144,7 +145,16 @@ class Client(ReplayMixin):
             self._tracks[tr.rid] = tr
         try:
             from .rayutil import get
-            get(self._intake.submit.remote(req), t.step_s, "submit")
+            intake = self._intake
+            try:
+                get(intake.submit.remote(req), t.step_s, "submit")
+            except StageFailed as e:
+                # a connect()ed handle whose intake the launching process replaced: the dead actor took nothing,
+                # so the request goes once more to the actor now holding the name
+                if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
+                        self._intake is intake:
+                    raise
+                get(self._intake.submit.remote(req), t.step_s, "submit")
         except StageFailed as e:   # the intake is gone: with replay the request waits for the recovery
             if type(e) is not StageFailed or e.stage is not None:
                 self._drop(tr)

@@ -316,6 +316,20 @@ class Deployment:
         _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
         self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
 
+    def refresh_actors(self) -> bool:
+        """A connect()ed handle: look the stage actors up by name again, since the launching process's supervisor
+        replaces a failed stage with a new actor of the same name (launch's own handle is updated by its
+        supervisor). Returns whether the handles were looked up."""
+        if not self.connected or self._down:
+            return False
+        try:
+            new = [ray.get_actor(f"{self.placement.name}.stage{i}") for i in range(len(self.plan.stages))]
+        except ValueError:          # (a stage between its kill and its replacement)
+            return False
+        with self._actors_lock:
+            self.actors = new
+        return True
+
     def stage_actor(self, i: int):
         return self.actors[i]
 
@@ -323,7 +337,12 @@ class Deployment:
         """Per stage counters; `timeline`: also each stage's most recent microbatch spans, [kind, tokens, start,
         end] on the node's CLOCK_MONOTONIC (time.monotonic) seconds, device time on a GPU (stages/timeline.py)."""
         self._require_up("stats")
-        st = _get([a.stats.remote(reset, timeline) for a in self.actors], self.placement.timeouts.step_s, "stats")
+        try:
+            st = _get([a.stats.remote(reset, timeline) for a in self.actors], self.placement.timeouts.step_s,
+                      "stats")
+        except StageFailed:
+            self.refresh_actors()       # a connect()ed handle: the next call asks the restarted stages
+            raise
         return {"stages": st}
 
     def wait_ready(self, timeout: float = 60.0) -> None:

@@ -220,3 +220,24 @@ def test_a_connected_handle_stops_a_detached_deployment(ray_cluster):
     finally:
         if dep is not None:
             dep.shutdown()
+
+
+def test_a_connected_handle_follows_a_restarted_intake(ray_cluster):
+    """A connect()ed handle holds the stage actors it looked up; when the launching process's supervisor replaces
+    a failed stage 0 with a new actor of the same name, the connected handle's next request goes to the new one
+    (its submit to the dead actor is sent again, since that took nothing), and so do its stats. Before, every call
+    through it failed until it connected again."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(dict(config(path, 2), name="follow"), detached=True) as dep:
+        other = memra_pp.connect("follow", namespace="memra-test")
+        c = other.client()
+        want = hf_reference("dense", False, SHORT, 4)[0]
+        assert c.generate(list(SHORT), max_new_tokens=4).token_ids == want
+        old = other.actors[0]
+        ray.kill(dep.actors[0])
+        time.sleep(1.0)
+        dep.wait_ready(90)
+        assert dep.supervisor.log and dep.supervisor.log[-1]["stage"] == 0 and dep.supervisor.log[-1]["recovered"]
+        assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == want
+        assert other.actors[0] is not old
+        assert [s["index"] for s in other.stats()["stages"]] == [0, 1]
