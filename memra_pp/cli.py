@@ -70,7 +70,8 @@ def cmd_launch(args) -> int:
     try:      # the supervisor answers a stop (`memra-pp stop`, a connect()ed handle's shutdown): it shuts down
         while not dep.stop_done.wait(0.5):
             pass
-        print(f"stop requested: {dep.placement.name!r} was shut down", file=sys.stderr, flush=True)
+        print(f"stop requested: {dep.placement.name!r} " + ("was shut down" if dep.stop_ok else
+              "could not be shut down here (the asker kills its stages)"), file=sys.stderr, flush=True)
         time.sleep(2.0)        # let a waiting `memra-pp stop` read the answer before the cluster goes away
     except KeyboardInterrupt:
         pass
@@ -123,6 +124,9 @@ def cmd_stop(args) -> int:
     dep.shutdown()             # (and disconnects before the launcher takes its cluster down)
     if dep.stopped_by == "launcher":
         _print(args, {"stopped": args.name, "by": "launcher"}, f"stopped {args.name}")
+    elif dep.stopped_by == "gone":
+        _print(args, {"stopped": args.name, "by": "gone"}, f"{args.name} was already gone (another launch holds "
+               "the name now, or none)")
     else:
         _print(args, {"stopped": args.name, "by": "killed"},
                f"stopped {args.name} (no launcher answered; stages killed)")

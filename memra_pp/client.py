@@ -151,8 +151,9 @@ class Client(ReplayMixin):
             except StageFailed as e:
                 # a connect()ed handle whose intake the launching process replaced: the dead actor took nothing,
                 # so the request goes once more to the actor now holding the name
+                # (the same actor id: the live intake timed out, and may hold the request: never sent twice)
                 if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
-                        self._intake is intake:
+                        self._intake._actor_id == intake._actor_id:
                     raise
                 get(self._intake.submit.remote(req), t.step_s, "submit")
         except StageFailed as e:   # the intake is gone: with replay the request waits for the recovery

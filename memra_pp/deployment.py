@@ -63,6 +63,7 @@ class Deployment:
         self.connected = False         # made by connect(): its shutdown asks the launching process to stop it
         self.stopped_by: str | None = None   # a connected handle's shutdown: "launcher", "killed" or "gone"
         self.stop_done = threading.Event()   # a stop request was answered (the launcher's shutdown ran or failed)
+        self.stop_ok = False                 # ... and its shutdown completed
         self._pg_id: str | None = None       # a connected handle: the detached group it found (stop_key)
         self._torn_down = False        # its teardown completed: a second shutdown only stops Ray if still asked
         self.vocab_size = infos[0]["vocab_size"]
@@ -281,6 +282,7 @@ class Deployment:
         if not isinstance(name, str) or not name:
             raise InputError(f"an adapter's name is a non-empty string, got {name!r}")
         t = self.placement.timeouts.ready_s
+        self.refresh_actors()           # a connect()ed handle: the stages as they are now (after any restart)
         slot = _get(self.actors[0].reserve_adapter.remote(name, str(path)), t, "reserve an adapter slot")
         try:
             _get([a.load_adapter.remote(name, str(path), slot) for a in self.actors], t, f"load adapter {name!r}")
@@ -307,13 +309,20 @@ class Deployment:
         if not isinstance(name, str):
             raise InputError(f"unknown adapter {name!r}: an adapter's name is a string")
         t = self.placement.timeouts.ready_s
+        self.refresh_actors()           # a connect()ed handle: the stages as they are now (after any restart)
         slot = _get(self.actors[0].begin_unload.remote(name), t, "withdraw the adapter's name")   # no new requests
-        users = _get(self.actors[0].adapter_users.remote(slot), t, "adapter users")
+        try:
+            users = _get(self.actors[0].adapter_users.remote(slot), t, "adapter users")
+        except BaseException:
+            _get(self.actors[0].abort_unload.remote(name), t, "publish the adapter's name again")
+            raise
         if users:   # unloading now would change the weights under requests still generating with them
             _get(self.actors[0].abort_unload.remote(name), t, "publish the adapter's name again")
             raise InputError(f"adapter {name!r} is still used by {users} request(s); unload it when they finish")
-        _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
-        _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+        try:
+            _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
+        finally:        # withdrawn: its slot is free even where a stage failed midway (a load clears a slot first)
+            _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
         self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
 
     def refresh_actors(self) -> bool:
@@ -324,7 +333,7 @@ class Deployment:
             return False
         try:
             new = [ray.get_actor(f"{self.placement.name}.stage{i}") for i in range(len(self.plan.stages))]
-        except ValueError:          # (a stage between its kill and its replacement)
+        except Exception:  # noqa: BLE001 - a stage between its kill and its replacement, the GCS slow: not now
             return False
         with self._actors_lock:
             self.actors = new

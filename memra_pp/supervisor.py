@@ -102,11 +102,13 @@ class Supervisor:
         def stop():
             try:
                 self.dep.shutdown(stop_ray=False)
-                internal_kv._internal_kv_put(key + b":done", b"1")
+                self.dep.stop_ok = True
             except Exception:  # noqa: BLE001 - the asker falls back to killing the stages; the launcher exits
                 log.exception("stop requested: the shutdown failed")
             finally:
-                self.dep.stop_done.set()
+                self.dep.stop_done.set()      # (before the answer: whoever reads it sees the handle stopped)
+            if self.dep.stop_ok:
+                internal_kv._internal_kv_put(key + b":done", b"1")
         threading.Thread(target=stop, name="memra-stop", daemon=True).start()
         return True
 
@@ -232,12 +234,11 @@ class Supervisor:
                 kept[name] = (slot, path)
             except (ConfigError, InputError, OSError) as e:    # its files, not a stage failing again
                 log.warning(f"adapter {name!r} (slot {slot}, {path}) could not be reloaded and is dropped: {e}")
-                if 0 in failed:
-                    _get(dep.actors[0].release_adapter.remote(name), t, "release the adapter slot")
-                else:       # the survivors still hold it: unload it everywhere, then free its slot
+                # its name first (no new request selects it; the halt ended the ones that had), then its weights
+                # wherever they are, then its slot
+                _get(dep.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+                if 0 not in failed:
                     _get([a.unload_adapter.remote(slot) for a in dep.actors], t, "unload a dropped adapter")
-                    _get(dep.actors[0].begin_unload.remote(name), t, "withdraw a dropped adapter")
-                    _get(dep.actors[0].release_adapter.remote(name), t, "release the adapter slot")
         dep._adapter_paths = kept
         if loaded:      # reloaded LoRA pools took memory after the wiring measured it
             dep._rebudget(t)

@@ -307,9 +307,12 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             return {n: tuple(e) for n, e in self.adapter_registry.items()}
 
     def adapter_users(self, slot: int) -> int:
-        """Intake: requests waiting or running with this adapter slot (read from an actor thread: a snapshot)."""
+        """Intake: requests with this adapter slot submitted (still in the inbox), waiting or running (read from an
+        actor thread: a snapshot)."""
         sch = self.scheduler
-        return sum(r.adapter == slot for r in list(sch.waiting)) + \
+        with self.inbox.mutex:
+            queued = [item[1] for item in self.inbox.queue if item[0] == "req"]
+        return sum(r.adapter == slot for r in queued) + sum(r.adapter == slot for r in list(sch.waiting)) + \
             sum(q.req.adapter == slot for q in list(sch.active.values()))
 
     def adapter_slot(self, name: str | None) -> int:

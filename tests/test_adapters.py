@@ -283,3 +283,11 @@ def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
     r.begin_unload("a")
     r.release_adapter("a")
     assert r.adapters() == {"d": (1, "/d", "loading")} and r.adapter_names == {}
+    # an unload counts the slot's requests still in the intake's inbox too (submitted, not yet scheduled)
+    import queue
+    r.inbox, r.scheduler = queue.Queue(), types.SimpleNamespace(waiting=[types.SimpleNamespace(adapter=1)],
+                                                                active={})
+    r.inbox.put(("req", types.SimpleNamespace(adapter=1)))
+    r.inbox.put(("abort", "x"))
+    r.inbox.put(("req", types.SimpleNamespace(adapter=0)))
+    assert r.adapter_users(1) == 2 and r.adapter_users(0) == 1

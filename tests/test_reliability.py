@@ -224,20 +224,30 @@ def test_a_connected_handle_stops_a_detached_deployment(ray_cluster):
 
 def test_a_connected_handle_follows_a_restarted_intake(ray_cluster):
     """A connect()ed handle holds the stage actors it looked up; when the launching process's supervisor replaces
-    a failed stage 0 with a new actor of the same name, the connected handle's next request goes to the new one
-    (its submit to the dead actor is sent again, since that took nothing), and so do its stats. Before, every call
-    through it failed until it connected again."""
+    a failed stage 0 with a new actor of the same name, the connected handle follows: a request it was streaming
+    fails with StageFailed, its next request is served by the new intake (a submit to the dead actor is sent again,
+    since that took nothing), and another connected handle's stats, refused once, then ask the new stages. Before,
+    every call through a connected handle failed after a restart of stage 0 until it connected again."""
     _, path = tiny_checkpoint("dense", False)
     with memra_pp.launch(dict(config(path, 2), name="follow"), detached=True) as dep:
         other = memra_pp.connect("follow", namespace="memra-test")
+        third = memra_pp.connect("follow", namespace="memra-test")
         c = other.client()
         want = hf_reference("dense", False, SHORT, 4)[0]
         assert c.generate(list(SHORT), max_new_tokens=4).token_ids == want
-        old = other.actors[0]
+        it = c.stream(list(SHORT), max_new_tokens=400, ignore_eos=True)
+        next(it)
         ray.kill(dep.actors[0])
+        with pytest.raises(StageFailed, match="stage 0"):
+            for _ in it:
+                pass
         time.sleep(1.0)
         dep.wait_ready(90)
         assert dep.supervisor.log and dep.supervisor.log[-1]["stage"] == 0 and dep.supervisor.log[-1]["recovered"]
+        new = dep.actors[0]._actor_id
         assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == want
-        assert other.actors[0] is not old
-        assert [s["index"] for s in other.stats()["stages"]] == [0, 1]
+        assert other.actors[0]._actor_id == new
+        assert third.actors[0]._actor_id != new
+        with pytest.raises(StageFailed):
+            third.stats()                       # its handles were the dead ones: looked up again
+        assert third.actors[0]._actor_id == new and [s["index"] for s in third.stats()["stages"]] == [0, 1]

@@ -165,7 +165,8 @@ def test_handles_of_one_deployment_share_its_adapter_slots(ray_cluster):
         assert ray.get(dep.actors[0].health.remote(), timeout=30)["adapters"].keys() == {"b", "c"}
 
 
-def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_files_are_gone(ray_cluster, tmp_path):
+def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_files_are_gone(ray_cluster, tmp_path,
+                                                                                              caplog):
     """The intake holds the registry; if it is restarted, the supervisor reloads what its heartbeats last read there:
     an adapter a connect()ed handle loaded too (the launching handle's own list once lost it), and one whose files
     were deleted meanwhile is dropped and logged instead of failing the restart. The deployment serves both ways."""
@@ -179,13 +180,17 @@ def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_fi
         other = memra_pp.connect("adrestart", namespace="memra-test")
         dep.load_adapter("a", str(gone))
         other.load_adapter("b", adapter("dense", False, "B")[1])
-        time.sleep(1.5)                                  # heartbeats read the registry
+        end = time.monotonic() + 10
+        while set(dep._adapter_paths) != {"a", "b"} and time.monotonic() < end:
+            time.sleep(0.1)                              # a heartbeat reads the registry
         assert set(dep._adapter_paths) == {"a", "b"}
         shutil.rmtree(gone)
-        ray.kill(dep.actors[0])
-        time.sleep(1.0)
-        dep.wait_ready(90)
+        with caplog.at_level("WARNING", logger="memra_pp"):
+            ray.kill(dep.actors[0])
+            time.sleep(1.0)
+            dep.wait_ready(90)
         assert dep.supervisor.log[-1]["recovered"] and dep.supervisor.log[-1]["stage"] == 0, dep.supervisor.log
+        assert "adapter 'a' (slot 0" in caplog.text and "could not be reloaded and is dropped" in caplog.text
         p = PROMPTS[1]
         cl = dep.client()
         assert cl.generate(list(p), max_new_tokens=NEW, adapter="b").token_ids == \
