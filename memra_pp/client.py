@@ -78,11 +78,12 @@ class Client(ReplayMixin):
             if idle:
                 self._closed.wait(0.02)
                 continue
+            intake = self._intake
             try:
-                evs = ray.get(self._intake.poll.remote(self.id, 0.2), timeout=step)
-            except Exception as e:  # the intake stage is gone or silent: every waiting request fails (or waits)
+                evs = ray.get(intake.poll.remote(self.id, 0.2), timeout=step)
+            except Exception as e:  # the intake stage is gone or silent: its waiting requests fail (or wait)
                 self.on_stage_failed(StageFailed(f"stage 0 failed: it did not answer a poll: {type(e).__name__}: "
-                                                 f"{e}", stage=0))
+                                                 f"{e}", stage=0), intake=intake._actor_id)
                 self.dep.refresh_actors()       # a connect()ed handle: the restarted stages, by name
                 self._closed.wait(0.2)
                 continue
@@ -146,6 +147,7 @@ class Client(ReplayMixin):
         try:
             from .rayutil import get
             intake = self._intake
+            tr.intake = intake._actor_id
             try:
                 get(intake.submit.remote(req), t.step_s, "submit")
             except StageFailed as e:
@@ -155,6 +157,7 @@ class Client(ReplayMixin):
                 if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
                         self._intake._actor_id == intake._actor_id:
                     raise
+                tr.intake = self._intake._actor_id
                 get(self._intake.submit.remote(req), t.step_s, "submit")
         except StageFailed as e:   # the intake is gone: with replay the request waits for the recovery
             if type(e) is not StageFailed or e.stage is not None:

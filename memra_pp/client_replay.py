@@ -20,6 +20,7 @@ class _Track:
     put: object
     tokens: list = dataclasses.field(default_factory=list)
     gen: int = 0                  # the supervisor generation the request was (re)submitted in
+    intake: object = None         # the actor id of the intake it was (re)submitted to
 
 
 class ReplayMixin:
@@ -30,16 +31,18 @@ class ReplayMixin:
     def _replays(self) -> bool:
         return self.dep.placement.recover == "replay" and self._sup is not None
 
-    def on_stage_failed(self, e: StageFailed) -> None:
-        """A stage was lost: every request in flight fails with `e`, or, with recover: replay, waits for the
-        recovery and is replayed from its token history."""
+    def on_stage_failed(self, e: StageFailed, intake=None) -> None:
+        """A stage was lost: every request in flight (or, given `intake`, an actor id, those submitted to that
+        intake: a request already on its replacement goes on) fails with `e`, or, with recover: replay, waits for
+        the recovery and is replayed from its token history."""
         with self._lock:
-            tracks = list(self._tracks.values())
+            tracks = [t for t in self._tracks.values() if intake is None or t.intake in (None, intake)]
             if self._replays():
                 for t in tracks:
                     self._hold(t)
                 return
-            self._tracks.clear()
+            for t in tracks:
+                del self._tracks[t.rid]
         for t in tracks:
             self._deliver(t, ([], [], "error", (type(e).__name__, str(e), e.stage)))
 
@@ -65,16 +68,16 @@ class ReplayMixin:
         with self._lock:
             go = [t for t in self._held if force or t.gen < sup.recovered]
             self._held = [t for t in self._held if t not in go]
-            gen = sup.generation
+            gen, intake = sup.generation, self._intake
             for t in go:
-                t.rid, t.gen = uuid.uuid4().hex, gen
+                t.rid, t.gen, t.intake = uuid.uuid4().hex, gen, intake._actor_id
                 self._tracks[t.rid] = t
         refs = []
         for t in go:
             done = len(t.tokens)
             req = dict(t.req, rid=t.rid, prompt=t.req["prompt"] + t.tokens,
                        max_new_tokens=t.req["max_new_tokens"] - done, step0=done)
-            refs.append(self._intake.submit.remote(req))
+            refs.append(intake.submit.remote(req))
         if refs:
             try:
                 ray.get(refs, timeout=self.dep.placement.timeouts.step_s)

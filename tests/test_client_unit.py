@@ -22,7 +22,7 @@ def _client(monkeypatch, on_submit=None):
     """A Client over a fake replay deployment whose supervisor has recovered; the pump finds nothing to poll."""
     log = []
     intake = types.SimpleNamespace(submit=_Remote(log, "submit", on_submit), abort=_Remote(log, "abort"),
-                                   poll=_Remote(log, "poll"))
+                                   poll=_Remote(log, "poll"), _actor_id="the-intake")
     sup = types.SimpleNamespace(ready=threading.Event(), recovered=1, generation=1, failure=None)
     sup.ready.set()
     dep = types.SimpleNamespace(actors=[intake], supervisor=sup, tokenizer=None,
@@ -160,5 +160,24 @@ def test_a_request_during_a_recovery_longer_than_ready_s_is_refused(monkeypatch)
             c.generate([5, 17], max_new_tokens=2)
         assert time.monotonic() - t0 >= 1.0
         assert not [e for e in log if e[0] == "submit"] and not c._tracks and not c._held, log
+    finally:
+        c.close()
+
+
+def test_a_lost_intake_takes_only_its_own_requests(monkeypatch):
+    """The pump's failed poll names the intake it polled: only requests submitted to that actor are lost (held for
+    replay here); one already submitted to its replacement (a connect()ed handle looked the new actor up) goes on.
+    Without the actor, a supervisor's report takes every request."""
+    from memra_pp.errors import StageFailed
+    c, _ = _client(monkeypatch)
+    try:
+        old, new = _Track("r-old", {}, lambda item: None, intake="dead"), _Track("r-new", {}, lambda item: None,
+                                                                                intake="the-intake")
+        with c._lock:
+            c._tracks.update({"r-old": old, "r-new": new})
+        c.on_stage_failed(StageFailed("stage 0 failed", stage=0), intake="dead")
+        assert list(c._tracks) == ["r-new"] and c._held == [old]
+        c.on_stage_failed(StageFailed("stage 0 failed", stage=0))
+        assert not c._tracks and c._held == [old, new]
     finally:
         c.close()

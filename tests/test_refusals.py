@@ -107,6 +107,10 @@ def test_a_restart_that_keeps_failing_ends_the_deployment_with_its_cause(ray_clu
         assert 3 <= len(got) < 400 and th.is_alive(), "the request must still be generating when the stage dies"
         shutil.rmtree(ckpt)
         ray.kill(dep.actors[1])
+        deadline = time.monotonic() + 30     # (ray.kill is asynchronous: a wait_ready before the supervisor has
+        while dep.supervisor.generation == 0 and time.monotonic() < deadline:   # noticed may find every stage up)
+            time.sleep(0.02)
+        assert dep.supervisor.generation == 1, "the supervisor did not notice the kill"
         with pytest.raises(StageFailed, match=msg) as ei:
             dep.wait_ready(60)
         assert ei.value.stage == 1
