@@ -302,6 +302,14 @@ def main(args) -> int:
     spread = getattr(args, "prompt_spread", 0.0)
     if not 0 <= spread <= 1:       # (a NaN fails this too)
         raise InputError(f"--prompt-spread is a fraction from 0 to 1 of --prompt-len, got {spread}")
+    from .placement.schema import load_placement
+    ctx = load_placement(args.config).scheduler.max_context     # a request past it is refused: before the launch
+    longest = prompt_range(args.prompt_len, spread)[1]
+    if longest + args.max_new_tokens - 1 > ctx:
+        raise InputError(f"--prompt-len {args.prompt_len} (prompts up to {longest} tokens with --prompt-spread "
+                         f"{spread:g}) and --max-new-tokens {args.max_new_tokens} need "
+                         f"{longest + args.max_new_tokens - 1} positions, more than the placement's "
+                         f"scheduler.max_context ({ctx}): lower them or raise max_context")
     for name in ("out", "timeline"):
         path = getattr(args, name, None)
         if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):

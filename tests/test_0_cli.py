@@ -101,6 +101,10 @@ def test_commands_refuse_bad_arguments_before_launching(tmp_path, capsys):
                        "InputError: --prompt-spread is a fraction from 0 to 1 of --prompt-len, got 1.5"),
                       (["bench", "cluster_configs/tiny-cpu.yaml", "--prompt-spread", "nan"],
                        "InputError: --prompt-spread is a fraction from 0 to 1 of --prompt-len, got nan"),
+                      (["bench", "cluster_configs/tiny-cpu.yaml", "--prompt-len", "3000", "--prompt-spread", "0.5"],
+                       "InputError: --prompt-len 3000 (prompts up to 4500 tokens with --prompt-spread 0.5) and "
+                       "--max-new-tokens 32 need 4531 positions, more than the placement's scheduler.max_context "
+                       "(4096): lower them or raise max_context"),
                       (["bench", "cluster_configs/tiny-cpu.yaml", "--timeline", "/nonexistent/dir/t.png"],
                        "InputError: --timeline /nonexistent/dir/t.png: its directory does not exist")):
         assert main(argv) == 2, argv
