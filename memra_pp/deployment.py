@@ -25,11 +25,12 @@ from .switches import check_environment
 log = logging.getLogger("memra_pp")
 
 
-def stop_key(namespace: str, name: str, pg_id: str) -> bytes:
-    """The Ray KV key that asks one detached deployment to stop (`memra-pp stop`, a connect()ed handle's shutdown):
-    its namespace, name and placement group (one launch: a later deployment of the name has another group, so an
-    old request never stops it); the launching process's supervisor shuts it down and sets KEY + b":done"."""
-    return f"memra_pp:{namespace}:{name}:{pg_id}:stop".encode()
+def stop_key(namespace: str, name: str, pg_id: str, kind: str = "stop") -> bytes:
+    """A Ray KV key of one detached deployment: its namespace, name and placement group (one launch: a later
+    deployment of the name has another group). "stop" asks it to stop (`memra-pp stop`, a connect()ed handle's
+    shutdown; the launching process's supervisor shuts it down and sets KEY + b":done"); "recovery" is where that
+    supervisor publishes its recoveries (supervisor.RemoteSupervisor reads them)."""
+    return f"memra_pp:{namespace}:{name}:{pg_id}:{kind}".encode()
 
 
 def pg_name(name: str) -> str:
@@ -233,14 +234,18 @@ class Deployment:
         dep = cls(load_placement(d["placement"]), plan, actors, infos, None, owns, True)
         dep.connected = True
         dep._pg_id = _named_pg_id(dep.placement.name)
+        if dep.placement.recover == "replay" and dep._pg_id is not None:
+            from .supervisor import RemoteSupervisor    # its clients replay as launch's own do
+            dep.supervisor = RemoteSupervisor(dep)
+            dep.supervisor.start()
         return dep
 
-    def stop_key(self) -> bytes | None:
-        """This detached deployment's stop key (None: not detached, or its group is not found)."""
+    def stop_key(self, kind: str = "stop") -> bytes | None:
+        """This detached deployment's stop (or `kind`) key (None: not detached, or its group is not found)."""
         pg_id = self._pg.id.hex() if self._pg is not None else self._pg_id
         if not self.detached or pg_id is None:
             return None
-        return stop_key(ray.get_runtime_context().namespace, self.placement.name, pg_id)
+        return stop_key(ray.get_runtime_context().namespace, self.placement.name, pg_id, kind)
 
     # -- use --------------------------------------------------------------------------------------------------
     def _require_up(self, what: str) -> None:
@@ -383,6 +388,8 @@ class Deployment:
         import time
         from ray.experimental import internal_kv
         from .supervisor import MISSED_BEATS
+        if self.supervisor is not None:       # a RemoteSupervisor: nothing more to follow
+            self.supervisor.stop()
         for c in self._clients:
             c.close()
         key = self.stop_key()

@@ -84,6 +84,21 @@ class Supervisor:
                 self.failure = StageFailed(f"the supervisor failed while recovering: {type(e).__name__}: {e}")
                 self.ready.set()
 
+    def _publish(self, stage: int, reason: str) -> None:
+        """A detached deployment's recovery state, for connect()ed handles (RemoteSupervisor): the generation of
+        the last failure, the last one recovered, whether it serves, and a recovery's failure."""
+        if not self.dep.detached:
+            return
+        import json
+        from ray.experimental import internal_kv
+        try:
+            internal_kv._internal_kv_put(self.dep.stop_key("recovery"), json.dumps(
+                {"generation": self.generation, "recovered": self.recovered, "ready": self.ready.is_set(),
+                 "stage": stage, "reason": reason,
+                 "failure": None if self.failure is None else str(self.failure)}).encode())
+        except Exception:  # noqa: BLE001 - connected handles then see the loss through their own calls
+            log.exception("supervisor: could not publish the recovery state")
+
     def _stop_requested(self) -> bool:
         """A detached deployment asked to stop (`memra-pp stop`, a connect()ed handle's shutdown): shut it down
         from another thread (shutdown stops this one) and say so under the key's `:done`."""
@@ -156,6 +171,7 @@ class Supervisor:
             self.ready.clear()
             self.generation += 1
             err = StageFailed(f"stage {stage} failed: {reason}", stage=stage)
+            self._publish(stage, str(err))
             log.warning(f"{err}; restarting it")
             for c in list(dep._clients):
                 c.on_stage_failed(err)
@@ -177,11 +193,13 @@ class Supervisor:
                 for c in list(dep._clients):
                     c.on_recovery_failed(self.failure)
                 self.ready.set()
+                self._publish(stage, str(err))
                 return
             self.recovered = self.generation
             self.log.append({"stage": stage, "reason": reason, "recovered": True,
                              "recovery_s": time.monotonic() - t0})
             self.ready.set()
+            self._publish(stage, str(err))
             for c in list(dep._clients):
                 c.on_recovered()
 
@@ -248,3 +266,80 @@ class Supervisor:
 def is_stage_lost(err: tuple | None) -> bool:
     """An error event that names a lost stage (a replay deployment's clients replay such requests)."""
     return err is not None and len(err) > 2 and err[2] is not None
+
+
+class RemoteSupervisor:
+    """A connect()ed handle's view of the launching process's supervisor, for `recover: replay`: its generation
+    (failures seen), the last generation recovered, whether the deployment serves and a recovery's failure, read
+    every 0.2 s from the Ray KV key that supervisor publishes (Supervisor._publish). On a failure this handle's
+    clients hold their requests; on a completed recovery it looks the new stages up and they replay, as launch's
+    own clients do. Has what Client and ReplayMixin read of a Supervisor."""
+
+    POLL_S = 0.2
+
+    def __init__(self, dep):
+        self.dep = dep
+        self.ready = threading.Event()
+        self.ready.set()
+        self.generation = self.recovered = 0
+        self.failure: StageFailed | None = None
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="memra-remote-supervisor", daemon=True)
+        st = self._read()
+        if st is not None:      # where the launcher stands now
+            self.generation, self.recovered = st["generation"], st["recovered"]
+            if st["failure"]:
+                self.failure = StageFailed(st["failure"], stage=st["stage"])
+            elif not st["ready"]:
+                self.ready.clear()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5)
+
+    def _read(self) -> dict | None:
+        import json
+        from ray.experimental import internal_kv
+        try:
+            raw = internal_kv._internal_kv_get(self.dep.stop_key("recovery"))
+        except Exception:  # noqa: BLE001 - the cluster is going away
+            return None
+        return json.loads(raw) if raw else None
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.POLL_S):
+            st = self._read()
+            if st is None:
+                continue
+            clients = list(self.dep._clients)
+            if st["generation"] > self.generation:       # a stage failed: hold (replay) what was in flight
+                self.generation = st["generation"]
+                self.ready.clear()
+                err = StageFailed(st["reason"], stage=st["stage"])
+                for c in clients:
+                    c.on_stage_failed(err)
+            if st["failure"] and self.failure is None:
+                self.failure = StageFailed(st["failure"], stage=st["stage"])
+                for c in clients:
+                    c.on_recovery_failed(self.failure)
+                self.ready.set()
+            elif st["ready"] and st["recovered"] > self.recovered:
+                self.dep.refresh_actors()                  # the new stages, before anything is resubmitted
+                self.recovered = st["recovered"]
+                self.ready.set()
+                for c in clients:
+                    c.on_recovered()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Return once the launcher's supervisor says the deployment serves and its stages answer here."""
+        deadline = time.monotonic() + timeout
+        if not self.ready.wait(timeout):
+            raise self.failure or StageFailed(f"the deployment did not recover within {timeout:.0f} s")
+        if self.failure is not None:
+            raise self.failure
+        self.dep.refresh_actors()
+        _get([a.ping.remote() for a in list(self.dep.actors)], max(deadline - time.monotonic(), 0.1), "wait_ready")

@@ -251,3 +251,26 @@ def test_a_connected_handle_follows_a_restarted_intake(ray_cluster):
         with pytest.raises(StageFailed):
             third.stats()                       # its handles were the dead ones: looked up again
         assert third.actors[0]._actor_id == new and [s["index"] for s in third.stats()["stages"]] == [0, 1]
+
+
+def test_a_connected_handle_replays_through_a_restart(ray_cluster):
+    """With recover: replay, a connect()ed handle's requests survive a stage's loss as launch's own do: its
+    RemoteSupervisor reads the launcher's recoveries from the Ray KV, holds what was in flight, looks the new stages
+    up and replays it. A stream cut by the loss of the last stage, then of the intake, ends with the reference
+    tokens. Before, a connected handle had no supervisor and its requests failed."""
+    from memra_pp.supervisor import RemoteSupervisor
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(dict(config(path, 2, recover="replay"), name="replayc"), detached=True) as dep:
+        other = memra_pp.connect("replayc", namespace="memra-test")
+        assert isinstance(other.supervisor, RemoteSupervisor)
+        c = other.client()
+        want = hf_reference("dense", False, SHORT, DECODE_NEW)[0]
+        for i, how in ((1, "SIGKILL"), (0, "ray.kill")):
+            dec = Stream(c, SHORT, DECODE_NEW)
+            dec.wait_tokens(3)
+            assert dec.t_end is None and len(dec.tokens) < DECODE_NEW, "the stream must still run at the kill"
+            kill(dep, i, how)
+            dec.join(90)
+            assert dec.error is None and dec.tokens == want and dec.finish == "length", (i, dec.error, dec.tokens)
+        assert other.supervisor.recovered == dep.supervisor.recovered == 2 and other.supervisor.failure is None
+        assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == want[:4]
