@@ -119,7 +119,7 @@ class Scheduler:
     def continue_microbatch(self, mb: Microbatch) -> Microbatch | None:
         """The next decode step of `mb`'s sampling sequences, cut before `mb`'s tokens are back (async
         scheduling: the device runs it while the host reads `mb`'s tokens). Sequences that certainly end with
-        `mb`'s token (length, max_context, abort) are left out; one that ends on a stop token is found only when
+        `mb`'s token (length, abort) are left out; one that ends on a stop token is found only when
         the tokens arrive, and its continuation's token is dropped. The ids are `mb`'s sampled tokens (`feed`
         names the rows), so only the device knows them."""
         take, feed = [], []
@@ -127,7 +127,7 @@ class Scheduler:
         for s, st, c, smp in zip(mb.seqs, mb.starts, mb.counts, mb.sample):
             if not smp:
                 continue
-            if not s.done and len(s.out) + 1 < s.req.max_new_tokens and st + c + 1 <= self.max_context:
+            if not s.done and len(s.out) + 1 < s.req.max_new_tokens:     # (validate: within max_context)
                 take.append((s, st + c))
                 feed.append(row)
             row += 1
@@ -269,7 +269,7 @@ class Scheduler:
             finish = None
             if t in r.stop_ids:
                 finish = "stop"
-            elif len(s.out) >= r.max_new_tokens or s.fed + 1 > self.max_context:
+            elif len(s.out) >= r.max_new_tokens:      # (validate: the last one fits max_context)
                 finish = "length"
             events.append(Event(r.client, r.rid, [t], [lp], finish))
             if finish:
