@@ -80,10 +80,10 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.lora = None                # this stage's LoraPool, made at the first adapter load
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}
-        self.adapter_names: dict[str, int] = {}     # intake: the names clients may use -> slot
         # intake: every adapter loading, loaded or unloading, name -> [slot, path, state], whichever handle (launch's
-        # or a connect()'s) loads it: the one table that gives out slots and publishes names, so no handle
-        # overwrites or unloads an adapter another is loading; the supervisor reads its loaded ones every heartbeat
+        # or a connect()'s) loads it: the one table that gives out slots and publishes names (the loaded ones are
+        # the names clients may use: adapter_names), so no handle overwrites or unloads an adapter another is
+        # loading; the supervisor reads its loaded ones every heartbeat
         self.adapter_registry: dict[str, list] = {}
         self._registry_lock = threading.Lock()
         self._adapter_lock = threading.Lock()       # this stage's pools: one load or unload at a time
@@ -270,19 +270,17 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 raise InputError(f"adapter {name!r} is not being loaded into slot {slot} (registry: {e}); it was "
                                  f"unloaded or replaced meanwhile")
             e[2] = "loaded"
-            self.adapter_names[name] = slot
 
     def begin_unload(self, name: str) -> int:
         """Intake: withdraw a loaded adapter's name (no new request selects it) and mark it unloading; its slot."""
         with self._registry_lock:
             e = self.adapter_registry.get(name)
             if e is None:
-                raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self.adapter_names)}")
+                raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self._published())}")
             if e[2] != "loaded":
                 raise InputError(f"adapter {name!r} is being {e[2][:-3]}ed by another handle; try again when that "
                                  f"finishes")
             e[2] = "unloading"
-            self.adapter_names.pop(name, None)
             return e[0]
 
     def abort_unload(self, name: str) -> None:
@@ -291,13 +289,11 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             e = self.adapter_registry.get(name)
             if e is not None and e[2] == "unloading":
                 e[2] = "loaded"
-                self.adapter_names[name] = e[0]
 
     def release_adapter(self, name: str) -> None:
         """Intake: give `name`'s slot back (an unload, or a load that failed) and withdraw its name."""
         with self._registry_lock:
             self.adapter_registry.pop(name, None)
-            self.adapter_names.pop(name, None)
 
     def adapters(self, loaded_only: bool = False) -> dict[str, tuple]:
         """Intake: the registry, name -> (slot, path, state); `loaded_only`: name -> (slot, path) of the loaded."""
@@ -305,6 +301,15 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             if loaded_only:
                 return {n: (e[0], e[1]) for n, e in self.adapter_registry.items() if e[2] == "loaded"}
             return {n: tuple(e) for n, e in self.adapter_registry.items()}
+
+    def _published(self) -> dict[str, int]:
+        return {n: e[0] for n, e in self.adapter_registry.items() if e[2] == "loaded"}
+
+    @property
+    def adapter_names(self) -> dict[str, int]:
+        """Intake: the names clients may select an adapter by -> its slot (the registry's loaded adapters)."""
+        with self._registry_lock:
+            return self._published()
 
     def adapter_users(self, slot: int) -> int:
         """Intake: requests with this adapter slot submitted (still in the inbox), waiting or running (read from an
@@ -320,9 +325,10 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             return -1
         if not isinstance(name, str):
             raise InputError(f"adapter must be a loaded adapter's name (a string) or None, got {name!r}")
-        if name not in self.adapter_names:
+        e = self.adapter_registry.get(name)
+        if e is None or e[2] != "loaded":
             raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self.adapter_names)}")
-        return self.adapter_names[name]
+        return e[0]
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
