@@ -122,14 +122,10 @@ def cmd_stop(args) -> int:
     import memra_pp
     dep = memra_pp.connect(args.name, args.namespace, args.address)
     dep.shutdown()             # (and disconnects before the launcher takes its cluster down)
-    if dep.stopped_by == "launcher":
-        _print(args, {"stopped": args.name, "by": "launcher"}, f"stopped {args.name}")
-    elif dep.stopped_by == "gone":
-        _print(args, {"stopped": args.name, "by": "gone"}, f"{args.name} was already gone (another launch holds "
-               "the name now, or none)")
-    else:
-        _print(args, {"stopped": args.name, "by": "killed"},
-               f"stopped {args.name} (no launcher answered; stages killed)")
+    said = {"launcher": f"stopped {args.name}",
+            "gone": f"{args.name} was already gone (another launch holds the name now, or none)",
+            "killed": f"stopped {args.name} (no launcher answered; stages killed)"}
+    _print(args, {"stopped": args.name, "by": dep.stopped_by}, said[dep.stopped_by])
     return 0
 
 

@@ -145,20 +145,7 @@ class Client(ReplayMixin):
         with self._lock:
             self._tracks[tr.rid] = tr
         try:
-            from .rayutil import get
-            intake = self._intake
-            tr.intake = intake._actor_id
-            try:
-                get(intake.submit.remote(req), t.step_s, "submit")
-            except StageFailed as e:
-                # a connect()ed handle whose intake the launching process replaced: the dead actor took nothing,
-                # so the request goes once more to the actor now holding the name
-                # (the same actor id: the live intake timed out, and may hold the request: never sent twice)
-                if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
-                        self._intake._actor_id == intake._actor_id:
-                    raise
-                tr.intake = self._intake._actor_id
-                get(self._intake.submit.remote(req), t.step_s, "submit")
+            self._send(tr, req, t.step_s)
         except StageFailed as e:   # the intake is gone: with replay the request waits for the recovery
             if type(e) is not StageFailed or e.stage is not None:
                 self._drop(tr)
@@ -173,6 +160,22 @@ class Client(ReplayMixin):
             self._drop(tr)
             raise
         return tr, q, ids
+
+    def _send(self, tr: _Track, req: dict, step_s: float) -> None:
+        """Submit `req` to the intake. A connect()ed handle whose intake the launching process replaced sends it
+        once more, to the actor now holding the name: the dead one took nothing. Never to the same actor id: a
+        live intake that timed out may hold the request."""
+        from .rayutil import get
+        intake = self._intake
+        tr.intake = intake._actor_id
+        try:
+            get(intake.submit.remote(req), step_s, "submit")
+        except StageFailed as e:
+            if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
+                    self._intake._actor_id == intake._actor_id:
+                raise
+            tr.intake = self._intake._actor_id
+            get(self._intake.submit.remote(req), step_s, "submit")
 
     def _drop(self, tr: _Track) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ from .switches import check_environment
 log = logging.getLogger("memra_pp")
 
 
-def stop_key(namespace: str, name: str, pg_id: str, kind: str = "stop") -> bytes:
+def kv_key(namespace: str, name: str, pg_id: str, kind: str) -> bytes:
     """A Ray KV key of one detached deployment: its namespace, name and placement group (one launch: a later
     deployment of the name has another group). "stop" asks it to stop (`memra-pp stop`, a connect()ed handle's
     shutdown; the launching process's supervisor shuts it down and sets KEY + b":done"); "recovery" is where that
@@ -38,13 +38,18 @@ def pg_name(name: str) -> str:
     return f"memra_pp:{name}"
 
 
-def _named_pg_id(name: str) -> str | None:
-    """The id of the detached deployment `name`'s placement group in this namespace (None: there is none)."""
+def _named_pg(name: str):
+    """The detached deployment `name`'s placement group in this namespace (None: there is none)."""
     from ray.util.placement_group import get_placement_group
     try:
-        return get_placement_group(pg_name(name)).id.hex()
+        return get_placement_group(pg_name(name))
     except ValueError:
         return None
+
+
+def _named_pg_id(name: str) -> str | None:
+    pg = _named_pg(name)
+    return None if pg is None else pg.id.hex()
 
 
 class Deployment:
@@ -65,7 +70,7 @@ class Deployment:
         self.stopped_by: str | None = None   # a connected handle's shutdown: "launcher", "killed" or "gone"
         self.stop_done = threading.Event()   # a stop request was answered (the launcher's shutdown ran or failed)
         self.stop_ok = False                 # ... and its shutdown completed
-        self._pg_id: str | None = None       # a connected handle: the detached group it found (stop_key)
+        self._pg_id: str | None = None       # a connected handle: the detached group it found (kv_key)
         self._torn_down = False        # its teardown completed: a second shutdown only stops Ray if still asked
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
@@ -240,12 +245,13 @@ class Deployment:
             dep.supervisor.start()
         return dep
 
-    def stop_key(self, kind: str = "stop") -> bytes | None:
-        """This detached deployment's stop (or `kind`) key (None: not detached, or its group is not found)."""
+    def kv_key(self, kind: str) -> bytes | None:
+        """This detached deployment's `kind` key in the Ray KV ("stop", "recovery": kv_key; None: not detached, or
+        its group is not found)."""
         pg_id = self._pg.id.hex() if self._pg is not None else self._pg_id
         if not self.detached or pg_id is None:
             return None
-        return stop_key(ray.get_runtime_context().namespace, self.placement.name, pg_id, kind)
+        return kv_key(ray.get_runtime_context().namespace, self.placement.name, pg_id, kind)
 
     # -- use --------------------------------------------------------------------------------------------------
     def _require_up(self, what: str) -> None:
@@ -392,7 +398,7 @@ class Deployment:
             self.supervisor.stop()
         for c in self._clients:
             c.close()
-        key = self.stop_key()
+        key = self.kv_key("stop")
         if key is None or _named_pg_id(self.placement.name) != self._pg_id:
             return "gone"
         internal_kv._internal_kv_put(key, b"1")     # stays set while unanswered: a supervisor restarts nothing
@@ -423,13 +429,10 @@ class Deployment:
         for a in actors:
             ray.kill(a)
         unlink_shm([n for names in self.slot_names for n in names])   # what a killed stage could not (this host)
-        from ray.util.placement_group import get_placement_group, remove_placement_group
+        from ray.util.placement_group import remove_placement_group
         pg = getattr(self, "_pg", None)
         if pg is None and self.connected:     # the launching process's detached group, found by its name
-            try:
-                pg = get_placement_group(pg_name(self.placement.name))
-            except ValueError:
-                pg = None
+            pg = _named_pg(self.placement.name)
             if pg is not None and pg.id.hex() != self._pg_id:   # another launch's: not this handle's to remove
                 pg = None
         if pg is not None:

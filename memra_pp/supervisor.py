@@ -4,12 +4,14 @@ Runs as one thread in the process that launched the deployment.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
 
 import ray
+from ray.experimental import internal_kv
 
 from .errors import ConfigError, InputError, StageFailed
 from .rayutil import get as _get
@@ -89,10 +91,8 @@ class Supervisor:
         the last failure, the last one recovered, whether it serves, and a recovery's failure."""
         if not self.dep.detached:
             return
-        import json
-        from ray.experimental import internal_kv
         try:
-            internal_kv._internal_kv_put(self.dep.stop_key("recovery"), json.dumps(
+            internal_kv._internal_kv_put(self.dep.kv_key("recovery"), json.dumps(
                 {"generation": self.generation, "recovered": self.recovered, "ready": self.ready.is_set(),
                  "stage": stage, "reason": reason,
                  "failure": None if self.failure is None else str(self.failure)}).encode())
@@ -102,11 +102,10 @@ class Supervisor:
     def _stop_requested(self) -> bool:
         """A detached deployment asked to stop (`memra-pp stop`, a connect()ed handle's shutdown): shut it down
         from another thread (shutdown stops this one) and say so under the key's `:done`."""
-        from ray.experimental import internal_kv
         if self.stopping.is_set():
             return False
         try:
-            key = self.dep.stop_key()
+            key = self.dep.kv_key("stop")
             if key is None or not internal_kv._internal_kv_get(key):
                 return False
         except Exception:  # noqa: BLE001 - the cluster is going away: nothing to answer
@@ -302,10 +301,8 @@ class RemoteSupervisor:
             self.thread.join(timeout=5)
 
     def _read(self) -> dict | None:
-        import json
-        from ray.experimental import internal_kv
         try:
-            raw = internal_kv._internal_kv_get(self.dep.stop_key("recovery"))
+            raw = internal_kv._internal_kv_get(self.dep.kv_key("recovery"))
         except Exception:  # noqa: BLE001 - the cluster is going away
             return None
         return json.loads(raw) if raw else None

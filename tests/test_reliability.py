@@ -193,7 +193,7 @@ def test_a_connected_handle_stops_a_detached_deployment(ray_cluster):
         dep = memra_pp.launch(cfg, detached=True)
         first = dep._pg.id.hex()
         other = memra_pp.connect("stopme", namespace="memra-test")
-        assert other._pg_id == first and other.stop_key() == dep.stop_key()
+        assert other._pg_id == first and other.kv_key("stop") == dep.kv_key("stop")
         want = hf_reference("dense", False, SHORT, 4)[0]
         assert other.client().generate(list(SHORT), max_new_tokens=4).token_ids == want
         other.shutdown()
