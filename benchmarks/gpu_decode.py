@@ -155,8 +155,9 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--ttft", type=int, default=0, help="also time the first token of one prompt this long")
     ap.add_argument("--deploy-each", action="store_true", help="one deployment per concurrency (saturation)")
-    ap.add_argument("--prefill-chunk", type=int, default=4096,
-                    help="scheduler.prefill_chunk (a long prompt's chunks pipeline across stages)")
+    ap.add_argument("--prefill-chunk", default="4096",
+                    help="scheduler.prefill_chunk (a long prompt's chunks pipeline across stages); a comma list: one "
+                         "deployment each, in turn")
     ap.add_argument("--pipeline-chunks", default="auto",
                     help="scheduler.pipeline_chunks, or a comma-separated list (1,auto): one deployment each for "
                          "layouts of several stages (a lone long prompt's pieces; 1 = whole chunks)")
@@ -222,6 +223,10 @@ def main() -> int:
         pipeline_chunks = [x if x == "auto" else int(x) for x in a.pipeline_chunks.split(",")]
     except ValueError:
         ap.error(f"--pipeline-chunks {a.pipeline_chunks!r}: give auto or integers >= 1, comma-separated")
+    try:
+        chunks = [int(x) for x in a.prefill_chunk.split(",")]
+    except ValueError:
+        ap.error(f"--prefill-chunk {a.prefill_chunk!r}: give integers, comma-separated")
 
     def save():
         with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
@@ -250,10 +255,10 @@ def main() -> int:
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
             pcs = pipeline_chunks if len(devices) > 1 else pipeline_chunks[:1]   # one stage: never cut
-            for any_kv, in_place, merged, cudnn, varlen, pc, cs in [
-                    (k, p, m, cu, v, pc, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
+            for any_kv, in_place, merged, cudnn, varlen, pc, chunk, cs in [
+                    (k, p, m, cu, v, pc, ch, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
                     for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn] for v in sides[a.prefill_varlen]
-                    for pc in pcs for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
+                    for pc in pcs for ch in chunks for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
                 # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
                 os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
                 os.environ["MEMRA_PP_KV_IN_PLACE"] = "1" if in_place else "0"
@@ -270,17 +275,19 @@ def main() -> int:
                     print(f"  one decode graph per batch bucket (any KV length): {any_kv}", flush=True)
                 if a.kv_in_place == "both":
                     print(f"  KV pools grow in place: {in_place}", flush=True)
+                if len(chunks) > 1:
+                    print(f"  prefill_chunk {chunk}", flush=True)
                 n0 = len(rep["runs"])
                 try:
                     run_memra(a.model, devices, cs, a.prompt_len, a.new, mb_l, ttft=a.ttft, out=rep["runs"],
-                              chunk=a.prefill_chunk, spread=a.prompt_spread, pipeline_chunks=pc)
+                              chunk=chunk, spread=a.prompt_spread, pipeline_chunks=pc)
                 except Exception as e:  # noqa: BLE001 - record it and go on
                     print(f"  layout {devices}, concurrency {cs} failed: {type(e).__name__}: {e}", flush=True)
                     rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs, "any_kv": any_kv,
                                                          "error": f"{type(e).__name__}: {e}"})
                 for r in rep["runs"][n0:]:
                     r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
-                    r["prefill_varlen"], r["pipeline_chunks"] = varlen, pc
+                    r["prefill_varlen"], r["pipeline_chunks"], r["prefill_chunk"] = varlen, pc, chunk
                 save()
     if not a.hf_first:
         hf()
@@ -290,7 +297,7 @@ def main() -> int:
     if ttfts:   # each layout's long prompt: every stage's chunks against time (is the prefill pipelined?)
         from memra_pp.bench import plot_timelines
         plot_timelines([(f"{r['n_stages']} stage(s) on cuda {r['devices']}: one {a.ttft}-token prompt, "
-                         f"prefill_chunk {a.prefill_chunk}, pipeline_chunks {r.get('pipeline_chunks')}",
+                         f"prefill_chunk {r.get('prefill_chunk')}, pipeline_chunks {r.get('pipeline_chunks')}",
                          r["timeline"]) for r in ttfts],
                        os.path.join(a.out, "ttft_timeline.png"), f"{a.model}, {rep['gpu']}")
     return 0
@@ -304,6 +311,7 @@ def plot(rep: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     floor = {int(c): v for c, v in rep["step_floor_tokens_per_s"].items()}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    chunks = {r.get("prefill_chunk") for r in rep["runs"] if r.get("kind") != "ttft" and not r.get("system")}
     for panel, ax in zip(("end to end", "decode"), axes):
         systems = {}
         for r in rep["runs"]:
@@ -316,6 +324,7 @@ def plot(rep: dict, path: str) -> None:
                                        + (", prefill not merged" if r.get("prefill_merged") is False else "")
                                        + (", cuDNN SDPA" if r.get("sdpa_cudnn") else "")
                                        + (", varlen prefill" if r.get("prefill_varlen") else "")
+                                       + (f", prefill_chunk {r['prefill_chunk']}" if len(chunks) > 1 else "")
                                        + (", KV pools copied to grow" if "in place" not in r.get("kv_growth", [
                                            "in place"]) else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")
