@@ -29,7 +29,8 @@ def kv_key(namespace: str, name: str, pg_id: str, kind: str) -> bytes:
     """A Ray KV key of one detached deployment: its namespace, name and placement group (one launch: a later
     deployment of the name has another group). "stop" asks it to stop (`memra-pp stop`, a connect()ed handle's
     shutdown; the launching process's supervisor shuts it down and sets KEY + b":done"); "recovery" is where that
-    supervisor publishes its recoveries (supervisor.RemoteSupervisor reads them)."""
+    supervisor publishes its recoveries (supervisor.RemoteSupervisor reads them); "adapters" is where the intake keeps
+    its loaded adapters (what the supervisor reloads if the intake dies)."""
     return f"memra_pp:{namespace}:{name}:{pg_id}:{kind}".encode()
 
 
@@ -120,6 +121,9 @@ class Deployment:
                           for i, a in enumerate(actors)], t, "stage setup")
             infos[0]["transport_probes"] = probes
             cls._wire(plan, actors, infos, t, placement.scheduler.kv_pages)
+            if detached:      # other handles load adapters too: the intake keeps its registry where a restart reads it
+                _get(actors[0].registry_key.remote(kv_key(ray.get_runtime_context().namespace, placement.name,
+                                                          pg.id.hex(), "adapters")), t, "adapter registry key")
             _get([a.start.remote() for a in actors], t, "stage start")
         except BaseException:
             pids = stage_pids(actors)   # before the kill: a stage killed inside its setup names no segment
@@ -246,8 +250,8 @@ class Deployment:
         return dep
 
     def kv_key(self, kind: str) -> bytes | None:
-        """This detached deployment's `kind` key in the Ray KV ("stop", "recovery": kv_key; None: not detached, or
-        its group is not found)."""
+        """This detached deployment's `kind` key in the Ray KV ("stop", "recovery", "adapters": kv_key; None: not
+        detached, or its group is not found)."""
         pg_id = self._pg.id.hex() if self._pg is not None else self._pg_id
         if not self.detached or pg_id is None:
             return None
@@ -437,6 +441,15 @@ class Deployment:
                 pg = None
         if pg is not None:
             remove_placement_group(pg)
+        if self.detached:     # this launch's keys in Ray's KV (the stop key is cleared by whoever asked)
+            from ray.experimental import internal_kv
+            for kind in ("recovery", "adapters"):
+                key = self.kv_key(kind)
+                try:
+                    if key is not None:
+                        internal_kv._internal_kv_del(key)
+                except Exception:  # noqa: BLE001 - the cluster is going away: nothing left to clear
+                    pass
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -33,6 +33,7 @@ class Supervisor:
         self.recovered = 0                    # the generation of the last completed recovery
         self.failure: StageFailed | None = None   # set when a recovery gave up: wait_ready raises it
         self.log: list[dict] = []             # one record per failure: stage, reason, detect / recovery times
+        self.reload_from: str | None = None   # where the last restart read its adapters: intake, kv or heartbeat
         self.thread = threading.Thread(target=self._run, name="memra-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -236,9 +237,18 @@ class Supervisor:
         dep.slot_names = [shm_names(x) for x in infos]
         dep.wire(dep.actors, infos, t)
         # the adapters to reload: the loaded ones of the intake's registry where the intake survived (every
-        # handle's loads), else as the last heartbeat saw them (a new intake's registry is filled again here). One
+        # handle's loads); else as the dead intake last kept them in Ray's KV (a detached deployment, where other
+        # handles load too), or as the last heartbeat saw them. A new intake's registry is filled again here. One
         # that no longer loads (its files gone) is dropped and logged, not a failed restart.
-        loaded = dep._adapter_paths if 0 in failed else _get(dep.actors[0].adapters.remote(True), t, "adapters")
+        if 0 in failed:
+            loaded, self.reload_from = self._kept_registry(), "kv"
+            if loaded is None:
+                loaded, self.reload_from = dep._adapter_paths, "heartbeat"
+            key = dep.kv_key("adapters")
+            if key is not None:
+                _get(dep.actors[0].registry_key.remote(key), t, "adapter registry key")
+        else:
+            loaded, self.reload_from = _get(dep.actors[0].adapters.remote(True), t, "adapters"), "intake"
         kept = {}
         for name, (slot, path) in loaded.items():
             try:
@@ -260,6 +270,17 @@ class Supervisor:
         if loaded:      # reloaded LoRA pools took memory after the wiring measured it
             dep._rebudget(t)
         _get([a.start.remote() for a in dep.actors], t, "stage start")
+
+    def _kept_registry(self) -> dict | None:
+        """The loaded adapters a detached deployment's intake kept in Ray's KV, name -> (slot, path); None: not
+        detached, nothing kept, or unreadable."""
+        key = self.dep.kv_key("adapters")
+        try:
+            raw = internal_kv._internal_kv_get(key) if key is not None else None
+        except Exception:  # noqa: BLE001 - fall back to the heartbeat's copy
+            log.exception("supervisor: could not read the adapter registry kept in Ray's KV")
+            return None
+        return None if raw is None else {n: (e[0], e[1]) for n, e in json.loads(raw).items()}
 
 
 def is_stage_lost(err: tuple | None) -> bool:

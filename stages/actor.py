@@ -76,6 +76,9 @@ class StageActor:
     def release_adapter(self, name: str) -> None:
         return self.runner.release_adapter(name)
 
+    def registry_key(self, key: bytes | None) -> None:
+        return self.runner.registry_key(key)
+
     def adapters(self, loaded_only: bool = False) -> dict:
         return self.runner.adapters(loaded_only)
 

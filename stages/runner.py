@@ -83,9 +83,11 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         # intake: every adapter loading, loaded or unloading, name -> [slot, path, state], whichever handle (launch's
         # or a connect()'s) loads it: the one table that gives out slots and publishes names (the loaded ones are
         # the names clients may use: adapter_names), so no handle overwrites or unloads an adapter another is
-        # loading; the supervisor reads its loaded ones every heartbeat
+        # loading; the supervisor reads its loaded ones every heartbeat, and a detached deployment's intake also
+        # keeps them in Ray's KV under _registry_kv at every change (what a restart of this intake reloads)
         self.adapter_registry: dict[str, list] = {}
         self._registry_lock = threading.Lock()
+        self._registry_kv: bytes | None = None
         self._adapter_lock = threading.Lock()       # this stage's pools: one load or unload at a time
 
     def here(self) -> None:
@@ -270,6 +272,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 raise InputError(f"adapter {name!r} is not being loaded into slot {slot} (registry: {e}); it was "
                                  f"unloaded or replaced meanwhile")
             e[2] = "loaded"
+            self._keep_registry()
 
     def begin_unload(self, name: str) -> int:
         """Intake: withdraw a loaded adapter's name (no new request selects it) and mark it unloading; its slot."""
@@ -281,6 +284,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 raise InputError(f"adapter {name!r} is being {e[2][:-3]}ed by another handle; try again when that "
                                  f"finishes")
             e[2] = "unloading"
+            self._keep_registry()
             return e[0]
 
     def abort_unload(self, name: str) -> None:
@@ -289,11 +293,34 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             e = self.adapter_registry.get(name)
             if e is not None and e[2] == "unloading":
                 e[2] = "loaded"
+                self._keep_registry()
 
     def release_adapter(self, name: str) -> None:
         """Intake: give `name`'s slot back (an unload, or a load that failed) and withdraw its name."""
         with self._registry_lock:
             self.adapter_registry.pop(name, None)
+            self._keep_registry()
+
+    def registry_key(self, key: bytes | None) -> None:
+        """Intake of a detached deployment: from now on keep the loaded adapters, name -> [slot, path], as JSON under
+        `key` in Ray's KV at every change. If this intake dies, the supervisor reloads them from there: its
+        heartbeat alone would miss what a connect()ed handle loaded or unloaded since the last beat."""
+        with self._registry_lock:
+            self._registry_kv = key
+
+    def _keep_registry(self) -> None:
+        """(under _registry_lock) The loaded adapters into Ray's KV, where registry_key asked for it. A failed write
+        is logged: the supervisor then falls back to what its last heartbeat read."""
+        if self._registry_kv is None:
+            return
+        import json
+        import logging
+        from ray.experimental import internal_kv
+        try:
+            internal_kv._internal_kv_put(self._registry_kv, json.dumps(
+                {n: [e[0], e[1]] for n, e in self.adapter_registry.items() if e[2] == "loaded"}).encode())
+        except Exception:  # noqa: BLE001 - the registry itself is intact; only the restart's copy is stale
+            logging.getLogger("memra_pp").exception("could not keep the adapter registry in Ray's KV")
 
     def adapters(self, loaded_only: bool = False) -> dict[str, tuple]:
         """Intake: the registry, name -> (slot, path, state); `loaded_only`: name -> (slot, path) of the loaded."""

@@ -253,7 +253,7 @@ def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
     from memra_pp.stages.runner import StageRunner
     r = StageRunner.__new__(StageRunner)
     r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2))
-    r.adapter_registry, r._registry_lock = {}, threading.Lock()
+    r.adapter_registry, r._registry_lock, r._registry_kv = {}, threading.Lock(), None
     assert r.reserve_adapter("a", "/a") == 0 and r.adapters() == {"a": (0, "/a", "loading")}
     with pytest.raises(InputError, match=r"adapter 'a' is being loaded by another handle \(slot 0\)"):
         r.reserve_adapter("a", "/a2")

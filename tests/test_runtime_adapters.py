@@ -199,3 +199,41 @@ def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_fi
             cl.generate(list(p), max_new_tokens=NEW, adapter="a")
         assert {n: e[0] for n, e in ray.get(dep.actors[0].adapters.remote(), timeout=30).items()} == {"b": 1}
         assert cl.generate(list(p), max_new_tokens=NEW).token_ids == hf_reference("dense", False, p, NEW)[0]
+
+
+def test_an_adapter_changed_just_before_the_intake_dies_is_restored_as_it_was(ray_cluster):
+    """A detached deployment's intake keeps its loaded adapters in Ray's KV at every change, and a restart of it
+    reloads from there: an adapter a connect()ed handle loaded just before the intake died is served after the
+    restart, and one it unloaded just before is not back. The heartbeat alone missed both (its last read came
+    before them; the heartbeat here is long so that none falls between the changes and the kill)."""
+    import ray
+    _, path = tiny_checkpoint("dense", False)
+    c = dict(cfg(path, 2), name="adkept", timeouts={"heartbeat_s": 5.0})
+    with memra_pp.launch(c, detached=True) as dep:
+        other = memra_pp.connect("adkept", namespace="memra-test")
+        dep.load_adapter("a", adapter("dense", False, "A")[1])
+        dep._adapter_paths = {}                          # refilled by the next heartbeat: the next is 5 s after it
+        end = time.monotonic() + 30
+        while not dep._adapter_paths and time.monotonic() < end:
+            time.sleep(0.05)
+        other.unload_adapter("a")
+        other.load_adapter("b", adapter("dense", False, "B")[1])
+        assert set(dep._adapter_paths) == {"a"}          # what the heartbeat saw: a restart from it would be wrong
+        ray.kill(dep.actors[0])
+        time.sleep(1.0)
+        dep.wait_ready(90)
+        assert dep.supervisor.log[-1]["recovered"] and dep.supervisor.log[-1]["stage"] == 0, dep.supervisor.log
+        assert dep.supervisor.reload_from == "kv"
+        reg = ray.get(dep.actors[0].adapters.remote(), timeout=30)
+        assert {n: (e[0], e[2]) for n, e in reg.items()} == {"b": (0, "loaded")}     # a's slot, freed for it
+        p = PROMPTS[1]
+        cl = dep.client()
+        assert cl.generate(list(p), max_new_tokens=NEW, adapter="b").token_ids == \
+            peft_reference("dense", False, "B", p)[0]
+        with pytest.raises(InputError, match="unknown adapter 'a'"):
+            cl.generate(list(p), max_new_tokens=NEW, adapter="a")
+        key = dep.kv_key("adapters")
+        from ray.experimental import internal_kv
+        assert internal_kv._internal_kv_get(key) is not None
+    assert internal_kv._internal_kv_get(key) is None     # the launch's keys go with it
+
