@@ -86,6 +86,8 @@ def _read_config(d: Path) -> dict:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{p}: must hold a JSON object (PEFT's LoraConfig), got {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{p}: peft_type {cfg.get('peft_type')!r} is not supported; only LORA adapters load")
     for key, why in _UNSUPPORTED.items():
@@ -93,9 +95,10 @@ def _read_config(d: Path) -> dict:
             raise ConfigError(f"{p}: {key}={cfg[key]!r}: {why}")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{p}: bias={cfg['bias']!r}: trained biases are not supported (bias must be 'none')")
-    for key in ("r", "lora_alpha"):
-        if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
-            raise ConfigError(f"{p}: {key} must be a positive number, got {cfg.get(key)!r}")
+    for key in ("r", "lora_alpha"):     # (Python's json reads NaN and Infinity)
+        v = cfg.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{p}: {key} must be a positive finite number, got {v!r}")
     return cfg
 
 
@@ -144,6 +147,10 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> Adapter
     halves: dict[str, dict[str, torch.Tensor]] = {}
     rows: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
+        # refused, not loaded: a step computes every slot's LoRA and masks it per row, and NaN times a 0 mask is
+        # NaN, so one adapter's NaN would reach every other adapter's requests in the batch
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ConfigError(f"{where}: adapter_model.safetensors' {key!r} holds NaN or inf")
         m = _LORA_KEY.match(key)
         if m:
             i, module = int(m.group(1)), m.group(2)
@@ -170,10 +177,10 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> Adapter
                               f"lora_{'B' if 'A' in ab else 'A'}")
         a, b = ab["A"], ab["B"]
         out, inp = expected_shape(module + ".weight", tc)
-        r = a.shape[0]
-        if a.shape != (r, inp) or b.shape != (out, r):
+        r = a.shape[0] if a.dim() == 2 else -1
+        if r < 1 or a.shape != (r, inp) or b.shape != (out, r):
             raise ConfigError(f"{where}: {module} has lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}; the model "
-                              f"needs (r, {inp}) and ({out}, r)")
+                              f"needs (r, {inp}) and ({out}, r), r >= 1")
         if r > max_rank:
             raise ConfigError(f"{where}: {module} has rank {r} above adapters.max_rank={max_rank}; raise "
                               f"adapters.max_rank in the placement or use a lower-rank adapter")

@@ -18,7 +18,9 @@ import ray
 
 from .client_replay import ReplayMixin, _Track
 from .errors import InputError, RequestTimeout, StageFailed
-from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _token_ids, request_dict
+from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _token_ids, flag, request_dict
+
+WAIT_MAX_S = 1e9        # a longer timeout (inf) waits this long: Python's waits refuse more (threading.TIMEOUT_MAX)
 
 
 class Client(ReplayMixin):
@@ -169,7 +171,12 @@ class Client(ReplayMixin):
         intake = self._intake
         tr.intake = intake._actor_id
         try:
-            get(intake.submit.remote(req), step_s, "submit")
+            ref = intake.submit.remote(req)
+        except TypeError as e:      # Ray pickles the request here: a value nothing could send (a lock, a file)
+            raise InputError(f"the request holds a value that cannot be sent to the intake: "
+                             f"{str(e).splitlines()[0]}") from None
+        try:
+            get(ref, step_s, "submit")
         except StageFailed as e:
             if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
                     self._intake._actor_id == intake._actor_id:
@@ -188,6 +195,11 @@ class Client(ReplayMixin):
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:     # a lone surrogate: the tokenizer would raise its own TypeError
+                raise InputError(f"a text prompt must be valid Unicode: {e.reason} at character {e.start} "
+                                 f"({prompt[e.start:e.end]!r})") from None
             tok = self.dep.tokenizer
             if tok is None:
                 raise InputError("a text prompt needs a tokenizer.json in the model directory; pass token ids")
@@ -211,7 +223,7 @@ class Client(ReplayMixin):
             return self.dep.placement.timeouts.step_s * 10
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
             raise InputError(f"timeout is seconds >= 0 or None, got {timeout!r}")
-        return float(timeout)
+        return min(float(timeout), WAIT_MAX_S)      # inf (or 1e12): as long as a wait can be
 
     def _events(self, tr: _Track, q, timeout, primed: bool = False):
         """The request's pieces; closing the generator (or dropping it) before the end frees its sequence. primed:
@@ -273,7 +285,7 @@ class Client(ReplayMixin):
         logprobs: r.logprobs[i] is token i's log-probability under the raw model (temperature 1)."""
         # `unknown` only collects misspelt keywords, so that _submit refuses them with InputError as stream and
         # agenerate do (a bare TypeError is not a memra_pp error)
-        wait = self._timeout(timeout)
+        wait, logprobs = self._timeout(timeout), flag("logprobs", logprobs)
         tr, q, ids = self._submit(prompt, max_new_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
             stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, adapter=adapter, images=images, **unknown))
@@ -290,7 +302,7 @@ class Client(ReplayMixin):
         temperature, never taken for logprobs); each event holds the new token ids, their logprobs and text.
         The request is checked and submitted here, so bad input raises at this call, not at the first next();
         an iterator closed or dropped before the end frees its sequence."""
-        wait = self._timeout(timeout)
+        wait, logprobs = self._timeout(timeout), flag("logprobs", logprobs)
         tr, q, _ = self._submit(prompt, max_new_tokens, kw)
         events = self._events(tr, q, wait, primed=True)
         next(events)             # inside its try: from here a close, or the iterator's collection, aborts the request
@@ -314,7 +326,7 @@ class Client(ReplayMixin):
                         timeout: float | None = None, **kw) -> Result:
         """Same keywords as generate (keyword-only past max_new_tokens, as in stream); any number in flight (no
         thread per request)."""
-        wait = self._timeout(timeout)
+        wait, logprobs = self._timeout(timeout), flag("logprobs", logprobs)
         loop = asyncio.get_running_loop()
         aq: asyncio.Queue = asyncio.Queue()
         sink = lambda item: loop.call_soon_threadsafe(aq.put_nowait, item)   # noqa: E731

@@ -43,8 +43,8 @@ REQUEST_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=Non
 def _token_ids(value) -> list[int] | str | None:
     """Token ids as Python ints from a list, tuple, numpy array or tensor (0-d items too): the list; a value that
     is not a sequence: None; an item that is not an integer (5.7, True): that item's description."""
-    try:
-        items = None if isinstance(value, (str, bytes, bytearray)) else \
+    try:    # a set's or a dict's order is not the caller's: refused, not read in some order
+        items = None if isinstance(value, (str, bytes, bytearray, set, frozenset, dict)) else \
             value.tolist() if hasattr(value, "tolist") else list(value)
     except TypeError:
         return None
@@ -63,6 +63,13 @@ def _token_ids(value) -> list[int] | str | None:
     return out
 
 
+def flag(name: str, value) -> bool:
+    """A True / False argument (numpy's bools too) as Python's; 0, 1, "no" or an array: InputError, not a guess."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
 def request_dict(kw: dict, **fixed) -> dict:
     """generate's keywords (known ones only: the client refuses others first) as the intake's request: defaults
     filled, numpy / torch integers and bools as Python's, stop ids as a list of ints, images as a list (none: no
@@ -79,11 +86,10 @@ def request_dict(kw: dict, **fixed) -> dict:
         if stops is None or isinstance(stops, str):
             raise InputError(f"stop_token_ids is a list of token ids, got {req['stop_token_ids']!r}")
         req["stop_token_ids"] = stops
-    try:                                          # numpy's bools too; anything else: the intake refuses it
-        if req["ignore_eos"] in (True, False):
-            req["ignore_eos"] = bool(req["ignore_eos"])
-    except (TypeError, ValueError, RuntimeError):  # an array's truth value
-        raise InputError(f"ignore_eos must be True or False, got {req['ignore_eos']!r}") from None
+    req["ignore_eos"] = flag("ignore_eos", req["ignore_eos"])
+    if req["adapter"] is not None and not isinstance(req["adapter"], str):
+        raise InputError(f"adapter must be a loaded adapter's name (a string) or None, got {req['adapter']!r:.60} "
+                         f"({type(req['adapter']).__name__})")
     images = req.pop("images")
     if images is not None:
         if isinstance(images, (str, bytes)) or not hasattr(images, "__iter__") or \

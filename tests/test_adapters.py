@@ -156,9 +156,11 @@ def test_for_layers_keeps_own_layers():
     assert abs(bw.lora["layers.3.self_attn.q_proj"].scale - 8 / 2) < 1e-9   # rslora: alpha / sqrt(r)
 
 
-def _edit(tmp_path, cfg=None, add=None, drop=None, rm=None):
+def _edit(tmp_path, cfg=None, add=None, drop=None, rm=None, raw_cfg=None):
     d = tmp_path / "edited"
     shutil.copytree(adapter("dense", False, "A")[1], d)
+    if raw_cfg is not None:
+        (d / "adapter_config.json").write_text(raw_cfg)
     if cfg:
         c = json.loads((d / "adapter_config.json").read_text())
         c.update(cfg)
@@ -196,6 +198,21 @@ REFUSALS = {
     "lora_A of the wrong width": (dict(add={_PEFT_KEY + "layers.0.mlp.up_proj.lora_A.weight": torch.zeros(8, 63)}), 8,
                                   r"layers.0.mlp.up_proj has lora_A \(8, 63\), lora_B \(128, 8\); the model needs "
                                   r"\(r, 64\) and \(128, r\)"),
+    # one adapter's NaN reached every other adapter's requests in a batch (a step computes every slot, then masks)
+    "NaN in lora_B": (dict(add={_PEFT_KEY + "layers.0.mlp.up_proj.lora_B.weight": torch.full((128, 8), float("nan"))}),
+                      8, r"adapter_model.safetensors' '.*layers.0.mlp.up_proj.lora_B.weight' holds NaN or inf"),
+    "inf token rows": (dict(add={_PEFT_KEY + "embed_tokens.token_adapter.trainable_tokens_delta":
+                                 torch.full((4, 64), float("inf"))}), 8, r"trainable_tokens_delta' holds NaN or inf"),
+    "NaN lora_alpha": (dict(cfg={"lora_alpha": float("nan")}), 8,
+                       r"lora_alpha must be a positive finite number, got nan"),
+    "rank 0": (dict(add={_PEFT_KEY + "layers.0.mlp.up_proj.lora_A.weight": torch.zeros(0, 64),
+                         _PEFT_KEY + "layers.0.mlp.up_proj.lora_B.weight": torch.zeros(128, 0)}), 8,
+               r"layers.0.mlp.up_proj has lora_A \(0, 64\), lora_B \(128, 0\); the model needs \(r, 64\) and "
+               r"\(128, r\), r >= 1"),
+    "0-d lora_A": (dict(add={_PEFT_KEY + "layers.0.mlp.up_proj.lora_A.weight": torch.tensor(1.0)}), 8,
+                   r"layers.0.mlp.up_proj has lora_A \(\), lora_B \(128, 8\)"),
+    "config a list": (dict(raw_cfg="[1, 2]"), 8, r"adapter_config.json: must hold a JSON object .*got list"),
+    "config null": (dict(raw_cfg="null"), 8, r"adapter_config.json: must hold a JSON object .*got NoneType"),
     "token rows of the wrong width": (dict(add={_PEFT_KEY + "embed_tokens.token_adapter.trainable_tokens_delta":
                                                 torch.zeros(4, 63)}), 8,
                                       r"embed_tokens token rows have shape \(4, 63\), the model needs \(K, 64\)"),

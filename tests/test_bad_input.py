@@ -24,11 +24,15 @@ FIXTURES = "/work/shared/fixtures/qwen35-tiny/dense_text-s404"
 IMG, VS, VE, V, CTX = 300, 302, 303, 320, 64
 
 
-def image(grid=(1, 4, 6), fill=None, width=96):
+def image(grid=(1, 4, 6), fill=None, width=96, device=None, sparse=False):
     t, h, w = grid
     pv = torch.randn(t * h * w, width, generator=torch.Generator().manual_seed(0))
     if fill is not None:
         pv[3, 5] = fill
+    if device is not None:
+        pv = pv.to(device)
+    if sparse:
+        pv = pv.to_sparse()
     return memra_pp.ImageInput(pv, grid)
 
 
@@ -92,6 +96,30 @@ CASES = {   # name: (generate keywords, error type, message fragment)
                     "pixel_values has shape (24, 95)"),
     "grid": (dict(prompt=[5, VS, IMG, VE], images=[image(grid=(1, 3, 6))]), InputError,
              "multiples of spatial_merge_size"),
+    # values the boundary header cannot carry: the intake's loop died encoding them, taking every request with it
+    "seed past 64 bits": (dict(seed=2 ** 64), InputError, "seed must fit in a signed 64-bit integer"),
+    "seed below -2**63": (dict(seed=-2 ** 63 - 1), InputError, "seed must fit in a signed 64-bit integer"),
+    "int too large for a float": (dict(temperature=10 ** 400), InputError, "temperature must be a finite number"),
+    "top_p too large for a float": (dict(top_p=10 ** 400), InputError, "top_p must be a finite number"),
+    # unordered, or not a flag: refused, not read in some order or guessed
+    "set prompt": (dict(prompt={5, 17, 42}), InputError, "a prompt is a string or a list of token ids, got set"),
+    "set stop ids": (dict(stop_token_ids={5, 7}), InputError, "stop_token_ids is a list of token ids"),
+    "dict stop ids": (dict(stop_token_ids={5: 1}), InputError, "stop_token_ids is a list of token ids"),
+    "ignore_eos 1": (dict(ignore_eos=1), InputError, "ignore_eos must be True or False, got 1 (int)"),
+    "ignore_eos 0.0": (dict(ignore_eos=0.0), InputError, "ignore_eos must be True or False, got 0.0 (float)"),
+    "logprobs 5": (dict(logprobs=5), InputError, "logprobs must be True or False, got 5 (int)"),
+    "logprobs 'no'": (dict(logprobs="no"), InputError, "logprobs must be True or False, got 'no' (str)"),
+    "adapter a lock": (dict(adapter=threading.Lock()), InputError,
+                       "adapter must be a loaded adapter's name (a string) or None, got <unlocked _thread.lock"),
+    "a value Ray cannot send": (dict(images=[threading.Lock()]), InputError,
+                                "the request holds a value that cannot be sent to the intake"),
+    "lone surrogate text": (dict(prompt="\ud800abc"), InputError,
+                            "a text prompt must be valid Unicode: surrogates not allowed at character 0"),
+    "meta pixels": (dict(prompt=[5, VS, IMG, VE], images=[image(device="meta")]), InputError,
+                    "pixel_values must be a dense tensor with its values (layout strided, not meta), got layout "
+                    "torch.strided on meta"),
+    "sparse pixels": (dict(prompt=[5, VS, IMG, VE], images=[image(sparse=True)]), InputError,
+                      "got layout torch.sparse_coo"),
     "NaN pixels": (dict(prompt=[5, VS, IMG, VE], images=[image(fill=float("nan"))]), InputError, "NaN or inf"),
     "inf pixels": (dict(prompt=[5, VS, IMG, VE], images=[image(fill=float("inf"))]), InputError, "NaN or inf"),
 }
@@ -311,7 +339,8 @@ def test_unknown_keyword_refused_before_submit(dep):
 
 def test_a_bad_request_does_not_fail_the_requests_beside_it(dep):
     """A request refused at submit must leave the requests already running untouched: a seed of a wrong type used
-    to pass the intake and fail in the last stage's sampler, taking every request of its batch with it."""
+    to pass the intake and fail in the last stage's sampler, taking every request of its batch with it; a seed or
+    top_k past 64 bits passed too and killed the intake's loop (the boundary header cannot carry it)."""
     import asyncio
     c = dep.client()
     ref = hf_reference("dense", False, (5, 17, 42), 40)[0]
@@ -321,11 +350,16 @@ def test_a_bad_request_does_not_fail_the_requests_beside_it(dep):
                  for _ in range(3)]
         await asyncio.sleep(0.3)
         bad = await asyncio.gather(*[c.agenerate([1, 2, 3], max_new_tokens=8, temperature=1.0, seed=s)
-                                     for s in ("7", 1.5)], return_exceptions=True)
-        return await asyncio.gather(*goods), bad
-    goods, bad = asyncio.run(go())
-    assert all(isinstance(e, InputError) and "seed must be an integer" in str(e) for e in bad), bad
+                                     for s in ("7", 1.5, 2 ** 64)], return_exceptions=True)
+        huge_k = await c.agenerate([5, 17, 42], max_new_tokens=8, temperature=1.0, top_k=2 ** 64, seed=3)
+        return await asyncio.gather(*goods), bad, huge_k
+    goods, bad, huge_k = asyncio.run(go())
+    assert [type(e) for e in bad] == [InputError] * 3, bad
+    assert "seed must be an integer" in str(bad[0]) and "seed must be an integer" in str(bad[1])
+    assert "seed must fit in a signed 64-bit integer" in str(bad[2])
     assert [r.token_ids for r in goods] == [ref] * 3
+    # a top_k past any vocabulary keeps every token: the same draw as no top_k (it too killed the intake's loop)
+    assert huge_k.token_ids == c.generate([5, 17, 42], max_new_tokens=8, temperature=1.0, seed=3).token_ids
 
 
 def test_after_shutdown_every_call_is_refused_and_shutdown_repeats(ray_cluster):
@@ -401,6 +435,11 @@ def test_timeouts_and_keyword_only_arguments(dep):
     with pytest.raises(TypeError):
         c.stream([5, 17], 4, 0.7)
     assert untracked(c), "a timed-out request is still tracked"
+    # no limit: inf (or past Python's longest wait) waits as long as it can, where it raised OverflowError
+    ref = hf_reference("dense", False, (5, 17, 42), 4)[0]
+    for t in (float("inf"), 1e12):
+        assert c.generate([5, 17, 42], max_new_tokens=4, timeout=t).token_ids == ref
+        assert [x for e in c.stream([5, 17, 42], max_new_tokens=4, timeout=t) for x in e.token_ids] == ref
     serves(dep)
 
 

@@ -80,3 +80,30 @@ def test_params_are_normalised_and_a_tiny_temperature_is_greedy():
             SamplingParams(temperature=1.0, seed=bad).validate()
     with pytest.raises(InputError, match="top_p must be a finite number"):
         SamplingParams(top_p=float("nan")).validate()
+
+
+def test_a_top_p_below_float32s_least_value_keeps_the_top_token():
+    """top_p 1e-50 is in (0, 1], but against float32 probabilities it rounds to 0: every token was dropped and the
+    argmax over all -inf picked token 0 with a normal-looking logprob. The top token is always kept."""
+    x = logits(3, n=2)
+    toks, _ = sample(x, [SamplingParams(temperature=1.0, top_p=1e-50, seed=s).validate() for s in (1, 2)], [0, 0])
+    assert toks == x.argmax(-1).tolist()
+
+
+def test_values_the_boundary_header_cannot_carry_are_refused_or_normalised():
+    """A seed past 64 bits is refused (it killed the intake's loop encoding the header); a top_k past any
+    vocabulary is the same as no top_k and travels as 2**31 - 1; an int too large for a float is not a finite
+    temperature (math.isfinite raised OverflowError, which reached the user as a stage failure)."""
+    for bad in (2 ** 63, -2 ** 63 - 1, 2 ** 64):
+        with pytest.raises(InputError, match=r"seed must fit in a signed 64-bit integer \[-2\*\*63, 2\*\*63\)"):
+            SamplingParams(temperature=1.0, seed=bad).validate()
+    assert SamplingParams(seed=-2 ** 63).validate().seed == -2 ** 63
+    assert SamplingParams(top_k=2 ** 64).validate().top_k == 2 ** 31 - 1
+    x = logits(4, n=1)
+    assert sample(x, [SamplingParams(temperature=1.0, top_k=2 ** 64, seed=9).validate()], [0]) == \
+        sample(x, [SamplingParams(temperature=1.0, seed=9).validate()], [0])
+    for name in ("temperature", "top_p", "min_p"):
+        with pytest.raises(InputError, match=fr"{name} must be a finite number, got 10{{19}}\.\.\.0{{8}} "
+                                             fr"\(401 characters\)"):
+            SamplingParams(**{name: 10 ** 400}).validate()
+

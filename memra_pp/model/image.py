@@ -202,6 +202,9 @@ def validate_image_input(ii: ImageInput, vcfg: VisionConfig, max_patches: int = 
     if not isinstance(pv, torch.Tensor) or not pv.is_floating_point():
         raise InputError(f"ImageInput.pixel_values must be a floating torch.Tensor, got "
                          f"{getattr(pv, 'dtype', type(pv).__name__)}")
+    if pv.layout != torch.strided or pv.device.type == "meta":
+        raise InputError(f"ImageInput.pixel_values must be a dense tensor with its values (layout strided, not "
+                         f"meta), got layout {pv.layout} on {pv.device}")
     if tuple(pv.shape) != (t * h * w, width):
         raise InputError(f"ImageInput.pixel_values has shape {tuple(pv.shape)}; grid {g} needs "
                          f"({t * h * w}, {width}) = (t*h*w, C*T*p*p)")

@@ -15,6 +15,19 @@ from ..errors import InputError
 
 
 GREEDY_BELOW = 1e-5        # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
+TOP_K_MAX = 2 ** 31 - 1    # a larger top_k keeps every token, as this one does (no vocabulary is larger)
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:       # an int too large for a float
+        return False
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else f"{r[:20]}...{r[-8:]} ({len(r)} characters)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +44,8 @@ class SamplingParams:
         normalised copy, so nothing a stage cannot use gets past the intake's submit."""
         for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise InputError(f"{name} must be a finite number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not _finite(v):
+                raise InputError(f"{name} must be a finite number, got {_short(v)}")
         if not (self.temperature >= 0):
             raise InputError(f"temperature must be >= 0, got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
@@ -43,9 +56,11 @@ class SamplingParams:
             raise InputError(f"min_p must be in [0, 1), got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise InputError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:    # it travels in the boundary header
+            raise InputError(f"seed must fit in a signed 64-bit integer [-2**63, 2**63), got {_short(self.seed)}")
         return dataclasses.replace(
             self, temperature=0.0 if self.temperature < GREEDY_BELOW else float(self.temperature),
-            top_k=int(self.top_k), top_p=float(self.top_p), min_p=float(self.min_p),
+            top_k=min(int(self.top_k), TOP_K_MAX), top_p=float(self.top_p), min_p=float(self.min_p),
             seed=None if self.seed is None else int(self.seed))
 
     @property
@@ -65,6 +80,7 @@ def _filtered(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sx, si = x.sort(descending=True)
         cum = sx.softmax(-1).cumsum(-1)
         drop = cum - sx.softmax(-1) >= p.top_p          # keep the smallest prefix whose mass reaches top_p
+        drop[0] = False             # and always the top token (a top_p under float32's least value rounds to 0)
         x = x.scatter(0, si, sx.masked_fill(drop, float("-inf")))
     return x
 
