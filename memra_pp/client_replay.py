@@ -21,6 +21,13 @@ class _Track:
     tokens: list = dataclasses.field(default_factory=list)
     gen: int = 0                  # the supervisor generation the request was (re)submitted in
     intake: object = None         # the actor id of the intake it was (re)submitted to
+    losses: int = 0               # stage losses it was in flight at with no token delivered in between
+    tokens_at_loss: int = -1      # its tokens at the last of them
+
+
+# A request lost this many times in a row with no token delivered in between is failed, not replayed again: one that
+# breaks a stage every time it runs would otherwise restart the deployment forever (every other request waiting).
+MAX_REPLAYS = 3
 
 
 class ReplayMixin:
@@ -34,17 +41,28 @@ class ReplayMixin:
     def on_stage_failed(self, e: StageFailed, intake=None) -> None:
         """A stage was lost: every request in flight (or, given `intake`, an actor id, those submitted to that
         intake: a request already on its replacement goes on) fails with `e`, or, with recover: replay, waits for
-        the recovery and is replayed from its token history."""
+        the recovery and is replayed from its token history; unless this is its (MAX_REPLAYS + 1)th loss in a row
+        with no token delivered in between: then it fails, saying so."""
         with self._lock:
             tracks = [t for t in self._tracks.values() if intake is None or t.intake in (None, intake)]
             if self._replays():
+                given_up = []
                 for t in tracks:
-                    self._hold(t)
-                return
+                    t.losses = t.losses + 1 if len(t.tokens) == t.tokens_at_loss else 1
+                    t.tokens_at_loss = len(t.tokens)
+                    if t.losses > MAX_REPLAYS:
+                        given_up.append(t)
+                    else:
+                        self._hold(t)
+                tracks = given_up
             for t in tracks:
-                del self._tracks[t.rid]
+                self._tracks.pop(t.rid, None)
         for t in tracks:
-            self._deliver(t, ([], [], "error", (type(e).__name__, str(e), e.stage)))
+            err = e if t.losses <= MAX_REPLAYS else StageFailed(
+                f"{e}; this request was in flight at {t.losses} stage failures in a row without a token between "
+                f"them and is not replayed again (a request that breaks a stage each time would restart it forever)",
+                stage=e.stage)
+            self._deliver(t, ([], [], "error", (type(err).__name__, str(err), err.stage)))
 
     def on_recovery_failed(self, e: StageFailed) -> None:
         with self._lock:

@@ -181,3 +181,36 @@ def test_a_lost_intake_takes_only_its_own_requests(monkeypatch):
         assert not c._tracks and c._held == [old, new]
     finally:
         c.close()
+
+
+def test_a_request_lost_at_every_replay_is_failed_after_max_replays(monkeypatch):
+    """With recover: replay, a request in flight at MAX_REPLAYS + 1 stage losses in a row with no token between
+    them is failed with a StageFailed saying so, instead of being held again: a request that broke a stage each
+    time it ran (a seed past 64 bits did) restarted the deployment 41 times, every other request waiting. One that
+    got a token between two losses starts its count again."""
+    from memra_pp.client_replay import MAX_REPLAYS
+    from memra_pp.errors import StageFailed
+    c, _ = _client(monkeypatch)
+    got = []
+    try:
+        poison = _Track("p", {"prompt": [5], "max_new_tokens": 8}, got.append)
+        moving = _Track("m", {"prompt": [6], "max_new_tokens": 8}, lambda item: None)
+        with c._lock:
+            c._tracks.update({"p": poison, "m": moving})
+        for i in range(MAX_REPLAYS + 1):
+            c.on_stage_failed(StageFailed("stage 0 failed: its actor died", stage=0))
+            if i < MAX_REPLAYS:
+                assert c._held == [poison, moving] and not got, (i, got)
+                with c._lock:            # (as a replay puts them back)
+                    c._held.clear()
+                    c._tracks.update({"p": poison, "m": moving})
+                moving.tokens.append(7)  # the other request makes progress between the losses
+        assert c._held == [moving] and moving.losses == 1 and poison.losses == MAX_REPLAYS + 1
+        [(toks, lps, finish, err)] = got
+        assert finish == "error" and err[0] == "StageFailed" and err[2] == 0, got
+        assert err[1].startswith("stage 0 failed: its actor died; this request was in flight at 4 stage failures in "
+                                 "a row without a token between them and is not replayed again"), err
+        assert "p" not in c._tracks
+    finally:
+        c._held.clear()
+        c.close()
