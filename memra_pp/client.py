@@ -47,7 +47,9 @@ class Client(ReplayMixin):
         return getattr(self.dep, "supervisor", None)
 
     def close(self) -> None:
-        """Stop the pump; every request still waiting ends with StageFailed (and is aborted on the intake)."""
+        """Stop the pump; every request still waiting ends with StageFailed (and is aborted on the intake). The
+        deployment and its intake forget this client (its mailbox, and events still on their way to it)."""
+        first = not self._closed.is_set()
         self._closed.set()
         with self._lock:
             tracks, self._held = list(self._tracks.values()) + self._held, []
@@ -55,6 +57,13 @@ class Client(ReplayMixin):
         for t in tracks:
             self._abort(t.rid)
             self._deliver(t, ([], [], "error", ("StageFailed", "the client was closed (deployment shut down)")))
+        if first:
+            with contextlib.suppress(ValueError):
+                self.dep._clients.remove(self)
+            try:
+                self._intake.forget_client.remote(self.id)     # after the aborts (one caller's calls keep order)
+            except Exception:  # noqa: BLE001 - the intake is gone: so is its mailbox
+                pass
 
     def _abort(self, rid: str) -> None:
         """Tell the intake to drop a request nobody reads any more (fire and forget: it may be gone)."""
@@ -145,9 +154,13 @@ class Client(ReplayMixin):
         tr = _Track(uuid.uuid4().hex, req, sink or q.put, gen=sup.generation if sup else 0)
         req["rid"] = tr.rid
         with self._lock:
+            if self._closed.is_set():   # closed while this waited for a recovery: its pump is gone, nothing reads
+                raise StageFailed("this client was closed (close(), or its deployment's shutdown)")
             self._tracks[tr.rid] = tr
         try:
             self._send(tr, req, t.step_s)
+            if self._closed.is_set():   # closed during the send: close() aborted it before the intake had it
+                self._abort(tr.rid)
         except StageFailed as e:   # the intake is gone: with replay the request waits for the recovery
             if type(e) is not StageFailed or e.stage is not None:
                 self._drop(tr)

@@ -67,8 +67,8 @@ class ReplayMixin:
     def on_recovery_failed(self, e: StageFailed) -> None:
         with self._lock:
             held, self._held = self._held, []
-        for t in held:
-            t.put(([], [], "error", (type(e).__name__, str(e), e.stage)))
+        for t in held:          # (_deliver: one agenerate whose loop has closed must not stop the others' errors)
+            self._deliver(t, ([], [], "error", (type(e).__name__, str(e), e.stage)))
 
     def on_recovered(self) -> None:
         self._replay_if_recovered(force=True)

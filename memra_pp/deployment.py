@@ -400,7 +400,7 @@ class Deployment:
         from .supervisor import MISSED_BEATS
         if self.supervisor is not None:       # a RemoteSupervisor: nothing more to follow
             self.supervisor.stop()
-        for c in self._clients:
+        for c in list(self._clients):     # (a closed client leaves the list)
             c.close()
         key = self.kv_key("stop")
         if key is None or _named_pg_id(self.placement.name) != self._pg_id:
@@ -422,7 +422,7 @@ class Deployment:
     def _teardown(self) -> None:
         if self.supervisor is not None:   # first: no restart may race the teardown
             self.supervisor.stop()
-        for c in self._clients:
+        for c in list(self._clients):     # (a closed client leaves the list)
             c.close()
         try:
             ray.get([a.stop.remote() for a in self.actors], timeout=10)

@@ -329,11 +329,16 @@ class RemoteSupervisor:
         return json.loads(raw) if raw else None
 
     def _run(self) -> None:
+        checked = time.monotonic()
         while not self.stopping.wait(self.POLL_S):
             st = self._read()
+            clients = list(self.dep._clients)
+            if self.failure is None and any(c._held for c in clients) and time.monotonic() - checked >= 1.0:
+                checked = time.monotonic()
+                if self._launch_gone():
+                    continue
             if st is None:
                 continue
-            clients = list(self.dep._clients)
             if st["generation"] > self.generation:       # a stage failed: hold (replay) what was in flight
                 self.generation = st["generation"]
                 self.ready.clear()
@@ -351,6 +356,22 @@ class RemoteSupervisor:
                 self.ready.set()
                 for c in clients:
                     c.on_recovered()
+
+    def _launch_gone(self) -> bool:
+        """Requests are held for a replay: if the launch this handle connected to is gone (its launching process shut
+        it down, and with it the recovery record), nothing will replay them: they and later calls fail."""
+        from .deployment import _named_pg_id
+        try:
+            if _named_pg_id(self.dep.placement.name) == self.dep._pg_id:
+                return False
+        except Exception:  # noqa: BLE001 - the cluster itself is going away: the same answer
+            pass
+        self.failure = StageFailed(f"the deployment {self.dep.placement.name!r} was shut down (its placement group "
+                                   f"is gone): no recovery will replay the requests it held")
+        for c in list(self.dep._clients):
+            c.on_recovery_failed(self.failure)
+        self.ready.set()
+        return True
 
     def wait_ready(self, timeout: float) -> None:
         """Return once the launcher's supervisor says the deployment serves and its stages answer here."""

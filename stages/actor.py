@@ -52,6 +52,9 @@ class StageActor:
     def poll(self, client: str, timeout: float) -> list:
         return self.runner.poll(client, timeout)
 
+    def forget_client(self, client: str) -> None:
+        return self.runner.forget_client(client)
+
     def load_adapter(self, name: str, path: str, slot: int) -> None:
         return self.runner.load_adapter(name, path, slot)
 

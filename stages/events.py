@@ -6,21 +6,40 @@ from collections import defaultdict, deque
 
 
 class Mailboxes:
+    GONE_KEPT = 65536       # closed clients remembered (so that their requests' last events are dropped)
+
     def __init__(self):
         self._cv = threading.Condition()
         self._boxes: dict[str, deque] = defaultdict(deque)
+        self._gone: dict[str, None] = {}       # closed clients, oldest first
 
     def post(self, events) -> None:
         if not events:
             return
         with self._cv:
             for e in events:
-                self._boxes[e.client].append((e.rid, e.tokens, e.logprobs, e.finish, e.error))
+                if e.client not in self._gone:
+                    self._boxes[e.client].append((e.rid, e.tokens, e.logprobs, e.finish, e.error))
             self._cv.notify_all()
+
+    def forget(self, client: str) -> None:
+        """A closed client: its mailbox goes, and so does whatever is posted to it later (its aborted requests' last
+        events), instead of a box per client ever seen, filling for nobody."""
+        with self._cv:
+            self._boxes.pop(client, None)
+            self._gone[client] = None
+            if len(self._gone) > self.GONE_KEPT:
+                del self._gone[next(iter(self._gone))]
+
+    def __len__(self) -> int:
+        with self._cv:
+            return len(self._boxes)
 
     def poll(self, client: str, timeout: float) -> list[tuple]:
         """Every event queued for `client`, waiting up to `timeout` seconds for the first one."""
         with self._cv:
+            if client in self._gone:            # a poll that was on its way when the client closed
+                return []
             box = self._boxes[client]
             if not box:
                 self._cv.wait_for(lambda: bool(box), timeout)

@@ -40,6 +40,7 @@ class IntakeLoop(_Loop):
         out["pipelined_chunks"] = self.sched.pipelined
         out["prompts_cut"] = self.sched.cut       # prompts sent in pipeline pieces (scheduler.pipeline_chunks)
         out["aborted"] = self.sched.aborted       # requests an abort reached (a cancelled agenerate, a dropped stream)
+        out["mailboxes"] = len(self.r.mail)       # clients not closed that have polled (a closed one's box goes)
         for k, d in self.ring_s.items():
             xs = list(d)        # (a copy first: the loop appends meanwhile)
             for q in (0.5, 0.99):

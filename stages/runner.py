@@ -363,6 +363,9 @@ class StageRunner(ImagesMixin, RecoveryMixin):
     def poll(self, client: str, timeout: float) -> list[tuple]:
         return self.mail.poll(client, timeout)
 
+    def forget_client(self, client: str) -> None:
+        self.mail.forget(client)
+
     # -- operators --------------------------------------------------------------------------------------------
     def describe(self) -> dict:
         """What a client attaching by name needs: the placement, the plan and the model's vocabulary facts."""

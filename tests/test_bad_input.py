@@ -511,6 +511,31 @@ def test_a_stream_is_checked_at_the_call_and_freed_when_dropped(dep):
     assert pages() == free, "the dropped streams' KV pages did not come back"
 
 
+def test_a_closed_client_is_forgotten_by_the_deployment_and_the_intake(dep):
+    """Clients closed with requests streaming leave nothing behind: the deployment drops them from its list, and the
+    intake drops their mailbox and the events still posted to it (their aborted requests' last events). Before, both
+    kept every client ever made: 25 clients closed mid-stream left 26 mailboxes holding 84 events."""
+    def mailboxes(want, wait=5.0):
+        end = time.monotonic() + wait
+        while (n := dep.stats()["stages"][0]["mailboxes"]) != want and time.monotonic() < end:
+            time.sleep(0.05)
+        return n
+    serves(dep)
+    base_clients, base_boxes = len(dep._clients), dep.stats()["stages"][0]["mailboxes"]
+    for _ in range(4):
+        c = dep.client()
+        it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
+        assert len(next(it).token_ids) >= 1
+        assert len(dep._clients) == base_clients + 1 and mailboxes(base_boxes + 1) == base_boxes + 1
+        c.close()
+        with pytest.raises(StageFailed, match="the client was closed"):
+            list(it)
+        assert c not in dep._clients and len(dep._clients) == base_clients
+    time.sleep(0.5)                 # the aborted requests' last events reach the intake's mailboxes meanwhile
+    assert mailboxes(base_boxes) == base_boxes
+    serves(dep)
+
+
 def test_stats_reset_starts_a_new_handoff_window(dep):
     """stats(reset=True) restarts the handoff counters and latencies with the loop's window (busy, microbatches),
     so a benchmark's window does not carry its warm-up's handoffs."""

@@ -22,10 +22,11 @@ def _client(monkeypatch, on_submit=None):
     """A Client over a fake replay deployment whose supervisor has recovered; the pump finds nothing to poll."""
     log = []
     intake = types.SimpleNamespace(submit=_Remote(log, "submit", on_submit), abort=_Remote(log, "abort"),
-                                   poll=_Remote(log, "poll"), _actor_id="the-intake")
+                                   poll=_Remote(log, "poll"), forget_client=_Remote(log, "forget"),
+                                   _actor_id="the-intake")
     sup = types.SimpleNamespace(ready=threading.Event(), recovered=1, generation=1, failure=None)
     sup.ready.set()
-    dep = types.SimpleNamespace(actors=[intake], supervisor=sup, tokenizer=None,
+    dep = types.SimpleNamespace(actors=[intake], supervisor=sup, tokenizer=None, _clients=[],
                                 placement=types.SimpleNamespace(recover="replay",
                                                                 timeouts=types.SimpleNamespace(step_s=1.0,
                                                                                                ready_s=1.0)))
@@ -214,3 +215,33 @@ def test_a_request_lost_at_every_replay_is_failed_after_max_replays(monkeypatch)
     finally:
         c._held.clear()
         c.close()
+
+
+def test_a_client_closed_while_a_submit_waits_for_a_recovery_sends_nothing(monkeypatch):
+    """A request waiting in submit for a recovery, whose client is closed meanwhile, fails with StageFailed once
+    the recovery is over and is never sent: it used to be registered and sent after the close, with the client's
+    pump gone, so nobody read it (and with timeout=inf its caller waited forever)."""
+    import time
+    import pytest
+    from memra_pp.errors import StageFailed
+    c, log = _client(monkeypatch)
+    c.dep.placement.timeouts.ready_s = 30.0
+    c.dep.supervisor.ready.clear()              # a recovery is in progress
+    out = {}
+
+    def ask():
+        try:
+            c.generate([5, 17], max_new_tokens=2, timeout=float("inf"))
+        except Exception as e:  # noqa: BLE001 - recorded for the asserts
+            out["e"] = e
+    th = threading.Thread(target=ask, daemon=True)
+    th.start()
+    time.sleep(0.2)
+    c.close()
+    c.dep.supervisor.ready.set()                # the recovery completes
+    th.join(10)
+    assert not th.is_alive() and isinstance(out.get("e"), StageFailed), out
+    assert "this client was closed" in str(out["e"])
+    assert not [e for e in log if e[0] == "submit"] and not c._tracks, log
+    with pytest.raises(StageFailed, match="this client was closed"):
+        c.generate([5, 17], max_new_tokens=2)

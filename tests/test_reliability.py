@@ -3,6 +3,7 @@ os._exit inside it, SIGKILL, SIGSTOP) mid-generation and mid-prefill. Callers mu
 stage within 15 s, the deployment must recover by itself, and with recover: replay the interrupted requests
 must complete with the tokens of an uninterrupted run."""
 import os
+import re
 import signal
 import threading
 import time
@@ -274,3 +275,16 @@ def test_a_connected_handle_replays_through_a_restart(ray_cluster):
             assert dec.error is None and dec.tokens == want and dec.finish == "length", (i, dec.error, dec.tokens)
         assert other.supervisor.recovered == dep.supervisor.recovered == 2 and other.supervisor.failure is None
         assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == want[:4]
+        # the launching process shuts the deployment down under a stream of the connected handle: the stream is
+        # held for a replay, and no recovery will come. It ends with StageFailed within seconds, and so does a
+        # later request (both waited out their timeout before, and with timeout=inf forever)
+        dec = Stream(c, SHORT, 400, ignore_eos=True)
+        dec.wait_tokens(3)
+        t0 = time.monotonic()
+        dep.shutdown()
+        dec.join(60)
+        assert isinstance(dec.error, StageFailed) and dec.t_end - t0 < 15, (dec.error, dec.t_end and dec.t_end - t0)
+        gone = "the deployment 'replayc' was shut down (its placement group is gone): no recovery will replay"
+        assert gone in str(dec.error), dec.error
+        with pytest.raises(StageFailed, match=re.escape(gone)):
+            c.generate(list(SHORT), max_new_tokens=4, timeout=float("inf"))
