@@ -60,6 +60,7 @@ class Deployment:
         self.slot_names = [shm_names(x) for x in infos]   # each stage's receiving segments (to clean after a kill)
         self.run_dir, self.owns_ray, self.detached = run_dir, owns_ray, detached
         self._clients = []
+        self.switches: dict[str, bool] | None = None      # launch's resolved MEMRA_PP_* switches (a restart's too)
         # name -> (slot, path) as this handle last saw the intake's registry (stages/runner.reserve_adapter: the
         # table that gives out slots, whichever handle loads): what a restart reloads if the intake itself is lost
         self._adapter_paths: dict[str, tuple[int, str]] = {}
@@ -82,7 +83,7 @@ class Deployment:
         from .engine import parse_device            # (torch: here, not for connect's CLI clients)
         from .model.weights import open_weights
         placement = load_placement(config)
-        check_environment()     # the MEMRA_PP_* switches the stages will receive: known names, 0 or 1
+        switches = check_environment()     # the MEMRA_PP_* switches, resolved once: every stage's setup gets them
         if placement.ray.address == "local" and not ray.is_initialized():
             # launch starts a private cluster here, so the stages run on this host: a device it lacks, refused now
             for i, s in enumerate(placement.stages):
@@ -117,7 +118,7 @@ class Deployment:
                 actors.append(cls._make_actor(placement, s, pg, detached))
             t = placement.timeouts.ready_s
             transports, probes = cls._transports(placement, plan, actors, t)
-            infos = _get([a.setup.remote(placement.to_dict(), plan.to_dict(), i, run_dir, transports[i])
+            infos = _get([a.setup.remote(placement.to_dict(), plan.to_dict(), i, run_dir, transports[i], switches)
                           for i, a in enumerate(actors)], t, "stage setup")
             infos[0]["transport_probes"] = probes
             cls._wire(plan, actors, infos, t, placement.scheduler.kv_pages)
@@ -137,7 +138,7 @@ class Deployment:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         dep = cls(placement, plan, actors, infos, run_dir, owns_ray, detached)
-        dep._pg, dep.transports = pg, transports
+        dep._pg, dep.transports, dep.switches = pg, transports, switches
         from .supervisor import Supervisor
         dep.supervisor = Supervisor(dep)
         dep.supervisor.start()
@@ -147,9 +148,8 @@ class Deployment:
     def _make_actor(placement: Placement, s, pg, detached: bool):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         from .stages.actor import StageActor
-        env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-               # the runtime's own switches (MEMRA_PP_*) reach the stages as the driver has them, on any Ray cluster
-               **{k: v for k, v in os.environ.items() if k.startswith("MEMRA_PP_")}}
+        # (the runtime's switches, MEMRA_PP_*, are not taken from here: setup is given the driver's values)
+        env = {"OMP_NUM_THREADS": str(s.threads), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
         opts = dict(num_cpus=s.num_cpus, runtime_env={"env_vars": env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=s.index))
         if detached:

@@ -232,7 +232,7 @@ class Supervisor:
         if stale:   # a killed stage left its receiving segments behind: its replacement (same node) unlinks them
             _get([dep.actors[i].unlink_shm.remote(names) for i, names in stale.items()], t, "stale slots")
         tr = dep.transports
-        infos = _get([a.setup.remote(p.to_dict(), dep.plan.to_dict(), i, run_dir, tr[i]) if i in failed
+        infos = _get([a.setup.remote(p.to_dict(), dep.plan.to_dict(), i, run_dir, tr[i], dep.switches) if i in failed
                       else a.relink.remote(run_dir, tr[i]) for i, a in enumerate(dep.actors)], t, "stage restart")
         dep.slot_names = [shm_names(x) for x in infos]
         dep.wire(dep.actors, infos, t)

@@ -1,9 +1,12 @@
 """The runtime's environment switches (MEMRA_PP_*): one table, one reader. A switch is 0 or 1; any other value,
 or a MEMRA_PP_ name that is not a switch, is a ConfigError naming it (a typo such as MEMRA_PP_KV_IN_PLACE=false
-must not silently leave the default on). `launch` checks the driver's environment before any stage starts; the
-stages receive the same variables (deployment._make_actor)."""
+must not silently leave the default on). `launch` resolves every switch from the driver's environment before any
+stage starts, and passes the values to each stage's setup, which sets them where they are read (apply): a stage
+never takes a mode from its own environment (DESIGN law 2). A process without stages (one-process use, the
+benchmarks' engine steps) takes them from its environment when the module is imported."""
 from __future__ import annotations
 
+import importlib
 import os
 
 from .errors import ConfigError
@@ -21,6 +24,16 @@ SWITCHES = {
                                       "GPU only; 0: one call per group of equal lengths)"),
 }
 _VALUES = {"0": False, "1": True}
+# where each switch's value is read in a process: module, attribute (set at import from the environment, then by
+# apply in a stage process)
+TARGETS = {
+    "MEMRA_PP_ANY_KV_GRAPHS": ("memra_pp.model.decode_graphs", "ANY_KV"),
+    "MEMRA_PP_KV_IN_PLACE": ("memra_pp.model.cache", "IN_PLACE"),
+    "MEMRA_PP_MOE_BLOCK": ("memra_pp.kernels.moe_block", "ENABLED"),
+    "MEMRA_PP_SDPA_CUDNN": ("memra_pp.model.attention", "SDPA_CUDNN"),
+    "MEMRA_PP_PREFILL_MERGED": ("memra_pp.kernels.prefill", "MERGED"),
+    "MEMRA_PP_PREFILL_VARLEN": ("memra_pp.kernels.prefill", "VARLEN"),
+}
 
 
 def flag(name: str, environ=None) -> bool:
@@ -43,3 +56,20 @@ def check_environment(environ=None) -> dict[str, bool]:
         raise ConfigError(f"environment variable {unknown[0]} is not a memra_pp switch (known: "
                           f"{', '.join(SWITCHES)})")
     return {name: flag(name, env) for name in SWITCHES}
+
+
+def apply(values: dict[str, bool]) -> None:
+    """A stage's setup: the driver's resolved switches (check_environment's answer) set where this process reads
+    them, before anything is built with them. Every switch must be given: a missing one would leave this process's
+    own environment deciding."""
+    if set(values) != set(SWITCHES):
+        raise ConfigError(f"a stage was given the switches {sorted(values)}; it needs exactly {sorted(SWITCHES)}")
+    for name, value in values.items():
+        module, attr = TARGETS[name]
+        setattr(importlib.import_module(module), attr, bool(value))
+
+
+def current() -> dict[str, bool]:
+    """Every switch as this process has it now (where apply set it)."""
+    return {name: bool(getattr(importlib.import_module(m), a)) for name, (m, a) in TARGETS.items()}
+

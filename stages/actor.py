@@ -17,8 +17,9 @@ class StageActor:
     def probe_transport(self, src: int, dst: int) -> dict:
         return self.runner.probe_transport(src, dst)
 
-    def setup(self, placement: dict, plan: dict, index: int, run_dir: str, transport: str = "shm") -> dict:
-        return self.runner.setup(placement, plan, index, run_dir, transport)
+    def setup(self, placement: dict, plan: dict, index: int, run_dir: str, transport: str = "shm",
+              switches: dict | None = None) -> dict:
+        return self.runner.setup(placement, plan, index, run_dir, transport, switches)
 
     def kv_report(self) -> dict:
         return self.runner.kv_report()

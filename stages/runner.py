@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..errors import InputError
-from ..model.attention import SDPA_CUDNN
+from ..model import attention
 from ..model.config import ModelConfig
 from ..model.stage_model import StageModel
 from ..model.weights import open_weights
@@ -80,6 +80,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.lora = None                # this stage's LoraPool, made at the first adapter load
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}
+        self.switches: dict[str, bool] = {}       # the MEMRA_PP_* modes setup ran with (switches.current)
         # intake: every adapter loading, loaded or unloading, name -> [slot, path, state], whichever handle (launch's
         # or a connect()'s) loads it: the one table that gives out slots and publishes names (the loaded ones are
         # the names clients may use: adapter_names), so no handle overwrites or unloads an adapter another is
@@ -101,16 +102,22 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         from .gpu_slots import probe_p2p
         return probe_p2p(src, dst)
 
-    def setup(self, placement: dict, plan: dict, index: int, run_dir: str, transport: str = "shm") -> dict:
+    def setup(self, placement: dict, plan: dict, index: int, run_dir: str, transport: str = "shm",
+              switches: dict | None = None) -> dict:
         """Load this stage's slice and open its receiving side (`transport` of its upstream boundary: shm, peer
-        or host); returns what the neighbours need to connect."""
+        or host); returns what the neighbours need to connect. `switches`: the driver's resolved MEMRA_PP_*
+        switches, set here before anything is built (None: this process's own, one-process use)."""
         from ..engine import Engine
+        from .. import switches as sw
+        if switches is not None:
+            sw.apply(switches)
+        self.switches = sw.current()
         self.placement, self.plan, self.index = load_placement(placement), Plan.from_dict(plan), index
         sp = self.plan.stages[index]
         self.spec = sp
         torch.set_num_threads(sp.threads)
         self.engine = Engine(sp.device)
-        if self.engine.is_cuda and not SDPA_CUDNN:
+        if self.engine.is_cuda and not attention.SDPA_CUDNN:
             # for the whole process, not around each call (model/attention.sdpa): the vision tower runs on Ray's
             # pool threads beside the loop thread's prefill, and torch's switch is one flag for the process
             torch.backends.cuda.enable_cudnn_sdp(False)
@@ -381,6 +388,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         ls = link.stats(reset) if link is not None else {}
         st["transport"] = getattr(link, "TRANSPORT", None)
         st["gdn_backend"] = self.model.gdn_backend
+        st["switches"] = dict(self.switches)      # the MEMRA_PP_* modes this stage was set up with
         g = self.model.graphs
         st["decode_graphs"] = g.stats() if g is not None else {"off": self.model.graphs_failed or "eager"}
         st["weights_bytes"] = self.weights_bytes

@@ -501,9 +501,9 @@ def test_split_is_optimal_property(costs, data):
     assert worst(got) == best and got == max(b for b in every if worst(b) == best)
 
 
-def test_stage_actors_take_the_runtime_switches_from_the_driver(monkeypatch):
-    """A stage actor's environment carries the driver's MEMRA_PP_* variables (decode_graphs.ANY_KV's
-    MEMRA_PP_ANY_KV_GRAPHS) beside its thread count, and nothing else of the driver's."""
+def test_stage_actors_environment_carries_threads_and_no_switch(monkeypatch):
+    """A stage actor's environment carries its thread count and nothing of the driver's: not even the MEMRA_PP_*
+    switches, which its setup is given resolved (law 2; test_runtime's switches test runs that)."""
     import types
     from memra_pp.deployment import Deployment
     from memra_pp.stages import actor
@@ -521,7 +521,25 @@ def test_stage_actors_take_the_runtime_switches_from_the_driver(monkeypatch):
     s = types.SimpleNamespace(threads=2, num_cpus=0.5, index=0)
     assert Deployment._make_actor(types.SimpleNamespace(name="p"), s, object(), False) == "actor"
     env = seen["runtime_env"]["env_vars"]
-    assert env["MEMRA_PP_ANY_KV_GRAPHS"] == "1" and env["OMP_NUM_THREADS"] == "2" and "SOMETHING_ELSE" not in env
+    assert env == {"OMP_NUM_THREADS": "2", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, env
+
+
+def test_a_stage_is_given_every_switch_or_refuses():
+    """switches.apply sets each switch where its process reads it, and refuses a partial or unknown set (a missing
+    switch would leave the stage's own environment deciding)."""
+    from memra_pp import switches
+    from memra_pp.kernels import prefill
+    before = switches.current()
+    try:
+        switches.apply({**before, "MEMRA_PP_PREFILL_VARLEN": not before["MEMRA_PP_PREFILL_VARLEN"]})
+        assert prefill.VARLEN is (not before["MEMRA_PP_PREFILL_VARLEN"])
+        assert switches.current() == {**before, "MEMRA_PP_PREFILL_VARLEN": prefill.VARLEN}
+        with pytest.raises(ConfigError, match=r"a stage was given the switches \['MEMRA_PP_KV_IN_PLACE'\]; it needs "
+                                              r"exactly \['MEMRA_PP_ANY_KV_GRAPHS'"):
+            switches.apply({"MEMRA_PP_KV_IN_PLACE": True})
+    finally:
+        switches.apply(before)
+    assert switches.current() == before
 
 
 @pytest.mark.parametrize("name,value,message", [

@@ -142,6 +142,30 @@ def test_replay_completes_interrupted_requests(ray_cluster):
         check_serves(dep, c)
 
 
+def test_stages_run_with_the_drivers_switches_after_a_restart_too(ray_cluster, monkeypatch):
+    """The MEMRA_PP_* switches are resolved once in the driver at launch and given to each stage's setup (law 2: a
+    stage never takes a mode from its own environment). Set here after Ray started, the switch is not in the stage
+    processes' environment, yet every stage runs with it, and so does a restarted one."""
+    from memra_pp import switches
+    want = not switches.SWITCHES["MEMRA_PP_PREFILL_VARLEN"][0]          # the default's opposite
+    monkeypatch.setenv("MEMRA_PP_PREFILL_VARLEN", "1" if want else "0")
+    _, path = tiny_checkpoint("dense", False)
+
+    def seen(dep):
+        return [ray.get(a.__ray_call__.remote(
+            lambda self: (os.environ.get("MEMRA_PP_PREFILL_VARLEN"), __import__("memra_pp.kernels.prefill",
+                                                                                fromlist=["VARLEN"]).VARLEN)),
+            timeout=30) for a in dep.actors]
+    with memra_pp.launch(dict(config(path, 2), name="relsw")) as dep:
+        assert seen(dep) == [(None, want)] * 2
+        assert [s["switches"]["MEMRA_PP_PREFILL_VARLEN"] for s in dep.stats()["stages"]] == [want] * 2
+        kill(dep, 1, "ray.kill")
+        time.sleep(1.0)
+        dep.wait_ready(90)
+        assert dep.supervisor.log[-1]["recovered"] and seen(dep) == [(None, want)] * 2
+        check_serves(dep, dep.client())
+
+
 def test_supervisor_does_not_race_shutdown(ray_cluster):
     """A shutdown right after a kill must return promptly and leave no actor of the deployment alive, even with
     the recovery in progress."""
