@@ -161,7 +161,7 @@ def test_undecodable_slot_header_fails_the_link(dep):
 
 # -- launch-level: files ------------------------------------------------------------------------------------------
 
-def broken_copy(tmp_path, how):
+def broken_copy(tmp_path, how, layer=0):
     _, path = tiny_checkpoint("dense", False)
     d = tmp_path / how
     shutil.copytree(path, d)
@@ -174,7 +174,7 @@ def broken_copy(tmp_path, how):
     elif how == "shape":          # a valid file whose tensor has the wrong shape: found inside the stage actor
         from safetensors.torch import load_file, save_file
         sd = load_file(f)
-        sd["model.language_model.layers.0.input_layernorm.weight"] = torch.ones(7)
+        sd[f"model.language_model.layers.{layer}.input_layernorm.weight"] = torch.ones(7)
         save_file(sd, f)
     return d, f
 
@@ -232,19 +232,40 @@ def test_a_device_this_host_lacks_is_refused_before_ray(monkeypatch):
 
 def test_bad_tensor_inside_a_stage_leaves_no_actor(ray_cluster, tmp_path):
     """A checkpoint that fails in a stage actor's load must raise ConfigError from launch and leave no actor of
-    the deployment alive (Ray was already up, so it stays up), and no shared-memory segment: the other stage may
-    have finished its setup, made its slots and been killed (memra_pp/shm.unlink_shm_of; test_shm_cleanup)."""
+    the deployment alive (Ray was already up, so it stays up), and no shared-memory segment. The last of three
+    stages holds the bad tensor, so the middle one (whose setup launch waits for first) has made its receiving
+    slots before the failure: they must be gone too (memra_pp/shm.unlink_shm_of; test_shm_cleanup)."""
     import glob
+    from memra_pp.model.weights import open_weights
     before = set(glob.glob("/dev/shm/mpp*"))
-    d, _ = broken_copy(tmp_path, "shape")
-    with pytest.raises(ConfigError, match="input_layernorm.weight' has shape"):
-        memra_pp.launch({"name": "badshape", "model": {"path": str(d)}, "stages": [{"device": "cpu"}] * 2},
-                        detached=True)
-    assert ray.is_initialized()
-    for i in range(2):
-        with pytest.raises(ValueError):
-            ray.get_actor(f"badshape.stage{i}")
-    assert set(glob.glob("/dev/shm/mpp*")) - before == set()
+    _, good = tiny_checkpoint("dense", False)
+    last = open_weights(str(good), "safetensors").config.text.num_hidden_layers - 1
+    d, _ = broken_copy(tmp_path, "shape", layer=last)
+    made, stop = set(), threading.Event()
+
+    def watch():                    # the segments that exist at some moment of the launch
+        while not stop.is_set():
+            made.update(set(glob.glob("/dev/shm/mpp*")) - before)
+            time.sleep(0.002)
+    for _ in range(4):  # the stages load side by side: the middle one is usually, not always, past its setup
+        stop.clear()
+        w = threading.Thread(target=watch, daemon=True)
+        w.start()
+        try:
+            with pytest.raises(ConfigError, match=f"layers.{last}.input_layernorm.weight' has shape"):
+                memra_pp.launch({"name": "badshape", "model": {"path": str(d)},
+                                 "stages": [{"device": "cpu", "num_cpus": 0.1}] * 3}, detached=True)
+        finally:
+            stop.set()
+            w.join(5)
+        assert ray.is_initialized()
+        for i in range(3):
+            with pytest.raises(ValueError):
+                ray.get_actor(f"badshape.stage{i}")
+        assert set(glob.glob("/dev/shm/mpp*")) - before == set(), made
+        if made:
+            break
+    assert made, "no stage made its slots before the failure in 4 launches: the check above passed vacuously"
 
 
 def test_failed_launch_stops_the_ray_it_started(tmp_path):
