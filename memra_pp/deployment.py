@@ -170,13 +170,9 @@ class Deployment:
         n = len(actors)
         ti = plan.tower_index
         tower = (actors[ti], infos[ti]["ctx_id"]) if ti != 0 else (None, None)
+        # at least one page: every pool already holds one beyond its null and sink blocks (model/cache.py); a
+        # request needing more pages than the budget is refused at submission (Scheduler.validate)
         pages, reports = _measure_kv(actors, t, kv_limit)
-        if pages < 1:
-            from .model.kv_memory import kv_budget
-            raise ConfigError(f"the KV cache has no room for one page of {reports[0]['kv_block']} positions on some "
-                              f"device beside the weights and linear states (pages per stage were it alone: "
-                              f"{[kv_budget([r]) for r in reports]}): lower scheduler.max_batch or split the model "
-                              f"over more stages")
         kv = (pages, reports[0]["kv_block"])
         _get([a.connect.remote(infos[i + 1]["endpoint"] if i + 1 < n else None,
                                infos[0]["ring"] if i == n - 1 and n > 1 else None, t,
