@@ -230,9 +230,10 @@ class Battery:
 
 def main(args) -> int:
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print   # --json: stdout is JSON only
-    b = Battery(args.config, progress=say, out=args.out)
+    from .bench import check_output_path
     try:
-        report = b.run()
+        check_output_path("--out", args.out)       # before the launch, not after every check has run
+        report = Battery(args.config, progress=say, out=args.out).run()
     except MemraError as e:
         print(f"battery could not run: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

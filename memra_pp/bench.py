@@ -3,10 +3,13 @@ concurrent load, next to a Ray actor call round trip measured in the same run (d
 from __future__ import annotations
 
 import json
+import os
 import sys
 import random
 import threading
 import time
+
+from .errors import InputError
 
 
 def _pct(xs, q):
@@ -292,10 +295,19 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def check_output_path(flag: str, path: str | None) -> None:
+    """A report's path, refused before anything is launched (not after the run): a directory, or one whose
+    directory does not exist or cannot be written."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise InputError(f"{flag} {path}: is a directory; give a file's path")
+    if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        raise InputError(f"{flag} {path}: its directory does not exist or is not writable")
+
+
 def main(args) -> int:
-    import os
     import memra_pp
-    from .errors import InputError
     for name in ("concurrency", "prompt_len", "max_new_tokens"):     # refused before anything is launched
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -311,9 +323,7 @@ def main(args) -> int:
                          f"{longest + args.max_new_tokens - 1} positions, more than the placement's "
                          f"scheduler.max_context ({ctx}): lower them or raise max_context")
     for name in ("out", "timeline"):
-        path = getattr(args, name, None)
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            raise InputError(f"--{name} {path}: its directory does not exist or is not writable")
+        check_output_path(f"--{name}", getattr(args, name, None))
     say = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731 - progress off stdout (--json is JSON)
     say(f"launching {args.config} ...")
     dep = memra_pp.launch(args.config)

@@ -32,8 +32,20 @@ def cmd_plan(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
+    import os
     from .errors import ConfigError
     from .model.tiny import make_tiny
+    if not args.path.strip():
+        raise InputError("make-tiny needs a directory to write the checkpoint in, got an empty path")
+    if not 0 <= args.seed < 2 ** 63:
+        raise InputError(f"--seed must be an integer in [0, 2**63), got {args.seed}")
+    path = os.path.expanduser(args.path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{args.path}: exists and is not a directory; give a directory for the checkpoint")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, "config.json")) \
+            and not args.overwrite:     # a directory of someone's files: never written over unasked
+        raise ConfigError(f"{args.path}: a directory that holds files but no checkpoint (no config.json); give an "
+                          f"empty or new directory, or pass --overwrite to write the checkpoint's files into it")
     try:
         path = make_tiny(args.path, moe=args.moe, vision=args.vision, seed=args.seed, overwrite=args.overwrite)
     except FileExistsError as e:
@@ -51,6 +63,21 @@ def cmd_demo(args) -> int:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt      # SIGTERM (a service manager's stop, `timeout`, `kill`) shuts down as Ctrl-C does
+
+
+def _sigterm_shuts_down() -> None:
+    """For a command that launches (demo, launch, battery, bench): once launch has started Ray, whose SIGTERM
+    handler exits without the deployment's shutdown (the stages' shared memory stays behind), SIGTERM is Ctrl-C
+    again, and the command's own shutdown runs."""
+    import signal
+    import threading
+    from .deployment import AFTER_RAY_INIT
+
+    def install():
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _interrupt)
+    if install not in AFTER_RAY_INIT:
+        AFTER_RAY_INIT.append(install)
 
 
 def cmd_launch(args) -> int:
@@ -108,9 +135,11 @@ def cmd_status(args) -> int:
     def table() -> str:        # "-" where a stage has no figure yet (an idle deployment)
         lines = [f"{'stage':>5} {'device':>8} {'layers':>9} {'busy':>6} {'mbs':>7} {'handoffs':>9} {'p50 us':>8}"]
         for s in st["stages"]:
+            ran, crossed = bool(s.get("microbatches")), bool(s.get("handoffs"))     # (0: nothing measured yet)
             lines.append(f"{s['index']:>5} {s['device']:>8} {str(tuple(s['layers'])):>9} "
-                         f"{_num(s.get('busy'), '.1%'):>6} {_num(s.get('microbatches'), 'd'):>7} "
-                         f"{_num(s.get('handoffs'), 'd'):>9} {_num(s.get('handoff_p50_us'), '.1f'):>8}")
+                         f"{_num(s.get('busy') if ran else None, '.1%'):>6} {_num(s.get('microbatches'), 'd'):>7} "
+                         f"{_num(s.get('handoffs'), 'd'):>9} "
+                         f"{_num(s.get('handoff_p50_us') if crossed else None, '.1f'):>8}")
         return "\n".join(lines)
     _print(args, st, table)
     return 0
@@ -193,11 +222,16 @@ def main(argv=None) -> int:
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
+    if args.cmd in ("demo", "launch", "battery", "bench"):
+        _sigterm_shuts_down()
     try:
         return args.fn(args)
     except MemraError as e:
         print(f"memra-pp {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:        # Ctrl-C or SIGTERM: the command's shutdown has run on the way out
+        print(f"memra-pp {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

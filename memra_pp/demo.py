@@ -12,6 +12,9 @@ PROMPTS = ["The quick brown fox", "Pipeline parallelism cuts a model into stages
            "Numbers: one two three", "A stage is a Ray actor"]
 
 
+MAX_PROMPTS = 256
+
+
 def _say(msg: str, quiet: bool) -> None:
     if not quiet:
         print(msg, flush=True)
@@ -25,6 +28,16 @@ def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24)
     from .errors import InputError
     if prompts < 1 or max_new_tokens < 1:       # refused before anything is launched
         raise InputError(f"the demo needs --prompts and --max-new-tokens >= 1, got {prompts} and {max_new_tokens}")
+    if prompts > MAX_PROMPTS:
+        raise InputError(f"the demo runs at most {MAX_PROMPTS} prompts at once, got --prompts {prompts}; "
+                         f"`memra-pp bench` measures larger loads")
+    from .placement.schema import load_placement
+    ctx = load_placement(TINY_CPU).scheduler.max_context
+    longest = max(len(t.encode()) for t in PROMPTS)     # (the tiny tokenizer: at most one token a byte)
+    if longest + max_new_tokens - 1 > ctx:
+        raise InputError(f"--max-new-tokens {max_new_tokens}: the demo's prompts (up to {longest} tokens) would "
+                         f"need {longest + max_new_tokens - 1} positions, more than its scheduler.max_context "
+                         f"({ctx}); ask for at most {ctx - longest + 1}")
     q = json_out
     t0 = time.time()
     path = ensure_tiny()
@@ -50,6 +63,8 @@ def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24)
         _say(f"[3/4] {prompts} concurrent requests: {n_tok} tokens in {wall:.2f} s = {n_tok / wall:.1f} tokens/s; "
              + ", ".join(f"stage {s['index']} busy {s['busy']:.0%}, handoff p50 {s['handoff_p50_us']:.0f} us"
                          for s in st), q)
+        _say("    (random weights: the text is noise; what counts is that two stages give one stage's tokens, "
+             "[4/4])", q)
         for t, r in zip(texts, results):
             _say(f"    {t!r} -> {r.text!r} ({r.finish_reason})", q)
         tok = dep.tokenizer

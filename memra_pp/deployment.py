@@ -34,6 +34,11 @@ def kv_key(namespace: str, name: str, pg_id: str, kind: str) -> bytes:
     return f"memra_pp:{namespace}:{name}:{pg_id}:{kind}".encode()
 
 
+# called once launch has started or attached Ray: the CLI's SIGTERM handler goes here (ray.init installs its own,
+# which exits without the deployment's shutdown, leaving the stages' shared memory behind)
+AFTER_RAY_INIT: list = []
+
+
 def pg_name(name: str) -> str:
     """A detached deployment's placement group: named, so that a connect()ed handle can remove it."""
     return f"memra_pp:{name}"
@@ -210,11 +215,20 @@ class Deployment:
             return False
         if p.ray.address == "local":
             need = sum(s.num_cpus for s in p.stages) + 0.5
-            ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-                     namespace=p.ray.namespace, log_to_driver=True, logging_level=logging.WARNING,
-                     _node_ip_address=p.ray.listen)
+            # Ray's "token authentication is enabled" warning on every start of a local cluster: not ours to say
+            quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
+                         namespace=p.ray.namespace, log_to_driver=True, logging_level=logging.WARNING,
+                         _node_ip_address=p.ray.listen)
+            finally:
+                quiet.setLevel(level)
         else:
             attach(p.ray.address, p.ray.namespace)
+        for f in AFTER_RAY_INIT:
+            f()
         return True
 
     @classmethod

@@ -16,7 +16,7 @@ def get(refs, timeout: float, what: str):
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        raise StageFailed(f"{what}: no answer within {timeout:.0f} s") from None
+        raise StageFailed(f"{what}: no answer within {timeout:g} s") from None
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, MemraError):
@@ -51,7 +51,8 @@ def attach(address: str, namespace: str) -> None:
                 quiet.setLevel(level)
     try:
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, getattr(ray.exceptions, "AuthenticationError", ConnectionError)) as e:
+    except (ConnectionError, RuntimeError, ValueError,      # ValueError: an address Ray cannot parse
+            getattr(ray.exceptions, "AuthenticationError", ConnectionError)) as e:
         raise ConfigError(f"ray.address {address!r}: cannot attach to a Ray cluster there ({type(e).__name__}: "
                           f"{str(e).splitlines()[0]}); give the address `memra-pp launch` printed, or `auto` on "
                           f"the launcher's host; a cluster with token authentication needs its token "

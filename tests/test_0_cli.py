@@ -50,6 +50,9 @@ def test_detached_launch_generate_status_stop(tmp_path):
                                         timeout=120, env=env)
         idle = run("status", "tiny-cpu")        # before any request: figures a stage has none of yet
         assert idle.returncode == 0 and "stage" in idle.stdout, idle.stderr[-2000:]
+        # no microbatch and no handoff yet: "-", not a made-up 0.0% busy and 0.0 us
+        assert [ln.split()[4] for ln in idle.stdout.splitlines()[1:]] == ["-", "-"], idle.stdout   # busy
+        assert [ln.split()[-1] for ln in idle.stdout.splitlines()[1:]] == ["-", "-"], idle.stdout
         g = run("generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json")
         assert g.returncode == 0, g.stderr
         assert len(json.loads(g.stdout)["token_ids"]) == 6
@@ -88,6 +91,11 @@ def test_generate_refuses_bad_ids_and_a_dead_address_at_once(capsys):
     err = capsys.readouterr().err
     assert f"ConfigError: ray.address '127.0.0.1:{port}': nothing accepts a connection there" in err, err
     assert time.monotonic() - t0 < 10 and not ray.is_initialized()
+    for addr in ("garbage", "localhost:abc"):       # Ray's own ValueError was a traceback
+        assert main(["status", "tiny-cpu", "--address", addr]) == 2, addr
+        err = capsys.readouterr().err
+        assert f"ConfigError: ray.address '{addr}': cannot attach to a Ray cluster there (ValueError: " in err, err
+        assert not ray.is_initialized()
 
 
 def test_commands_refuse_bad_arguments_before_launching(tmp_path, capsys):
@@ -106,7 +114,21 @@ def test_commands_refuse_bad_arguments_before_launching(tmp_path, capsys):
                        "--max-new-tokens 32 need 4531 positions, more than the placement's scheduler.max_context "
                        "(4096): lower them or raise max_context"),
                       (["bench", "cluster_configs/tiny-cpu.yaml", "--timeline", "/nonexistent/dir/t.png"],
-                       "InputError: --timeline /nonexistent/dir/t.png: its directory does not exist")):
+                       "InputError: --timeline /nonexistent/dir/t.png: its directory does not exist"),
+                      # these launched first, then failed after the run (a traceback) or after the launch
+                      (["bench", "cluster_configs/tiny-cpu.yaml", "--out", str(tmp_path)],
+                       f"InputError: --out {tmp_path}: is a directory; give a file's path"),
+                      (["battery", "cluster_configs/battery-cpu.yaml", "--out", "/nonexistent/dir/b.json"],
+                       "InputError: --out /nonexistent/dir/b.json: its directory does not exist"),
+                      (["demo", "--max-new-tokens", "99999"],
+                       "InputError: --max-new-tokens 99999: the demo's prompts (up to 45 tokens) would need 100043 "
+                       "positions, more than its scheduler.max_context (4096); ask for at most 4052"),
+                      (["demo", "--prompts", "300"], "InputError: the demo runs at most 256 prompts at once"),
+                      (["make-tiny", str(tmp_path / "s"), "--seed", str(2 ** 70)],
+                       f"InputError: --seed must be an integer in [0, 2**63), got {2 ** 70}"),
+                      (["make-tiny", "README.md"], "ConfigError: README.md: exists and is not a directory"),
+                      (["make-tiny", "docs"], "ConfigError: docs: a directory that holds files but no checkpoint "
+                                              "(no config.json); give an empty or new directory, or pass --overwrite")):
         assert main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
     assert not ray.is_initialized()
@@ -128,7 +150,9 @@ def test_plan_refuses_an_ambiguous_or_mismatched_checkpoint(tmp_path, capsys):
     cases = ((fx, "auto", "holds 2 .gguf files (dense_text-f32.gguf, dense_text-q8_0.gguf); name one file"),
              (f"{fx}/hf", "gguf", "holds no .gguf file for model.format gguf"),
              (f"{fx}/dense_text-f32.gguf", "safetensors", "is a GGUF file but model.format is safetensors"),
-             (str(shard), "auto", "one shard of a split GGUF; merge the shards"))
+             (str(shard), "auto", "one shard of a split GGUF; merge the shards"),
+             ("README.md", "auto", "'README.md' is a file, not a checkpoint: give a Hugging Face checkpoint "
+                                   "directory (config.json and *.safetensors) or a .gguf file"))
     for path, fmt, msg in cases:
         f = tmp_path / "p.yaml"
         f.write_text(f"name: p\nmodel: {{path: {path}, format: {fmt}}}\nstages: [{{device: cpu}}]\n")
@@ -161,3 +185,35 @@ def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
     assert set(glob.glob("/dev/shm/mpp_*")) - before == set()
+
+
+def test_sigterm_shuts_a_bench_down_too(tmp_path):
+    """`memra-pp bench` (and demo, battery) stopped with SIGTERM shut their deployment down as Ctrl-C does: exit
+    130 with one line, no shared-memory segment left (Ray's own handler exited without the shutdown: the stages'
+    segments stayed, with a wall of stack dumps)."""
+    import glob
+    import ray
+    assert not ray.is_initialized()
+    before = set(glob.glob("/dev/shm/mpp_*"))
+    log = open(tmp_path / "bench.log", "w+")
+    bench = subprocess.Popen(CLI + ["bench", "cluster_configs/tiny-cpu.yaml", "--concurrency", "4",
+                                    "--max-new-tokens", "3000", "--prompt-len", "8"], stdout=log,
+                             stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        for _ in range(240):
+            if set(glob.glob("/dev/shm/mpp_*")) - before:
+                break
+            assert bench.poll() is None, "the bench exited early"
+            time.sleep(0.25)
+        assert set(glob.glob("/dev/shm/mpp_*")) - before, "the stages made no segment: the check below is vacuous"
+        time.sleep(2.0)                         # requests running
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 130
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    log.seek(0)
+    out = log.read()
+    assert "memra-pp bench: interrupted" in out and "Traceback" not in out and "SIGTERM received" not in out, out
+    assert set(glob.glob("/dev/shm/mpp_*")) - before == set()
+

@@ -209,5 +209,8 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
         from ..defaults import ensure_embedded
         if not ensure_embedded(p) and not p.exists():     # (an embedded checkpoint: written where missing)
             raise ConfigError(f"model.path {str(path)!r} does not exist")
+        if not p.is_dir():
+            raise ConfigError(f"model.path {str(path)!r} is a file, not a checkpoint: give a Hugging Face checkpoint "
+                              f"directory (config.json and *.safetensors) or a .gguf file")
         return SafetensorsSource(p)
     raise ConfigError(f"model.format {fmt!r} is not one of auto, safetensors, gguf, dummy")
