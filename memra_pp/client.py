@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import numbers
+import pickle
 import queue
 import threading
 import uuid
@@ -61,7 +62,8 @@ class Client(ReplayMixin):
             with contextlib.suppress(ValueError):
                 self.dep._clients.remove(self)
             try:
-                self._intake.forget_client.remote(self.id)     # after the aborts (one caller's calls keep order)
+                # (an abort's last event that reaches the mailbox after this is dropped there: forget remembers)
+                self._intake.forget_client.remote(self.id)
             except Exception:  # noqa: BLE001 - the intake is gone: so is its mailbox
                 pass
 
@@ -98,19 +100,29 @@ class Client(ReplayMixin):
                 self.dep.refresh_actors()       # a connect()ed handle: the restarted stages, by name
                 self._closed.wait(0.2)
                 continue
-            for rid, toks, lps, finish, err in evs:
-                with self._lock:
-                    t = self._tracks.get(rid)
-                    if t is not None and err is not None and len(err) > 2 and self._replays():
-                        self._hold(t)
-                        t = None
-                    elif t is not None:
-                        t.tokens += toks
-                        if finish or err:
-                            del self._tracks[rid]
-                if t is not None:
-                    self._deliver(t, (toks, lps, finish, err))
+            self._take(evs)
             self._replay_if_recovered()
+
+    def _take(self, evs) -> None:
+        """A poll's events to their requests. An error naming a lost stage (the intake's own report, usually ahead
+        of the supervisor's) holds the request for a replay where the deployment replays."""
+        for rid, toks, lps, finish, err in evs:
+            with self._lock:
+                t = self._tracks.get(rid)
+                lost = None
+                if t is not None and err is not None and len(err) > 2 and self._replays():
+                    if not self._hold_or_give_up(t):     # (the loss is counted either way)
+                        del self._tracks[rid]
+                        lost = t
+                    t = None
+                elif t is not None:
+                    t.tokens += toks
+                    if finish or err:
+                        del self._tracks[rid]
+            if t is not None:
+                self._deliver(t, (toks, lps, finish, err))
+            elif lost is not None:
+                self._fail(lost, StageFailed(err[1], stage=err[2]))
 
     def _finish_dropped(self) -> None:
         while True:
@@ -155,7 +167,8 @@ class Client(ReplayMixin):
         req["rid"] = tr.rid
         with self._lock:
             if self._closed.is_set():   # closed while this waited for a recovery: its pump is gone, nothing reads
-                raise StageFailed("this client was closed (close(), or its deployment's shutdown)")
+                raise StageFailed("this client was closed (close(), or its deployment's shutdown) while the request "
+                                  "waited")
             self._tracks[tr.rid] = tr
         try:
             self._send(tr, req, t.step_s)
@@ -185,7 +198,8 @@ class Client(ReplayMixin):
         tr.intake = intake._actor_id
         try:
             ref = intake.submit.remote(req)
-        except TypeError as e:      # Ray pickles the request here: a value nothing could send (a lock, a file)
+        except (TypeError, ValueError, pickle.PicklingError) as e:   # Ray pickles the request here: a value
+            # nothing could send (a lock, a file)
             raise InputError(f"the request holds a value that cannot be sent to the intake: "
                              f"{str(e).splitlines()[0]}") from None
         try:

@@ -46,23 +46,35 @@ class ReplayMixin:
         with self._lock:
             tracks = [t for t in self._tracks.values() if intake is None or t.intake in (None, intake)]
             if self._replays():
-                given_up = []
-                for t in tracks:
-                    t.losses = t.losses + 1 if len(t.tokens) == t.tokens_at_loss else 1
-                    t.tokens_at_loss = len(t.tokens)
-                    if t.losses > MAX_REPLAYS:
-                        given_up.append(t)
-                    else:
-                        self._hold(t)
-                tracks = given_up
+                tracks = [t for t in tracks if not self._hold_or_give_up(t)]
             for t in tracks:
                 self._tracks.pop(t.rid, None)
         for t in tracks:
-            err = e if t.losses <= MAX_REPLAYS else StageFailed(
-                f"{e}; this request was in flight at {t.losses} stage failures in a row without a token between "
-                f"them and is not replayed again (a request that breaks a stage each time would restart it forever)",
-                stage=e.stage)
-            self._deliver(t, ([], [], "error", (type(err).__name__, str(err), err.stage)))
+            self._fail(t, e)
+
+    def _hold_or_give_up(self, t: _Track) -> bool:
+        """(under self._lock; recover: replay) A request of a lost stage, reported by the supervisor or by the
+        intake's own error event: held for the replay (True), unless this is its (MAX_REPLAYS + 1)th loss in a row
+        with no token delivered in between, or the recovery has already failed (the launch is gone): then the caller
+        fails it (False)."""
+        t.losses = t.losses + 1 if len(t.tokens) == t.tokens_at_loss else 1
+        t.tokens_at_loss = len(t.tokens)
+        sup = self._sup
+        if t.losses > MAX_REPLAYS or (sup is not None and sup.failure is not None):
+            return False
+        self._hold(t)
+        return True
+
+    def _fail(self, t: _Track, e: StageFailed) -> None:
+        """End a request of a lost stage with `e` (or the recovery's failure, or the replay cap's)."""
+        sup = self._sup
+        if t.losses > MAX_REPLAYS:
+            e = StageFailed(f"{e}; this request was in flight at {t.losses} stage failures in a row without a token "
+                            f"between them and is not replayed again (a request that breaks a stage each time would "
+                            f"restart it forever)", stage=e.stage)
+        elif t.losses and sup is not None and sup.failure is not None:
+            e = sup.failure
+        self._deliver(t, ([], [], "error", (type(e).__name__, str(e), e.stage)))
 
     def on_recovery_failed(self, e: StageFailed) -> None:
         with self._lock:

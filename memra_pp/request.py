@@ -67,6 +67,8 @@ def flag(name: str, value) -> bool:
     """A True / False argument (numpy's bools too) as Python's; 0, 1, "no" or an array: InputError, not a guess."""
     if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
         return bool(value)
+    if getattr(value, "ndim", None) == 0 and str(getattr(value, "dtype", "")) in ("torch.bool", "bool"):
+        return bool(value.item())         # a 0-d torch (or numpy) bool
     raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 

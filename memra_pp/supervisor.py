@@ -57,7 +57,7 @@ class Supervisor:
         while True:
             left = deadline - time.monotonic()
             if not self.ready.wait(max(left, 0)):
-                raise self.failure or StageFailed(f"the deployment did not recover within {timeout:.0f} s")
+                raise self.failure or StageFailed(f"the deployment did not recover within {timeout:g} s")
             if self.failure is not None:
                 raise self.failure
             try:
@@ -244,9 +244,6 @@ class Supervisor:
             loaded, self.reload_from = self._kept_registry(), "kv"
             if loaded is None:
                 loaded, self.reload_from = dep._adapter_paths, "heartbeat"
-            key = dep.kv_key("adapters")
-            if key is not None:
-                _get(dep.actors[0].registry_key.remote(key), t, "adapter registry key")
         else:
             loaded, self.reload_from = _get(dep.actors[0].adapters.remote(True), t, "adapters"), "intake"
         kept = {}
@@ -267,6 +264,9 @@ class Supervisor:
                 if 0 not in failed:
                     _get([a.unload_adapter.remote(slot) for a in dep.actors], t, "unload a dropped adapter")
         dep._adapter_paths = kept
+        key = dep.kv_key("adapters") if 0 in failed else None
+        if key is not None:     # only now: a reload that fails midway (and is retried) leaves the dead intake's list
+            _get(dep.actors[0].registry_key.remote(key), t, "adapter registry key")
         if loaded:      # reloaded LoRA pools took memory after the wiring measured it
             dep._rebudget(t)
         _get([a.start.remote() for a in dep.actors], t, "stage start")
@@ -277,10 +277,10 @@ class Supervisor:
         key = self.dep.kv_key("adapters")
         try:
             raw = internal_kv._internal_kv_get(key) if key is not None else None
-        except Exception:  # noqa: BLE001 - fall back to the heartbeat's copy
+            return None if raw is None else {n: (int(e[0]), str(e[1])) for n, e in json.loads(raw).items()}
+        except Exception:  # noqa: BLE001 - unreadable or malformed: fall back to the heartbeat's copy
             log.exception("supervisor: could not read the adapter registry kept in Ray's KV")
             return None
-        return None if raw is None else {n: (e[0], e[1]) for n, e in json.loads(raw).items()}
 
 
 def is_stage_lost(err: tuple | None) -> bool:
@@ -364,8 +364,8 @@ class RemoteSupervisor:
         try:
             if _named_pg_id(self.dep.placement.name) == self.dep._pg_id:
                 return False
-        except Exception:  # noqa: BLE001 - the cluster itself is going away: the same answer
-            pass
+        except Exception:  # noqa: BLE001 - not known: asked again at the next poll
+            return False
         self.failure = StageFailed(f"the deployment {self.dep.placement.name!r} was shut down (its placement group "
                                    f"is gone): no recovery will replay the requests it held")
         for c in list(self.dep._clients):
@@ -377,7 +377,7 @@ class RemoteSupervisor:
         """Return once the launcher's supervisor says the deployment serves and its stages answer here."""
         deadline = time.monotonic() + timeout
         if not self.ready.wait(timeout):
-            raise self.failure or StageFailed(f"the deployment did not recover within {timeout:.0f} s")
+            raise self.failure or StageFailed(f"the deployment did not recover within {timeout:g} s")
         if self.failure is not None:
             raise self.failure
         self.dep.refresh_actors()

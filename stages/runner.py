@@ -89,6 +89,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.adapter_registry: dict[str, list] = {}
         self._registry_lock = threading.Lock()
         self._registry_kv: bytes | None = None
+        self._registry_kv_lock = threading.Lock()   # the KV writes, in snapshot order
         self._adapter_lock = threading.Lock()       # this stage's pools: one load or unload at a time
 
     def here(self) -> None:
@@ -279,7 +280,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 raise InputError(f"adapter {name!r} is not being loaded into slot {slot} (registry: {e}); it was "
                                  f"unloaded or replaced meanwhile")
             e[2] = "loaded"
-            self._keep_registry()
+        self._keep_registry()
 
     def begin_unload(self, name: str) -> int:
         """Intake: withdraw a loaded adapter's name (no new request selects it) and mark it unloading; its slot."""
@@ -291,43 +292,59 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 raise InputError(f"adapter {name!r} is being {e[2][:-3]}ed by another handle; try again when that "
                                  f"finishes")
             e[2] = "unloading"
-            self._keep_registry()
-            return e[0]
+            slot = e[0]
+        self._keep_registry()
+        return slot
 
     def abort_unload(self, name: str) -> None:
         """Intake: an unload that did not happen (requests still use the adapter): loaded and published again."""
         with self._registry_lock:
             e = self.adapter_registry.get(name)
-            if e is not None and e[2] == "unloading":
-                e[2] = "loaded"
-                self._keep_registry()
+            if e is None or e[2] != "unloading":
+                return
+            e[2] = "loaded"
+        self._keep_registry()
 
     def release_adapter(self, name: str) -> None:
         """Intake: give `name`'s slot back (an unload, or a load that failed) and withdraw its name."""
         with self._registry_lock:
             self.adapter_registry.pop(name, None)
-            self._keep_registry()
+        self._keep_registry()
 
     def registry_key(self, key: bytes | None) -> None:
-        """Intake of a detached deployment: from now on keep the loaded adapters, name -> [slot, path], as JSON under
-        `key` in Ray's KV at every change. If this intake dies, the supervisor reloads them from there: its
+        """Intake of a detached deployment: keep the loaded adapters, name -> [slot, path], as JSON under `key` in
+        Ray's KV, now and at every change. If this intake dies, the supervisor reloads them from there: its
         heartbeat alone would miss what a connect()ed handle loaded or unloaded since the last beat."""
         with self._registry_lock:
             self._registry_kv = key
+        self._keep_registry()
 
     def _keep_registry(self) -> None:
-        """(under _registry_lock) The loaded adapters into Ray's KV, where registry_key asked for it. A failed write
-        is logged: the supervisor then falls back to what its last heartbeat read."""
-        if self._registry_kv is None:
-            return
+        """The loaded adapters into Ray's KV, where registry_key asked for it: a snapshot taken under the registry's
+        lock, written outside it (a slow write must not hold up the heartbeat, which reads the registry), newest
+        snapshot last. Where a write fails, the key is deleted, so that the supervisor falls back to what its
+        last heartbeat read rather than to an older list; both failures are logged."""
         import json
         import logging
         from ray.experimental import internal_kv
-        try:
-            internal_kv._internal_kv_put(self._registry_kv, json.dumps(
-                {n: [e[0], e[1]] for n, e in self.adapter_registry.items() if e[2] == "loaded"}).encode())
-        except Exception:  # noqa: BLE001 - the registry itself is intact; only the restart's copy is stale
-            logging.getLogger("memra_pp").exception("could not keep the adapter registry in Ray's KV")
+        with self._registry_lock:
+            key = self._registry_kv
+            if key is None:
+                return
+            self._registry_seq = seq = getattr(self, "_registry_seq", 0) + 1
+            raw = json.dumps({n: [e[0], e[1]] for n, e in self.adapter_registry.items() if e[2] == "loaded"})
+        with self._registry_kv_lock:
+            if seq < getattr(self, "_registry_written", 0):     # a newer snapshot is already there
+                return
+            self._registry_written = seq
+            try:
+                internal_kv._internal_kv_put(key, raw.encode())
+            except Exception:  # noqa: BLE001 - the registry itself is intact; only the restart's copy is not
+                logging.getLogger("memra_pp").exception("could not keep the adapter registry in Ray's KV")
+                try:
+                    internal_kv._internal_kv_del(key)
+                except Exception:  # noqa: BLE001
+                    logging.getLogger("memra_pp").exception("could not delete the stale adapter registry either")
 
     def adapters(self, loaded_only: bool = False) -> dict[str, tuple]:
         """Intake: the registry, name -> (slot, path, state); `loaded_only`: name -> (slot, path) of the loaded."""

@@ -257,6 +257,17 @@ def test_pool_refusals():
     assert pool.step(_batch(PROMPTS[:2], [1, -1])[0]) is not None
     pool.unload(1)
     assert all(not t for t in pool.targets.values()) and all(float(a.abs().sum()) == 0 for a in pool.a.values())
+    # a finite lora_alpha whose scale overflows B (0 * inf is NaN in every row of a shared step): refused before
+    # the slot is touched, naming the module
+    import dataclasses
+    huge = dataclasses.replace(aw, lora={m: dataclasses.replace(lw, scale=1e300) for m, lw in aw.lora.items()})
+    pool.load(2, aw.for_layers(0, 3))
+    before = {k: v.clone() for k, v in pool.b.items()}
+    with pytest.raises(ConfigError, match=r"adapter 'adapter-dense-False-A': module 'layers.0.* overflows the "
+                                          r"pool's float32 \(lora_B x scale 1e\+300 or lora_A is not finite "
+                                          r"there\): lower lora_alpha"):
+        pool.load(2, huge.for_layers(0, 3))
+    assert all(torch.equal(before[k], v) for k, v in pool.b.items()), "the refused load changed the pool"
 
 
 def test_the_intakes_adapter_registry_moves_each_name_through_its_states():

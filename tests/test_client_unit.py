@@ -172,8 +172,9 @@ def test_a_lost_intake_takes_only_its_own_requests(monkeypatch):
     from memra_pp.errors import StageFailed
     c, _ = _client(monkeypatch)
     try:
-        old, new = _Track("r-old", {}, lambda item: None, intake="dead"), _Track("r-new", {}, lambda item: None,
-                                                                                intake="the-intake")
+        # (gen 1: the pump's replay, which takes held requests of a generation below `recovered`, leaves them)
+        old, new = _Track("r-old", {}, lambda item: None, intake="dead", gen=1), \
+            _Track("r-new", {}, lambda item: None, intake="the-intake", gen=1)
         with c._lock:
             c._tracks.update({"r-old": old, "r-new": new})
         c.on_stage_failed(StageFailed("stage 0 failed", stage=0), intake="dead")
@@ -194,8 +195,8 @@ def test_a_request_lost_at_every_replay_is_failed_after_max_replays(monkeypatch)
     c, _ = _client(monkeypatch)
     got = []
     try:
-        poison = _Track("p", {"prompt": [5], "max_new_tokens": 8}, got.append)
-        moving = _Track("m", {"prompt": [6], "max_new_tokens": 8}, lambda item: None)
+        poison = _Track("p", {"prompt": [5], "max_new_tokens": 8}, got.append, gen=1)   # (gen 1: see above)
+        moving = _Track("m", {"prompt": [6], "max_new_tokens": 8}, lambda item: None, gen=1)
         with c._lock:
             c._tracks.update({"p": poison, "m": moving})
         for i in range(MAX_REPLAYS + 1):
@@ -236,12 +237,57 @@ def test_a_client_closed_while_a_submit_waits_for_a_recovery_sends_nothing(monke
             out["e"] = e
     th = threading.Thread(target=ask, daemon=True)
     th.start()
-    time.sleep(0.2)
+    time.sleep(0.5)                             # (in submit's wait: closed before it, the message would differ)
     c.close()
     c.dep.supervisor.ready.set()                # the recovery completes
     th.join(10)
     assert not th.is_alive() and isinstance(out.get("e"), StageFailed), out
-    assert "this client was closed" in str(out["e"])
+    assert "this client was closed (close(), or its deployment's shutdown) while the request waited" in str(out["e"])
     assert not [e for e in log if e[0] == "submit"] and not c._tracks, log
     with pytest.raises(StageFailed, match="this client was closed"):
         c.generate([5, 17], max_new_tokens=2)
+
+
+def test_the_replay_cap_counts_losses_the_intake_reports_too(monkeypatch):
+    """A later stage's loss usually reaches the client first as the intake's error events (it fails every request
+    when its send fails), not through the supervisor: those losses count toward MAX_REPLAYS as well, or a request
+    that breaks stage 1 each time would still restart it forever."""
+    from memra_pp.client_replay import MAX_REPLAYS
+    c, _ = _client(monkeypatch)
+    got = []
+    try:
+        t = _Track("p", {"prompt": [5], "max_new_tokens": 8}, got.append, gen=1)
+        err = ("StageFailed", "stage 1 is lost: it did not take a microbatch", 1)
+        for i in range(MAX_REPLAYS + 1):
+            with c._lock:
+                c._held.clear()
+                c._tracks["p"] = t
+            c._take([("p", [], [], "error", err)])
+            assert (c._held == [t]) is (i < MAX_REPLAYS) and ("p" in c._tracks) is False, (i, c._held)
+        [(_, _, finish, e)] = got
+        assert finish == "error" and e[0] == "StageFailed" and e[2] == 1, got
+        assert e[1].startswith("stage 1 is lost: it did not take a microbatch; this request was in flight at 4 "
+                               "stage failures in a row"), e
+    finally:
+        c._held.clear()
+        c.close()
+
+
+def test_a_request_lost_after_the_recovery_failed_is_failed_not_held(monkeypatch):
+    """Once the recovery has failed (a connect()ed handle's launch is gone), nothing will replay: a request whose
+    loss arrives after that ends with the recovery's failure instead of waiting in the held list for ever."""
+    from memra_pp.errors import StageFailed
+    c, _ = _client(monkeypatch)
+    got = []
+    try:
+        c.dep.supervisor.failure = StageFailed("the deployment 'x' was shut down (its placement group is gone)")
+        t = _Track("late", {"prompt": [5], "max_new_tokens": 8}, got.append, gen=1)
+        with c._lock:
+            c._tracks["late"] = t
+        c.on_stage_failed(StageFailed("stage 0 failed: it did not answer a poll", stage=0))
+        assert not c._held and not c._tracks
+        [(_, _, finish, e)] = got
+        assert finish == "error" and e[1] == "the deployment 'x' was shut down (its placement group is gone)", got
+    finally:
+        c.close()
+

@@ -85,14 +85,21 @@ class LoraPool:
                 raise ConfigError(f"adapter {weights.name!r}: module {module!r} has A {tuple(lw.a_RI.shape)}, "
                                   f"B {tuple(lw.b_OR.shape)}; the model needs A (r, {self.a[key].shape[1]}), "
                                   f"B ({self.b[key].shape[0]}, r)")
-            todo[key] = lw
+            # scale folded into B in float32 before the cast (as vLLM does): one fewer multiply per token
+            a, b = lw.a_RI.to(self.a[key]), (lw.b_OR.float() * lw.scale).to(self.b[key])
+            if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+                # a step computes every slot's LoRA and masks it per row, and 0 * inf is NaN: one adapter's inf
+                # would reach every adapter's requests of the batch. Refused before the slot is touched.
+                raise ConfigError(f"adapter {weights.name!r}: module {module!r} overflows the pool's "
+                                  f"{str(self.b[key].dtype).replace('torch.', '')} (lora_B x scale {lw.scale:g} or "
+                                  f"lora_A is not finite there): lower lora_alpha or the weights")
+            todo[key] = (a, b)
         self.unload(slot)
         lo = slot * self.R
-        for key, lw in todo.items():
-            r = lw.a_RI.shape[0]
-            self.a[key][lo:lo + r] = lw.a_RI.to(self.a[key])
-            # Scale folded into B in float32 before the cast (as vLLM does): one fewer multiply per token.
-            self.b[key][:, lo:lo + r] = (lw.b_OR.float() * lw.scale).to(self.b[key])
+        for key, (a, b) in todo.items():
+            r = a.shape[0]
+            self.a[key][lo:lo + r] = a
+            self.b[key][:, lo:lo + r] = b
             self.targets[key].add(slot)
         self.names[slot] = weights.name
 
