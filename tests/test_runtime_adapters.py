@@ -137,6 +137,15 @@ def test_a_recovered_stage_reloads_its_adapter_and_the_kv_budget_is_measured_aga
         assert dep.stats()["stages"][0]["kv_rebudgets"] == 2
 
 
+def serves_b_not_a(dep):
+    """After an intake restart: adapter "b" serves PEFT's tokens and "a" is unknown; the client used."""
+    p, cl = PROMPTS[1], dep.client()
+    assert cl.generate(list(p), max_new_tokens=NEW, adapter="b").token_ids == peft_reference("dense", False, "B", p)[0]
+    with pytest.raises(InputError, match="unknown adapter 'a'"):
+        cl.generate(list(p), max_new_tokens=NEW, adapter="a")
+    return cl
+
+
 def test_handles_of_one_deployment_share_its_adapter_slots(ray_cluster):
     """launch's handle and a connect()ed one load adapters through the intake's registry: the second handle's load
     takes another slot (it once took slot 0 again, overwriting the first adapter under its requests), a name loaded
@@ -191,12 +200,7 @@ def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_fi
             dep.wait_ready(90)
         assert dep.supervisor.log[-1]["recovered"] and dep.supervisor.log[-1]["stage"] == 0, dep.supervisor.log
         assert "adapter 'a' (slot 0" in caplog.text and "could not be reloaded and is dropped" in caplog.text
-        p = PROMPTS[1]
-        cl = dep.client()
-        assert cl.generate(list(p), max_new_tokens=NEW, adapter="b").token_ids == \
-            peft_reference("dense", False, "B", p)[0]
-        with pytest.raises(InputError, match="unknown adapter 'a'"):
-            cl.generate(list(p), max_new_tokens=NEW, adapter="a")
+        cl, p = serves_b_not_a(dep), PROMPTS[1]
         assert {n: e[0] for n, e in ray.get(dep.actors[0].adapters.remote(), timeout=30).items()} == {"b": 1}
         assert cl.generate(list(p), max_new_tokens=NEW).token_ids == hf_reference("dense", False, p, NEW)[0]
 
@@ -226,12 +230,7 @@ def test_an_adapter_changed_just_before_the_intake_dies_is_restored_as_it_was(ra
         assert dep.supervisor.reload_from == "kv"
         reg = ray.get(dep.actors[0].adapters.remote(), timeout=30)
         assert {n: (e[0], e[2]) for n, e in reg.items()} == {"b": (0, "loaded")}     # a's slot, freed for it
-        p = PROMPTS[1]
-        cl = dep.client()
-        assert cl.generate(list(p), max_new_tokens=NEW, adapter="b").token_ids == \
-            peft_reference("dense", False, "B", p)[0]
-        with pytest.raises(InputError, match="unknown adapter 'a'"):
-            cl.generate(list(p), max_new_tokens=NEW, adapter="a")
+        serves_b_not_a(dep)
         key = dep.kv_key("adapters")
         import json
         from ray.experimental import internal_kv
