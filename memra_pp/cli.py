@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 
 from .errors import InputError, MemraError
@@ -31,6 +32,11 @@ def cmd_plan(args) -> int:
     return 0
 
 
+# what make-tiny writes (model/tiny.make_tiny)
+TINY_FILES = {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+              "memra_tiny.json"}
+
+
 def cmd_make_tiny(args) -> int:
     import os
     from .errors import ConfigError
@@ -42,10 +48,12 @@ def cmd_make_tiny(args) -> int:
     path = os.path.expanduser(args.path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{args.path}: exists and is not a directory; give a directory for the checkpoint")
-    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, "config.json")) \
-            and not args.overwrite:     # a directory of someone's files: never written over unasked
-        raise ConfigError(f"{args.path}: a directory that holds files but no checkpoint (no config.json); give an "
-                          f"empty or new directory, or pass --overwrite to write the checkpoint's files into it")
+    theirs = sorted(set(os.listdir(path)) - TINY_FILES) if os.path.isdir(path) else []
+    if theirs and not os.path.exists(os.path.join(path, "config.json")) and not args.overwrite:
+        # a directory of someone's files, never written over unasked (make-tiny's own, cut short, is written again)
+        raise ConfigError(f"{args.path}: a directory that holds files but no checkpoint (no config.json: "
+                          f"{', '.join(theirs[:3])}{'...' if len(theirs) > 3 else ''}); give an empty or new "
+                          f"directory, or pass --overwrite to write the checkpoint's files into it")
     try:
         path = make_tiny(args.path, moe=args.moe, vision=args.vision, seed=args.seed, overwrite=args.overwrite)
     except FileExistsError as e:
@@ -65,19 +73,13 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt      # SIGTERM (a service manager's stop, `timeout`, `kill`) shuts down as Ctrl-C does
 
 
-def _sigterm_shuts_down() -> None:
-    """For a command that launches (demo, launch, battery, bench): once launch has started Ray, whose SIGTERM
-    handler exits without the deployment's shutdown (the stages' shared memory stays behind), SIGTERM is Ctrl-C
-    again, and the command's own shutdown runs."""
+def _sigterm_is_ctrl_c() -> None:
+    """For a command that launches (demo, launch, battery, bench), called once launch has started Ray (which
+    installs its own SIGTERM handler): SIGTERM is Ctrl-C again, the command's shutdown runs and it exits 130."""
     import signal
     import threading
-    from .deployment import AFTER_RAY_INIT
-
-    def install():
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _interrupt)
-    if install not in AFTER_RAY_INIT:
-        AFTER_RAY_INIT.append(install)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
 
 
 def cmd_launch(args) -> int:
@@ -222,8 +224,12 @@ def main(argv=None) -> int:
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
+    hooks = None
     if args.cmd in ("demo", "launch", "battery", "bench"):
-        _sigterm_shuts_down()
+        import signal
+        from .deployment import AFTER_RAY_INIT as hooks
+        hooks.append(_sigterm_is_ctrl_c)
+        before = signal.getsignal(signal.SIGTERM)
     try:
         return args.fn(args)
     except MemraError as e:
@@ -232,6 +238,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:        # Ctrl-C or SIGTERM: the command's shutdown has run on the way out
         print(f"memra-pp {args.cmd}: interrupted", file=sys.stderr)
         return 130
+    finally:                         # (main called in-process: the host's handler and launches as they were)
+        if hooks is not None:
+            hooks.remove(_sigterm_is_ctrl_c)
+            if threading.current_thread() is threading.main_thread() and before is not None:
+                signal.signal(signal.SIGTERM, before)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import ray
 from .client_replay import ReplayMixin, _Track
 from .errors import InputError, RequestTimeout, StageFailed
 from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _token_ids, flag, request_dict
+from .supervisor import is_stage_lost
 
 WAIT_MAX_S = 1e9        # a longer timeout (inf) waits this long: Python's waits refuse more (threading.TIMEOUT_MAX)
 
@@ -110,7 +111,7 @@ class Client(ReplayMixin):
             with self._lock:
                 t = self._tracks.get(rid)
                 lost = None
-                if t is not None and err is not None and len(err) > 2 and self._replays():
+                if t is not None and is_stage_lost(err) and self._replays():
                     if not self._hold_or_give_up(t):     # (the loss is counted either way)
                         del self._tracks[rid]
                         lost = t
@@ -179,10 +180,12 @@ class Client(ReplayMixin):
                 self._drop(tr)
                 raise
             with self._lock:
-                if self._replays() and tr.rid in self._tracks:
-                    self._hold(tr)
+                if self._replays() and tr.rid in self._tracks and self._hold_or_give_up(tr):
                     return tr, q, ids
                 self._tracks.pop(tr.rid, None)
+            sup = self._sup
+            if tr.losses and sup is not None and sup.failure is not None:
+                raise sup.failure
             raise StageFailed(f"stage 0 failed: {e}", stage=0) from None
         except BaseException:
             self._drop(tr)

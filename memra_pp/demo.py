@@ -31,17 +31,20 @@ def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24)
     if prompts > MAX_PROMPTS:
         raise InputError(f"the demo runs at most {MAX_PROMPTS} prompts at once, got --prompts {prompts}; "
                          f"`memra-pp bench` measures larger loads")
-    from .placement.schema import load_placement
-    ctx = load_placement(TINY_CPU).scheduler.max_context
-    longest = max(len(t.encode()) for t in PROMPTS)     # (the tiny tokenizer: at most one token a byte)
-    if longest + max_new_tokens - 1 > ctx:
-        raise InputError(f"--max-new-tokens {max_new_tokens}: the demo's prompts (up to {longest} tokens) would "
-                         f"need {longest + max_new_tokens - 1} positions, more than its scheduler.max_context "
-                         f"({ctx}); ask for at most {ctx - longest + 1}")
     q = json_out
     t0 = time.time()
     path = ensure_tiny()
     _say(f"[1/4] tiny checkpoint ready at {path} ({time.time() - t0:.1f} s)", q)
+    import pathlib
+    import tokenizers
+    from .placement.schema import load_placement
+    ctx = load_placement(TINY_CPU).scheduler.max_context
+    tok = tokenizers.Tokenizer.from_file(str(pathlib.Path(path) / "tokenizer.json"))
+    longest = max(len(tok.encode(PROMPTS[i % len(PROMPTS)]).ids) for i in range(prompts))
+    if longest + max_new_tokens - 1 > ctx:      # refused before the launch, as the deployment would refuse each
+        raise InputError(f"--max-new-tokens {max_new_tokens}: the demo's prompts (up to {longest} tokens) would "
+                         f"need {longest + max_new_tokens - 1} positions, more than its scheduler.max_context "
+                         f"({ctx}); ask for at most {ctx - longest + 1}")
     t0 = time.time()
     dep = memra_pp.launch(TINY_CPU)
     try:

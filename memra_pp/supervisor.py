@@ -34,6 +34,7 @@ class Supervisor:
         self.failure: StageFailed | None = None   # set when a recovery gave up: wait_ready raises it
         self.log: list[dict] = []             # one record per failure: stage, reason, detect / recovery times
         self.reload_from: str | None = None   # where the last restart read its adapters: intake, kv or heartbeat
+        self.intake_id = dep.actors[0]._actor_id if dep.actors else None   # the intake a restart last completed
         self.thread = threading.Thread(target=self._run, name="memra-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -85,6 +86,8 @@ class Supervisor:
             except Exception as e:  # the supervisor must never die silently with `ready` cleared
                 log.exception("supervisor: recovery failed")
                 self.failure = StageFailed(f"the supervisor failed while recovering: {type(e).__name__}: {e}")
+                for c in list(self.dep._clients):      # what is held for a replay will not get one
+                    c.on_recovery_failed(self.failure)
                 self.ready.set()
 
     def _publish(self, stage: int, reason: str) -> None:
@@ -219,6 +222,10 @@ class Supervisor:
             except Exception:  # noqa: BLE001
                 ray.kill(dep.actors[i])
                 failed.add(i)
+        if 0 not in failed and dep.actors[0]._actor_id != self.intake_id:
+            # an intake a failed attempt made and left half reloaded: its registry is not the deployment's
+            ray.kill(dep.actors[0])
+            failed.add(0)
         run_dir = os.path.join(dep.run_dir, f"r{self.generation}-{len(self.log)}")
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         for i in sorted(failed):
@@ -270,6 +277,7 @@ class Supervisor:
         if loaded:      # reloaded LoRA pools took memory after the wiring measured it
             dep._rebudget(t)
         _get([a.start.remote() for a in dep.actors], t, "stage start")
+        self.intake_id = dep.actors[0]._actor_id
 
     def _kept_registry(self) -> dict | None:
         """The loaded adapters a detached deployment's intake kept in Ray's KV, name -> (slot, path); None: not
@@ -296,6 +304,7 @@ class RemoteSupervisor:
     own clients do. Has what Client and ReplayMixin read of a Supervisor."""
 
     POLL_S = 0.2
+    UNREACHABLE_S = 10.0    # the launch's cluster unreachable this long, with requests held: they fail
 
     def __init__(self, dep):
         self.dep = dep
@@ -363,11 +372,17 @@ class RemoteSupervisor:
         from .deployment import _named_pg_id
         try:
             if _named_pg_id(self.dep.placement.name) == self.dep._pg_id:
+                self._unreachable_since = None
                 return False
-        except Exception:  # noqa: BLE001 - not known: asked again at the next poll
-            return False
-        self.failure = StageFailed(f"the deployment {self.dep.placement.name!r} was shut down (its placement group "
-                                   f"is gone): no recovery will replay the requests it held")
+            why = "was shut down (its placement group is gone)"
+        except Exception as e:  # noqa: BLE001 - a passing error is asked again; a cluster gone for good is not
+            now = time.monotonic()
+            self._unreachable_since = getattr(self, "_unreachable_since", None) or now
+            if now - self._unreachable_since < self.UNREACHABLE_S:
+                return False
+            why = f"cannot be reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        self.failure = StageFailed(f"the deployment {self.dep.placement.name!r} {why}: no recovery will replay the "
+                                   f"requests it held")
         for c in list(self.dep._clients):
             c.on_recovery_failed(self.failure)
         self.ready.set()

@@ -121,14 +121,15 @@ def test_commands_refuse_bad_arguments_before_launching(tmp_path, capsys):
                       (["battery", "cluster_configs/battery-cpu.yaml", "--out", "/nonexistent/dir/b.json"],
                        "InputError: --out /nonexistent/dir/b.json: its directory does not exist"),
                       (["demo", "--max-new-tokens", "99999"],
-                       "InputError: --max-new-tokens 99999: the demo's prompts (up to 45 tokens) would need 100043 "
-                       "positions, more than its scheduler.max_context (4096); ask for at most 4052"),
+                       "InputError: --max-new-tokens 99999: the demo's prompts (up to 26 tokens) would need 100024 "
+                       "positions, more than its scheduler.max_context (4096); ask for at most 4071"),
                       (["demo", "--prompts", "300"], "InputError: the demo runs at most 256 prompts at once"),
                       (["make-tiny", str(tmp_path / "s"), "--seed", str(2 ** 70)],
                        f"InputError: --seed must be an integer in [0, 2**63), got {2 ** 70}"),
                       (["make-tiny", "README.md"], "ConfigError: README.md: exists and is not a directory"),
                       (["make-tiny", "docs"], "ConfigError: docs: a directory that holds files but no checkpoint "
-                                              "(no config.json); give an empty or new directory, or pass --overwrite")):
+                                              "(no config.json: ARCHITECTURE.md, BATTERY.md, PERF.md...); give an "
+                                              "empty or new directory, or pass --overwrite")):
         assert main(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
     assert not ray.is_initialized()

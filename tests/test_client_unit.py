@@ -291,3 +291,22 @@ def test_a_request_lost_after_the_recovery_failed_is_failed_not_held(monkeypatch
     finally:
         c.close()
 
+
+
+def test_a_submit_that_loses_the_intake_after_the_recovery_failed_is_not_held(monkeypatch):
+    """A submit whose intake is lost is held for the replay; but where the recovery has already failed, it raises
+    that failure instead of waiting in the held list (which on_recovery_failed had already emptied) for ever."""
+    import pytest
+    from memra_pp.errors import StageFailed
+    failure = StageFailed("the deployment 'x' was shut down (its placement group is gone)")
+
+    def lost(req):
+        c.dep.supervisor.failure = failure       # the recovery gives up while the send is on its way
+        raise StageFailed("submit: a stage actor died")
+    c, _ = _client(monkeypatch, on_submit=lost)
+    try:
+        with pytest.raises(StageFailed, match=r"the deployment 'x' was shut down \(its placement group is gone\)"):
+            c.generate([5, 17], max_new_tokens=2, timeout=float("inf"))
+        assert not c._held and not c._tracks
+    finally:
+        c.close()

@@ -85,21 +85,23 @@ class LoraPool:
                 raise ConfigError(f"adapter {weights.name!r}: module {module!r} has A {tuple(lw.a_RI.shape)}, "
                                   f"B {tuple(lw.b_OR.shape)}; the model needs A (r, {self.a[key].shape[1]}), "
                                   f"B ({self.b[key].shape[0]}, r)")
-            # scale folded into B in float32 before the cast (as vLLM does): one fewer multiply per token
-            a, b = lw.a_RI.to(self.a[key]), (lw.b_OR.float() * lw.scale).to(self.b[key])
+            # scale folded into B in float32 before the cast (as vLLM does): one fewer multiply per token; cast
+            # where the file's tensors are (the host), one module at a time on the device below
+            a = lw.a_RI.to(dtype=self.a[key].dtype)
+            b = (lw.b_OR.float() * lw.scale).to(dtype=self.b[key].dtype)
             if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
                 # a step computes every slot's LoRA and masks it per row, and 0 * inf is NaN: one adapter's inf
                 # would reach every adapter's requests of the batch. Refused before the slot is touched.
-                raise ConfigError(f"adapter {weights.name!r}: module {module!r} overflows the pool's "
-                                  f"{str(self.b[key].dtype).replace('torch.', '')} (lora_B x scale {lw.scale:g} or "
-                                  f"lora_A is not finite there): lower lora_alpha or the weights")
+                raise ConfigError(f"adapter {weights.name!r}: module {module!r} is not finite in the pool's "
+                                  f"{str(self.b[key].dtype).replace('torch.', '')} (lora_A, or lora_B x scale "
+                                  f"{lw.scale:g}): lower lora_alpha or check the weights")
             todo[key] = (a, b)
         self.unload(slot)
         lo = slot * self.R
         for key, (a, b) in todo.items():
             r = a.shape[0]
-            self.a[key][lo:lo + r] = a
-            self.b[key][:, lo:lo + r] = b
+            self.a[key][lo:lo + r] = a.to(self.a[key].device)
+            self.b[key][:, lo:lo + r] = b.to(self.b[key].device)
             self.targets[key].add(slot)
         self.names[slot] = weights.name
 
