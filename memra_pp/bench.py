@@ -95,7 +95,8 @@ def ring_line(s: dict) -> str:
 
 
 def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed: int = 0,
-              warm: bool = True, timeline: bool = False, prompt_spread: float = 0.0) -> dict:
+              warm: bool = True, timeline: bool = False, prompt_spread: float = 0.0, progress=None,
+              every_s: float = 5.0) -> dict:
     """`concurrency` requests at once, each streamed on its own thread (the public `stream` API), every event's
     arrival time recorded: throughput end to end, time to first token, and the steady-state decode rate. `warm`
     first runs the same requests, untimed, long enough that every one is still decoding when the last prompt's
@@ -103,7 +104,9 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     graph captures stay out of the figures (`graph_captures_in_run` counts those that did not).
     `timeline`: also every stage's microbatch spans of the timed run (seconds from its start; plot_timelines), and
     the p50 first token on that axis. `prompt_spread` s: prompt lengths drawn evenly from prompt_len x [1 - s,
-    1 + s] (as traffic has them: every mix of lengths is a new prefill shape) instead of all prompt_len."""
+    1 + s] (as traffic has them: every mix of lengths is a new prefill shape) instead of all prompt_len.
+    `progress`: called with a line every `every_s` seconds (the warm-up's and the timed run's requests done and
+    tokens so far)."""
     from concurrent.futures import ThreadPoolExecutor
     c = dep.client()
     rng = random.Random(seed)
@@ -116,11 +119,20 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     lock, firsts, steady, ramp = threading.Lock(), [0], {}, {}
     all_decoding, first_done = threading.Event(), threading.Event()
 
+    counts = {"phase": "warm-up", "done": 0, "tokens": 0, "of": 0}
+
+    def ticker(stop: threading.Event):
+        t0 = time.monotonic()
+        while not stop.wait(every_s):
+            progress(f"  {counts['phase']}: {counts['done']}/{concurrency} requests done, {counts['tokens']} of "
+                     f"{counts['of']} tokens ({time.monotonic() - t0:.0f} s)")
+
     def one(p, new=max_new_tokens, timed=True):
         t = time.perf_counter()
         ev = []
         for e in c.stream(p, max_new_tokens=new, ignore_eos=True):
             if e.token_ids:
+                counts["tokens"] += len(e.token_ids)          # (a progress figure: the GIL's += is enough)
                 ev.append((time.perf_counter(), len(e.token_ids)))
                 if timed and len(ev) == 1:
                     with lock:
@@ -129,6 +141,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                             all_decoding.set()
         if timed:
             first_done.set()
+        counts["done"] += 1
         return t, ev
 
     def watch():    # two snapshots, no reset: the run's own figures still cover all of it
@@ -148,10 +161,19 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                       phase_us=[{k: (v - x["phase_s"].get(k, 0.0)) / max(1, y["microbatches"] - x["microbatches"])
                                  * 1e6 for k, v in y["phase_s"].items()} for x, y in zip(a, b)])
 
+    stop_ticking = threading.Event()
+    if progress is not None:
+        threading.Thread(target=ticker, args=(stop_ticking,), daemon=True).start()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         if warm:   # the same load, untimed: decode graphs of these batch sizes are captured, KV pools grown
             n = warm_tokens(concurrency, prompt_len, max_new_tokens, dep.placement.scheduler.prefill_chunk)
-            list(pool.map(lambda p: one(p, n, False), prompts))
+            counts["of"] = n * concurrency
+            try:
+                list(pool.map(lambda p: one(p, n, False), prompts))
+            except BaseException:
+                stop_ticking.set()
+                raise
+        counts.update(phase="timed run", done=0, tokens=0, of=max_new_tokens * concurrency)
         st0 = dep.stats(reset=True)["stages"]
         captures0 = _graph_captures(st0)     # graph counts are never reset
         tunings0 = _tunings(st0)
@@ -162,6 +184,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         try:
             out = list(pool.map(one, prompts))
         finally:        # also when a request failed: the watcher must not wait for ever
+            stop_ticking.set()
             all_decoding.set()
             first_done.set()
             watcher.join(timeout=30)
@@ -295,6 +318,9 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+MAX_CONCURRENCY = 4096
+
+
 def check_output_path(flag: str, path: str | None) -> None:
     """A report's path, refused before anything is launched (not after the run): a directory, or one whose
     directory does not exist or cannot be written."""
@@ -311,6 +337,9 @@ def main(args) -> int:
     for name in ("concurrency", "prompt_len", "max_new_tokens"):     # refused before anything is launched
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.concurrency > MAX_CONCURRENCY:      # each request streams on a thread of its own
+        raise InputError(f"--concurrency {args.concurrency}: the bench streams each request on a thread of its own, "
+                         f"at most {MAX_CONCURRENCY}")
     spread = getattr(args, "prompt_spread", 0.0)
     if not 0 <= spread <= 1:       # (a NaN fails this too)
         raise InputError(f"--prompt-spread is a fraction from 0 to 1 of --prompt-len, got {spread}")
@@ -330,7 +359,7 @@ def main(args) -> int:
     try:
         say(f"running {args.concurrency} concurrent requests ...")
         r = run_bench(dep, args.concurrency, args.prompt_len, args.max_new_tokens,
-                      timeline=bool(getattr(args, "timeline", None)), prompt_spread=spread)
+                      timeline=bool(getattr(args, "timeline", None)), prompt_spread=spread, progress=say)
     finally:
         dep.shutdown()
     r["config"] = str(args.config)

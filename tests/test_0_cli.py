@@ -105,6 +105,9 @@ def test_commands_refuse_bad_arguments_before_launching(tmp_path, capsys):
     for argv, msg in ((["demo", "--prompts", "0"], "InputError: the demo needs --prompts and --max-new-tokens >= 1"),
                       (["bench", "cluster_configs/tiny-cpu.yaml", "--concurrency", "0"],
                        "InputError: --concurrency must be >= 1, got 0"),
+                      (["bench", "cluster_configs/tiny-cpu.yaml", "--concurrency", "100000"],
+                       "InputError: --concurrency 100000: the bench streams each request on a thread of its own, at "
+                       "most 4096"),
                       (["bench", "cluster_configs/tiny-cpu.yaml", "--prompt-spread", "1.5"],
                        "InputError: --prompt-spread is a fraction from 0 to 1 of --prompt-len, got 1.5"),
                       (["bench", "cluster_configs/tiny-cpu.yaml", "--prompt-spread", "nan"],

@@ -62,9 +62,15 @@ def test_decode_window_falls_back_when_no_overlap():
 
 def test_run_bench_on_two_cpu_stages(ray_cluster):
     _, path = tiny_checkpoint("dense", False)
+    lines = []
     with memra_pp.launch(config(str(path))) as dep:
-        r = run_bench(dep, 4, 16, 12)
+        r = run_bench(dep, 4, 16, 12, progress=lines.append, every_s=0.01)
     assert r["generated_tokens"] == 4 * 12
+    # its progress: both phases reported, the timed run's last line no further than its requests and tokens
+    assert any(ln.startswith("  warm-up: ") for ln in lines) and any("timed run: " in ln for ln in lines), lines
+    last = [ln for ln in lines if "timed run: " in ln][-1]
+    done, of = (int(x) for x in last.split("timed run: ")[1].split(" requests")[0].split("/"))
+    assert 0 <= done <= of == 4 and f"of {4 * 12} tokens" in last, last
     assert r["decode_tokens_per_s"] > 0 and r["decode_window_s"] > 0
     assert 0 < r["ttft_p50_s"] <= r["request_latency_p50_s"]
     assert len(r["stages"]) == 2 and all(s["microbatches"] > 0 for s in r["stages"])
