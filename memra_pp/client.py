@@ -123,7 +123,7 @@ class Client(ReplayMixin):
             if t is not None:
                 self._deliver(t, (toks, lps, finish, err))
             elif lost is not None:
-                self._fail(lost, StageFailed(err[1], stage=err[2]))
+                self._fail(lost, _error(*err))
 
     def _finish_dropped(self) -> None:
         while True:
@@ -183,10 +183,7 @@ class Client(ReplayMixin):
                 if self._replays() and tr.rid in self._tracks and self._hold_or_give_up(tr):
                     return tr, q, ids
                 self._tracks.pop(tr.rid, None)
-            sup = self._sup
-            if tr.losses and sup is not None and sup.failure is not None:
-                raise sup.failure
-            raise StageFailed(f"stage 0 failed: {e}", stage=0) from None
+            raise self._loss_error(tr, StageFailed(f"stage 0 failed: {e}", stage=0)) from None
         except BaseException:
             self._drop(tr)
             raise

@@ -65,15 +65,21 @@ class ReplayMixin:
         self._hold(t)
         return True
 
-    def _fail(self, t: _Track, e: StageFailed) -> None:
-        """End a request of a lost stage with `e` (or the recovery's failure, or the replay cap's)."""
+    def _loss_error(self, t: _Track, e: StageFailed) -> StageFailed:
+        """What a request of a lost stage that is not held ends with: `e`, or the replay cap's, or the failed
+        recovery's."""
         sup = self._sup
         if t.losses > MAX_REPLAYS:
-            e = StageFailed(f"{e}; this request was in flight at {t.losses} stage failures in a row without a token "
-                            f"between them and is not replayed again (a request that breaks a stage each time would "
-                            f"restart it forever)", stage=e.stage)
-        elif t.losses and sup is not None and sup.failure is not None:
-            e = sup.failure
+            return StageFailed(f"{e}; this request was in flight at {t.losses} stage failures in a row without a "
+                               f"token between them and is not replayed again (a request that breaks a stage each "
+                               f"time would restart it forever)", stage=e.stage)
+        if t.losses and sup is not None and sup.failure is not None:
+            return sup.failure
+        return e
+
+    def _fail(self, t: _Track, e: StageFailed) -> None:
+        """End a request of a lost stage (_loss_error says with what)."""
+        e = self._loss_error(t, e)
         self._deliver(t, ([], [], "error", (type(e).__name__, str(e), e.stage)))
 
     def on_recovery_failed(self, e: StageFailed) -> None:

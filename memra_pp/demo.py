@@ -35,12 +35,11 @@ def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24)
     t0 = time.time()
     path = ensure_tiny()
     _say(f"[1/4] tiny checkpoint ready at {path} ({time.time() - t0:.1f} s)", q)
-    import pathlib
-    import tokenizers
+    from .model.tokenizer import Tokenizer
     from .placement.schema import load_placement
     ctx = load_placement(TINY_CPU).scheduler.max_context
-    tok = tokenizers.Tokenizer.from_file(str(pathlib.Path(path) / "tokenizer.json"))
-    longest = max(len(tok.encode(PROMPTS[i % len(PROMPTS)]).ids) for i in range(prompts))
+    tok = Tokenizer.from_model_dir(path)        # (the deployment's: dep.tokenizer, not made yet)
+    longest = max(len(tok.encode(PROMPTS[i % len(PROMPTS)])) for i in range(prompts))
     if longest + max_new_tokens - 1 > ctx:      # refused before the launch, as the deployment would refuse each
         raise InputError(f"--max-new-tokens {max_new_tokens}: the demo's prompts (up to {longest} tokens) would "
                          f"need {longest + max_new_tokens - 1} positions, more than its scheduler.max_context "

@@ -313,6 +313,7 @@ class RemoteSupervisor:
         self.generation = self.recovered = 0
         self.failure: StageFailed | None = None
         self.stopping = threading.Event()
+        self._unreachable_since: float | None = None     # the launch's cluster unreachable since (_launch_gone)
         self.thread = threading.Thread(target=self._run, name="memra-remote-supervisor", daemon=True)
         st = self._read()
         if st is not None:      # where the launcher stands now
@@ -377,7 +378,7 @@ class RemoteSupervisor:
             why = "was shut down (its placement group is gone)"
         except Exception as e:  # noqa: BLE001 - a passing error is asked again; a cluster gone for good is not
             now = time.monotonic()
-            self._unreachable_since = getattr(self, "_unreachable_since", None) or now
+            self._unreachable_since = self._unreachable_since or now
             if now - self._unreachable_since < self.UNREACHABLE_S:
                 return False
             why = f"cannot be reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"

@@ -90,6 +90,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self._registry_lock = threading.Lock()
         self._registry_kv: bytes | None = None
         self._registry_kv_lock = threading.Lock()   # the KV writes, in snapshot order
+        self._registry_seq = self._registry_written = 0     # the last snapshot taken, and written
         self._adapter_lock = threading.Lock()       # this stage's pools: one load or unload at a time
 
     def here(self) -> None:
@@ -331,10 +332,10 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             key = self._registry_kv
             if key is None:
                 return
-            self._registry_seq = seq = getattr(self, "_registry_seq", 0) + 1
+            self._registry_seq = seq = self._registry_seq + 1
             raw = json.dumps({n: [e[0], e[1]] for n, e in self.adapter_registry.items() if e[2] == "loaded"})
         with self._registry_kv_lock:
-            if seq < getattr(self, "_registry_written", 0):     # a newer snapshot is already there
+            if seq < self._registry_written:     # a newer snapshot is already there
                 return
             self._registry_written = seq
             try:
