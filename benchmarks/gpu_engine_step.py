@@ -193,6 +193,8 @@ def main() -> int:
                     "twenty-third session left it (s23: without the merged projections, contiguous conv parts and "
                     "row slices) and with its norms and conv as the torch ops (torch), interleaved")
     a = ap.parse_args()
+    from memra_pp import switches
+    switches.apply(switches.check_environment())   # strict: a typo in a MEMRA_PP_* switch must not time a default
     os.makedirs(a.out, exist_ok=True)
     from memra_pp.model import decode_graphs
     from memra_pp.model.batch import StepBatch

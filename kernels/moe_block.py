@@ -39,7 +39,7 @@ import os
 
 import torch
 
-from memra_pp.switches import flag
+from memra_pp.switches import initial
 from memra_pp.kernels.fused_decode import _sms, _triton, gdc_launch_dependents, gdc_wait, pdl, triton
 
 if triton is not None:
@@ -50,7 +50,7 @@ if triton is not None:
 # layers.MoE.decode_fused takes the block kernel for one row (False: the three kernels; benchmarks compare the two).
 # Off: on the H200 the 35B-A3B's step took 2.39-2.40 ms with it against 2.39-2.43 without (fourteenth session,
 # docs/PERF.md), though the block alone is 0.92x its three kernels. MEMRA_PP_MOE_BLOCK=1 turns it on (GPU parity)
-ENABLED = flag("MEMRA_PP_MOE_BLOCK")
+ENABLED = initial("MEMRA_PP_MOE_BLOCK")
 # host-side launches (a captured graph counts once): one kernel, or the three phases as three launches
 CALLS = {"block": 0, "block_split": 0}
 LAST_KERNEL = None      # the one kernel's last launch (Triton's compiled kernel: benchmarks read its registers)

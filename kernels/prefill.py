@@ -10,7 +10,7 @@ import torch
 
 from memra_pp.model.batch import aligned_parts
 
-from memra_pp.switches import flag
+from memra_pp.switches import initial
 
 from .fused_decode import GATED_MANY, _triton, add_rms_norm, gated_rms_norm, silu_mul, triton
 
@@ -26,14 +26,14 @@ CALLS = {"conv_prefill": 0, "conv_varlen": 0, "attn_varlen": 0, "attn_varlen_par
 # group's rows as a slice where they are consecutive (no gather or scatter): CUDA only (off it the torch ops stay as
 # they were, so the float32 parity with transformers is unchanged bit for bit); MEMRA_PP_PREFILL_MERGED=0 turns it
 # off (gpu_decode.py --prefill-merged both: side by side), as does gpu_engine_step.py --prefill-torch ("s23")
-MERGED = flag("MEMRA_PP_PREFILL_MERGED")
+MERGED = initial("MEMRA_PP_PREFILL_MERGED")
 # on the merged path, a step's prompt segments through the Gated DeltaNet as one variable-length call of the conv and
 # of the chunked rule (segments, conv_varlen; the rule's chunk_varlen), not one call per group of equal lengths:
 # traffic's prompts differ in length, so a step of 8 of them was 8 groups, each some 20 launches a layer (and with
 # fla a compile of chunk_local_cumsum for each new group count). On since the thirtieth session's H200 run
 # (tests/test_gpu_fla.py, test_gpu_parity.py; docs/PERF.md: spread prompts' steps 1.2-5.4x faster, end to end 1.39x
 # the 27B at 256 and 1.84x the 35B-A3B at 512): MEMRA_PP_PREFILL_VARLEN=0 turns it off
-VARLEN = flag("MEMRA_PP_PREFILL_VARLEN")
+VARLEN = initial("MEMRA_PP_PREFILL_VARLEN")
 FLA_CHUNK = 64            # fla's chunk of the gated delta rule (its default): Segments.chunks counts in these
 
 

@@ -2,8 +2,10 @@
 or a MEMRA_PP_ name that is not a switch, is a ConfigError naming it (a typo such as MEMRA_PP_KV_IN_PLACE=false
 must not silently leave the default on). `launch` resolves every switch from the driver's environment before any
 stage starts, and passes the values to each stage's setup, which sets them where they are read (apply): a stage
-never takes a mode from its own environment (DESIGN law 2). A process without stages (one-process use, the
-benchmarks' engine steps) takes them from its environment when the module is imported."""
+never takes a mode from its own environment (DESIGN law 2). A process without stages (one-process use: the tests,
+the benchmarks' engine steps) starts from its environment's values, read leniently when each module is imported
+(`initial`: an import never raises, since a stage's worker may carry a malformed variable its setup overrides), and
+checks them strictly at its start (`check_environment`: tests/conftest.py, gpu_engine_step.main)."""
 from __future__ import annotations
 
 import importlib
@@ -46,6 +48,15 @@ def flag(name: str, environ=None) -> bool:
         raise ConfigError(f"environment variable {name}={raw!r}: a switch is 0 or 1 (default "
                           f"{int(default)}: {SWITCHES[name][1]})")
     return _VALUES[raw.strip()]
+
+
+def initial(name: str) -> bool:
+    """A module's value at import: the environment's 0/1, else the default; never raises (check_environment, at
+    launch or a one-process entry point's start, is the strict reader, and a stage's setup overrides it: apply)."""
+    try:
+        return flag(name)
+    except ConfigError:
+        return SWITCHES[name][0]
 
 
 def check_environment(environ=None) -> dict[str, bool]:

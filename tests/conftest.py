@@ -11,6 +11,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 
+def pytest_configure(config):
+    """The MEMRA_PP_* switches this process runs with, checked strictly once (the modules read them leniently at
+    import: switches.initial): a typo in one stops the session with its ConfigError instead of testing the default."""
+    from memra_pp import switches
+    switches.check_environment()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster for the session (2 logical CPUs as in CI; stages ask for fractions)."""

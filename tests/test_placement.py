@@ -1,6 +1,8 @@
 """Placement schema and planner: exact splits, every refusal with its message, round-trips, warnings, a property."""
 import itertools
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -577,3 +579,27 @@ def test_runtime_switches_refuse_what_they_do_not_know(monkeypatch, tmp_path, na
     with pytest.raises(ConfigError) as e:
         memra_pp.launch(cfg)
     assert message in str(e.value)
+
+
+def test_a_malformed_switch_never_fails_an_import_but_fails_the_strict_readers():
+    """A stage's worker may carry a malformed MEMRA_PP_* variable in its own environment (a remote node's), which its
+    setup overrides (switches.apply): importing the modules that hold the switches must not raise there; they take
+    the default. The strict readers (launch's check_environment, the test session's and the engine-step
+    benchmark's start) still refuse it."""
+    import subprocess
+    code = ("from memra_pp import switches\n"
+            "from memra_pp.model import cache, decode_graphs, attention\n"
+            "from memra_pp.kernels import prefill, moe_block\n"
+            "print(cache.IN_PLACE, prefill.VARLEN)\n"
+            "try:\n    switches.check_environment()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    env = {**os.environ, "MEMRA_PP_KV_IN_PLACE": "false", "MEMRA_PP_PREFILL_VARLEN": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "True False"           # the malformed one its default, the good one as it says
+    assert lines[1].startswith("ConfigError environment variable MEMRA_PP_KV_IN_PLACE='false': a switch is 0 or 1")
+    here = Path(__file__).parent
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"{here / 'test_placement.py'}::test_a_stage_is_given_every_switch_or_refuses"],
+                         cwd=here.parent, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "MEMRA_PP_KV_IN_PLACE='false': a switch is 0 or 1" in out.stdout + out.stderr

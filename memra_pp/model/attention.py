@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..switches import flag
+from ..switches import initial
 from .batch import h2d
 from .config import TextConfig
 from .layers import Param
@@ -102,7 +102,7 @@ class GatedAttention(Param):
 
 
 # MEMRA_PP_SDPA_CUDNN=1: SDPA's own choice of backend, cuDNN included (benchmarks compare: gpu_decode --sdpa-cudnn)
-SDPA_CUDNN = flag("MEMRA_PP_SDPA_CUDNN")
+SDPA_CUDNN = initial("MEMRA_PP_SDPA_CUDNN")
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:

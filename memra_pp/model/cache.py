@@ -24,14 +24,14 @@ import torch
 
 from .batch import h2d
 from .config import TextConfig
-from ..switches import flag
+from ..switches import initial
 from .kv_memory import FIRST_FREE, fits, growth_size, headroom, kv_budget
 
 KV_BLOCK = 64           # positions a KV page holds, unless a cache is made with another
 NULL, SINK = 0, 1      # the null block, the scratch slot's sink block (FIRST_FREE: the first block given out)
 # CUDA pools grow in place (GrowableBuffer). Off, a growth copies every pool into a larger one and drops the decode
 # graphs: H200, 35B-A3B, 64 concurrent of 128 in, 256 out, two graphs were captured again mid-run (twelfth session)
-IN_PLACE = flag("MEMRA_PP_KV_IN_PLACE")
+IN_PLACE = initial("MEMRA_PP_KV_IN_PLACE")
 
 
 class StageCache:

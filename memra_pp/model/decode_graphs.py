@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .batch import StepBatch
-from ..switches import flag
+from ..switches import initial
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768, 1024)
 MIN_KV = 256
@@ -27,8 +27,8 @@ MIN_KV = 256
 # the H200 for the 35B-A3B, every request waiting). H200, 35B-A3B, cache of 8,192 positions a sequence, at 192: the
 # step 2.43 / 2.42 ms against 2.43 / 2.38 at one row, 19.26 / 19.22 against 19.24 / 19.23 at 64; a deployment's
 # batch-1 decode (128 in, 256 out) 412.9 tokens/s against 173.2, which captured mid-run (docs/PERF.md, eleventh
-# session). The stage processes' environment turns it off: MEMRA_PP_ANY_KV_GRAPHS=0
-ANY_KV = flag("MEMRA_PP_ANY_KV_GRAPHS")
+# session). MEMRA_PP_ANY_KV_GRAPHS=0 in the launching process turns it off (switches.py)
+ANY_KV = initial("MEMRA_PP_ANY_KV_GRAPHS")
 
 
 class CaptureFailed(RuntimeError):
