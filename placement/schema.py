@@ -8,6 +8,7 @@ import difflib
 import ipaddress
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,6 +25,14 @@ DEFAULT_MODEL_PATH = "~/.cache/memra_pp/tiny-qwen3_5"
 _DEVICE = re.compile(r"cpu|cuda:(0|[1-9][0-9]*)")
 _STAGE_REF = re.compile(r"stage:(0|[1-9][0-9]*)")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# Upper bounds, far past any real deployment: a larger value is a typo, and past them float() overflows in the
+# planner, torch's thread pool crashes, or a wait is longer than Python's waits accept (threading.TIMEOUT_MAX)
+MAX_COUNT = 2 ** 31 - 1        # every other count: microbatches, kv_pages, pipeline_chunks, adapters.*
+MAX_BATCH = 65536              # scheduler.max_batch: sequences with a cache slot on every stage
+MAX_CONTEXT = 2 ** 24          # scheduler.max_context: positions per sequence (Qwen3.5 trains 262144)
+MAX_THREADS = 1024             # stages[].threads: torch intra-op threads of one stage
+MAX_CPUS = 1024.0              # stages[].num_cpus: Ray CPUs reserved for one stage
+MAX_TIMEOUT_S = 1e9            # timeouts.*: memra_pp.client.WAIT_MAX_S, the longest wait the runtime makes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,15 +163,19 @@ def _choice(v: Any, path: str, allowed: tuple[str, ...]) -> str:
     return v
 
 
-def _int(v: Any, path: str, lo: int = 1) -> int:
+def _int(v: Any, path: str, lo: int = 1, hi: int = MAX_COUNT) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise _bad(path, f"must be an integer >= {lo}, got {v!r}")
+    if v > hi:
+        raise _bad(path, f"must be at most {hi}, got {v!r}")
     return v
 
 
-def _pos(v: Any, path: str) -> float:
+def _pos(v: Any, path: str, hi: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
         raise _bad(path, f"must be a positive finite number, got {v!r}")
+    if v > hi:      # (compared before float(): an integer past float range overflows there)
+        raise _bad(path, f"must be at most {hi:g}, got {v!r}")
     return float(v)
 
 
@@ -172,9 +185,17 @@ def _str(v: Any, path: str) -> str:
     return v
 
 
+def _expand(p: str | Path, path: str) -> Path:
+    try:
+        return Path(p).expanduser()
+    except RuntimeError:        # '~user' of no such user, or no home directory to expand '~' to
+        raise _bad(path, f"{str(p)!r}: cannot expand '~' (no such user or no home directory); give the path "
+                         "without it") from None
+
+
 def _model(raw: Any) -> ModelSpec:
     d = _mapping(raw, "model", ModelSpec)
-    path = Path(_str(d.get("path", DEFAULT_MODEL_PATH), "model.path")).expanduser()
+    path = _expand(_str(d.get("path", DEFAULT_MODEL_PATH), "model.path"), "model.path")
     return ModelSpec(path=path, format=_choice(d.get("format", "auto"), "model.format", FORMATS),
                      dtype=_choice(d.get("dtype", "float32"), "model.dtype", DTYPES))
 
@@ -197,8 +218,9 @@ def _stage(raw: Any, i: int) -> StageSpec:
     else:
         raise _bad(f"{p}.layers", f"{layers!r} must be auto or [start, end) with 0 <= start < end")
     spec = StageSpec(device=dev, layers=rng)
-    cpus = _pos(d["num_cpus"], f"{p}.num_cpus") if "num_cpus" in d else (1.0 if spec.is_cuda else 0.5)
-    return dataclasses.replace(spec, num_cpus=cpus, threads=_int(d.get("threads", 1), f"{p}.threads"))
+    cpus = _pos(d["num_cpus"], f"{p}.num_cpus", MAX_CPUS) if "num_cpus" in d else (1.0 if spec.is_cuda else 0.5)
+    return dataclasses.replace(spec, num_cpus=cpus, threads=_int(d.get("threads", 1), f"{p}.threads",
+                                                                 hi=MAX_THREADS))
 
 
 def _stages(raw: Any) -> tuple[StageSpec, ...]:
@@ -221,11 +243,12 @@ def _vision(raw: Any, n_stages: int) -> VisionSpec:
 def _scheduler(raw: Any) -> SchedulerSpec:
     d = _mapping(raw, "scheduler", SchedulerSpec)
     mb = d.get("microbatches", "auto")
-    kw = {k: _int(d[k], f"scheduler.{k}") for k in ("max_batch", "max_context", "prefill_chunk") if k in d}
+    his = {"max_batch": MAX_BATCH, "max_context": MAX_CONTEXT, "prefill_chunk": MAX_CONTEXT}
+    kw = {k: _int(d[k], f"scheduler.{k}", hi=hi) for k, hi in his.items() if k in d}
     if mb != "auto":
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
             raise _bad("scheduler.microbatches", f"must be auto or an integer >= 1, got {mb!r}")
-        kw["microbatches"] = mb
+        kw["microbatches"] = _int(mb, "scheduler.microbatches")
     kv = d.get("kv_pages", "auto")
     if kv not in ("auto", None):
         kw["kv_pages"] = _int(kv, "scheduler.kv_pages")
@@ -234,7 +257,7 @@ def _scheduler(raw: Any) -> SchedulerSpec:
         if isinstance(pc, bool) or not isinstance(pc, int) or pc < 1:
             raise _bad("scheduler.pipeline_chunks", f"must be auto or an integer >= 1 (1: prompts keep whole "
                                                     f"chunks), got {pc!r}")
-        kw["pipeline_chunks"] = pc
+        kw["pipeline_chunks"] = _int(pc, "scheduler.pipeline_chunks")
     return SchedulerSpec(**kw)
 
 
@@ -280,7 +303,7 @@ def parse_placement(raw: Any) -> Placement:
         scheduler=_scheduler(d.get("scheduler")),
         adapters=AdapterSpec(**{k: _int(v, f"adapters.{k}") for k, v in ad.items()}),
         recover=_choice(d.get("recover", "error"), "recover", RECOVER), ray=_ray(d.get("ray")),
-        timeouts=TimeoutSpec(**{k: _pos(v, f"timeouts.{k}") for k, v in to.items()}))
+        timeouts=TimeoutSpec(**{k: _pos(v, f"timeouts.{k}", MAX_TIMEOUT_S) for k, v in to.items()}))
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -290,10 +313,33 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (list, dict)):       # a complex key ({a: 1}: ..., [a, b]: ...) is no placement key
+                kind = "mapping" if isinstance(key, dict) else "sequence"
+                raise yaml.constructor.ConstructorError(None, None, f"a mapping key must be a scalar, got a {kind}",
+                                                        key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+def _read_yaml(path: Path, where: str) -> Any:
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):    # a FIFO or device would block the read; a directory fails it
+            raise ConfigError(f"{where}: cannot read the placement file (not a regular file)")
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read the placement file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where}: cannot read the placement file (not UTF-8 text: {e})") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: not valid YAML: nested too deeply") from None
+    except ValueError as e:     # an integer of more digits than Python converts
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
 
 
 def load_placement(src: str | Path | Mapping) -> Placement:
@@ -304,14 +350,7 @@ def load_placement(src: str | Path | Mapping) -> Placement:
         raise ConfigError(f"a placement is a YAML file's path or a dict of placement keys, got {type(src).__name__}")
     else:
         where = str(src)
-        try:
-            text = Path(src).expanduser().read_text()
-        except OSError as e:
-            raise ConfigError(f"{where}: cannot read the placement file ({e.strerror or e})") from None
-        try:
-            raw = yaml.load(text, Loader=_UniqueKeyLoader)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where}: not valid YAML: {e}") from None
+        raw = _read_yaml(_expand(src, where), where)
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where}: the top level must be a mapping of placement keys (name, model, stages, "
                               f"...), got {type(raw).__name__}")

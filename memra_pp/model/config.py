@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -57,9 +58,25 @@ class TextConfig:
             raise ConfigError(f"{where}: {key} {msg}")
         for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                  "linear_value_head_dim", "linear_conv_kernel_dim"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
+                  "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings"):
+            if not _is_int(getattr(self, f)) or getattr(self, f) <= 0:
                 bad(f, f"must be a positive integer, got {getattr(self, f)!r}")
+        for f in ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size"):     # 0: unused by this kind of model (dense or MoE)
+            if not _is_int(getattr(self, f)) or getattr(self, f) < 0:
+                bad(f, f"must be an integer >= 0, got {getattr(self, f)!r}")
+        for f in ("rms_norm_eps", "rope_theta", "partial_rotary_factor"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+                bad(f, f"must be a finite positive number, got {v!r}")
+        if self.partial_rotary_factor > 1:
+            bad("partial_rotary_factor", f"must be in (0, 1] (the rotated fraction of head_dim), got "
+                f"{self.partial_rotary_factor!r}")
+        for f in ("mrope_interleaved", "tie_word_embeddings"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, f"must be true or false, got {getattr(self, f)!r}")
+        if not isinstance(self.layer_types, tuple):
+            bad("layer_types", f"must be a list of {LINEAR!r} / {FULL!r}, one per layer, got {self.layer_types!r}")
         if len(self.layer_types) != self.num_hidden_layers:
             bad("layer_types", f"has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
         for i, t in enumerate(self.layer_types):
@@ -71,6 +88,10 @@ class TextConfig:
         if self.linear_num_value_heads % self.linear_num_key_heads:
             bad("linear_num_value_heads", f"({self.linear_num_value_heads}) must be a multiple of "
                 f"linear_num_key_heads ({self.linear_num_key_heads})")
+        sec = self.mrope_section
+        if not isinstance(sec, tuple) or len(sec) != 3 or not all(_is_int(x) and x >= 0 for x in sec):
+            bad("rope_parameters.mrope_section", f"must be three integers >= 0 (the T, H, W sections), got "
+                f"{list(sec) if isinstance(sec, tuple) else sec!r}")
         if 2 * sum(self.mrope_section) != self.rotary_dim:
             bad("rope_parameters.mrope_section", f"{list(self.mrope_section)} must sum to rotary_dim/2 = "
                 f"{self.rotary_dim // 2} (head_dim {self.head_dim} x partial_rotary_factor "
@@ -79,9 +100,17 @@ class TextConfig:
             for f in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
                 if getattr(self, f) <= 0:
                     bad(f, f"must be positive for a MoE model, got {getattr(self, f)!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                bad("num_experts_per_tok", f"({self.num_experts_per_tok}) must be at most num_experts "
+                    f"({self.num_experts})")
         elif self.intermediate_size <= 0:
             bad("intermediate_size", f"must be positive for a dense model, got {self.intermediate_size!r}")
         return self
+
+
+def _is_int(v) -> bool:
+    """A JSON integer: bool is an int to Python (True == 1) but never a count here."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +126,18 @@ class VisionConfig:
     num_position_embeddings: int
     in_channels: int = 3
     hidden_act: str = "gelu_pytorch_tanh"
+
+    def validate(self, where: str = "config.json") -> "VisionConfig":
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "hidden_act" and (not _is_int(v) or v <= 0):
+                raise ConfigError(f"{where}: vision_config.{f.name} must be a positive integer, got {v!r}")
+        if not isinstance(self.hidden_act, str):
+            raise ConfigError(f"{where}: vision_config.hidden_act must be a string, got {self.hidden_act!r}")
+        if math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
+            raise ConfigError(f"{where}: vision_config.num_position_embeddings {self.num_position_embeddings} must "
+                              "be a square (the learned grid is side x side)")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +167,26 @@ def _take(d: dict, cls, where: str, **extra):
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _eos(v) -> tuple[int, ...]:
+def _eos(v, key: str, vocab: int, where: str) -> tuple[int, ...]:
+    """eos_token_id: null, one token id or a list of them, each in [0, vocab_size)."""
     if v is None:
         return ()
-    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
+    ids = v if isinstance(v, (list, tuple)) else [v]
+    for i in ids:
+        if not _is_int(i) or not 0 <= i < vocab:
+            raise ConfigError(f"{where}: {key} {v!r} must be a token id (an integer in [0, vocab_size {vocab})) or "
+                              f"a list of them")
+    return tuple(ids)
+
+
+def _real(v, key: str, where: str) -> float:
+    """A JSON number as a float (its range is TextConfig.validate's check); a string or null is refused here."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{where}: {key} must be a number, got {v!r}")
+    try:
+        return float(v)
+    except OverflowError:       # an integer past float range
+        return math.inf
 
 
 # Config keys that choose the text model's math, and the values this runtime implements (DESIGN law 2: a value it
@@ -138,71 +195,117 @@ TEXT_MODES = {"hidden_act": ("silu",), "attention_bias": (False,)}
 ROPE_TYPES = ("default", "mrope")     # mrope: Qwen2-VL's rope_scaling spelling of the same sections; no YaRN etc.
 
 
-def _check_modes(text: dict, rope: dict, rope_key: str, prefix: str, where: str) -> None:
+def _check_modes(raw: dict, text: dict, prefix: str, where: str) -> None:
     for key, ok in TEXT_MODES.items():
         if text.get(key) is not None and text[key] not in ok:
             raise ConfigError(f"{where}: {prefix}{key} {text[key]!r} is not supported; this runtime implements "
                               f"{' or '.join(map(repr, ok))}")
-    kind = rope.get("rope_type", rope.get("type"))
-    if kind is not None and kind not in ROPE_TYPES:
-        raise ConfigError(f"{where}: {prefix}{rope_key}.rope_type {kind!r} is not supported; this runtime implements "
-                          f"{' or '.join(map(repr, ROPE_TYPES))} RoPE (no scaling such as YaRN): remove the scaling "
-                          f"or use a checkpoint without it")
+    for key, d in (("quantization_config", raw), (prefix + "quantization_config", text)):
+        q = d.get("quantization_config")
+        if q is not None:      # its weights (FP8, GPTQ, ...) would load as if they were the real values
+            what = q.get("quant_method", q) if isinstance(q, dict) else q
+            raise ConfigError(f"{where}: {key} ({what!r}) is not supported; this runtime loads float16 / bfloat16 / "
+                              f"float32 weights only: use the unquantized checkpoint or a GGUF file")
+
+
+def _rope(text: dict, prefix: str, where: str) -> tuple[dict, str]:
+    """(the RoPE block, its key): rope_parameters, else Qwen2-VL's rope_scaling; both are checked when both given."""
+    found = []
+    for key in ("rope_parameters", "rope_scaling"):
+        block = text.pop(key, None)
+        if block is None:
+            continue
+        if not isinstance(block, dict):
+            raise ConfigError(f"{where}: {prefix}{key} must be an object (rope_theta, mrope_section, ...), got "
+                              f"{block!r}")
+        kind = block.get("rope_type", block.get("type"))
+        if kind is not None and kind not in ROPE_TYPES:
+            raise ConfigError(f"{where}: {prefix}{key}.rope_type {kind!r} is not supported; this runtime implements "
+                              f"{' or '.join(map(repr, ROPE_TYPES))} RoPE (no scaling such as YaRN): remove the "
+                              f"scaling or use a checkpoint without it")
+        found.append((block, key))
+    return next(((b, k) for b, k in found if b), ({}, "rope_parameters"))
+
+
+def _text_extra(raw: dict, text: dict, prefix: str, where: str) -> dict:
+    """TextConfig fields whose key is not their field name, or that live in the RoPE block / at the top level."""
+    rope, rope_key = _rope(text, prefix, where)
+    extra = {}
+    for f in ("rope_theta", "partial_rotary_factor"):
+        if f in rope or f in text:
+            key = f"{prefix}{rope_key}.{f}" if f in rope else prefix + f
+            extra[f] = _real(rope[f] if f in rope else text[f], key, where)
+    if "rms_norm_eps" in text:
+        extra["rms_norm_eps"] = _real(text["rms_norm_eps"], prefix + "rms_norm_eps", where)
+    if rope.get("mrope_section") is not None:
+        sec = rope["mrope_section"]
+        extra["mrope_section"] = tuple(sec) if isinstance(sec, list) else sec
+    # The VLM's top-level tie_word_embeddings decides tying (reference/qwen35.md 2.6).
+    for key, d, name in ((f"{prefix}{rope_key}.mrope_interleaved", rope, "mrope_interleaved"),
+                         (prefix + "tie_word_embeddings", text, "tie_word_embeddings"),
+                         ("tie_word_embeddings", raw, "tie_word_embeddings")):
+        if name in d:
+            if not isinstance(d[name], bool):   # bool("false") is True: only JSON true / false
+                raise ConfigError(f"{where}: {key} must be true or false, got {d[name]!r}")
+            extra[name] = d[name]
+    n = text.get("num_hidden_layers")
+    if "layer_types" not in text and _is_int(n):
+        every = text.get("full_attention_interval", 4)
+        if not _is_int(every) or every < 1:
+            raise ConfigError(f"{where}: {prefix}full_attention_interval must be an integer >= 1, got {every!r}")
+        extra["layer_types"] = tuple(FULL if (i + 1) % every == 0 else LINEAR for i in range(n))
+    return extra
 
 
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     """Build a ModelConfig from the dict of a Hugging Face config.json; refuses unknown model types."""
-    mtype = raw.get("model_type")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: the top level must be an object of config keys, got {type(raw).__name__}")
     text = raw.get("text_config")
-    if text is None:
-        text = raw
-    ttype = text.get("model_type", mtype)
+    if text is not None and not isinstance(text, dict):
+        raise ConfigError(f"{where}: text_config must be an object of the text model's keys, got {text!r}")
+    prefix = "text_config." if text is not None else ""
+    text = dict(raw if text is None else text)
+    mtype, ttype = raw.get("model_type"), text.get("model_type", raw.get("model_type"))
+    for key, v in (("model_type", mtype), (prefix + "model_type", ttype)):
+        if v is not None and not isinstance(v, str):
+            raise ConfigError(f"{where}: {key} must be a string, got {v!r}")
     if mtype not in TEXT_TYPES and ttype not in TEXT_TYPES:
         raise ConfigError(f"{where}: model_type {mtype!r} is not a Qwen3.5 model; supported: "
                           f"{sorted(TEXT_TYPES)}")
-    moe = TEXT_TYPES.get(ttype, TEXT_TYPES.get(mtype))
-    prefix = "text_config." if raw.get("text_config") is not None else ""
-    text = dict(text)
-    rope_key = "rope_parameters" if text.get("rope_parameters") else "rope_scaling"
-    rope = text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {}
-    _check_modes(text, rope, rope_key, prefix, where)
-    n = text.get("num_hidden_layers")
-    if "layer_types" not in text and isinstance(n, int):
-        every = text.get("full_attention_interval", 4)
-        text["layer_types"] = [FULL if (i + 1) % every == 0 else LINEAR for i in range(n)]
-    extra = dict(moe=moe)
-    if "rope_theta" in rope or "rope_theta" in text:
-        extra["rope_theta"] = float(rope.get("rope_theta", text.get("rope_theta")))
-    if "partial_rotary_factor" in rope or "partial_rotary_factor" in text:
-        extra["partial_rotary_factor"] = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor")))
-    if rope.get("mrope_section"):
-        extra["mrope_section"] = tuple(rope["mrope_section"])
-    if "mrope_interleaved" in rope:
-        extra["mrope_interleaved"] = bool(rope["mrope_interleaved"])
-    # The VLM's top-level tie_word_embeddings decides tying (reference/qwen35.md 2.6).
-    tie = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    extra["tie_word_embeddings"] = bool(tie)
-    for k in ("rope_theta", "partial_rotary_factor", "tie_word_embeddings", "moe"):
-        text.pop(k, None)
-    tc = _take(text, TextConfig, where, **extra).validate(where)
+    _check_modes(raw, text, prefix, where)
+    extra = _text_extra(raw, text, prefix, where)
+    names = {f.name for f in dataclasses.fields(TextConfig)}
+    fields = {k: v for k, v in text.items() if k in names and k not in extra and k != "moe"}
+    tc = _take(fields, TextConfig, where, moe=TEXT_TYPES.get(ttype, TEXT_TYPES.get(mtype)), **extra).validate(where)
     vis = raw.get("vision_config")
-    vc = _take(vis, VisionConfig, where + " vision_config") if vis else None
+    if vis is not None and not isinstance(vis, dict):
+        raise ConfigError(f"{where}: vision_config must be an object of the vision tower's keys, got {vis!r}")
+    vc = _take(vis, VisionConfig, where + " vision_config").validate(where) if vis else None
     if vc is not None and vc.out_hidden_size != tc.hidden_size:
         raise ConfigError(f"{where}: vision_config.out_hidden_size {vc.out_hidden_size} must equal the text "
                           f"hidden_size {tc.hidden_size}")
+    eos_key = "eos_token_id" if "eos_token_id" in raw or not prefix else prefix + "eos_token_id"
     eos = raw.get("eos_token_id", text.get("eos_token_id"))
     return ModelConfig(model_type=mtype or ttype, text=tc, vision=vc,
                        image_token_id=raw.get("image_token_id"), video_token_id=raw.get("video_token_id"),
                        vision_start_token_id=raw.get("vision_start_token_id"),
-                       vision_end_token_id=raw.get("vision_end_token_id"), eos_token_ids=_eos(eos))
+                       vision_end_token_id=raw.get("vision_end_token_id"),
+                       eos_token_ids=_eos(eos, eos_key, tc.vocab_size, where))
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir).expanduser() / "config.json"
     try:
-        raw = json.loads(path.read_text())
+        if path.exists() and not path.is_file():       # a directory, or a FIFO that would block the read
+            raise ConfigError(f"{path}: not a regular file")
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no config.json in the model directory") from None
-    except json.JSONDecodeError as e:
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     return parse_config(raw, str(path))

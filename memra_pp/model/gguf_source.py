@@ -4,6 +4,7 @@ The file is memory-mapped; a tensor is dequantized only when `get` asks for it.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,8 @@ class GGUFSource:
             self._reader = gguf.GGUFReader(str(self.path))
         except FileNotFoundError:
             raise ConfigError(f"{self.path}: GGUF file does not exist") from None
+        except ConfigError:     # the metadata check's own, already naming the file
+            raise
         except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError on bad or truncated files
             raise ConfigError(f"{self.path}: not a readable GGUF file, truncated or corrupt "
                               f"({type(e).__name__}: {e})") from None
@@ -99,16 +102,39 @@ class GGUFSource:
             raise ConfigError(f"{self.path}: GGUF metadata key {key!r} does not decode "
                               f"({type(e).__name__}: {e})") from None
 
+    def _int(self, key: str, default=KeyError, lo: int = 1) -> int:
+        v = self._field(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:     # not int(): 2.5 blocks is not 2
+            raise ConfigError(f"{self.path}: GGUF metadata key {key!r} must be an integer >= {lo}, got {v!r}")
+        return v
+
+    def _real(self, key: str) -> float:
+        v = self._field(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):   # (its range: TextConfig.validate's check)
+            raise ConfigError(f"{self.path}: GGUF metadata key {key!r} must be a number, got {v!r}")
+        return _f32(v)
+
+    def _check_blocks(self, count: int, key: str) -> None:
+        """Every blk.N tensor below block_count, but MTP blocks (blk.N.nextn.*): a smaller count drops layers."""
+        mtp = {m[1] for t in self._tensors if (m := re.match(r"blk\.(\d+)\.nextn\.", t))}
+        for t in self._tensors:
+            m = re.match(r"blk\.(\d+)\.", t)
+            if m and int(m[1]) >= count and m[1] not in mtp:
+                raise ConfigError(f"{self.path}: tensor {t!r} is past the last block: {key} is {count}; the "
+                                  f"metadata undercounts the layers (fix {key})")
+
     def _build_config(self) -> ModelConfig:
         arch = self._field("general.architecture")
-        if arch not in ARCHS:
+        if not isinstance(arch, str) or arch not in ARCHS:
             raise ConfigError(f"{self.path}: GGUF architecture {arch!r} is not supported; expected one of "
                               f"{sorted(ARCHS)} (Qwen3.5 dense / MoE as written by llama.cpp's converter)")
 
-        def k(key, default=KeyError):
-            return self._field(f"{arch}.{key}", default)
+        def k(key, default=KeyError, lo=1):
+            return self._int(f"{arch}.{key}", default, lo)
         # MTP blocks, when written, are appended after the decoder layers (blk.{n_layer}.nextn.*).
-        n = int(k("block_count")) - int(k("nextn_predict_layers", 0))
+        count = k("block_count")
+        self._check_blocks(count, f"{arch}.block_count")
+        n = count - k("nextn_predict_layers", 0, lo=0)
         layer_types = []
         for i in range(n):  # full_attention_interval is written as 4 whatever the layout: read the tensors
             if f"blk.{i}.attn_q.weight" in self._tensors:
@@ -121,34 +147,44 @@ class GGUFSource:
         emb = self._tensors.get("token_embd.weight")
         if emb is None:
             raise ConfigError(f"{self.path}: tensor 'token_embd.weight' is missing")
-        head_dim = int(k("attention.key_length"))
+        if len(emb.shape) != 2:
+            raise ConfigError(f"{self.path}: tensor 'token_embd.weight' has shape "
+                              f"{tuple(int(d) for d in reversed(emb.shape.tolist()))}, expected (vocab, hidden)")
+        head_dim, nv = k("attention.key_length"), k("ssm.time_step_rank")
         # rope.dimension_count is computed from a key transformers 5 nests elsewhere: the sections are the truth.
-        sections = [int(s) for s in k("rope.dimension_sections")]
-        while sections and sections[-1] == 0:
+        sections = self._field(f"{arch}.rope.dimension_sections")
+        if not isinstance(sections, list) or not all(isinstance(s, int) and not isinstance(s, bool)
+                                                      for s in sections):
+            raise ConfigError(f"{self.path}: GGUF metadata key '{arch}.rope.dimension_sections' must be an array of "
+                              f"integers (T, H, W, 0), got {sections!r}")
+        while len(sections) > 3 and sections[-1] == 0:     # llama.cpp pads the three sections with a 0
             sections.pop()
-        nv = int(k("ssm.time_step_rank"))
-        scaling = str(k("rope.scaling.type", "none"))    # llama.cpp's: none, linear, yarn, ... (parse_config
-        #                                                  refuses any scaling)
+        inner = k("ssm.inner_size")
+        if inner % nv:
+            raise ConfigError(f"{self.path}: GGUF metadata key '{arch}.ssm.inner_size' ({inner}) must be a multiple "
+                              f"of '{arch}.ssm.time_step_rank' ({nv})")
+        scaling = str(self._field(f"{arch}.rope.scaling.type", "none"))  # llama.cpp's: none, linear, yarn, ...
+        #                                                                  (parse_config refuses any scaling)
         text = dict(
-            model_type=ARCHS[arch], vocab_size=int(emb.shape[1]), hidden_size=int(k("embedding_length")),
-            num_hidden_layers=n, num_attention_heads=int(k("attention.head_count")),
-            num_key_value_heads=int(k("attention.head_count_kv")), head_dim=head_dim,
-            linear_num_key_heads=int(k("ssm.group_count")), linear_num_value_heads=nv,
-            linear_key_head_dim=int(k("ssm.state_size")), linear_value_head_dim=int(k("ssm.inner_size")) // nv,
-            linear_conv_kernel_dim=int(k("ssm.conv_kernel")), layer_types=layer_types,
-            rms_norm_eps=_f32(k("attention.layer_norm_rms_epsilon")),
-            max_position_embeddings=int(k("context_length", 262144)),
-            rope_parameters=dict(rope_theta=_f32(k("rope.freq_base")), mrope_section=sections,
+            model_type=ARCHS[arch], vocab_size=int(emb.shape[1]), hidden_size=k("embedding_length"),
+            num_hidden_layers=n, num_attention_heads=k("attention.head_count"),
+            num_key_value_heads=k("attention.head_count_kv"), head_dim=head_dim,
+            linear_num_key_heads=k("ssm.group_count"), linear_num_value_heads=nv,
+            linear_key_head_dim=k("ssm.state_size"), linear_value_head_dim=inner // nv,
+            linear_conv_kernel_dim=k("ssm.conv_kernel"), layer_types=layer_types,
+            rms_norm_eps=self._real(f"{arch}.attention.layer_norm_rms_epsilon"),
+            max_position_embeddings=k("context_length", 262144),
+            rope_parameters=dict(rope_theta=self._real(f"{arch}.rope.freq_base"), mrope_section=sections,
                                  partial_rotary_factor=2 * sum(sections) / head_dim, mrope_interleaved=True,
                                  rope_type="default" if scaling == "none" else scaling),
             tie_word_embeddings="output.weight" not in self._tensors,
             eos_token_id=self._field("tokenizer.ggml.eos_token_id", None))
         if arch == "qwen35moe":
-            text.update(num_experts=int(k("expert_count")), num_experts_per_tok=int(k("expert_used_count")),
-                        moe_intermediate_size=int(k("expert_feed_forward_length")),
-                        shared_expert_intermediate_size=int(k("expert_shared_feed_forward_length", 0)))
+            text.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
+                        moe_intermediate_size=k("expert_feed_forward_length"),
+                        shared_expert_intermediate_size=k("expert_shared_feed_forward_length", 0, lo=0))
         else:
-            text["intermediate_size"] = int(k("feed_forward_length"))
+            text["intermediate_size"] = k("feed_forward_length")
         return parse_config(text, str(self.path))
 
     # ---- tensors ----------------------------------------------------------------------------------------
@@ -194,9 +230,8 @@ class GGUFSource:
             raise ConfigError(f"{self.path}: tensor 'output.weight' (canonical 'lm_head.weight') is missing: the "
                               f"model is tied, use embed_tokens.weight")
         if suffix == "mlp.experts.gate_up_proj" and gname not in self._tensors:
-            base = gname.rsplit(".", 2)[0]
-            t = torch.cat([self._load(f"{base}.ffn_gate_exps.weight", name),
-                           self._load(f"{base}.ffn_up_exps.weight", name)], dim=1)
+            t = torch.cat([self._half(f"{gname.rsplit('.', 2)[0]}.ffn_{p}_exps.weight", name) for p in ("gate", "up")],
+                          dim=1)
         else:
             t = self._load(gname, name)
         try:
@@ -207,6 +242,15 @@ class GGUFSource:
         check_shape(name, t, self.config.text, f"{self.path}: GGUF tensor {gname!r}")
         self.read_names.append(name)
         return t.to(device=device, dtype=dtype)
+
+    def _half(self, gname: str, name: str) -> torch.Tensor:
+        """ffn_gate_exps or ffn_up_exps, shape-checked before the two are joined (a 63 + 65 split is not 2 x 64)."""
+        c = self.config.text
+        t, want = self._load(gname, name), (c.num_experts, c.moe_intermediate_size, c.hidden_size)
+        if tuple(t.shape) != want:
+            raise ConfigError(f"{self.path}: tensor {gname!r} (half of canonical {name!r}) has shape "
+                              f"{tuple(t.shape)}, the config needs {want}")
+        return t
 
     def _undo(self, t: torch.Tensor, how: str | None, name: str) -> torch.Tensor:
         c = self.config.text

@@ -98,6 +98,7 @@ class VisionTower(nn.Module):
 
     def __init__(self, vcfg: VisionConfig):
         super().__init__()
+        vcfg.validate("vision tower")       # positive integer sizes, a square position table
         if vcfg.hidden_act not in ACTS:
             raise ConfigError(f"vision_config.hidden_act {vcfg.hidden_act!r} is not supported; expected one of "
                               f"{sorted(ACTS)}")
@@ -105,9 +106,6 @@ class VisionTower(nn.Module):
             raise ConfigError(f"vision_config.hidden_size {vcfg.hidden_size} must split into num_heads "
                               f"{vcfg.num_heads} heads of a head dim divisible by 4 (axial 2-D rotary)")
         self.side = math.isqrt(vcfg.num_position_embeddings)
-        if self.side ** 2 != vcfg.num_position_embeddings:
-            raise ConfigError(f"vision_config.num_position_embeddings {vcfg.num_position_embeddings} must be a "
-                              "square (the learned grid is side x side)")
         self.vcfg = vcfg
         with torch.device("meta"):
             self.patch_embed = _PatchEmbed(vcfg)

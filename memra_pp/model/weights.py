@@ -61,6 +61,11 @@ def expected_shape(name: str, cfg: TextConfig) -> tuple[int, ...] | None:
     return table.get(rest)
 
 
+# dtypes a checkpoint's tensors may have: any other (int8, uint8, float8_*, bool, complex) is quantized or not
+# weights at all, and a cast to float would load it as if its stored values were the real ones
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def check_shape(name: str, t: torch.Tensor, cfg: TextConfig, where: str) -> torch.Tensor:
     want = expected_shape(name, cfg)
     if want is not None and tuple(t.shape) != want:
@@ -79,11 +84,7 @@ class SafetensorsSource:
         self._safe_open = safe_open
         index = self.dir / "model.safetensors.index.json"
         if index.exists():
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise ConfigError(f"{index}: not a safetensors index ({e})") from None
-            self._file_of = {k: self.dir / f for k, f in wm.items()}
+            self._file_of = {k: self.dir / f for k, f in _weight_map(index).items()}
         else:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
@@ -91,6 +92,10 @@ class SafetensorsSource:
             self._file_of = {}
             for f in files:
                 for k in self._open(f).keys():
+                    if k in self._file_of:      # which copy is current is not ours to guess (a stale shard?)
+                        raise ConfigError(f"{self.dir}: tensor {k!r} is in both {self._file_of[k].name} and "
+                                          f"{f.name}; remove the stale file, or add a model.safetensors.index.json "
+                                          f"naming the shard of each tensor")
                     self._file_of[k] = f
         self._handles: dict[Path, object] = {}
         keys = self._file_of.keys()
@@ -118,9 +123,14 @@ class SafetensorsSource:
                 raise ConfigError(f"{f}: shard named by the index is missing")
             h = self._handles[f] = self._open(f)
         try:
-            return h.get_tensor(key)
+            t = h.get_tensor(key)
         except Exception as e:
             raise ConfigError(f"{f}: cannot read tensor {key!r} (truncated or corrupt file?): {e}") from None
+        if t.dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"{f}: tensor {key!r} has dtype {str(t.dtype).removeprefix('torch.')}; this runtime "
+                              f"loads float16 / bfloat16 / float32 / float64 weights only (a quantized checkpoint: "
+                              f"use the unquantized one or a GGUF file)")
+        return t
 
     def has(self, name: str) -> bool:
         if self._key(name) in self._file_of:
@@ -143,17 +153,45 @@ class SafetensorsSource:
     def _stack_experts(self, name: str) -> torch.Tensor:
         """Per-expert keys, as save_pretrained writes them, stacked into the canonical fused 3-D form."""
         base = self._key(name.rsplit(".", 1)[0])
-        E = self.config.text.num_experts
+        c = self.config.text
+        E, want = c.num_experts, {"gate_proj": (c.moe_intermediate_size, c.hidden_size),
+                                  "up_proj": (c.moe_intermediate_size, c.hidden_size),
+                                  "down_proj": (c.hidden_size, c.moe_intermediate_size)}
         out = []
         for e in range(E):
-            def one(p):
+            def one(p):     # each expert's shape, before stacking: a short gate and a long up must not add up
                 k = f"{base}.{e}.{p}.weight"
                 if k not in self._file_of:
                     raise ConfigError(f"{self.dir}: tensor {k!r} is missing from the checkpoint")
-                return self._raw(k)
+                t = self._raw(k)
+                if tuple(t.shape) != want[p]:
+                    raise ConfigError(f"{self._file_of[k]}: tensor {k!r} has shape {tuple(t.shape)}, the config "
+                                      f"needs {want[p]}")
+                return t
             out.append(torch.cat([one("gate_proj"), one("up_proj")], 0) if name.endswith("gate_up_proj")
                        else one("down_proj"))
         return torch.stack(out)
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map: tensor name -> shard file name."""
+    try:
+        idx = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{index}: not a safetensors index ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{index}: not a safetensors index (nested too deeply)") from None
+    if not isinstance(idx, dict) or "weight_map" not in idx:
+        raise ConfigError(f"{index}: not a safetensors index (no weight_map in "
+                          f"{'the object' if isinstance(idx, dict) else 'a JSON ' + type(idx).__name__})")
+    wm = idx["weight_map"]
+    if not isinstance(wm, dict):
+        raise ConfigError(f"{index}: not a safetensors index (weight_map must map tensor names to shard files, got "
+                          f"{wm!r:.80})")
+    for k, f in wm.items():
+        if not isinstance(f, str) or not f:
+            raise ConfigError(f"{index}: weight_map[{k!r}] must name a shard file, got {f!r}")
+    return wm
 
 
 class DummySource:
@@ -188,6 +226,8 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
     if fmt == "dummy":
         if str(path).startswith("preset:"):
             return DummySource(parse_config(presets.get(str(path)[7:]), str(path)))
+        if not p.exists():      # not its parent's config.json instead
+            raise ConfigError(f"model.path {str(path)!r} does not exist")
         return DummySource(load_config(p if p.is_dir() else p.parent))
     if fmt == "gguf" or (fmt == "auto" and (p.suffix == ".gguf" or (p.is_dir() and not any(p.glob(
             "*.safetensors*")) and any(p.glob("*.gguf"))))):
