@@ -18,6 +18,33 @@ from .rayutil import get
 
 PROMPTS = [[5, 17, 42, 7, 23, 99], list(range(30, 100)), [11]]
 NEW = 12
+LOGPROB_TOL = 1e-4   # image logprobs against a same-context run: rows that arrive bit-exact move them not at all
+
+
+def rows_arrived(digests: dict, publishes: bool) -> str | None:
+    """None when the image rows the intake spliced are bit-identical to the rows the tower published (once, or not
+    at all when nothing `publishes`); else what differs."""
+    pub, spliced = digests["published"], sorted(set(digests["spliced"]))
+    if not spliced:
+        return "the intake spliced no image rows"
+    if not publishes:
+        return f"{len(pub)} publication(s) recorded where the rows are aliased" if pub else None
+    if len(pub) != 1:
+        return f"the tower recorded {len(pub)} publications of the image rows, not 1"
+    if spliced != pub:
+        return (f"the rows the intake spliced (sha256 {', '.join(d[:16] for d in spliced)}) differ from the rows the "
+                f"tower published (sha256 {pub[0][:16]})")
+    return None
+
+
+def same_result(r, ref) -> str | None:
+    """None when `r` has `ref`'s tokens and logprobs (within LOGPROB_TOL); else what differs."""
+    if r.token_ids != ref.token_ids:
+        return f"tokens {r.token_ids} differ from the reference's {ref.token_ids}"
+    diff = max((abs(a - b) for a, b in zip(r.logprobs, ref.logprobs)), default=0.0)
+    if len(r.logprobs) != len(ref.logprobs) or not diff <= LOGPROB_TOL:
+        return f"logprobs differ from the reference's by up to {diff:.3g} (tolerance {LOGPROB_TOL})"
+    return None
 
 
 def verdict(rows: list[dict]) -> bool:
@@ -125,21 +152,42 @@ class Battery:
         prompt = [5, 17, mc.vision_start_token_id, mc.image_token_id, mc.vision_end_token_id, 42]
         return prompt, [ii]
 
+    def image_run(self, dep):
+        """The image request (greedy, with logprobs), and the sha256 of its rows as the stages recorded them:
+        {"published": [the tower's, before the dtoh], "spliced": [the intake's, the rows the splice read]}."""
+        prompt, imgs = self._image_request(dep)
+        get([a.run_check.remote("record_rows", True) for a in dep.actors], 30, "record rows")
+        r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, ignore_eos=True, logprobs=True)
+        recs = get([a.run_check.remote("record_rows", False) for a in dep.actors], 30, "row digests")
+        digests = {"published": [], "spliced": []}
+        for what, digest in (d for rec in recs for d in rec):
+            digests[what].append(digest)
+        return r, digests
+
+    @staticmethod
+    def _digest_evidence(digests: dict, mismatch: str | None) -> dict:
+        return {"published_sha256": [d[:16] for d in digests["published"]],
+                "spliced_sha256": sorted({d[:16] for d in digests["spliced"]}), "mismatch": mismatch}
+
     def images(self, dep) -> None:
-        req = self._image_request(dep)
-        if req is None:
+        if self._image_request(dep) is None:
             self.row("image_publication", "not applicable: the model has no vision tower", None,
                      {"applicable": False})
             return
         before = dep.stats()["stages"][0]["overlay_publications"]
-        r = dep.client().generate(req[0], images=req[1], max_new_tokens=NEW, ignore_eos=True)
+        r, digests = self.image_run(dep)
         st = dep.stats()["stages"]
         moved = st[0]["overlay_publications"] - before
         cross = dep.plan.tower_index != dep.plan.intake_index
+        mismatch = rows_arrived(digests, cross)
         self.row("image_publication", f"AUTO with the tower on stage {dep.plan.tower_index} and the intake on "
-                 f"stage 0: {'publishes (host bounce)' if cross else 'aliases (one context)'}",
-                 moved == (1 if cross else 0) and st[0]["splices"] > 0 and len(r.token_ids) == NEW,
-                 {"publications_moved": moved, "splices": st[0]["splices"], "tokens": r.token_ids})
+                 f"stage 0: {'publishes (host bounce)' if cross else 'aliases (one context)'}, and the intake "
+                 "splices the rows the tower made, bit-exact (sha256)",
+                 moved == (1 if cross else 0) and st[0]["splices"] > 0 and len(r.token_ids) == NEW
+                 and mismatch is None,
+                 {"publications_moved": moved, "splices": st[0]["splices"], "tokens": r.token_ids,
+                  **self._digest_evidence(digests, mismatch)})
+        self.image_result = r
         self.image_tokens = r.token_ids
         self.image_crosses = cross
 
@@ -185,11 +233,12 @@ class Battery:
                          {"publications": moved, "splices": splices, "tokens_equal": toks == self.image_tokens,
                           "refused": refused})
         with memra_pp.launch(self.variant(overlay_publish="force")) as dep:
-            prompt, imgs = self._image_request(dep)
-            r = dep.client().generate(prompt, images=imgs, max_new_tokens=NEW, ignore_eos=True)
+            r, digests = self.image_run(dep)
             moved = dep.stats()["stages"][0]["overlay_publications"]
-            self.row("force_publishes", "overlay_publish: force gives the same tokens as auto and publishes",
-                     r.token_ids == self.image_tokens and moved == 1, {"publications": moved})
+            mismatch = rows_arrived(digests, True) or same_result(r, self.image_result)
+            self.row("force_publishes", "overlay_publish: force publishes the rows bit-exact (sha256) and gives "
+                     "the tokens and logprobs of auto", moved == 1 and mismatch is None,
+                     {"publications": moved, **self._digest_evidence(digests, mismatch)})
 
     def transports(self, ref) -> None:
         import memra_pp
@@ -201,12 +250,16 @@ class Battery:
                           "transports_bit_identical"):
                 self.row(check, "not applicable: one stage (no boundary)", None, {})
             return
+        image = None
         with memra_pp.launch(self.variant(stages=[dict(stages[-1], layers="auto")])) as dep:
             runs["one_stage"] = self.tokens(dep)
+            if hasattr(self, "image_result"):   # one stage: the tower's rows are the intake's own (same context)
+                image = same_result(self.image_result, self.image_run(dep)[0])
         crossed = len(self.base_run[2])     # microbatches stage 1 received over the boundary (law 3: it ran)
-        self.row("pipeline_equals_one_stage", f"{len(stages)} stages give the tokens of one stage",
-                 ref == runs["one_stage"] and crossed > 0,
-                 {"tokens_equal": ref == runs["one_stage"], "boundary_microbatches": crossed})
+        self.row("pipeline_equals_one_stage", f"{len(stages)} stages give the tokens of one stage"
+                 + (" (and the image request its tokens and logprobs)" if hasattr(self, "image_result") else ""),
+                 ref == runs["one_stage"] and crossed > 0 and image is None,
+                 {"tokens_equal": ref == runs["one_stage"], "boundary_microbatches": crossed, "image_mismatch": image})
         if len(gpu) < 2:
             for check in ("transport_peer", "transport_host", "transports_bit_identical"):
                 self.row(check, "not applicable: fewer than two CUDA stages (the transport is shared memory)",

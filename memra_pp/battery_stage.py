@@ -65,10 +65,19 @@ def record_rx(r, on: bool) -> list[str]:
     return out
 
 
+def record_rows(r, on: bool) -> list[tuple[str, str]]:
+    """Start (on) or stop-and-return the sha256 of the rows of each overlay this stage's engine publishes (the
+    tower's, before the dtoh) or splices (the intake's, the rows the splice read): ("published" | "spliced", hex)."""
+    c = r.engine.counters
+    out = list(c.row_digests or [])
+    c.row_digests = [] if on else None
+    return out
+
+
 def hash_rx(r, view: torch.Tensor) -> None:
     if getattr(r, "rx_hashes", None) is not None:
         r.rx_hashes.append(hashlib.sha256(view.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest())
 
 
 CHECKS = {"context": context, "secondary": secondary, "same_context_publication": same_context_publication,
-          "foreign_context": foreign_context, "record_rx": record_rx}
+          "foreign_context": foreign_context, "record_rx": record_rx, "record_rows": record_rows}

@@ -34,6 +34,9 @@ class EngineCounters:
     splices: int = 0
     mid_span_splices: int = 0  # splices whose chunk began strictly inside an image span: a prefill chunk cut it
     publications: int = 0  # overlays landed here by host bounce
+    # the battery's record (battery_stage.record_rows), None when off: ("published" | "spliced", sha256) of the rows
+    # of each overlay published from this engine (before the dtoh) or spliced into it (the rows the splice read)
+    row_digests: list[tuple[str, str]] | None = None
 
 
 @dataclass

@@ -4,6 +4,7 @@ where rows cross contexts. Runs in stage processes: the tower engine's (publish_
 from __future__ import annotations
 
 import enum
+import hashlib
 import warnings
 from dataclasses import dataclass
 
@@ -38,13 +39,32 @@ def overlay_publications() -> int:
     return process_counters().publications
 
 
+def rows_digest(rows: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (read to the host): equal digests, bit-identical rows."""
+    return hashlib.sha256(rows.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def _record(engine: Engine, what: str, rows: torch.Tensor) -> None:
+    """The battery's proof that a publication is bit-exact (battery_stage.record_rows): off unless it records."""
+    if engine.counters.row_digests is not None:
+        engine.counters.row_digests.append((what, rows_digest(rows)))
+
+
 def _check_spans(rows: torch.Tensor, spans) -> tuple[Span, ...]:
+    if not isinstance(rows, torch.Tensor):
+        raise OverlayError(f"overlay rows must be a torch.Tensor (N, H), got a {type(rows).__name__}")
     if rows.dim() != 2 or rows.shape[0] == 0:
         raise OverlayError(f"overlay rows must be a non-empty (N, H) tensor, got shape {tuple(rows.shape)}")
+    # floating point, but any bit pattern: a publication carries the rows bit-exact, NaN payloads included
+    if not rows.is_floating_point():
+        raise OverlayError(f"overlay rows must be floating point (they replace embeddings), got {rows.dtype}")
+    if not isinstance(spans, (list, tuple)):
+        raise OverlayError(f"overlay spans must be a list of (prompt_pos, row_off, n_rows), got {spans!r}")
     n = rows.shape[0]
     out = []
     for i, s in enumerate(spans):
-        if len(s) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in s):
+        if not isinstance(s, (list, tuple)) or len(s) != 3 or \
+                not all(isinstance(v, int) and not isinstance(v, bool) for v in s):
             raise OverlayError(f"span {i} {s!r} must be three ints (prompt_pos, row_off, n_rows)")
         p, r, k = s
         if p < 0 or r < 0 or k < 1 or r + k > n:
@@ -135,6 +155,7 @@ class EmbedOverlay:
                 # allocation stream until it has run.
                 self.rows.record_stream(torch.cuda.current_stream(self.rows.device))
             engine.counters.splices += 1
+            _record(engine, "spliced", self.rows)
         return written
 
     @staticmethod
@@ -224,6 +245,7 @@ def publish_out(tower: Engine, rows: torch.Tensor, spans, into: torch.Tensor | N
     src = rows.detach().contiguous()
     dtype, shape = str(src.dtype).removeprefix("torch."), tuple(src.shape)
     nbytes = src.numel() * src.element_size()
+    _record(tower, "published", src)
     if into is not None and into.numel() >= nbytes:
         into[:nbytes].copy_(src.reshape(-1).view(torch.uint8))   # a synchronous dtoh straight into the slot
         return PublishedRows(None, dtype, shape, spans, ctx)

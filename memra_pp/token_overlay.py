@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from memra_pp.engine import Engine
-from memra_pp.errors import OverlayError
+from memra_pp.errors import ConfigError, OverlayError
 
 
 @dataclass(frozen=True)
@@ -26,31 +26,43 @@ class TokenOverlay:
 class TokenOverlaySet:
     """Per-adapter-slot token rows as device tables on one engine. For kind in (embed, lm): `{kind}_map_SV` holds
     -1 or a row of `{kind}_rows_RH`; `{kind}_counts_S` the rows per slot; `lm_ids_R` / `lm_slot_R` name each lm row.
-    On a tied model the lm tables are the embed tables (the same tensors)."""
+    On a tied model the lm tables are the embed tables (the same tensors). The rows tables hold every slot's rows in
+    one dtype, the widest of theirs (torch.promote_types: slots loaded from bf16 and f32 files are both kept exactly,
+    in f32); the apply casts to the activations' dtype."""
 
     @classmethod
     def from_slots(cls, engine: Engine, overlays, max_loras: int, tied: bool) -> TokenOverlaySet:
+        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
+            raise ConfigError(f"max_loras (adapters.max_loras) must be an integer >= 1, got {max_loras!r}")
         items = dict(overlays) if isinstance(overlays, Mapping) else dict(enumerate(overlays))
         items = {s: o for s, o in items.items() if o is not None}
+        for s, o in items.items():      # before sorting them: keys of mixed types do not sort
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise OverlayError(f"token overlay slot {s!r} must be an int in [0, max_loras={max_loras})")
+            if not isinstance(o, TokenOverlay):
+                raise OverlayError(f"token overlay slot {s} is a {type(o).__name__}, not a TokenOverlay")
         vocab = hidden = dtype = None
         for s, o in sorted(items.items()):
             if not 0 <= s < max_loras:
                 raise OverlayError(f"token overlay slot {s} is outside [0, max_loras={max_loras})")
+            if isinstance(o.vocab_size, bool) or not isinstance(o.vocab_size, int) or o.vocab_size < 1:
+                raise OverlayError(f"token overlay slot {s} has vocab_size {o.vocab_size!r}: the model's vocabulary "
+                                   f"size, an integer >= 1")
             if vocab is not None and o.vocab_size != vocab:
                 raise OverlayError(f"token overlay slot {s} has vocab_size {o.vocab_size}, other slots {vocab}")
             if tied and (o.lm_head_ids is not None or o.lm_head_rows is not None):
                 raise OverlayError(f"token overlay slot {s} carries lm_head rows on a tied model: the lm_head is the "
                                    f"embedding there, pass embed rows only")
             vocab = o.vocab_size
-            for ids, rows in ((o.embed_ids, o.embed_rows), (o.lm_head_ids, o.lm_head_rows)):
+            for kind, ids, rows in (("embed", o.embed_ids, o.embed_rows), ("lm_head", o.lm_head_ids, o.lm_head_rows)):
                 if ids is None and rows is None:
                     continue
-                hidden = _check_token_rows(s, ids, rows, vocab, hidden)
-                dtype = dtype or rows.dtype
+                hidden = _check_token_rows(s, kind, ids, rows, vocab, hidden)
+                dtype = rows.dtype if dtype is None else torch.promote_types(dtype, rows.dtype)
         self = cls.__new__(cls)
         self.max_loras, self.tied, self.vocab_size = max_loras, tied, vocab or 0
         dev = engine.device
-        embed = _tables({s: (o.embed_ids, o.embed_rows) for s, o in items.items()},
+        embed = _tables({s: (o.embed_ids, o.embed_rows) for s, o in items.items() if o.embed_ids is not None},
                         max_loras, self.vocab_size, hidden, dtype, dev)
         lm = embed if tied else _tables({s: (o.lm_head_ids, o.lm_head_rows) for s, o in items.items()
                                          if o.lm_head_ids is not None}, max_loras, self.vocab_size, hidden, dtype, dev)
@@ -82,11 +94,21 @@ class TokenOverlaySet:
         return logits_BV
 
 
-def _check_token_rows(slot: int, ids, rows, vocab: int, hidden):
+def _check_token_rows(slot: int, kind: str, ids, rows, vocab: int, hidden):
+    for what, t in (("ids", ids), ("rows", rows)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise OverlayError(f"token overlay slot {slot}: {kind} {what} must be a torch.Tensor, got a "
+                               f"{type(t).__name__}")
     if ids is None or rows is None or ids.dim() != 1 or rows.dim() != 2 or rows.shape[0] != ids.shape[0]:
         raise OverlayError(f"token overlay slot {slot}: ids (K,) and rows (K, H) must come together, got "
                            f"{None if ids is None else tuple(ids.shape)} and "
                            f"{None if rows is None else tuple(rows.shape)}")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise OverlayError(f"token overlay slot {slot}: {kind} ids must be an integer tensor, got {ids.dtype}")
+    if not rows.is_floating_point():
+        raise OverlayError(f"token overlay slot {slot}: {kind} rows must be floating point, got {rows.dtype}")
+    if not bool(torch.isfinite(rows).all()):
+        raise OverlayError(f"token overlay slot {slot}: {kind} rows hold NaN or inf")
     if hidden is not None and rows.shape[1] != hidden:
         raise OverlayError(f"token overlay slot {slot} has hidden size {rows.shape[1]}, other slots {hidden}")
     bad = ids[(ids < 0) | (ids >= vocab)]

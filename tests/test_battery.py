@@ -2,6 +2,7 @@
 that each path ran (publication counters, refusal messages, equal tokens); a check that does not apply to the
 placement writes a SKIP row saying why, never a missing row and never a PASS."""
 import json
+import os
 
 import yaml
 
@@ -31,10 +32,73 @@ def test_cpu_battery_passes_with_evidence(ray_cluster, tmp_path):
     assert rows["transport_peer"]["evidence"] == {"cuda_stages": 0}
     assert rows["pipeline_equals_one_stage"]["evidence"]["boundary_microbatches"] > 0   # the boundary was crossed
     assert rows["image_publication"]["evidence"]["publications_moved"] == 1
+    for c in ("image_publication", "force_publishes"):     # the rows spliced are the rows published, bit-exact
+        ev = rows[c]["evidence"]
+        assert ev["mismatch"] is None and len(ev["published_sha256"]) == 1, ev
+        assert ev["spliced_sha256"] == ev["published_sha256"], ev
+    assert rows["pipeline_equals_one_stage"]["evidence"]["image_mismatch"] is None
+    assert "image request" in rows["pipeline_equals_one_stage"]["exercised"]
     assert rows["same_context_publication"]["evidence"]["force_published"] == 1
     assert "overlay_publish: never" in rows["never_refuses"]["evidence"]["message"]
     assert "NOT REFUSED" not in json.dumps(rows["foreign_handle"]["evidence"])
     assert json.loads(out.read_text())["rows"], "the report must be written as rows complete"
+
+
+# Loaded at the start of each stage process (sitecustomize): the rows a publication lands from the intake's
+# publication slot (the tower in another process wrote them there) are zeroed after they land.
+CORRUPT_SLOT = """
+import memra_pp.overlay as _ov
+_land = _ov.PublishedRows.land
+
+
+def _corrupted(self, intake, host=None):
+    ov = _land(self, intake, host)
+    if host is not None:
+        ov.rows.zero_()
+    return ov
+
+
+_ov.PublishedRows.land = _corrupted
+"""
+
+
+def test_battery_fails_when_published_rows_arrive_wrong(ray_cluster, tmp_path, monkeypatch):
+    """Stage processes whose publications land wrong rows (zeroed after the htod, counters moved as usual) must
+    fail every row that claims a cross-context publication, each naming the mismatch: image_publication and
+    force_publishes (the rows the intake spliced differ from those the tower published, by sha256) and
+    pipeline_equals_one_stage (the image request's tokens differ from one stage's, whose tower aliases its rows).
+    The checks that publish nothing across processes still pass."""
+    import memra_pp.stages.actor as actor_mod
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(CORRUPT_SLOT)
+    real = actor_mod.StageActor
+    pythonpath = os.pathsep.join(p for p in (str(patch), os.environ.get("PYTHONPATH")) if p)
+
+    class Corrupting:
+        @staticmethod
+        def options(**opts):
+            env = dict(opts["runtime_env"]["env_vars"], PYTHONPATH=pythonpath)
+            return real.options(**dict(opts, runtime_env=dict(opts["runtime_env"], env_vars=env)))
+    monkeypatch.setattr(actor_mod, "StageActor", Corrupting)
+
+    path = make_tiny(tmp_path / "tiny-vision", vision=True)
+    cfg = {"name": "bat-corrupt", "model": {"path": str(path)}, "vision": {"engine": "primary"},
+           "stages": [{"device": "cpu", "num_cpus": 0.1}] * 2}
+    report = Battery(cfg, progress=lambda m: None).run()
+    rows = {r["check"]: r for r in report["rows"]}
+    assert not report["passed"]
+    failed = {c for c, r in rows.items() if r["outcome"] == "FAIL"}
+    assert failed == {"image_publication", "force_publishes", "pipeline_equals_one_stage"}, rows
+    for c in ("image_publication", "force_publishes"):
+        ev = rows[c]["evidence"]
+        assert ev["publications" if c == "force_publishes" else "publications_moved"] == 1, ev   # it published
+        assert "the rows the intake spliced (sha256" in ev["mismatch"], ev
+        assert "differ from the rows the tower published" in ev["mismatch"], ev
+        assert ev["spliced_sha256"] != ev["published_sha256"], ev
+    one = rows["pipeline_equals_one_stage"]["evidence"]
+    assert one["tokens_equal"] and "differ from the reference's" in one["image_mismatch"], one
+    assert rows["never_refuses"]["outcome"] == "PASS" and rows["same_context_publication"]["outcome"] == "PASS"
 
 
 def test_cli_battery_tower_on_intake(ray_cluster, tmp_path, capsys):
@@ -59,7 +123,10 @@ def test_cli_battery_tower_on_intake(ray_cluster, tmp_path, capsys):
     ev = rows["never_within_context"]["evidence"]
     assert ev["publications"] == 0 and ev["splices"] > 0 and ev["tokens_equal"] and ev["refused"] is None, ev
     assert rows["image_publication"]["evidence"]["publications_moved"] == 0
+    assert rows["image_publication"]["evidence"]["published_sha256"] == []     # aliased: nothing published
     assert rows["force_publishes"]["outcome"] == "PASS" and rows["force_publishes"]["evidence"]["publications"] == 1
+    ev = rows["force_publishes"]["evidence"]
+    assert ev["mismatch"] is None and ev["spliced_sha256"] == ev["published_sha256"] != [], ev
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == report["rows"]
 
     bad = tmp_path / "bad.yaml"

@@ -80,6 +80,8 @@ def test_overlay_publish_typo_is_refused(bad):
     ([(-1, 0, 1)], r"span 0 \(-1, 0, 1\) is outside"),
     ([(0, 0)], r"span 0 \(0, 0\) must be three ints"),
     ([(0.0, 0, 1)], r"must be three ints"),
+    ([5], r"span 0 5 must be three ints"),
+    (None, r"overlay spans must be a list of \(prompt_pos, row_off, n_rows\), got None"),
 ])
 def test_bad_spans_are_refused(spans, msg):
     """Overlapping, out-of-range or malformed spans must be refused naming the span."""
@@ -93,6 +95,17 @@ def test_rows_must_be_2d_and_non_empty():
         EmbedOverlay(Engine("cpu"), torch.zeros(6), [(0, 0, 1)])
     with pytest.raises(OverlayError, match=r"got shape \(0, 4\)"):
         EmbedOverlay(Engine("cpu"), torch.zeros(0, H), [])
+
+
+def test_rows_must_be_a_floating_point_tensor():
+    """Rows that are not a tensor, or not floating point (they replace embeddings), must be refused naming what
+    they are, at construction and at the publication source."""
+    with pytest.raises(OverlayError, match=r"overlay rows must be a torch.Tensor \(N, H\), got a list"):
+        EmbedOverlay(Engine("cpu"), [[1.0] * H], [(0, 0, 1)])
+    with pytest.raises(OverlayError, match="overlay rows must be floating point .* got torch.int64"):
+        EmbedOverlay(Engine("cpu"), torch.ones(6, H, dtype=torch.long), [(0, 0, 1)])
+    with pytest.raises(OverlayError, match="got torch.int32"):
+        publish_out(Engine("cpu"), torch.ones(6, H, dtype=torch.int32), [(0, 0, 1)])
 
 
 def test_construction_refuses_rows_not_in_the_engines_context(foreign_ctx):
@@ -282,6 +295,20 @@ def test_tied_lm_head_uses_the_embedding_rows():
     ({0: TokenOverlay(10, torch.tensor([1]), torch.zeros(2, H))}, False, r"ids \(K,\) and rows \(K, H\)"),
     ({0: _tok([1]), 1: TokenOverlay(10, torch.tensor([1]), torch.zeros(1, H + 1))}, False,
      "token overlay slot 1 has hidden size 5, other slots 4"),
+    ({0: TokenOverlay(10, torch.tensor([1.7]), torch.zeros(1, H))}, False,
+     "token overlay slot 0: embed ids must be an integer tensor, got torch.float32"),
+    ({0: TokenOverlay(10, torch.tensor([True]), torch.zeros(1, H))}, False,
+     "token overlay slot 0: embed ids must be an integer tensor, got torch.bool"),
+    ({0: TokenOverlay(10, torch.tensor([1]), torch.ones(1, H, dtype=torch.long))}, False,
+     "token overlay slot 0: embed rows must be floating point, got torch.int64"),
+    ({1: TokenOverlay(10, torch.tensor([1]), torch.zeros(1, H), torch.tensor([2]), torch.full((1, H), float("nan")))},
+     False, "token overlay slot 1: lm_head rows hold NaN or inf"),
+    ({0: TokenOverlay(10, torch.tensor([1]), [[0.0] * H])}, False,
+     "token overlay slot 0: embed rows must be a torch.Tensor, got a list"),
+    ({0: TokenOverlay(-1, torch.zeros(0, dtype=torch.long), torch.zeros(0, H))}, False,
+     "token overlay slot 0 has vocab_size -1: the model's vocabulary size, an integer >= 1"),
+    ({"a": _tok([1])}, False, r"token overlay slot 'a' must be an int in \[0, max_loras=2\)"),
+    ({0: _tok([1]), 1: "x"}, False, "token overlay slot 1 is a str, not a TokenOverlay"),
 ])
 def test_token_overlay_refusals(overlays, tied, msg):
     """Bad token overlays must be refused naming the slot."""
@@ -307,3 +334,33 @@ def test_publication_is_a_snapshot_and_lands_owned_rows():
         assert torch.equal(ov.rows, before)
         ov.rows.add_(0.0)                       # writable: the intake's own tensor
         assert ov.rows.untyped_storage().data_ptr() != p.data.ctypes.data
+
+
+def test_token_overlay_max_loras_must_be_positive():
+    """A max_loras below 1 must be refused as the config value it is (adapters.max_loras), naming it."""
+    for bad in (-1, 0, True):
+        with pytest.raises(ConfigError, match=re.escape(f"max_loras (adapters.max_loras) must be an integer >= 1, "
+                                                        f"got {bad!r}")):
+            TokenOverlaySet.from_slots(Engine("cpu"), {}, max_loras=bad, tied=True)
+
+
+def test_untied_overlay_with_lm_head_rows_only():
+    """An untied slot that overrides lm_head rows only (no embedding rows) must build: no embed rows, its lm rows."""
+    lm_rows = torch.randn(1, H)
+    ts = TokenOverlaySet.from_slots(Engine("cpu"), {1: TokenOverlay(10, None, None, torch.tensor([3]), lm_rows)},
+                                    max_loras=2, tied=False)
+    assert ts.embed_counts_S.tolist() == [0, 0] and ts.embed_rows_RH.shape == (0, H)
+    assert ts.lm_counts_S.tolist() == [0, 1] and ts.lm_ids_R.tolist() == [3] and torch.equal(ts.lm_rows_RH, lm_rows)
+
+
+def test_token_overlay_mixed_dtypes_keep_every_slot_exact():
+    """Slots whose rows differ in dtype must be stored in the widest (torch.promote_types), whatever the slot order:
+    no slot's rows are cast down to another slot's dtype."""
+    f32 = torch.randn(1, H, dtype=torch.float32) / 3
+    bf16 = torch.randn(1, H).to(torch.bfloat16)
+    for order in ((f32, bf16), (bf16, f32)):
+        ts = TokenOverlaySet.from_slots(Engine("cpu"), [TokenOverlay(10, torch.tensor([1]), r) for r in order],
+                                        max_loras=2, tied=True)
+        assert ts.embed_rows_RH.dtype == torch.float32
+        assert torch.equal(ts.embed_rows_RH[0], order[0][0].float()) and torch.equal(ts.embed_rows_RH[1],
+                                                                                     order[1][0].float())
