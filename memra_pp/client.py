@@ -25,6 +25,30 @@ from .supervisor import is_stage_lost
 WAIT_MAX_S = 1e9        # a longer timeout (inf) waits this long: Python's waits refuse more (threading.TIMEOUT_MAX)
 
 
+_CLOSED = object()      # a stream's queue: closed from another thread
+
+
+class Stream(Iterator[StreamEvent]):
+    """What stream() returns: its events, one next() at a time. close() may come from any thread, also while
+    another thread waits in next() (a generator would refuse that: "generator already executing"): that wait
+    then ends as the stream's end, and the request is let go as a close on the reading thread lets it go."""
+
+    def __init__(self, pieces, wake):
+        self._pieces, self._wake = pieces, wake
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> StreamEvent:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        try:
+            self._pieces.close()
+        except ValueError:          # another thread is inside next(): wake its wait, which ends the stream
+            self._wake()
+
+
 class Client(ReplayMixin):
     def __init__(self, dep):
         self.dep = dep
@@ -58,7 +82,8 @@ class Client(ReplayMixin):
             self._tracks.clear()
         for t in tracks:
             self._abort(t.rid)
-            self._deliver(t, ([], [], "error", ("StageFailed", "the client was closed (deployment shut down)")))
+            self._deliver(t, ([], [], "error", ("StageFailed", "the client was closed (close(), or its "
+                                                               "deployment's shutdown)")))
         if first:
             with contextlib.suppress(ValueError):
                 self.dep._clients.remove(self)
@@ -261,9 +286,12 @@ class Client(ReplayMixin):
                 yield None
             while True:
                 try:
-                    toks, lps, finish, err = q.get(timeout=timeout)
+                    item = q.get(timeout=timeout)
                 except queue.Empty:
                     raise RequestTimeout(f"request {tr.rid} produced nothing for {timeout:g} s") from None
+                if item is _CLOSED:         # Stream.close() from another thread: let it go (finally)
+                    return
+                toks, lps, finish, err = item
                 if err is not None:
                     done = True
                     raise _error(*err)
@@ -347,7 +375,7 @@ class Client(ReplayMixin):
                     yield StreamEvent(t, l if logprobs else None, text, f)
         it = pieces()
         next(it)
-        return it
+        return Stream(it, lambda: q.put(_CLOSED))
 
     async def agenerate(self, prompt, max_new_tokens: int = 16, *, logprobs: bool = True,
                         timeout: float | None = None, **kw) -> Result:

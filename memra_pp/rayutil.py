@@ -12,7 +12,9 @@ import ray
 from .errors import ConfigError, MemraError, StageFailed
 
 
-def get(refs, timeout: float, what: str):
+def get(refs, timeout: float, what: str, stage: int | None = None):
+    """ray.get of `refs` within `timeout`: our own errors as they were raised, anything else StageFailed naming
+    `what` (and `stage`, the index of the stage whose actor answers, where its death is that stage's loss)."""
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
@@ -23,7 +25,7 @@ def get(refs, timeout: float, what: str):
             raise cause from None
         raise StageFailed(f"{what}: {e}") from None
     except ray.exceptions.RayActorError as e:
-        raise StageFailed(f"{what}: a stage actor died ({e})") from None
+        raise StageFailed(f"{what}: a stage actor died ({e})", stage=stage) from None
 
 
 def attach(address: str, namespace: str) -> None:

@@ -7,7 +7,7 @@ import itertools
 import math
 from collections import deque
 
-from .errors import InputError
+from .errors import InputError, StageFailed
 from .model.batch import positions_3T
 from .sched_types import Event, Microbatch, Request, Seq
 
@@ -284,7 +284,9 @@ class Scheduler:
         self.pending_release.append(s.slot)
 
     def fail_one(self, r: Request, e: Exception) -> list[Event]:
-        return [Event(r.client, r.rid, [], [], "error", (type(e).__name__, str(e)))]
+        """r's end with `e` (pure: any thread may call it); a StageFailed naming a lost stage names it here too."""
+        lost = getattr(e, "stage", None) if isinstance(e, StageFailed) else None
+        return [Event(r.client, r.rid, [], [], "error", (type(e).__name__, str(e), lost))]
 
     def fail_mb(self, mb_id: int, etype: str, message: str) -> list[Event]:
         """A microbatch failed on some stage: its requests end with the error, every other request goes on."""

@@ -6,10 +6,17 @@ import ray
 from .runner import StageRunner
 
 
-@ray.remote(max_concurrency=16)
+CONTROL = "control"     # quick calls that must always find a thread: heartbeats, aborts, stats
+POLLS = "polls"         # the clients' long polls (0.2 s each), one a client at a time
+
+
+@ray.remote(max_concurrency=16, concurrency_groups={CONTROL: 4, POLLS: 32})
 class StageActor:
     """Ray runs each call on a pool thread; CUDA work there needs the stage's context made current first
-    (StageRunner methods that touch the device call `here()`)."""
+    (StageRunner methods that touch the device call `here()`). The default group's 16 threads take the calls that
+    may wait (submits, adapter loads, the tower's encodes, setup); the supervisor's heartbeats, aborts and stats
+    have a group of their own and the clients' polls another, so that neither waits behind them (a burst of
+    submits once held every thread past the heartbeat's deadline, and the stage was restarted)."""
 
     def __init__(self):
         self.runner = StageRunner()
@@ -21,6 +28,7 @@ class StageActor:
               switches: dict | None = None) -> dict:
         return self.runner.setup(placement, plan, index, run_dir, transport, switches)
 
+    @ray.method(concurrency_group=CONTROL)
     def kv_report(self) -> dict:
         return self.runner.kv_report()
 
@@ -30,7 +38,9 @@ class StageActor:
     def connect(self, downstream, ring, timeout: float, tower=None, tower_ctx=None, kv=None) -> None:
         if tower is not None:   # the intake asks the tower actor for rows; the runner never sees Ray
             from ..rayutil import get
-            self.runner.remote_encode = lambda *a: get(tower.encode_images.remote(*a), timeout, "vision tower")
+            ti = self.runner.plan.tower_index      # its death is that stage's loss, not the intake's
+            self.runner.remote_encode = lambda *a: get(tower.encode_images.remote(*a), timeout,
+                                                       f"stage {ti} (vision tower)", stage=ti)
         return self.runner.connect(downstream, ring, timeout, tower_ctx, kv)
 
     def unlink_shm(self, names: list) -> int:
@@ -47,12 +57,15 @@ class StageActor:
     def submit(self, req: dict) -> None:
         return self.runner.submit(req)
 
+    @ray.method(concurrency_group=CONTROL)
     def abort(self, rid: str) -> None:
         return self.runner.abort(rid)
 
+    @ray.method(concurrency_group=POLLS)
     def poll(self, client: str, timeout: float) -> list:
         return self.runner.poll(client, timeout)
 
+    @ray.method(concurrency_group=CONTROL)
     def forget_client(self, client: str) -> None:
         return self.runner.forget_client(client)
 
@@ -62,6 +75,7 @@ class StageActor:
     def unload_adapter(self, slot: int) -> None:
         return self.runner.unload_adapter(slot)
 
+    @ray.method(concurrency_group=CONTROL)
     def adapter_users(self, slot: int) -> int:
         return self.runner.adapter_users(slot)
 
@@ -83,6 +97,7 @@ class StageActor:
     def registry_key(self, key: bytes | None) -> None:
         return self.runner.registry_key(key)
 
+    @ray.method(concurrency_group=CONTROL)
     def adapters(self, loaded_only: bool = False) -> dict:
         return self.runner.adapters(loaded_only)
 
@@ -91,24 +106,29 @@ class StageActor:
         self.runner.here()
         return CHECKS[name](self.runner, *args)
 
+    @ray.method(concurrency_group=CONTROL)
     def describe(self) -> dict:
         return self.runner.describe()
 
+    @ray.method(concurrency_group=CONTROL)
     def stats(self, reset: bool = False, timeline: bool = False) -> dict:
         return self.runner.stats(reset, timeline)
 
     def inject_stall(self, seconds: float) -> None:
         return self.runner.inject_stall(seconds)
 
+    @ray.method(concurrency_group=CONTROL)
     def ping(self) -> int:
         return self.runner.ping()
 
+    @ray.method(concurrency_group=CONTROL)
     def pid(self) -> int:
         return self.runner.pid()
 
     def stop(self) -> None:
         return self.runner.stop()
 
+    @ray.method(concurrency_group=CONTROL)
     def health(self) -> dict:
         return self.runner.health()
 

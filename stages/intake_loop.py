@@ -104,6 +104,8 @@ class IntakeLoop(_Loop):
                     r.mail.post(sched.fail_one(item, e))
             elif kind == "abort":
                 r.mail.post(sched.abort(item))
+            elif kind == "post":                # events made off this thread (an image request's failure)
+                r.mail.post(item)
             elif kind == "ring" and item["kind"] == "tokens":
                 t = time.monotonic()
                 if "t" in item and "_rx" in item:    # (from the ring thread; a test may hand tokens in directly)

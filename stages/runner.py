@@ -3,6 +3,7 @@ importable and testable without Ray. The Ray actor in actor.py is a thin shell o
 """
 from __future__ import annotations
 
+import collections
 import numbers
 import os
 import queue
@@ -92,6 +93,16 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self._registry_kv_lock = threading.Lock()   # the KV writes, in snapshot order
         self._registry_seq = self._registry_written = 0     # the last snapshot taken, and written
         self._adapter_lock = threading.Lock()       # this stage's pools: one load or unload at a time
+        self._submitting: dict[int, int] = {}       # intake: adapter slot -> submits past its name, not yet queued
+        # intake: requests waiting for their images' rows (runner_images: the images thread), the ones of those
+        # their clients let go, and the last aborts asked (an abort may overtake its request's submit: Ray runs
+        # them on different threads); submit's queueing and abort meet under _pending_lock
+        self._pending: dict[str, object] = {}
+        self._pending_aborted: set[str] = set()
+        self._aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._pending_lock = threading.Lock()
+        self._images_q: queue.Queue = queue.Queue()
+        self._images_thread: threading.Thread | None = None
 
     def here(self) -> None:
         """Make this stage's context current on the calling thread (Ray calls arrive on pool threads)."""
@@ -195,7 +206,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
 
     # -- requests (intake) ------------------------------------------------------------------------------------
     def submit(self, req: dict) -> None:
-        """Validate and queue one request; a bad one raises InputError here and nothing else is touched."""
+        """Validate and queue one request; a bad one raises InputError here and nothing else is touched. An image
+        request returns once checked: its tower work runs on the images thread (runner_images)."""
         V = self.mc.text.vocab_size
         prompt = req["prompt"]
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < V]
@@ -212,16 +224,30 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             raise
         except (TypeError, ValueError) as e:
             raise InputError(f"bad sampling parameters in the request: {type(e).__name__}: {e}") from None
-        r = Request(req["rid"], req["client"], list(prompt), new, params, stop,
-                    adapter=self.adapter_slot(req.get("adapter")), step0=int(req.get("step0", 0)))
-        self.scheduler.validate(r)
-        if req.get("images"):
-            self._attach_images(r, req["images"])
-        elif self.mc.vision is not None and not r.step0 and (n := prompt.count(self.mc.image_token_id)):
-            # (a replay's prompt holds the tokens generated before the restart: the model may have made that id)
-            raise InputError(f"the prompt holds {n} image placeholder token(s) (id {self.mc.image_token_id}) but no "
-                             f"images were given: pass images=[memra_pp.ImageInput(...)] or drop the placeholders")
-        self.inbox.put(("req", r))
+        slot = self._take_adapter(req.get("adapter"))
+        try:
+            r = Request(req["rid"], req["client"], list(prompt), new, params, stop, adapter=slot,
+                        step0=int(req.get("step0", 0)))
+            self.scheduler.validate(r)
+            ip = self._plan_images(r, req["images"]) if req.get("images") else None
+            if ip is None and self.mc.vision is not None and not r.step0:
+                # (a replay's prompt holds the tokens generated before the restart: the model may have made them)
+                n = sum(prompt.count(t) for t in {self.mc.image_token_id, self.mc.video_token_id} if t is not None)
+                if n:
+                    raise InputError(f"the prompt holds {n} image or video placeholder token(s) (ids "
+                                     f"{self.mc.image_token_id}, {self.mc.video_token_id}) but no images were given: "
+                                     f"pass images=[memra_pp.ImageInput(...)] or drop the placeholders")
+            with self._pending_lock:
+                if r.rid in self._aborts:       # its client let it go before this submit got here
+                    return
+                if ip is not None:
+                    self._queue_images(r, ip)
+                else:
+                    self.inbox.put(("req", r))
+        finally:
+            if slot >= 0:
+                with self._registry_lock:
+                    self._submitting[slot] -= 1
 
     # -- adapters ---------------------------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str, slot: int) -> None:
@@ -364,26 +390,44 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             return self._published()
 
     def adapter_users(self, slot: int) -> int:
-        """Intake: requests with this adapter slot submitted (still in the inbox), waiting or running (read from an
-        actor thread: a snapshot)."""
+        """Intake: requests with this adapter slot being submitted, waiting for their images, submitted (still in
+        the inbox), waiting or running (read from an actor thread: a snapshot, taken in the order a request goes
+        through them, so that one moving on meanwhile is still counted)."""
         sch = self.scheduler
+        with self._registry_lock:
+            n = self._submitting.get(slot, 0)
+        with self._pending_lock:
+            n += sum(r.adapter == slot for r in self._pending.values())
         with self.inbox.mutex:
             queued = [item[1] for item in self.inbox.queue if item[0] == "req"]
-        return sum(r.adapter == slot for r in queued) + sum(r.adapter == slot for r in list(sch.waiting)) + \
+        return n + sum(r.adapter == slot for r in queued) + sum(r.adapter == slot for r in list(sch.waiting)) + \
             sum(q.req.adapter == slot for q in list(sch.active.values()))
 
-    def adapter_slot(self, name: str | None) -> int:
+    def _take_adapter(self, name: str | None) -> int:
+        """The slot of the loaded adapter `name` (-1: none), counted as being submitted until submit has queued
+        the request (an unload meanwhile sees it: adapter_users)."""
         if name is None:
             return -1
         if not isinstance(name, str):
             raise InputError(f"adapter must be a loaded adapter's name (a string) or None, got {name!r}")
-        e = self.adapter_registry.get(name)
-        if e is None or e[2] != "loaded":
-            raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self.adapter_names)}")
-        return e[0]
+        with self._registry_lock:
+            e = self.adapter_registry.get(name)
+            if e is None or e[2] != "loaded":
+                raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self._published())}")
+            self._submitting[e[0]] = self._submitting.get(e[0], 0) + 1
+            return e[0]
+
+    ABORTS_KEPT = 4096      # the last aborts remembered for a submit they overtook
 
     def abort(self, rid: str) -> None:
-        self.inbox.put(("abort", rid))
+        with self._pending_lock:
+            if rid in self._pending:           # its images are being made: the images thread drops it
+                self._pending_aborted.add(rid)
+                return
+            self._aborts[rid] = None
+            if len(self._aborts) > self.ABORTS_KEPT:
+                self._aborts.popitem(last=False)
+            self.inbox.put(("abort", rid))
 
     def poll(self, client: str, timeout: float) -> list[tuple]:
         return self.mail.poll(client, timeout)
@@ -458,6 +502,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
 
     def stop(self) -> None:
         self.here()
+        self._stop_images()
         if self.loop:
             self.loop.stop()
         self._close_links()

@@ -315,6 +315,7 @@ def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
     import queue
     r.inbox, r.scheduler = queue.Queue(), types.SimpleNamespace(waiting=[types.SimpleNamespace(adapter=1)],
                                                                 active={})
+    r._submitting, r._pending, r._pending_lock = {}, {}, threading.Lock()
     r.inbox.put(("req", types.SimpleNamespace(adapter=1)))
     r.inbox.put(("abort", "x"))
     r.inbox.put(("req", types.SimpleNamespace(adapter=0)))

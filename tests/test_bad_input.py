@@ -89,7 +89,10 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     "placeholder count": (dict(prompt=[5, VS, IMG, IMG, IMG, VE, 7], images=[image()]), InputError,
                           "Attempted to assign"),
     "placeholders without images": (dict(prompt=[5, VS, IMG, IMG, VE, 7]), InputError,
-                                     f"the prompt holds 2 image placeholder token(s) (id {IMG}) but no images"),
+                                     f"the prompt holds 2 image or video placeholder token(s) (ids {IMG}, "
+                                     f"{IMG + 1}) but no images"),
+    "video placeholders without images": (dict(prompt=[5, VS, IMG + 1, VE, 7]), InputError,
+                                           "the prompt holds 1 image or video placeholder token(s)"),
     "images not a list": (dict(prompt=[5, VS, IMG, VE], images=image()), InputError,
                           "images is a list of memra_pp.ImageInput, got ImageInput"),
     "pixel shape": (dict(prompt=[5, VS, IMG, VE], images=[image(width=95)]), InputError,
@@ -532,6 +535,35 @@ def test_a_stream_is_checked_at_the_call_and_freed_when_dropped(dep):
     assert pages() == free, "the dropped streams' KV pages did not come back"
 
 
+def test_a_stream_closes_from_another_thread_while_one_reads_it(dep):
+    """DESIGN: client calls from any thread. A stream closed by one thread while another waits in next() must end
+    that reader's loop (a generator refused: "ValueError: generator already executing", and the request ran to
+    its end) and abort the request at the intake."""
+    c = dep.client()
+    before = aborted(dep)
+    it = c.stream([5, 17, 42], max_new_tokens=CTX - 3, ignore_eos=True)
+    got, errors, first = [], [], threading.Event()
+
+    def read():
+        try:
+            for ev in it:
+                got.append(ev)
+                first.set()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    assert first.wait(30)
+    it.close()
+    t.join(30)
+    assert not t.is_alive() and not errors, errors
+    assert sum(len(e.token_ids) for e in got) < CTX - 3 and not any(e.finish_reason for e in got)
+    assert untracked(c), "the closed stream's request is still tracked"
+    assert aborted(dep, above=before) == before + 1
+    assert next(it, None) is None                      # ended for good
+    serves(dep)
+
+
 def test_a_closed_client_is_forgotten_by_the_deployment_and_the_intake(dep):
     """Clients closed with requests streaming leave nothing behind: the deployment drops them from its list, and the
     intake drops their mailbox and the events still posted to it (their aborted requests' last events). Before, both
@@ -606,7 +638,7 @@ def test_a_replay_may_hold_the_image_placeholder_id(dep):
                step0=2, images=None)
     ray.get(dep.actors[0].submit.remote(req), timeout=30)          # accepted
     dep.actors[0].abort.remote("replayed")
-    with pytest.raises(InputError, match="image placeholder"):
+    with pytest.raises(InputError, match="image or video placeholder"):
         ray.get(dep.actors[0].submit.remote(dict(req, rid="new", step0=0)), timeout=30)
     serves(dep)
 

@@ -1,6 +1,7 @@
 """Image prompts through memra_pp.launch must generate what transformers generates (pixel_values, grids,
 mm_token_type_ids), for each vision.engine choice; publication happens exactly when tower and intake differ."""
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -93,3 +94,64 @@ def test_force_publishes_and_never_refuses(ray_cluster):
         assert c.generate([5, 17, 42], max_new_tokens=NEW).token_ids == hf_reference(
             "dense", False, (5, 17, 42), NEW)[0]
         assert dep.stats()["stages"][0]["overlay_publications"] == 0
+
+
+def test_the_towers_work_never_holds_the_heartbeat_or_a_requests_answer(ray_cluster):
+    """An image request's submit returns once it is checked, and its tower work runs on the intake's images thread;
+    the actor's heartbeats, aborts and stats have threads of their own. A burst of encodes filling the call threads
+    once kept the supervisor's heartbeat unanswered past its deadline, and the intake was restarted under its
+    requests. Here 20 encodes are asked of the tower at once and the heartbeat asked after them is answered first;
+    image requests from 8 threads at once (tower on another stage: each published) all get transformers' tokens."""
+    import ray
+    model, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(cfg(path, 1)) as dep:
+        a = dep.actors[0]
+        big = image(9, (1, 32, 32))                       # 1,024 patches, 256 rows
+        encs = [a.encode_images.remote([big.pixel_values], [big.grid_thw], [(3, 0, 256)]) for _ in range(20)]
+        h, st = a.health.remote(), a.stats.remote()
+        ready, _ = ray.wait([h, st] + encs, num_returns=2, timeout=120)
+        assert ready == [h, st], "a heartbeat or stats waited behind the tower's encodes"
+        ray.get(encs, timeout=120)
+    with memra_pp.launch(cfg(path, 2)) as dep:
+        c = dep.client()
+        imgs = [[image(20 + i, (1, 2, 4 if i % 2 else 6))] for i in range(8)]
+        out = [None] * 8
+
+        def one(i):
+            out[i] = c.generate(prompt_for(imgs[i]), max_new_tokens=NEW, images=imgs[i], timeout=120)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        for i in range(8):
+            ht, hl = hf_image_greedy(model, prompt_for(imgs[i]), imgs[i])
+            assert out[i] is not None and out[i].token_ids == ht
+            assert max(abs(x - y) for x, y in zip(out[i].logprobs, hl, strict=True)) < 5e-4
+        st = dep.stats()
+        assert st["stages"][0]["overlay_publications"] == 8 and st["stages"][0]["publications_via_slot"] == 8
+        assert dep.supervisor is None or dep.supervisor.generation == 0      # no stage was found lost
+
+
+def test_a_dead_tower_is_named_not_the_intake(ray_cluster):
+    """Pixels that overflow the tower are refused for their request alone. Then the tower on stage 1 dies: an image
+    request fails with StageFailed naming stage 1, the tower, and carrying its index (a replaying client would wait
+    for that stage's recovery). It was reported as the intake's own loss, "stage 0 failed", because the tower's
+    error came back through the intake's submit (the supervisor, 30 s a heartbeat here, has not acted yet)."""
+    import ray
+    from memra_pp.errors import StageFailed
+    _, path = tiny_checkpoint("dense", False)
+    imgs = [image(5)]
+    with memra_pp.launch({**cfg(path, 2), "timeouts": {"heartbeat_s": 30}}) as dep:
+        c = dep.client()
+        assert c.generate(prompt_for(imgs), max_new_tokens=1, images=imgs, timeout=60).token_ids
+        # finite pixels that overflow the tower: this request is refused, not decoded from NaN rows (it was, with
+        # NaN logprobs and finish "length")
+        huge = [memra_pp.ImageInput(torch.full_like(imgs[0].pixel_values, 3e38), imgs[0].grid_thw)]
+        with pytest.raises(InputError, match=r"the images' 6 embedding rows are not all finite \(torch.float32 "
+                                             r"tower\): pixel values of magnitude up to 3e\+38 overflow it"):
+            c.generate(prompt_for(huge), max_new_tokens=NEW, images=huge, timeout=60)
+        ray.kill(dep.actors[1], no_restart=True)
+        with pytest.raises(StageFailed) as e:
+            c.generate(prompt_for(imgs), max_new_tokens=NEW, images=imgs, timeout=60)
+        assert e.value.stage == 1 and str(e.value).startswith("stage 1 (vision tower): a stage actor died"), e.value
