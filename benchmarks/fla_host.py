@@ -37,6 +37,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true", help="cProfile each way's calls (host side)")
     a = ap.parse_args()
+    from memra_pp import switches
+    switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
     assert torch.cuda.is_available(), "fla_host.py times the GPU path: it needs a CUDA GPU"
     os.makedirs(a.out, exist_ok=True)
     from gpu_engine_step import prefill_shape, spread_lengths

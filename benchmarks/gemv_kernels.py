@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--rows", default="1")
     ap.add_argument("--models", default="qwen3.5-35b-a3b,qwen3.5-27b")
     a = ap.parse_args()
+    from memra_pp import switches
+    switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
     if a.src:
         plot(json.load(open(a.src)), a.plot)
         return 0

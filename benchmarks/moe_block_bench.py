@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--configs", default="4x4x4x2x0,2x4x4x2x1,2x4x4x2x0,4x4x8x1x1,2x2x4x2x1,4x8x8x1x1,2x4x8x1x1")
     ap.add_argument("--spins", default="asm,atomic", help="the barrier's wait: ld.acquire (asm), atomic adds of 0")
     a = ap.parse_args()
+    from memra_pp import switches
+    switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
     configs = {c: parse_config(c) for c in a.configs.split(",")}     # a typo fails before any device time
     os.makedirs(a.out, exist_ok=True)
     from memra_pp.kernels import fused_moe as fm

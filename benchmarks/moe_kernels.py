@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,4,8,16,64,256,1024,4096")
     a = ap.parse_args()
+    from memra_pp import switches
+    switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
     os.makedirs(a.out, exist_ok=True)
     from gpu_decode import copy_bandwidth
     from memra_pp.kernels import fused_moe as fm

@@ -58,6 +58,8 @@ def main() -> int:
     ap.add_argument("--cprofile", default="", help="WAY: cProfile that way's timed steps, the top functions by own "
                     "time printed after each shape")
     a = ap.parse_args()
+    from memra_pp import switches
+    switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
     import triton.runtime.interpreter as ti
     from gpu_engine_step import prefill_shape, spread_lengths
     from memra_pp.kernels import fused_decode as fd, prefill as pf

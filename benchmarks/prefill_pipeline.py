@@ -96,6 +96,8 @@ def main() -> int:
     ap.add_argument("--pipeline-chunks", default="auto",
                     help="scheduler.pipeline_chunks for the two-stage runs, comma-separated (1,auto: side by side)")
     a = ap.parse_args()
+    from memra_pp import switches
+    switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
     import ray
     import memra_pp
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)

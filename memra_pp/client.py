@@ -34,19 +34,29 @@ class Stream(Iterator[StreamEvent]):
     then ends as the stream's end, and the request is let go as a close on the reading thread lets it go."""
 
     def __init__(self, pieces, wake):
-        self._pieces, self._wake = pieces, wake
+        self._pieces, self._wake, self._closed = pieces, wake, False
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> StreamEvent:
-        return next(self._pieces)
+        if self._closed:
+            raise StopIteration
+        try:
+            return next(self._pieces)
+        except ValueError:
+            if self._closed:        # closed by another thread, whose close is still running the cleanup
+                raise StopIteration from None
+            raise
 
     def close(self) -> None:
+        self._closed = True
+        self._wake()                # a reader waiting in next() ends; one that comes later stops at the flag
         try:
             self._pieces.close()
-        except ValueError:          # another thread is inside next(): wake its wait, which ends the stream
-            self._wake()
+        except ValueError as e:     # another thread is inside next(): the wake ends it, and it cleans up
+            if "already executing" not in str(e):
+                raise
 
 
 class Client(ReplayMixin):
@@ -209,6 +219,10 @@ class Client(ReplayMixin):
                     return tr, q, ids
                 self._tracks.pop(tr.rid, None)
             raise self._loss_error(tr, StageFailed(f"stage 0 failed: {e}", stage=0)) from None
+        except RequestTimeout as e:     # the intake may take it yet: the abort drops it there (runner.abort)
+            self._abort(tr.rid)
+            self._drop(tr)
+            raise RequestTimeout(f"{e} (timeouts.step_s); request {tr.rid} was aborted") from None
         except BaseException:
             self._drop(tr)
             raise
@@ -228,7 +242,8 @@ class Client(ReplayMixin):
             raise InputError(f"the request holds a value that cannot be sent to the intake: "
                              f"{str(e).splitlines()[0]}") from None
         try:
-            get(ref, step_s, "submit")
+            get(ref, step_s, "submit", timeout_error=RequestTimeout)   # (a live intake that did not take it in
+            #                                                            time: _submit aborts it, not a loss)
         except StageFailed as e:
             if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
                     self._intake._actor_id == intake._actor_id:
@@ -355,8 +370,9 @@ class Client(ReplayMixin):
                **kw) -> Iterator[StreamEvent]:
         """generate's keywords (keyword-only past max_new_tokens: a third positional argument is generate's
         temperature, never taken for logprobs); each event holds the new token ids, their logprobs and text.
-        The request is checked and submitted here, so bad input raises at this call, not at the first next();
-        an iterator closed or dropped before the end frees its sequence."""
+        The request is checked and submitted here, so bad input raises at this call, not at the first next() (what
+        only the vision tower can find, rows that are not finite, raises at a next()); an iterator closed (from
+        any thread) or dropped before the end frees its sequence."""
         wait, logprobs = self._timeout(timeout), flag("logprobs", logprobs)
         tr, q, _ = self._submit(prompt, max_new_tokens, kw)
         events = self._events(tr, q, wait, primed=True)

@@ -12,19 +12,22 @@ import ray
 from .errors import ConfigError, MemraError, StageFailed
 
 
-def get(refs, timeout: float, what: str, stage: int | None = None):
+def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error: type = StageFailed):
     """ray.get of `refs` within `timeout`: our own errors as they were raised, anything else StageFailed naming
-    `what` (and `stage`, the index of the stage whose actor answers, where its death is that stage's loss)."""
+    `what` (and `stage`, the index of the stage whose actor answers, where its death is that stage's loss; an actor
+    Ray cannot reach for now is not lost); no answer in time raises `timeout_error`."""
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        raise StageFailed(f"{what}: no answer within {timeout:g} s") from None
+        raise timeout_error(f"{what}: no answer within {timeout:g} s") from None
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, MemraError):
             raise cause from None
         raise StageFailed(f"{what}: {e}") from None
     except ray.exceptions.RayActorError as e:
+        if isinstance(e, getattr(ray.exceptions, "ActorUnavailableError", ())):
+            raise StageFailed(f"{what}: a stage actor is unreachable for now ({e})") from None
         raise StageFailed(f"{what}: a stage actor died ({e})", stage=stage) from None
 
 

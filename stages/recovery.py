@@ -52,7 +52,7 @@ class RecoveryMixin:
         self._close_links()
         sc = self.placement.scheduler
         if self.spec.intake:
-            evs = self.scheduler.fail_all("StageFailed", message, stage)
+            evs = self.scheduler.fail_all("StageFailed", message, stage) + self._fail_pending(message, stage)
             while True:
                 try:
                     kind, item = self.inbox.get_nowait()
@@ -60,6 +60,8 @@ class RecoveryMixin:
                     break
                 if kind == "req":
                     evs.append(Event(item.client, item.rid, [], [], "error", ("StageFailed", message, stage)))
+                elif kind == "post":            # an image request's failure, made before the halt
+                    evs.extend(item)
             self.mail.post(evs)
             self.scheduler = Scheduler.for_placement(sc, len(self.plan.stages), self.plan.microbatches)
         g = self.model.graphs

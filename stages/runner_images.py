@@ -13,7 +13,7 @@ from ..errors import InputError, MemraError, StageFailed
 from ..model.image import DEFAULT_MAX_PATCHES
 from ..multimodal import plan_images
 from ..overlay import EmbedOverlay, must_publish, publish_out
-from ..scheduler import Request
+from ..scheduler import Event, Request
 
 
 class ImagesMixin:
@@ -52,7 +52,7 @@ class ImagesMixin:
         while (item := self._images_q.get()) is not None:
             r, ip = item
             err = None
-            if r.rid not in self._pending_aborted:
+            if r.rid not in self._pending_aborted and self._pending.get(r.rid) is r:    # (not let go, not halted)
                 try:
                     self._attach_images(r, ip)
                 except MemraError as e:
@@ -60,13 +60,23 @@ class ImagesMixin:
                 except Exception as e:      # never the thread's end: the next request's images still run
                     err = StageFailed(f"stage {self.index}: images: {type(e).__name__}: {e}")
             with self._pending_lock:
-                if r.rid in self._pending_aborted:      # its client let it go: nobody reads an answer
+                if r.rid in self._pending_aborted or self._pending.get(r.rid) is not r:
+                    # its client let it go, or a halt failed it (the stage restarted under it): nobody reads it
                     self._pending_aborted.discard(r.rid)
                 elif err is not None:
                     self.inbox.put(("post", self.scheduler.fail_one(r, err)))
                 else:
                     self.inbox.put(("req", r))
-                del self._pending[r.rid]                # (after the put: adapter_users always sees it)
+                if self._pending.get(r.rid) is r:
+                    del self._pending[r.rid]            # (after the put: adapter_users always sees it)
+
+    def _fail_pending(self, message: str, stage: int | None) -> list:
+        """A halt: the requests waiting for their images end with the stage's failure (their clients hold or fail
+        them as they do the scheduler's); their tower work, running or queued, lands nowhere."""
+        with self._pending_lock:
+            failed, self._pending = list(self._pending.values()), {}
+            self._pending_aborted.clear()
+        return [Event(r.client, r.rid, [], [], "error", ("StageFailed", message, stage)) for r in failed]
 
     def _stop_images(self) -> None:
         if self._images_thread is not None:

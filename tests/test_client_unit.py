@@ -310,3 +310,31 @@ def test_a_submit_that_loses_the_intake_after_the_recovery_failed_is_not_held(mo
         assert not c._held and not c._tracks
     finally:
         c.close()
+
+
+def test_a_submit_the_intake_does_not_take_in_time_is_a_timeout_and_aborted(monkeypatch):
+    """A live intake that does not answer a submit within timeouts.step_s: the caller gets RequestTimeout (not
+    "stage 0 failed", and no hold for a replay that no failure will bring), and the request is aborted at the intake,
+    which drops it if it takes it later (runner.abort remembers it)."""
+    import pytest
+    import ray
+    from memra_pp.errors import RequestTimeout
+    c, log = _client(monkeypatch)
+    real = client_mod.ray.get
+    submits = []
+
+    def get(refs, timeout=None):
+        if submits and refs is submits[-1]:
+            raise ray.exceptions.GetTimeoutError("slow")
+        return real(refs, timeout=timeout)
+    c._intake.submit = types.SimpleNamespace(remote=lambda req: (log.append(("submit", req)),
+                                                                 submits.append(object()))[1] or submits[-1])
+    monkeypatch.setattr(client_mod.ray, "get", get)
+    try:
+        with pytest.raises(RequestTimeout, match=r"submit: no answer within 1 s \(timeouts.step_s\); request \w+ "
+                                                 r"was aborted"):
+            c.generate([5, 17], max_new_tokens=2)
+        rid = log[0][1]["rid"]
+        assert ("abort", rid) in log and not c._tracks and not c._held
+    finally:
+        c.close()

@@ -122,3 +122,24 @@ def test_an_unknown_adapter_leaves_no_count(runner):
     with pytest.raises(InputError, match="more than scheduler.max_context"):
         r.submit(req("x", adapter="a"))               # refused after its adapter was counted: counted back
     assert r._submitting == {0: 0} and r.adapter_users(0) == 0 and r.inbox.empty() and not r._pending
+
+
+def test_a_halt_fails_the_requests_waiting_for_their_images(runner):
+    """A stage failure halts the intake: requests waiting for their images end with the stage's failure like the
+    scheduler's (their clients hold them for a replay or fail them), and their tower work, running or queued, lands
+    nowhere. They used to reach the new loop after the restart and run a second time under their old rid."""
+    r, gate, seen, _ = runner
+    r.submit(req("x", adapter="a"))
+    r.submit(req("y"))
+    for _ in range(1000):                            # x's tower work is running, y's queued behind it
+        if seen:
+            break
+        threading.Event().wait(0.01)
+    evs = r._fail_pending("stage 1 is lost", 1)
+    assert sorted((e.rid, e.error) for e in evs) == [("x", ("StageFailed", "stage 1 is lost", 1)),
+                                                      ("y", ("StageFailed", "stage 1 is lost", 1))]
+    assert r.adapter_users(0) == 0 and not r._pending
+    gate.set()
+    r.submit(req("z"))                               # the restarted intake's own requests still go through
+    [(kind, got)] = inbox(r, 1)
+    assert (kind, got.rid) == ("req", "z") and seen == ["x", "z"]       # y's tower work never ran
