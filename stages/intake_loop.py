@@ -39,7 +39,8 @@ class IntakeLoop(_Loop):
         out["async_dropped"] = self.sched.dropped
         out["pipelined_chunks"] = self.sched.pipelined
         out["prompts_cut"] = self.sched.cut       # prompts sent in pipeline pieces (scheduler.pipeline_chunks)
-        out["aborted"] = self.sched.aborted       # requests an abort reached (a cancelled agenerate, a dropped stream)
+        # requests an abort reached (a cancelled agenerate, a dropped stream), in the scheduler or waiting for images
+        out["aborted"] = self.sched.aborted + self.r.images_aborted
         out["mailboxes"] = len(self.r.mail)       # clients not closed that have polled (a closed one's box goes)
         for k, d in self.ring_s.items():
             xs = list(d)        # (a copy first: the loop appends meanwhile)

@@ -99,6 +99,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         # them on different threads); submit's queueing and abort meet under _pending_lock
         self._pending: dict[str, object] = {}
         self._pending_aborted: set[str] = set()
+        self.images_aborted = 0                     # aborts that reached a request waiting for its images (stats)
         self._aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending_lock = threading.Lock()
         self._images_q: queue.Queue = queue.Queue()
@@ -422,7 +423,9 @@ class StageRunner(ImagesMixin, RecoveryMixin):
     def abort(self, rid: str) -> None:
         with self._pending_lock:
             if rid in self._pending:           # its images are being made: the images thread drops it
-                self._pending_aborted.add(rid)
+                if rid not in self._pending_aborted:
+                    self._pending_aborted.add(rid)
+                    self.images_aborted += 1
                 return
             self._aborts[rid] = None
             if len(self._aborts) > self.ABORTS_KEPT:

@@ -66,7 +66,8 @@ def test_an_abort_reaches_a_request_waiting_for_its_images(runner):
     r.submit(req("x"))
     r.submit(req("y"))
     r.abort("y")                                     # still waiting behind x: dropped, never queued
-    assert r._pending_aborted == {"y"}
+    r.abort("y")
+    assert r._pending_aborted == {"y"} and r.images_aborted == 1         # counted once (the intake's "aborted")
     gate.set()
     assert [(k, g.rid) for k, g in inbox(r, 1)] == [("req", "x")]
     for _ in range(1000):                            # y leaves the images thread with nothing queued
