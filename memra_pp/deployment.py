@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import ray
@@ -58,6 +59,10 @@ def _named_pg_id(name: str) -> str | None:
     return None if pg is None else pg.id.hex()
 
 
+# this process's handles (launched or connected) not shut down: Ray stays up while any is (Deployment.shutdown)
+_LIVE: "weakref.WeakSet[Deployment]" = weakref.WeakSet()
+
+
 class Deployment:
     def __init__(self, placement: Placement, plan: Plan, actors: list, infos: list[dict], run_dir: str | None,
                  owns_ray: bool, detached: bool):
@@ -78,6 +83,7 @@ class Deployment:
         self.stop_done = threading.Event()   # a stop request was answered (the launcher's shutdown ran or failed)
         self.stop_ok = False                 # ... and its shutdown completed
         self._pg_id: str | None = None       # a connected handle: the detached group it found (kv_key)
+        _LIVE.add(self)
         self._torn_down = False        # its teardown completed: a second shutdown only stops Ray if still asked
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
@@ -271,6 +277,9 @@ class Deployment:
     def _require_up(self, what: str) -> None:
         if self._down:      # the actors are gone: a call would make Ray start a new local cluster to find them
             raise StageFailed(f"{what}: the deployment {self.placement.name!r} was shut down")
+        if not ray.is_initialized():    # (ray.shutdown() by the caller): a call would start a new local cluster
+            raise StageFailed(f"{what}: this process is no longer connected to the Ray cluster of the deployment "
+                              f"{self.placement.name!r} (ray.shutdown() was called); connect() again")
 
     def client(self):
         self._require_up("client")
@@ -354,15 +363,25 @@ class Deployment:
         """A connect()ed handle: look the stage actors up by name again, since the launching process's supervisor
         replaces a failed stage with a new actor of the same name (launch's own handle is updated by its
         supervisor). Returns whether the handles were looked up."""
-        if not self.connected or self._down:
+        if not self.connected or self._down or not ray.is_initialized():
             return False
-        try:
-            new = [ray.get_actor(f"{self.placement.name}.stage{i}") for i in range(len(self.plan.stages))]
-        except Exception:  # noqa: BLE001 - a stage between its kill and its replacement, the GCS slow: not now
+        found: list = []
+
+        def look():     # ray.get_actor waits for the GCS as long as it takes (a killed launcher's cluster: until
+            try:        # Ray ends this process, 60 s on): the caller waits REFRESH_S at most
+                found.append([ray.get_actor(f"{self.placement.name}.stage{i}") for i in range(len(self.plan.stages))])
+            except Exception:  # noqa: BLE001 - a stage between its kill and its replacement, the GCS slow: not now
+                pass
+        t = threading.Thread(target=look, name="refresh-actors", daemon=True)
+        t.start()
+        t.join(self.REFRESH_S)
+        if not found:
             return False
         with self._actors_lock:
-            self.actors = new
+            self.actors = found[0]
         return True
+
+    REFRESH_S = 5.0     # refresh_actors' longest wait for the cluster's answer
 
     def stage_actor(self, i: int):
         return self.actors[i]
@@ -397,8 +416,13 @@ class Deployment:
             else:
                 self._teardown()
             self._torn_down = True        # (a teardown that raised, e.g. on Ctrl-C, runs again on the next call)
+        _LIVE.discard(self)
         if self.owns_ray and stop_ray and ray.is_initialized():
-            ray.shutdown()
+            others = [d for d in list(_LIVE) if not d._down]
+            if others:      # another handle of this process still uses the cluster: it stops Ray when it goes
+                others[0].owns_ray = True
+            else:
+                ray.shutdown()
 
     def _stop_remote(self, wait_s: float | None = None) -> str:
         """A connect()ed handle's shutdown: ask the launching process (its supervisor) to shut the deployment down,

@@ -312,3 +312,68 @@ def test_a_connected_handle_replays_through_a_restart(ray_cluster):
         assert gone in str(dec.error), dec.error
         with pytest.raises(StageFailed, match=re.escape(gone)):
             c.generate(list(SHORT), max_new_tokens=4, timeout=float("inf"))
+
+
+SHARED_RAY = r"""
+import ray
+import memra_pp
+from memra_pp.defaults import ensure_tiny
+from memra_pp.errors import StageFailed
+
+def cfg(name):
+    return {"name": name, "model": {"path": str(ensure_tiny())}, "stages": [{"device": "cpu", "num_cpus": 0.1}],
+            "scheduler": {"max_batch": 2, "max_context": 64}}
+d1, d2 = memra_pp.launch(cfg("one")), memra_pp.launch(cfg("two"))
+assert d1.owns_ray and not d2.owns_ray
+want = d2.client().generate([5, 17], max_new_tokens=3, timeout=60).token_ids
+address = ray.get_runtime_context().gcs_address
+d1.shutdown()
+assert ray.is_initialized() and ray.get_runtime_context().gcs_address == address
+assert d2.client().generate([5, 17], max_new_tokens=3, timeout=60).token_ids == want
+d2.shutdown()
+assert not ray.is_initialized()
+d3 = memra_pp.launch(cfg("three"))
+ray.shutdown()                       # the caller's own: the handle refuses, and no cluster starts on its own
+try:
+    d3.client()
+except StageFailed as e:
+    print("refused:", e)
+assert not ray.is_initialized()
+print("OK")
+"""
+
+
+def test_a_handle_shut_down_leaves_ray_to_the_others_of_its_process(tmp_path):
+    """Two deployments launched by one process share its Ray: the first owned it, and its shutdown stopped Ray
+    under the second, whose next call started a new local cluster and failed with a raw "different cluster"
+    error. Ray now stays up while any handle of the process is up, and stops with the last. A handle whose
+    process left Ray (ray.shutdown()) refuses with StageFailed instead of starting a cluster. In a process of its
+    own: the test session's cluster is not launch's to stop."""
+    import subprocess
+    import sys
+    script = tmp_path / "shared_ray.py"
+    script.write_text(SHARED_RAY)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "RAY_ADDRESS": ""})
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "OK", (out.stdout[-2000:], out.stderr[-3000:])
+    assert ("refused: client: this process is no longer connected to the Ray cluster of the deployment 'three' "
+            "(ray.shutdown() was called); connect() again") in out.stdout
+
+
+def test_a_connected_handle_stops_looking_for_an_unreachable_cluster(monkeypatch):
+    """refresh_actors (a connected handle's lookup of replaced stages) waits REFRESH_S at most: with the launching
+    process killed, ray.get_actor waits for the cluster until Ray ends the process (60 s), and every submit and the
+    client's pump hung in it, untyped, until then."""
+    import types
+    from memra_pp.deployment import Deployment
+    d = Deployment.__new__(Deployment)
+    d.connected, d._down, d._actors_lock, d.actors = True, False, threading.Lock(), ["old"]
+    d.placement, d.plan = types.SimpleNamespace(name="x"), types.SimpleNamespace(stages=[0, 1])
+    d.REFRESH_S = 0.3
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_actor", lambda name: time.sleep(30))
+    t0 = time.monotonic()
+    assert d.refresh_actors() is False and d.actors == ["old"]
+    assert time.monotonic() - t0 < 5
+    monkeypatch.setattr(ray, "get_actor", lambda name: f"actor {name}")
+    assert d.refresh_actors() is True and d.actors == ["actor x.stage0", "actor x.stage1"]
