@@ -70,7 +70,13 @@ def cmd_demo(args) -> int:
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt      # SIGTERM (a service manager's stop, `timeout`, `kill`) shuts down as Ctrl-C does
+    """SIGTERM (a service manager's stop, `timeout`, `kill`) shuts down as Ctrl-C does. A second SIGTERM is
+    ignored from then on (main restores the handler it found): `timeout` sends two, to the command and then to its
+    process group, and the second cut the shutdown the first started short (the stages' segments stayed). SIGKILL
+    still stops it at once."""
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _sigterm_is_ctrl_c() -> None:
