@@ -338,3 +338,22 @@ def test_a_submit_the_intake_does_not_take_in_time_is_a_timeout_and_aborted(monk
         assert ("abort", rid) in log and not c._tracks and not c._held
     finally:
         c.close()
+
+
+def test_an_actor_ray_cannot_reach_for_now_is_not_a_lost_stage(monkeypatch):
+    """rayutil.get names the stage whose actor died (a replaying client then waits for its recovery), but not one
+    Ray cannot reach for now (ActorUnavailableError, a RayActorError too): no recovery would come for a live stage,
+    and the request would wait for it until its timeout (for ever with timeout=inf)."""
+    import pytest
+    import ray
+    from memra_pp.errors import StageFailed
+    from memra_pp.rayutil import get
+    for exc, stage, words in ((ray.exceptions.ActorDiedError(), 1, "a stage actor died"),
+                              (ray.exceptions.ActorUnavailableError("gone for now", b"\0" * 16), None,
+                               "a stage actor is unreachable for now")):
+        def fail(refs, timeout=None, exc=exc):
+            raise exc
+        monkeypatch.setattr(ray, "get", fail)
+        with pytest.raises(StageFailed, match=f"^stage 1 \\(vision tower\\): {words}") as e:
+            get(object(), 1.0, "stage 1 (vision tower)", stage=1)
+        assert e.value.stage == stage
