@@ -3,7 +3,6 @@ Runs wherever an adapter is loaded (driver or stage process); every refusal is a
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError
-from .model.config import ModelConfig
+from .model.config import ModelConfig, read_json
 from .model.lora import layer_modules
 from .model.weights import expected_shape
 from .overlay import TokenOverlay, TokenOverlaySet
@@ -83,9 +82,9 @@ def _read_config(d: Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"adapter {str(d)!r}: adapter_config.json is missing (not a PEFT adapter directory)")
     try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        cfg = read_json(p, "not valid JSON")
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read adapter_config.json ({e.strerror or e})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{p}: must hold a JSON object (PEFT's LoraConfig), got {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":

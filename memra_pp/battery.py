@@ -192,14 +192,13 @@ class Battery:
                  {"publications_moved": moved, "splices": st[0]["splices"], "tokens": r.token_ids,
                   **self._digest_evidence(digests, mismatch)})
         self.image_result = r
-        self.image_tokens = r.token_ids
         self.image_crosses = cross
 
     NEVER_FORCE = ("never_refuses", "never_within_context", "force_publishes")
 
     def never_and_force(self) -> None:
         import memra_pp
-        if not hasattr(self, "image_tokens"):
+        if not hasattr(self, "image_result"):
             for check in self.NEVER_FORCE:
                 self.row(check, "not applicable: the model has no vision tower (no image overlay)", None, {})
             return
@@ -231,10 +230,11 @@ class Battery:
                     toks, refused = [], str(e)
                 st = dep.stats()["stages"][0]
                 moved, splices = st["overlay_publications"], st["splices"]
+                auto_tokens = self.image_result.token_ids
                 self.row("never_within_context", "overlay_publish: never with the tower on the intake engine "
                          "serves the image request (one context: nothing to refuse) with the auto tokens",
-                         refused is None and toks == self.image_tokens and moved == 0 and splices > 0,
-                         {"publications": moved, "splices": splices, "tokens_equal": toks == self.image_tokens,
+                         refused is None and toks == auto_tokens and moved == 0 and splices > 0,
+                         {"publications": moved, "splices": splices, "tokens_equal": toks == auto_tokens,
                           "refused": refused})
         with memra_pp.launch(self.variant(overlay_publish="force")) as dep:
             r, digests = self.image_run(dep)

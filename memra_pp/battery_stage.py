@@ -1,15 +1,11 @@
 """Battery checks that run inside a live stage process, against that stage's own engine (no Ray here)."""
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from .engine import residency_of
 from .gpu_checks import refusal as _refused
-from .overlay import EmbedOverlay, OverlayPublish, overlay_publications
-
-
+from .overlay import EmbedOverlay, OverlayPublish, overlay_publications, rows_digest
 
 
 def context(r) -> dict:
@@ -76,7 +72,7 @@ def record_rows(r, on: bool) -> list[tuple[str, str]]:
 
 def hash_rx(r, view: torch.Tensor) -> None:
     if getattr(r, "rx_hashes", None) is not None:
-        r.rx_hashes.append(hashlib.sha256(view.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest())
+        r.rx_hashes.append(rows_digest(view))
 
 
 CHECKS = {"context": context, "secondary": secondary, "same_context_publication": same_context_publication,

@@ -89,12 +89,10 @@ def _sigterm_is_ctrl_c() -> None:
 
 
 def cmd_launch(args) -> int:
-    import signal
     import memra_pp
-    dep = memra_pp.launch(args.config, detached=True)   # (a SIGTERM in here: Ray's exit, launch tears down)
-    # after ray.init, which sets its own SIGTERM handler (sys.exit, skipping the shutdown below): else the stages
-    # die with Ray and leave their shared memory behind
-    signal.signal(signal.SIGTERM, _interrupt)
+    # (SIGTERM is Ctrl-C from when launch has started Ray, main's _sigterm_is_ctrl_c hook: Ray's own handler exits
+    # without the shutdown below, and the stages would die with Ray and leave their shared memory behind)
+    dep = memra_pp.launch(args.config, detached=True)
     import ray
     addr, name = ray.get_runtime_context().gcs_address, dep.placement.name
     _print(args, {"name": name, "stages": len(dep.actors), "address": addr,

@@ -19,10 +19,13 @@ import ray
 
 from .client_replay import ReplayMixin, _Track
 from .errors import InputError, RequestTimeout, StageFailed
+from .placement.schema import MAX_TIMEOUT_S
 from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _token_ids, flag, request_dict
 from .supervisor import is_stage_lost
 
-WAIT_MAX_S = 1e9        # a longer timeout (inf) waits this long: Python's waits refuse more (threading.TIMEOUT_MAX)
+# a longer timeout (inf) waits this long: Python's waits refuse more (threading.TIMEOUT_MAX); the placement's
+# timeouts.* are bounded by the same
+WAIT_MAX_S = MAX_TIMEOUT_S
 
 
 _CLOSED = object()      # a stream's queue: closed from another thread

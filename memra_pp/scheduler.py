@@ -285,7 +285,7 @@ class Scheduler:
 
     def fail_one(self, r: Request, e: Exception) -> list[Event]:
         """r's end with `e` (pure: any thread may call it); a StageFailed naming a lost stage names it here too."""
-        lost = getattr(e, "stage", None) if isinstance(e, StageFailed) else None
+        lost = e.stage if isinstance(e, StageFailed) else None
         return [Event(r.client, r.rid, [], [], "error", (type(e).__name__, str(e), lost))]
 
     def fail_mb(self, mb_id: int, etype: str, message: str) -> list[Event]:

@@ -32,7 +32,7 @@ MAX_BATCH = 65536              # scheduler.max_batch: sequences with a cache slo
 MAX_CONTEXT = 2 ** 24          # scheduler.max_context: positions per sequence (Qwen3.5 trains 262144)
 MAX_THREADS = 1024             # stages[].threads: torch intra-op threads of one stage
 MAX_CPUS = 1024.0              # stages[].num_cpus: Ray CPUs reserved for one stage
-MAX_TIMEOUT_S = 1e9            # timeouts.*: memra_pp.client.WAIT_MAX_S, the longest wait the runtime makes
+MAX_TIMEOUT_S = 1e9            # timeouts.*: the longest wait the runtime makes (memra_pp.client.WAIT_MAX_S)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -294,18 +294,25 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
                        eos_token_ids=_eos(eos, eos_key, tc.vocab_size, where))
 
 
+def read_json(path: Path, bad: str):
+    """A JSON file's value. Text that is not JSON, not UTF-8, or nested too deeply is a ConfigError headed
+    "{path}: {bad}"; an OSError is the caller's to name (config.json, the safetensors index, adapter_config.json)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: {bad} ({e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: {bad} (nested too deeply)") from None
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir).expanduser() / "config.json"
     try:
         if path.exists() and not path.is_file():       # a directory, or a FIFO that would block the read
             raise ConfigError(f"{path}: not a regular file")
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_json(path, "not valid JSON")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no config.json in the model directory") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: not valid JSON (nested too deeply)") from None
     return parse_config(raw, str(path))

@@ -4,7 +4,6 @@ A stage asks only for the tensors of its own layers; `read_names` records what w
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ConfigError
-from .config import ModelConfig, TextConfig, load_config, parse_config
+from .config import ModelConfig, TextConfig, load_config, parse_config, read_json
 from . import presets
 
 
@@ -176,11 +175,9 @@ class SafetensorsSource:
 def _weight_map(index: Path) -> dict[str, str]:
     """model.safetensors.index.json's weight_map: tensor name -> shard file name."""
     try:
-        idx = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        idx = read_json(index, "not a safetensors index")
+    except OSError as e:
         raise ConfigError(f"{index}: not a safetensors index ({e})") from None
-    except RecursionError:
-        raise ConfigError(f"{index}: not a safetensors index (nested too deeply)") from None
     if not isinstance(idx, dict) or "weight_map" not in idx:
         raise ConfigError(f"{index}: not a safetensors index (no weight_map in "
                           f"{'the object' if isinstance(idx, dict) else 'a JSON ' + type(idx).__name__})")
