@@ -115,7 +115,9 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
             out.append(r)
             print(f"  {n} stage(s) (microbatches {microbatches}), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s "
                   f"end to end, steady decode {r['decode_tokens_per_s']:.1f} tokens/s, "
-                  f"ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms, busy "
+                  f"ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms, time per output token p50 {r['tpot_p50_s'] * 1e3:.1f} ms "
+                  f"(p99 {r['tpot_p99_s'] * 1e3:.1f}), inter-token p50 {r['itl_p50_s'] * 1e3:.1f} ms (p99 "
+                  f"{r['itl_p99_s'] * 1e3:.1f}, longest {r['itl_max_s'] * 1e3:.0f}), busy "
                   + ", ".join(f"{s['busy']:.0%}" for s in r["stages"])
                   + " (steady decode " + ", ".join(f"{b:.0%}" for b in r.get("steady_busy") or []) + ")"
                   + (", handoff p50 " + ", ".join(f"{s['handoff_p50_us']:.0f}" for s in r["stages"][1:]) + " us, "

@@ -46,6 +46,24 @@ def _decode_window(runs: list[tuple[float, list[tuple[float, int]]]]) -> tuple[f
     return (n / span if span > 0 else 0.0), span
 
 
+def token_latencies(runs: list[tuple[float, list[tuple[float, int]]]]) -> dict:
+    """What a decoding request waits for each next token, from per-request (start, [(arrival, tokens)]) runs:
+    time per output token (a request's span after its first event over the tokens that came after it), and the
+    inter-token latency: each event's gap from the one before it, shared evenly by the tokens it carried (a stream
+    event may carry several). A running request waits for every step the deployment takes, prefill steps included,
+    so these are what a larger prefill_chunk costs the requests already decoding. itl_max_s is the longest gap."""
+    tpot, itl, gaps = [], [], []
+    for _, ev in runs:
+        after = sum(k for _, k in ev[1:])
+        if after:
+            tpot.append((ev[-1][0] - ev[0][0]) / after)
+        for (a, _), (b, k) in zip(ev, ev[1:]):
+            gaps.append(b - a)
+            itl.extend([(b - a) / k] * k)
+    return {"tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99),
+            "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99), "itl_max_s": max(gaps, default=0.0)}
+
+
 def warm_tokens(concurrency: int, prompt_len: int, max_new_tokens: int, prefill_chunk: int) -> int:
     """Tokens each warm-up request generates: 3, plus one for each prefill step the prompts take, so the first
     request still decodes when the last one starts (with 3 tokens alone, 256 prompts of 128 tokens in steps of
@@ -201,6 +219,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
             "decode_tokens_per_s": dec, "decode_window_s": window,
             "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
             "request_latency_p50_s": _pct(lat, 0.5), "request_latency_p99_s": _pct(lat, 0.99),
+            **token_latencies(out),
             "ray_actor_call_p50_us": p50, "ray_actor_call_p99_us": p99,
             "stages": [{k: s.get(k) for k in ("index", "device", "layers", "busy", "microbatches", "handoffs",
                                               "handoff_p50_us", "handoff_p99_us", "phase_us_per_microbatch",
@@ -293,6 +312,9 @@ def format_report(r: dict) -> str:
              f"steady decode {r['decode_tokens_per_s']:.1f} tokens/s; time to first token p50 "
              f"{r['ttft_p50_s'] * 1e3:.0f} ms; request latency p50 {r['request_latency_p50_s']:.2f} s, "
              f"p99 {r['request_latency_p99_s']:.2f} s",
+             f"time per output token p50 {r['tpot_p50_s'] * 1e3:.1f} ms, p99 {r['tpot_p99_s'] * 1e3:.1f} ms; "
+             f"inter-token latency p50 {r['itl_p50_s'] * 1e3:.1f} ms, p99 {r['itl_p99_s'] * 1e3:.1f} ms, "
+             f"longest gap {r['itl_max_s'] * 1e3:.0f} ms",
              f"Ray actor call round trip (same run): p50 {r['ray_actor_call_p50_us']:.0f} us, "
              f"p99 {r['ray_actor_call_p99_us']:.0f} us",
              "busy in the steady decode window: " + (", ".join(f"{b:.1%}" for b in r.get("steady_busy") or [])

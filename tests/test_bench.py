@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 import memra_pp
-from memra_pp.bench import _decode_window, bench_prompts, format_report, run_bench, warm_tokens
+from memra_pp.bench import _decode_window, bench_prompts, format_report, run_bench, token_latencies, warm_tokens
 from conftest_models import tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
@@ -60,6 +60,17 @@ def test_decode_window_falls_back_when_no_overlap():
     assert _decode_window([]) == (0.0, 0.0)
 
 
+def test_token_latencies_share_a_gap_among_the_tokens_it_carried():
+    a = (0.0, [(1.0, 1), (1.1, 1), (1.5, 2), (1.6, 1)])    # gaps 0.1, 0.4 (two tokens), 0.1
+    b = (0.0, [(2.0, 3)])                                   # one event: no gap, no time per output token
+    r = token_latencies([a, b])
+    assert r["tpot_p50_s"] == pytest.approx(0.6 / 4)                    # 0.6 s over the 4 tokens after the first
+    assert r["itl_p50_s"] == pytest.approx(0.2) and r["itl_p99_s"] == pytest.approx(0.2)
+    assert r["itl_max_s"] == pytest.approx(0.4)                         # the longest wait, not shared
+    assert token_latencies([]) == dict.fromkeys(("tpot_p50_s", "tpot_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s"),
+                                                0.0)
+
+
 def test_run_bench_on_two_cpu_stages(ray_cluster):
     _, path = tiny_checkpoint("dense", False)
     lines = []
@@ -73,6 +84,9 @@ def test_run_bench_on_two_cpu_stages(ray_cluster):
     assert 0 <= done <= of == 4 and f"of {4 * 12} tokens" in last, last
     assert r["decode_tokens_per_s"] > 0 and r["decode_window_s"] > 0
     assert 0 < r["ttft_p50_s"] <= r["request_latency_p50_s"]
+    # every request decoded 11 tokens after its first: a time per output token and gaps between them
+    assert 0 < r["tpot_p50_s"] <= r["tpot_p99_s"] and 0 < r["itl_p50_s"] <= r["itl_p99_s"] <= r["itl_max_s"]
+    assert r["tpot_p99_s"] * 11 <= r["request_latency_p99_s"] and "inter-token latency p50" in format_report(r)
     assert len(r["stages"]) == 2 and all(s["microbatches"] > 0 for s in r["stages"])
     assert r["stages"][1]["handoffs"] > 0
     # stage 0's sends split into the data path and the header's (the last stage sends nothing downstream)
