@@ -306,14 +306,16 @@ def main() -> int:
 
 
 def plot(rep: dict, path: str) -> None:
-    """Two panels, one line per system measured: end-to-end tokens/s (prefill included) and the decode rate (memra_pp:
-    the steady window; transformers: over its per-step timestamps), the memory floor dotted."""
+    """Three panels, one line per system measured: end-to-end tokens/s (prefill included), the decode rate
+    (memra_pp: the steady window; transformers: over its per-step timestamps), the memory floor dotted; and what a
+    request waits (memra_pp): time to first token p50 (solid) and inter-token latency p99 (dashed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     floor = {int(c): v for c, v in rep["step_floor_tokens_per_s"].items()}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     chunks = {r.get("prefill_chunk") for r in rep["runs"] if r.get("kind") != "ttft" and not r.get("system")}
+    lat = {}
     for panel, ax in zip(("end to end", "decode"), axes):
         systems = {}
         for r in rep["runs"]:
@@ -330,6 +332,8 @@ def plot(rep: dict, path: str) -> None:
                                        + (", KV pools copied to grow" if "in place" not in r.get("kv_growth", [
                                            "in place"]) else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")
+            if panel == "decode":
+                lat.setdefault(name, []).append((r["concurrency"], r.get("ttft_p50_s"), r.get("itl_p99_s")))
             if v is None:
                 continue
             systems.setdefault(name, []).append((r["concurrency"], v))
@@ -343,8 +347,24 @@ def plot(rep: dict, path: str) -> None:
         ax.set_title(f"{panel}: {rep['model']} dims, bf16 dummy weights, {rep['gpu']}", fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    ax = axes[2]
+    for i, (name, pts) in enumerate(sorted(lat.items())):
+        pts = sorted(p for p in pts if p[1] is not None and p[2] is not None)   # (transformers: none)
+        if pts:
+            c = f"C{i}"
+            ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", c=c, label=f"{name}: TTFT p50")
+            ax.plot([p[0] for p in pts], [p[2] * 1e3 for p in pts], marker="x", ls="--", c=c,
+                    label=f"{name}: inter-token p99")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("ms")
+    ax.set_title("what a request waits", fontsize=8)
+    ax.grid(alpha=0.3)
+    if lat:     # below the panel: the points sit anywhere in it
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 if __name__ == "__main__":

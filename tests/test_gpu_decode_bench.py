@@ -96,10 +96,15 @@ def test_plot_draws_each_system(tmp_path, monkeypatch):
     runs = [{"system": s, "concurrency": c, "tokens_per_s": 1.0 + c, "decode_tokens_per_s": 2.0 + c}
             for s in ("transformers", "transformers, device_map over 2 GPUs") for c in (1, 64)]
     rep = {"model": "preset:qwen3.5-27b", "gpu": "cpu", "step_floor_tokens_per_s": {"1": 40.0, "64": 2000.0},
-           "runs": runs}
+           "runs": runs + [{"n_stages": 1, "devices": [0], "concurrency": c, "tokens_per_s": 3.0 + c,
+                            "decode_tokens_per_s": 4.0 + c, "ttft_p50_s": 0.5, "itl_p99_s": 0.04} for c in (1, 64)]}
     gpu_decode.plot(rep, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").exists()
     assert labels.count("transformers, device_map over 2 GPUs") == 2 and labels.count("transformers") == 2
+    # the latency panel: memra_pp's time to first token and inter-token p99 (transformers measures neither)
+    mem = "memra_pp, 1 stage(s) on 1 GPU(s)"
+    assert labels.count(mem) == 2 and {f"{mem}: TTFT p50", f"{mem}: inter-token p99"} <= set(labels), labels
+    assert not any(str(lb).startswith("transformers:") for lb in labels)
 
 
 def test_moe_baseline_builds_the_moe_class_and_generates():
