@@ -20,7 +20,7 @@ from .errors import ConfigError, StageFailed
 from .rayutil import attach, get as _get
 from .placement.planner import Plan, make_plan
 from .placement.schema import Placement, load_placement
-from .shm import shm_names, stage_pids, unlink_shm, unlink_shm_of
+from .shm import shm_names, stage_pids, sweep_dead, unlink_shm, unlink_shm_of
 from .switches import check_environment
 
 log = logging.getLogger("memra_pp")
@@ -108,6 +108,7 @@ class Deployment:
         for w in plan.warnings:
             log.warning(w)
         owns_ray = cls._ray_up(placement)
+        sweep_dead()        # segments of makers gone from this host (each stage sweeps its own host too)
         run_dir = tempfile.mkdtemp(prefix="memra-")
         actors, pg = [], None
         try:

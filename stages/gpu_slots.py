@@ -18,6 +18,7 @@ import torch
 from memra_pp import cuda, cuda_views
 from memra_pp.engine import ContextId, Engine, residency_of
 from memra_pp.errors import ProtocolError, ResidencyError
+from memra_pp.shm import segment_name
 from memra_pp.stages.shm_slots import _attach_shm
 from memra_pp.stages.slots import SlotReceiverBase, SlotSenderBase, _nbytes, _SlotViews
 
@@ -126,7 +127,7 @@ class HostSlotReceiver(_GpuReceiver):
     TRANSPORT = "host"
 
     def _allocate(self, n_slots: int, max_bytes: int) -> dict:
-        tag = f"mppg_{os.getpid()}_{os.urandom(3).hex()}"
+        tag = segment_name("host", self.name)
         self._shms = [SharedMemory(name=f"{tag}_{k}", create=True, size=max_bytes) for k in range(n_slots)]
         self._cbufs = [(ctypes.c_char * max_bytes).from_buffer(s.buf) for s in self._shms]
         self._addrs = [cuda.host_register(ctypes.addressof(c), max_bytes) for c in self._cbufs]

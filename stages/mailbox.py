@@ -34,13 +34,12 @@ from __future__ import annotations
 import collections
 import os
 import platform
-import re
-import secrets
 import time
 from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
+from memra_pp.shm import segment_name
 from memra_pp.stages.channel import ChannelClosed
 from memra_pp.stages.header import decode_header, encode_header
 
@@ -79,7 +78,7 @@ class Mailbox:
 
     @classmethod
     def create(cls, label: str) -> "Mailbox":
-        name = f"mpp_mb_{re.sub(r'[^A-Za-z0-9_]', '_', label)[:40]}_{os.getpid()}_{secrets.token_hex(3)}"
+        name = segment_name("mb", label)
         shm = SharedMemory(name=name, create=True, size=SIZE)
         np.frombuffer(shm.buf, dtype=np.uint8)[:] = 0
         return cls(name, shm.buf, shm)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import re
-import secrets
 import threading
 from collections import OrderedDict
 from multiprocessing import resource_tracker
 
 import _posixshmem
 
+from memra_pp.shm import segment_name
 from memra_pp.errors import StageFailed
 from memra_pp.stages.shm_slots import _attach_shm
 from memra_pp.stages.slots import _u8_over
@@ -36,7 +35,7 @@ class PublicationInbox:
     def __init__(self, name: str, n_slots: int = 4, engine=None):
         self._engine = engine if engine is not None and engine.is_cuda else None   # page-lock slots for it
         self._pinned: dict[int, int] = {}   # slot -> registered address
-        self.prefix = f"mpp_pub_{re.sub(r'[^A-Za-z0-9_]', '_', name)[:30]}_{os.getpid()}_{secrets.token_hex(3)}"
+        self.prefix = segment_name("pub", name)
         self._cv = threading.Condition()
         self._free = list(range(n_slots))
         self._segs: list[tuple[str, int, mmap.mmap] | None] = [None] * n_slots   # (name, size, mapping)

@@ -91,7 +91,9 @@ class RecoveryMixin:
         self.here()
         from .shm_slots import SlotReceiver
         i, sc = self.index, self.placement.scheduler
-        info = {"index": i, "pid": os.getpid(), "endpoint": None, "ring": None, "ctx_id": self.engine.ctx,
+        from ..shm import owner_tag
+        info = {"index": i, "pid": os.getpid(), "shm_owner": owner_tag(), "endpoint": None, "ring": None,
+                "ctx_id": self.engine.ctx,
                 "vocab_size": self.mc.text.vocab_size, "eos": list(self.mc.eos_token_ids), "load_s": 0.0}
         if i > 0:
             nbytes = (sc.prefill_chunk + sc.max_batch) * self.mc.text.hidden_size * \

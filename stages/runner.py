@@ -123,6 +123,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         switches, set here before anything is built (None: this process's own, one-process use)."""
         from ..engine import Engine
         from .. import switches as sw
+        from ..shm import sweep_dead
+        sweep_dead()        # what killed makers left on this host (a SIGKILLed launcher's stages, say)
         if switches is not None:
             sw.apply(switches)
         self.switches = sw.current()

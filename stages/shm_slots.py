@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
-import secrets
 from multiprocessing.shared_memory import SharedMemory
 
 import _posixshmem
 import torch
 
+from memra_pp.shm import segment_name
 from memra_pp.errors import ProtocolError, StageFailed
 from memra_pp.stages.slots import SlotReceiverBase, SlotSenderBase, _SlotViews, _u8_over
 
@@ -22,7 +21,7 @@ class SlotReceiver(SlotReceiverBase):
     TRANSPORT = "shm"
 
     def _allocate(self, n_slots: int, max_bytes: int) -> dict:
-        prefix = f"mpp_{re.sub(r'[^A-Za-z0-9_]', '_', self.name)[:40]}_{os.getpid()}_{secrets.token_hex(3)}"
+        prefix = segment_name("slot", self.name)
         self._shms = [SharedMemory(name=f"{prefix}_{k}", create=True, size=max_bytes) for k in range(n_slots)]
         self._views = _SlotViews([_u8_over(shm.buf, max_bytes) for shm in self._shms])
         return {"shm": [s.name for s in self._shms]}

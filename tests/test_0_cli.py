@@ -176,7 +176,7 @@ def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path, sigterms):
     import glob
     import ray
     assert not ray.is_initialized()
-    before = set(glob.glob("/dev/shm/mpp_*"))
+    before = set(glob.glob("/dev/shm/mpp-*"))
     log = open(tmp_path / "launch.log", "w+")
     launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
                                 stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -187,7 +187,7 @@ def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path, sigterms):
                 break
             assert launcher.poll() is None, "the launcher exited early"
             time.sleep(0.25)
-        assert set(glob.glob("/dev/shm/mpp_*")) - before, "the stages made no segment: the check below is vacuous"
+        assert set(glob.glob("/dev/shm/mpp-*")) - before, "the stages made no segment: the check below is vacuous"
         launcher.send_signal(signal.SIGTERM)
         if sigterms == 2:
             time.sleep(0.3)                     # inside the shutdown the first one started
@@ -199,7 +199,7 @@ def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path, sigterms):
     log.seek(0)
     out = log.read()
     assert "Traceback" not in out and "interrupted" not in out, out
-    assert set(glob.glob("/dev/shm/mpp_*")) - before == set()
+    assert set(glob.glob("/dev/shm/mpp-*")) - before == set()
 
 
 def test_sigterm_shuts_a_bench_down_too(tmp_path):
@@ -209,18 +209,18 @@ def test_sigterm_shuts_a_bench_down_too(tmp_path):
     import glob
     import ray
     assert not ray.is_initialized()
-    before = set(glob.glob("/dev/shm/mpp_*"))
+    before = set(glob.glob("/dev/shm/mpp-*"))
     log = open(tmp_path / "bench.log", "w+")
     bench = subprocess.Popen(CLI + ["bench", "cluster_configs/tiny-cpu.yaml", "--concurrency", "4",
                                     "--max-new-tokens", "3000", "--prompt-len", "8"], stdout=log,
                              stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         for _ in range(240):
-            if set(glob.glob("/dev/shm/mpp_*")) - before:
+            if set(glob.glob("/dev/shm/mpp-*")) - before:
                 break
             assert bench.poll() is None, "the bench exited early"
             time.sleep(0.25)
-        assert set(glob.glob("/dev/shm/mpp_*")) - before, "the stages made no segment: the check below is vacuous"
+        assert set(glob.glob("/dev/shm/mpp-*")) - before, "the stages made no segment: the check below is vacuous"
         time.sleep(2.0)                         # requests running
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=60) == 130
@@ -230,5 +230,45 @@ def test_sigterm_shuts_a_bench_down_too(tmp_path):
     log.seek(0)
     out = log.read()
     assert "memra-pp bench: interrupted" in out and "Traceback" not in out and "SIGTERM received" not in out, out
-    assert set(glob.glob("/dev/shm/mpp_*")) - before == set()
+    assert set(glob.glob("/dev/shm/mpp-*")) - before == set()
 
+
+
+def test_a_sigkilled_launchers_segments_are_swept_by_the_next_launch(tmp_path):
+    """A SIGKILLed launcher (`ray.address: local`) takes its Ray cluster and stages down with it, and nothing was
+    left to unlink the stages' segments: they stayed in /dev/shm (with a host path, hundreds of MB of pinned
+    memory) until a reboot. Each stage holds an flock on its lock file while it runs; the next launch's sweep
+    takes the dead ones' locks and unlinks what they made, and nothing of a live process."""
+    import glob
+    import ray
+    from memra_pp.shm import segment_name, sweep_dead
+    assert not ray.is_initialized()
+    mine = segment_name("test", "live")      # this process's lock: a live maker's, to be kept
+    mine_lock = f"/dev/shm/{mine.split('-test_')[0]}.lock"
+    before = set(glob.glob("/dev/shm/mpp-*"))
+    log = open(tmp_path / "launch.log", "w+")
+    launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        for _ in range(480):
+            log.seek(0)
+            if "ray address" in log.read():
+                break
+            assert launcher.poll() is None, "the launcher exited early"
+            time.sleep(0.25)
+        made = set(glob.glob("/dev/shm/mpp-*")) - before
+        locks = [m for m in made if m.endswith(".lock")]
+        assert len(locks) == 2 and len(made) > 2, made      # the two stages' locks and their segments
+        launcher.kill()                                     # SIGKILL: no handler, no teardown
+        launcher.wait(10)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    pids = {int(os.path.basename(m)[4:].split(".")[0]) for m in locks}
+    for _ in range(240):                    # Ray ends the stages once their cluster is gone
+        if not any(os.path.exists(f"/proc/{p}") for p in pids):
+            break
+        time.sleep(0.25)
+    assert set(glob.glob("/dev/shm/mpp-*")) - before == made, "the dead stages' segments should still be there"
+    assert sweep_dead() == len(made) - len(locks)           # what launch runs first
+    assert set(glob.glob("/dev/shm/mpp-*")) - before == set() and os.path.exists(mine_lock)

@@ -99,8 +99,10 @@ def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
     with memra_pp.launch(config(path, n)) as dep:
         c = dep.client()
         for i, how in enumerate(kills):
-            dead = list(dep.slot_names[i])          # the killed stage's receiving segments; the intake's prefix
-            assert all(x.endswith("*") for x in dead) == (i == 0) and dead
+            dead = list(dep.slot_names[i])          # the killed stage's receiving segments; the intake's prefix;
+            # every segment of its process (its tag's pattern) and its lock file
+            assert sum(x.endswith("*") for x in dead) == (2 if i == 0 else 1), dead
+            assert sum(x.endswith(".lock") for x in dead) == 1, dead
             dec, pre, t_kill = interrupt(dep, c, i, how)
             for s in (dec, pre):
                 assert isinstance(s.error, StageFailed), (how, i, s.error, len(s.tokens))
