@@ -4,6 +4,7 @@ Runs wherever an adapter is loaded (driver or stage process); every refusal is a
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,18 @@ _UNSUPPORTED = {
                        "for embedding rows",
     "alpha_pattern": "alpha_pattern (per-module lora_alpha) is not supported",
     "layer_replication": "layer_replication is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens: the adapter applies only from its invocation "
+                               "tokens on) is not supported",
+    "arrow_config": "Arrow routing between LoRA experts (arrow_config) is not supported",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "monteclora_config": "MonteCLoRA (monteclora_config) is not supported",
+    "kasa_config": "KaSA (kasa_config) is not supported",
 }
+# init_lora_weights whose adapter is relative to base weights PEFT rewrites when it loads one (W - B0 A0 or a
+# quantized residual): on the unmodified base this runtime serves, its LoRA would compute something else
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+# the dtypes PEFT saves adapters in; others (ints, bool, float8) are refused rather than cast
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -92,13 +104,60 @@ def _read_config(d: Path) -> dict:
     for key, why in _UNSUPPORTED.items():
         if cfg.get(key):
             raise ConfigError(f"{p}: {key}={cfg[key]!r}: {why}")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise ConfigError(f"{p}: init_lora_weights={init!r}: this adapter is relative to the base weights PEFT "
+                          f"rewrites when it loads it, not to the model's; convert it to plain LoRA first (PEFT's "
+                          f"save_pretrained(..., path_initial_model_for_weight_conversion=...))")
+    if not isinstance(cfg.get("use_rslora", False), bool):
+        raise ConfigError(f"{p}: use_rslora must be true or false, got {cfg['use_rslora']!r}")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{p}: bias={cfg['bias']!r}: trained biases are not supported (bias must be 'none')")
     for key in ("r", "lora_alpha"):     # (Python's json reads NaN and Infinity)
         v = cfg.get(key)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ConfigError(f"{p}: {key} must be a positive finite number, got {v!r}")
+    rp = cfg.get("rank_pattern") or {}
+    if not isinstance(rp, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                                           for v in rp.values()):
+        raise ConfigError(f"{p}: rank_pattern must map module patterns to positive integer ranks, got {rp!r}")
+    for k in rp:
+        try:
+            re.compile(k)
+        except re.error as e:
+            raise ConfigError(f"{p}: rank_pattern key {k!r} is not a valid regular expression ({e})") from None
     return cfg
+
+
+def _config_rank(cfg: dict, full_name: str) -> tuple[float, str]:
+    """The rank adapter_config.json gives module `full_name`, and where from (PEFT's get_pattern_key rule)."""
+    for k, v in (cfg.get("rank_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({k})$", full_name):
+            return v, f"rank_pattern[{k!r}]"
+    return cfg["r"], "r"
+
+
+def _tti_targets(cfg: dict, where: str) -> set[str]:
+    """The modules trainable_token_indices names token ids for (embed_tokens, lm_head); refuses any other."""
+    tti = cfg.get("trainable_token_indices")
+    if tti is None:
+        return set()
+    if isinstance(tti, list):
+        return {"embed_tokens"} if tti else set()
+    if not isinstance(tti, dict):
+        raise ConfigError(f"{where}: trainable_token_indices must be a list of token ids or an object "
+                          f"{{module: [ids]}}, got {tti!r}")
+    out = set()
+    for k, ids in tti.items():
+        target = next((t for t in ("embed_tokens", "lm_head") if k == t or k.endswith("." + t)), None)
+        if target is None:
+            raise ConfigError(f"{where}: trainable_token_indices names module {k!r}: only embed_tokens and lm_head "
+                              f"token rows are supported")
+        if not isinstance(ids, list):
+            raise ConfigError(f"{where}: trainable_token_indices[{k!r}] must be a list of token ids, got {ids!r}")
+        if ids:
+            out.add(target)
+    return out
 
 
 def _read_tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -135,20 +194,34 @@ def _token_ids(cfg: dict, target: str, n_rows: int, vocab: int, where: str) -> t
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _once(seen: dict, what: tuple[str, str], key: str, where: str) -> None:
+    """Refuses a second tensor for one module's half (two key spellings of it): one would silently win."""
+    if what in seen:
+        raise ConfigError(f"{where}: {seen[what]!r} and {key!r} both give {what[0]} {what[1]}")
+    seen[what] = key
+
+
 def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> AdapterWeights:
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for `model_config`."""
     d = Path(str(path)).expanduser()
     if not d.is_dir():
-        raise ConfigError(f"adapter path {str(path)!r} is not a directory")
+        # the stages read the path, each from its own working directory, not the caller's
+        rel = "" if d.is_absolute() else f" (a relative path, read from {os.getcwd()!r}; pass an absolute path)"
+        raise ConfigError(f"adapter path {str(path)!r} is not a directory{rel}")
     cfg, tensors = _read_config(d), _read_tensors(d)
     tc, where = model_config.text, str(d)
     V, H = tc.vocab_size, tc.hidden_size
     halves: dict[str, dict[str, torch.Tensor]] = {}
     rows: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[str, str], str] = {}     # (module or token target, half) -> the key that gave it
+    names: dict[str, str] = {}                # canonical module -> its name in the model PEFT wrapped
     for key, t in tensors.items():
+        if t.dtype not in _FLOATS:
+            raise ConfigError(f"{where}: adapter_model.safetensors' {key!r} is {str(t.dtype).replace('torch.', '')}; "
+                              f"adapter tensors must be float16, bfloat16, float32 or float64")
         # refused, not loaded: a step computes every slot's LoRA and masks it per row, and NaN times a 0 mask is
         # NaN, so one adapter's NaN would reach every other adapter's requests in the batch
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not bool(torch.isfinite(t).all()):
             raise ConfigError(f"{where}: adapter_model.safetensors' {key!r} holds NaN or inf")
         m = _LORA_KEY.match(key)
         if m:
@@ -156,10 +229,14 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> Adapter
             if i >= tc.num_hidden_layers or module not in layer_modules(tc, i):
                 raise ConfigError(f"{where}: unknown LoRA target {key!r}: layer {i} of this model targets only "
                                   f"{list(layer_modules(tc, i)) if i < tc.num_hidden_layers else 'nothing'}")
-            halves.setdefault(f"layers.{i}.{module}", {})[m.group(3)] = t
+            canon = f"layers.{i}.{module}"
+            _once(seen, (canon, "lora_" + m.group(3)), key, where)
+            halves.setdefault(canon, {})[m.group(3)] = t
+            names[canon] = key[:-len(".lora_X.weight")].removeprefix("base_model.model.")
             continue
         m = _TOKEN_KEY.match(key)
         if m:
+            _once(seen, (m.group(1), "token rows"), key, where)
             rows[m.group(1)] = t
             continue
         m = _FULL_KEY.match(key)
@@ -168,6 +245,9 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> Adapter
                               f"adapter was trained on a resized vocabulary (vocab size mismatch)")
         raise ConfigError(f"{where}: unknown adapter tensor {key!r}: only LoRA on attention / linear-attention / "
                           f"MLP projections and trainable_token_indices rows are supported")
+    if not halves and not rows:
+        raise ConfigError(f"{where}: adapter_model.safetensors holds no LoRA or trainable-token tensors (keys: "
+                          f"{sorted(tensors)[:5]}): loading it would change nothing")
     alpha, rs = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora"))
     lora, top = {}, 0
     for module, ab in sorted(halves.items()):
@@ -180,6 +260,10 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> Adapter
         if r < 1 or a.shape != (r, inp) or b.shape != (out, r):
             raise ConfigError(f"{where}: {module} has lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}; the model "
                               f"needs (r, {inp}) and ({out}, r), r >= 1")
+        want, src = _config_rank(cfg, names[module])
+        if r != want:
+            raise ConfigError(f"{where}: {module} has rank {r} (lora_A {tuple(a.shape)}) but adapter_config.json's "
+                              f"{src} is {want!r}: the weights and their config disagree")
         if r > max_rank:
             raise ConfigError(f"{where}: {module} has rank {r} above adapters.max_rank={max_rank}; raise "
                               f"adapters.max_rank in the placement or use a lower-rank adapter")
@@ -188,6 +272,10 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> Adapter
     if model_config.tied and "lm_head" in rows:
         raise ConfigError(f"{where}: lm_head token rows on a tied model: the lm_head is the embedding there; train "
                           f"embed_tokens rows only")
+    missing = sorted(_tti_targets(cfg, where) - set(rows))
+    if missing:     # loading without them would drop rows the config says were trained
+        raise ConfigError(f"{where}: trainable_token_indices names {missing[0]} ids but adapter_model.safetensors "
+                          f"holds no {missing[0]} token rows ({missing[0]}.token_adapter.trainable_tokens_delta)")
     tok = {}
     for target, t in rows.items():
         if t.dim() != 2 or t.shape[1] != H:

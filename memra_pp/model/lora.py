@@ -37,9 +37,9 @@ class LoraPool:
     ranks below R are zero-padded, so every slot computes at rank R exactly."""
 
     def __init__(self, mc: ModelConfig, layers, max_loras: int, max_rank: int, dtype=torch.float32, device="cpu"):
-        if not isinstance(max_loras, int) or max_loras < 1:
+        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
             raise ConfigError(f"adapters.max_loras must be a positive integer, got {max_loras!r}")
-        if not isinstance(max_rank, int) or max_rank < 1:
+        if isinstance(max_rank, bool) or not isinstance(max_rank, int) or max_rank < 1:
             raise ConfigError(f"adapters.max_rank must be a positive integer, got {max_rank!r}")
         tc = mc.text
         self.mc, self.layers = mc, list(layers)
