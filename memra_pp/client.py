@@ -20,7 +20,7 @@ import ray
 from .client_replay import ReplayMixin, _Track
 from .errors import InputError, RequestTimeout, StageFailed
 from .placement.schema import MAX_TIMEOUT_S
-from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _token_ids, flag, request_dict
+from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _scalar, _token_ids, flag, request_dict
 from .supervisor import is_stage_lost
 
 # a longer timeout (inf) waits this long: Python's waits refuse more (threading.TIMEOUT_MAX); the placement's
@@ -291,6 +291,7 @@ class Client(ReplayMixin):
         budget; refused before the request is sent."""
         if timeout is None:
             return self.dep.placement.timeouts.step_s * 10
+        timeout = _scalar(timeout)      # a numpy or 0-d torch number: its value
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
             raise InputError(f"timeout is seconds >= 0 or None, got {timeout!r}")
         return min(float(timeout), WAIT_MAX_S)      # inf (or 1e12): as long as a wait can be
@@ -350,9 +351,11 @@ class Client(ReplayMixin):
                  top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None, logprobs: bool = True,
                  stop_token_ids: list[int] | None = None, ignore_eos: bool = False, adapter: str | None = None,
                  images=None, timeout: float | None = None, **unknown) -> Result:
-        """One request to its end. temperature 0 (or under 1e-5) is greedy; top_k 0, top_p 1 and min_p 0 are off;
-        seed makes a sampled request reproducible whatever it is batched with; stop_token_ids end it as the
-        model's eos does, in addition to it (as in vLLM), and with ignore_eos only they and max_new_tokens do;
+        """One request to its end. temperature 0 (or under 1e-5) is greedy; top_k 0 (or -1, as vLLM), top_p 1 and
+        min_p 0 are off; the filters apply as vLLM's (min_p and top_k, then top_p over what they keep); numbers
+        may be numpy or 0-d torch scalars; seed makes a sampled request reproducible whatever it is batched with;
+        stop_token_ids end it as the model's eos does, in addition to it (as in vLLM), and with ignore_eos only
+        they and max_new_tokens do;
         adapter names a loaded adapter (dep.load_adapter); images is a list of memra_pp.ImageInput for the
         prompt's image placeholders; timeout bounds the wait for each piece (default 10 x timeouts.step_s).
         logprobs: r.logprobs[i] is token i's log-probability under the raw model (temperature 1)."""

@@ -3,6 +3,7 @@ ints, the Result and StreamEvent a caller gets back, and an intake's error turne
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import operator
 
 from .errors import InputError, MemraError, StageFailed
@@ -72,17 +73,33 @@ def flag(name: str, value) -> bool:
     raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
+def _scalar(value):
+    """A numpy scalar or 0-d array or tensor as its Python value (a bool one: a bool); anything else as given."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        try:
+            return value.item()
+        except (RuntimeError, TypeError, ValueError):   # a meta tensor has no value: the check names it as given
+            return value
+    return value
+
+
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
 def request_dict(kw: dict, **fixed) -> dict:
     """generate's keywords (known ones only: the client refuses others first) as the intake's request: defaults
-    filled, numpy / torch integers and bools as Python's, stop ids as a list of ints, images as a list (none: no
-    key). A value of a wrong kind is an InputError here; ranges and the vocabulary are the intake's checks."""
-    mnt = fixed.get("max_new_tokens")
-    if not isinstance(mnt, bool):                 # numpy / torch integers; the intake refuses anything else
-        try:
-            fixed["max_new_tokens"] = operator.index(mnt)
-        except TypeError:
-            pass
+    filled, numpy / torch scalars (0-d tensors too) as Python's, stop ids as a list of ints, images as a list (none:
+    no key). A value of a wrong kind is an InputError here; ranges and the vocabulary are the intake's checks."""
+    if "max_new_tokens" in fixed:
+        # a bool, 0-d bool tensor included (operator.index took torch.tensor(True) for 1), is no count of tokens
+        mnt = _scalar(fixed["max_new_tokens"])
+        if isinstance(mnt, bool) or not isinstance(mnt, numbers.Integral):
+            given = fixed["max_new_tokens"]
+            raise InputError(f"max_new_tokens must be an integer >= 0, got {given!r:.60} ({type(given).__name__})")
+        fixed["max_new_tokens"] = int(mnt)
     req = dict(REQUEST_DEFAULTS, **kw, **fixed)
+    for k in SAMPLING_KEYS:     # (a 0-d tensor was refused as "temperature must be a finite number, got tensor(0.7)")
+        req[k] = _scalar(req[k])
     if req["stop_token_ids"] is not None:
         stops = _token_ids(req["stop_token_ids"])
         if stops is None or isinstance(stops, str):

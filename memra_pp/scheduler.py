@@ -35,7 +35,7 @@ class Scheduler:
         self.inflight: dict[int, Microbatch] = {}
         self.pending_release: list[int] = []
         self._mb = itertools.count()
-        self.dropped = 0                          # tokens of continuations whose sequence had already ended
+        self.dropped = 0                          # sampled tokens nobody gets: their sequence had ended or was aborted
         self.pipelined = 0                        # prompt chunks sent while the same prompt's previous one ran
         self.aborted = 0                          # requests an abort found, waiting or admitted (stats, tests)
         self._tick = itertools.count(1)          # a sequence never run has last_run 0: it goes first
@@ -263,9 +263,14 @@ class Scheduler:
                     events.append(Event(s.req.client, s.req.rid, [], [], "abort"))   # back (none run after)
                     self._finish(s)
                 continue
+            r = s.req
+            if r.max_new_tokens == 0:     # aborted while this microbatch ran (abort): it ends as "abort" with no
+                self.dropped += 1         # token, as a waiting or idle one does (it ended as "length" with one)
+                events.append(Event(r.client, r.rid, [], [], "abort"))
+                self._finish(s)
+                continue
             s.out.append(t)
             s.lps.append(lp)
-            r = s.req
             finish = None
             if t in r.stop_ids:
                 finish = "stop"

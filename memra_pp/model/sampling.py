@@ -40,16 +40,17 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         """These parameters checked, and normalised: a temperature under GREEDY_BELOW is greedy (as vLLM: dividing
-        by it sends logits to +-inf), integral top_k and seed (numpy's too) Python ints. Every stage samples with the
-        normalised copy, so nothing a stage cannot use gets past the intake's submit."""
+        by it sends logits to +-inf), integral top_k and seed (numpy's too) Python ints, top_k -1 (vLLM's off) 0. Every
+        stage samples with the normalised copy, so nothing a stage cannot use gets past the intake's submit."""
         for name in ("temperature", "top_p", "min_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not _finite(v):
                 raise InputError(f"{name} must be a finite number, got {_short(v)}")
         if not (self.temperature >= 0):
             raise InputError(f"temperature must be >= 0, got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
-            raise InputError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < -1:
+            raise InputError(f"top_k must be an integer >= 0 (0 = off; -1 is off too, as in vLLM), got "
+                             f"{self.top_k!r}")
         if not (0 < self.top_p <= 1):
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (0 <= self.min_p < 1):
@@ -60,12 +61,31 @@ class SamplingParams:
             raise InputError(f"seed must fit in a signed 64-bit integer [-2**63, 2**63), got {_short(self.seed)}")
         return dataclasses.replace(
             self, temperature=0.0 if self.temperature < GREEDY_BELOW else float(self.temperature),
-            top_k=min(int(self.top_k), TOP_K_MAX), top_p=float(self.top_p), min_p=float(self.min_p),
+            top_k=min(max(int(self.top_k), 0), TOP_K_MAX), top_p=float(self.top_p), min_p=float(self.min_p),
             seed=None if self.seed is None else int(self.seed))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+_M64 = 2 ** 64 - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that spreads every input bit over the output."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded request's draw `step`: seed * 1000003 + step, with the seed's high 32 bits
+    mixed into every bit. torch's CPU generator (mt19937) reads only the low 32 bits of its seed, so without the mix
+    seeds that agree there (5 and 5 + 2**32, 0 and -2**63) drew one stream on a CPU stage. A seed in [0, 2**32)
+    mixes in nothing (_mix64(0) == 0): it keeps the stream it always had."""
+    s = seed & _M64
+    return ((s * 1000003 + step) ^ _mix64(s >> 32)) & _M64      # in [0, 2**64): what manual_seed takes
 
 
 def _filtered(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -138,7 +158,7 @@ def sample(logits_NV: torch.Tensor, params: list[SamplingParams], steps: list[in
         x = _filtered(logits_NV[i], p)
         g = rng
         if p.seed is not None:
-            g = torch.Generator(device=logits_NV.device).manual_seed((p.seed * 1000003 + steps[i]) & (2**63 - 1))
+            g = torch.Generator(device=logits_NV.device).manual_seed(step_seed(p.seed, steps[i]))
         u = torch.rand(x.shape, generator=g, device=x.device).clamp_(1e-20, 1.0)
         toks.append(int((x - (-u.log()).log()).argmax()))      # Gumbel-max
     lps = logp.gather(1, torch.tensor(toks, device=logp.device)[:, None])[:, 0].tolist()
