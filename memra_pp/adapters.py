@@ -201,8 +201,9 @@ def _once(seen: dict, what: tuple[str, str], key: str, where: str) -> None:
     seen[what] = key
 
 
-def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> AdapterWeights:
-    """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for `model_config`."""
+def load_peft_adapter(path, model_config: ModelConfig, max_rank: int, name: str | None = None) -> AdapterWeights:
+    """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for `model_config`; `name`:
+    the adapter's (what errors name), else the directory's."""
     d = Path(str(path)).expanduser()
     if not d.is_dir():
         # the stages read the path, each from its own working directory, not the caller's
@@ -282,4 +283,4 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int) -> Adapter
             raise ConfigError(f"{where}: {target} token rows have shape {tuple(t.shape)}, the model needs (K, {H})")
         tok[target] = (_token_ids(cfg, target, t.shape[0], V, where), t)
     e, lm = tok.get("embed_tokens", (None, None)), tok.get("lm_head", (None, None))
-    return AdapterWeights(d.name, V, model_config.tied, top, lora, e[0], e[1], lm[0], lm[1])
+    return AdapterWeights(name or d.name, V, model_config.tied, top, lora, e[0], e[1], lm[0], lm[1])

@@ -59,6 +59,14 @@ def _named_pg_id(name: str) -> str | None:
     return None if pg is None else pg.id.hex()
 
 
+MAX_ADAPTER_NAME = 128
+
+
+def _clip(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 # this process's handles (launched or connected) not shut down: Ray stays up while any is (Deployment.shutdown)
 _LIVE: "weakref.WeakSet[Deployment]" = weakref.WeakSet()
 
@@ -314,13 +322,19 @@ class Deployment:
         (launch's, connect()'s) never share a slot or unload what another is loading."""
         from .errors import InputError
         self._require_up("load_adapter")
-        if not isinstance(name, str) or not name:
-            raise InputError(f"an adapter's name is a non-empty string, got {name!r}")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_ADAPTER_NAME or not name.isprintable() \
+                or name != name.strip():
+            raise InputError(f"an adapter's name is 1 to {MAX_ADAPTER_NAME} printable characters without leading or "
+                             f"trailing spaces (it is shown in logs and errors), got {_clip(name)}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise InputError(f"adapter {name!r}: its path is a str or os.PathLike, got {_clip(path)}")
+        # absolute here: each stage reads the path from its own working directory, not the caller's
+        path = str(Path(path).expanduser().absolute())
         t = self.placement.timeouts.ready_s
         self.refresh_actors()           # a connect()ed handle: the stages as they are now (after any restart)
-        slot = _get(self.actors[0].reserve_adapter.remote(name, str(path)), t, "reserve an adapter slot")
+        slot = _get(self.actors[0].reserve_adapter.remote(name, path), t, "reserve an adapter slot")
         try:
-            _get([a.load_adapter.remote(name, str(path), slot) for a in self.actors], t, f"load adapter {name!r}")
+            _get([a.load_adapter.remote(name, path, slot) for a in self.actors], t, f"load adapter {name!r}")
             _get(self.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
         except BaseException:
             try:

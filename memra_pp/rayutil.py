@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import socket
+import time
 
 import ray
 
@@ -16,19 +17,40 @@ def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error
     """ray.get of `refs` within `timeout`: our own errors as they were raised, anything else StageFailed naming
     `what` (and `stage`, the index of the stage whose actor answers, where its death is that stage's loss; an actor
     Ray cannot reach for now is not lost); no answer in time raises `timeout_error`."""
+    end = time.monotonic() + timeout
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
         raise timeout_error(f"{what}: no answer within {timeout:g} s") from None
-    except ray.exceptions.RayTaskError as e:
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+        _drain(refs, end)
+        raise _ours(e, what, stage) from None
+
+
+def _ours(e: Exception, what: str, stage: int | None) -> Exception:
+    if isinstance(e, ray.exceptions.RayTaskError):
         cause = getattr(e, "cause", None)
-        if isinstance(cause, MemraError):
-            raise cause from None
-        raise StageFailed(f"{what}: {e}") from None
-    except ray.exceptions.RayActorError as e:
-        if isinstance(e, getattr(ray.exceptions, "ActorUnavailableError", ())):
-            raise StageFailed(f"{what}: a stage actor is unreachable for now ({e})") from None
-        raise StageFailed(f"{what}: a stage actor died ({e})", stage=stage) from None
+        return cause if isinstance(cause, MemraError) else StageFailed(f"{what}: {e}")
+    if isinstance(e, getattr(ray.exceptions, "ActorUnavailableError", ())):
+        return StageFailed(f"{what}: a stage actor is unreachable for now ({e})")
+    return StageFailed(f"{what}: a stage actor died ({e})", stage=stage)
+
+
+DRAIN_S = 2.0   # the longest a failed list's other refs are waited for (a stage still loading is not waited out)
+
+
+def _drain(refs, end: float) -> None:
+    """Fetch what the other refs of a failed list give, for up to DRAIN_S within the call's time: an error Ray
+    holds that no one fetched is logged as "Unhandled error" when its ref goes, a second copy of the one raised
+    (every stage refusing one adapter, say)."""
+    if isinstance(refs, list) and len(refs) > 1:
+        wait = max(0.0, min(DRAIN_S, end - time.monotonic()))
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        for r in ready:
+            try:
+                ray.get(r, timeout=0)
+            except Exception:  # noqa: BLE001 - fetched to be handled; the first failure is the one raised
+                pass
 
 
 def attach(address: str, namespace: str) -> None:

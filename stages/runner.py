@@ -40,8 +40,10 @@ def stop_ids(stop_token_ids, ignore_eos, eos, vocab: int) -> frozenset[int]:
         raise InputError(f"stop_token_ids is a list of token ids, got {stop_token_ids!r}") from None
     if not isinstance(ignore_eos, bool):
         raise InputError(f"ignore_eos must be True or False, got {ignore_eos!r}")
-    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in stops):
-        raise InputError(f"stop_token_ids must be token ids in [0, {vocab}), got {stops[:8]!r}")
+    bad = [t for t in stops if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab]
+    if bad:     # (the bad ones: a long list's first eight may all be good)
+        raise InputError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:8]!r}"
+                         + (f" among {len(stops)}" if len(stops) > len(bad) else ""))
     return frozenset(int(t) for t in stops) | (frozenset() if ignore_eos else frozenset(eos))
 
 
@@ -259,7 +261,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         from ..model.lora import LoraPool
         self.here()
         ad = self.placement.adapters
-        aw = load_peft_adapter(path, self.mc, ad.max_rank)
+        aw = load_peft_adapter(path, self.mc, ad.max_rank, name=name)
         sp = self.spec
         with self._adapter_lock:        # (Ray runs actor calls on several threads: two handles may load at once)
             if self.lora is None:

@@ -167,6 +167,7 @@ def test_rank_pattern_and_unordered_token_ids_match_peft(tied, splits):
     _, path = tiny_checkpoint("dense", tied)
     src = SafetensorsSource(path)
     aw = load_peft_adapter(d, src.config, 8)
+    assert aw.name == d.name and load_peft_adapter(d, src.config, 8, name="ops").name == "ops"   # (what errors name)
     q3, up0 = aw.lora["layers.3.self_attn.q_proj"], aw.lora["layers.0.mlp.up_proj"]
     assert q3.a_RI.shape[0] == 2 and up0.b_OR.shape[1] == 4 and abs(up0.scale - 3.0) < 1e-9
     assert abs(q3.scale - 6.0) < 1e-9 and "layers.1.mlp.up_proj" not in aw.lora

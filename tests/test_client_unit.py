@@ -3,6 +3,8 @@ request whose reader leaves at an awkward moment."""
 import threading
 import types
 
+import pytest
+
 import memra_pp.client as client_mod
 from memra_pp.client import Client, _Track
 
@@ -357,3 +359,25 @@ def test_an_actor_ray_cannot_reach_for_now_is_not_a_lost_stage(monkeypatch):
         with pytest.raises(StageFailed, match=f"^stage 1 \\(vision tower\\): {words}") as e:
             get(object(), 1.0, "stage 1 (vision tower)", stage=1)
         assert e.value.stage == stage
+
+
+def test_get_fetches_the_other_failures_of_a_list(ray_cluster):
+    """rayutil.get of a list raises at the first failure (Ray does not wait for the rest); the others' errors,
+    never fetched, were logged as "Unhandled error" when their refs went (every stage refusing one adapter gave
+    one such log a stage). get now fetches them, within DRAIN_S, before it raises the first."""
+    import time
+    import ray
+    from memra_pp.errors import InputError
+    from memra_pp.rayutil import get
+
+    @ray.remote(num_cpus=0)
+    def boom(d):
+        time.sleep(d)
+        raise InputError(f"boom {d}")
+
+    refs = [boom.remote(0.0), boom.remote(0.6)]
+    ray.wait(refs[:1], timeout=30)
+    with pytest.raises(InputError, match="^boom 0.0$"):
+        get(refs, 30, "two calls")
+    ready, _ = ray.wait(refs, num_returns=2, timeout=0)
+    assert len(ready) == 2          # the slower one was waited for (and fetched) before the raise

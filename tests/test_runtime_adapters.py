@@ -49,9 +49,10 @@ def test_mixed_adapters_match_peft(ray_cluster, n, tied):
         assert max(abs(x - y) for x, y in zip(ri.logprobs, ref[1], strict=True)) < 5e-4
 
 
-def test_adapter_refusals_keep_serving(ray_cluster):
+def test_adapter_refusals_keep_serving(ray_cluster, monkeypatch):
     """Unknown adapter, pool full, rank above max_rank, duplicate name and unknown unload must be refused with
     typed errors; the deployment must then still serve a valid request."""
+    import os
     _, path = tiny_checkpoint("dense", False)
     with memra_pp.launch(cfg(path, 2, max_loras=1, max_rank=4)) as dep:
         c = dep.client()
@@ -59,7 +60,17 @@ def test_adapter_refusals_keep_serving(ray_cluster):
             c.generate([5, 17], max_new_tokens=2, adapter="nope")
         with pytest.raises(ConfigError, match="rank"):
             dep.load_adapter("a", adapter("dense", False, "A")[1])        # r=8 > max_rank 4
-        dep.load_adapter("b", adapter("dense", False, "B")[1])            # r=4 fits
+        # names shown in logs and errors: printable, bounded, no edge spaces; a path that is not one (None became
+        # the directory 'None')
+        for bad in ("a\nb", "x" * 129, " a", "", 7):
+            with pytest.raises(InputError, match="an adapter's name is 1 to 128 printable characters"):
+                dep.load_adapter(bad, adapter("dense", False, "B")[1])
+        with pytest.raises(InputError, match="adapter 'b': its path is a str or os.PathLike, got None"):
+            dep.load_adapter("b", None)
+        # a relative path is the caller's (each stage would have read it from its own working directory)
+        d = adapter("dense", False, "B")[1]
+        monkeypatch.chdir(os.path.dirname(d))
+        dep.load_adapter("b", os.path.basename(d))                        # r=4 fits
         with pytest.raises(InputError, match="already loaded"):
             dep.load_adapter("b", adapter("dense", False, "B")[1])
         with pytest.raises(InputError, match="pool is full"):

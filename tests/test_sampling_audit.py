@@ -134,3 +134,13 @@ def test_vllm_style_values_through_a_deployment(dep):
         with pytest.raises(InputError, match=r"max_new_tokens must be an integer >= 0, got tensor\(True\) \(Tensor\)"):
             call()
     assert len(c.generate(p, max_new_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_a_stop_id_refusal_names_the_bad_ids():
+    """stop_token_ids=[1..9, 999] said "got [1, 2, 3, 4, 5, 6, 7, 8]": eight good ids, not the bad one."""
+    from memra_pp.stages.runner import stop_ids
+    with pytest.raises(InputError, match=r"stop_token_ids must be token ids in \[0, 100\), got \[999\] among 10$"):
+        stop_ids(list(range(1, 10)) + [999], False, [0], 100)
+    with pytest.raises(InputError, match=r"got \[-1, True\]$"):
+        stop_ids([-1, True], False, [0], 100)
+    assert stop_ids([3, 4], False, [0], 100) == {0, 3, 4}
