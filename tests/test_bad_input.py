@@ -82,7 +82,7 @@ CASES = {   # name: (generate keywords, error type, message fragment)
                                                     "got 5"),
     "top_p above 1": (dict(top_p=1.5), InputError, "top_p must be in (0, 1]"),
     "negative top_k": (dict(top_k=-3), InputError, "top_k must be an integer >= 0"),
-    "min_p of 1": (dict(min_p=1.0), InputError, "min_p must be in [0, 1)"),
+    "min_p above 1": (dict(min_p=1.5), InputError, "min_p must be in [0, 1]"),
     "unknown adapter": (dict(adapter="nope"), InputError, "unknown adapter 'nope'"),
     "adapter path": (dict(adapter="/tmp/peft_adapter"), InputError, "unknown adapter '/tmp/peft_adapter'"),
     "adapter relative path": (dict(adapter="../adapters/a1"), InputError, "unknown adapter '../adapters/a1'"),

@@ -34,6 +34,7 @@ def test_seeded_is_reproducible_and_batch_independent():
     (dict(top_k=3), lambda x: set(x.topk(3).indices.tolist())),
     (dict(top_p=0.3), None),
     (dict(min_p=0.5), lambda x: set((x.softmax(-1) >= 0.5 * x.softmax(-1).max()).nonzero()[:, 0].tolist())),
+    (dict(min_p=1.0), lambda x: {int(x.argmax())}),        # (vLLM's bound: the most probable token only)
 ])
 def test_filters_restrict_support(kw, allowed):
     """top-k, top-p and min-p must only ever return tokens inside their kept set."""

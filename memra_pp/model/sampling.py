@@ -53,8 +53,8 @@ class SamplingParams:
                              f"{self.top_k!r}")
         if not (0 < self.top_p <= 1):
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (0 <= self.min_p < 1):
-            raise InputError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if not (0 <= self.min_p <= 1):     # (1: the most probable tokens only, as vLLM takes it)
+            raise InputError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise InputError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not -2 ** 63 <= self.seed < 2 ** 63:    # it travels in the boundary header
