@@ -344,14 +344,57 @@ MAX_CONCURRENCY = 4096
 
 
 def check_output_path(flag: str, path: str | None) -> None:
-    """A report's path, refused before anything is launched (not after the run): a directory, or one whose
-    directory does not exist or cannot be written."""
-    if not path:
+    """A report's path, refused before anything is launched (not after the run): empty, a directory (or a name
+    ending in a separator), one whose directory does not exist, or one this process cannot open for writing (the
+    check opens it for appending, as root too, and removes the file again if it made it). An existing device or
+    FIFO is taken as given (/dev/stdout)."""
+    if path is None:
         return
-    if os.path.isdir(path):
+    if not path.strip():
+        raise InputError(f"{flag} {path!r}: an empty path; give a file's path or leave {flag} out")
+    if os.path.isdir(path) or path.endswith(os.sep):
         raise InputError(f"{flag} {path}: is a directory; give a file's path")
-    if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise InputError(f"{flag} {path}: its directory does not exist or is not writable")
+    if os.path.exists(path) and not os.path.isfile(path):
+        return
+    made = not os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise InputError(f"{flag} {path}: its directory does not exist or is not writable "
+                         f"({e.strerror or e})") from None
+    if made:
+        os.unlink(path)
+
+
+def check_timeline_path(path: str | None) -> None:
+    """--timeline: a writable path whose extension names an image format matplotlib writes (savefig refused
+    `t.txt` after the whole run, and wrote `t` to `t.png`)."""
+    if path is None:
+        return
+    check_output_path("--timeline", path)
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise InputError(f"--timeline {path}: plotting needs matplotlib (pip install matplotlib)") from None
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext not in formats:
+        raise InputError(f"--timeline {path}: " + (f"'.{ext}' is not an image format matplotlib writes" if ext else
+                                                   "no extension to name the image format") +
+                         f"; end the name with one of {', '.join('.' + f for f in formats)} (e.g. timeline.png)")
+
+
+def write_report(flag: str, path: str, report: dict) -> None:
+    """The JSON report written where `flag` said; a write that fails even so (a full disk) is one line, not a
+    traceback after the run."""
+    try:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    except OSError as e:
+        raise InputError(f"{flag} {path}: the report could not be written ({e.strerror or e})") from None
 
 
 def main(args) -> int:
@@ -373,8 +416,8 @@ def main(args) -> int:
                          f"{spread:g}) and --max-new-tokens {args.max_new_tokens} need "
                          f"{longest + args.max_new_tokens - 1} positions, more than the placement's "
                          f"scheduler.max_context ({ctx}): lower them or raise max_context")
-    for name in ("out", "timeline"):
-        check_output_path(f"--{name}", getattr(args, name, None))
+    check_output_path("--out", args.out)
+    check_timeline_path(getattr(args, "timeline", None))
     say = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731 - progress off stdout (--json is JSON)
     say(f"launching {args.config} ...")
     dep = memra_pp.launch(args.config)
@@ -385,12 +428,12 @@ def main(args) -> int:
     finally:
         dep.shutdown()
     r["config"] = str(args.config)
+    # the figures first: a plot or a file that fails after the run must not lose them
+    print(json.dumps(r, indent=1) if args.json else format_report(r), flush=True)
+    if args.out:
+        write_report("--out", args.out, r)
     if r.get("timeline"):
         plot_timelines([(f"{args.config}: {args.concurrency} concurrent x ({args.prompt_len} in, "
                          f"{args.max_new_tokens} out)", r["timeline"])], args.timeline)
         say(f"timeline plot: {args.timeline}")
-    print(json.dumps(r, indent=1) if args.json else format_report(r))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(r, f, indent=1)
     return 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import threading
 import time
@@ -73,7 +74,9 @@ def _interrupt(signum, frame):
     """SIGTERM (a service manager's stop, `timeout`, `kill`) shuts down as Ctrl-C does. A second SIGTERM is
     ignored from then on (main restores the handler it found): `timeout` sends two, to the command and then to its
     process group, and the second cut the shutdown the first started short (the stages' segments stayed). SIGKILL
-    still stops it at once."""
+    still stops it at once. Not handled here: a local cluster's GCS and raylet share the launcher's process group,
+    so a SIGTERM to the group (`timeout`'s second, systemd's control-group stop) ends them too, and the shutdown
+    then waits about 60 s for the dead GCS before Ray ends the process (exit 1)."""
     import signal
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
@@ -119,11 +122,25 @@ def _comma_ids(flag: str, text: str) -> list[int]:
         raise InputError(f"{flag}: {text!r} is not comma-separated token ids (e.g. 5,17,42)") from None
 
 
+def _check_generate_args(args) -> None:
+    """What generate can refuse without the deployment (its vocabulary and max_context are the intake's checks),
+    refused before connecting: with no cluster up these were reported as a failed attach, not as the argument."""
+    if not args.prompt:
+        raise InputError("the prompt is empty: give text, or comma-separated token ids with --ids")
+    if args.max_new_tokens < 0:
+        raise InputError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise InputError(f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}")
+    if args.seed is not None and not -2 ** 63 <= args.seed < 2 ** 63:
+        raise InputError(f"--seed must fit in a signed 64-bit integer [-2**63, 2**63), got {args.seed}")
+
+
 def cmd_generate(args) -> int:
     import memra_pp
     # refused before any Ray work
+    _check_generate_args(args)
     prompt = _comma_ids("--ids", args.prompt) if args.ids else args.prompt
-    stops = _comma_ids("--stop", args.stop) if args.stop else None
+    stops = _comma_ids("--stop", args.stop) if args.stop is not None else None     # ("": refused, not ignored)
     dep = memra_pp.connect(args.name, args.namespace, args.address)
     c = dep.client()
     r = c.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
@@ -174,60 +191,81 @@ def cmd_bench(args) -> int:
     return bench_main(args)
 
 
+def _command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand whose own --help says what it does, as the command list does."""
+    return sub.add_parser(name, help=help, description=help)
+
+
+# the commands that start or attach to Ray
+RAY_COMMANDS = ("demo", "launch", "generate", "status", "stop", "battery", "bench")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="memra-pp", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("demo", help="the embedded default: tiny model, two CPU stages, real Ray")
-    s.add_argument("--prompts", type=int, default=6)
-    s.add_argument("--max-new-tokens", type=int, default=24)
+    s = _command(sub, "demo", help="the embedded default: tiny model, two CPU stages, real Ray")
+    s.add_argument("--prompts", type=int, default=6, help="concurrent prompts, 1 to 256 (default 6)")
+    s.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt (default 24)")
     s.set_defaults(fn=cmd_demo)
-    s = sub.add_parser("plan", help="print the resolved placement")
-    s.add_argument("config")
+    s = _command(sub, "plan", help="print the resolved placement")
+    s.add_argument("config", help="placement YAML")
     s.set_defaults(fn=cmd_plan)
-    s = sub.add_parser("launch", help="launch a detached deployment and keep it up until Ctrl-C")
-    s.add_argument("config")
+    s = _command(sub, "launch", help="launch a detached deployment and keep it up until `memra-pp stop`, Ctrl-C "
+                                      "or SIGTERM")
+    s.add_argument("config", help="placement YAML")
     s.set_defaults(fn=cmd_launch)
     for name, fn, what in (("generate", cmd_generate, "generate from a launched deployment"),
                            ("status", cmd_status, "a launched deployment's stages: layers, busy, handoffs"),
                            ("stop", cmd_stop, "shut a launched deployment down")):
-        s = sub.add_parser(name, help=what)
+        s = _command(sub, name, help=what)
         s.add_argument("name", help="deployment name (the YAML's `name`)")
-        s.add_argument("--namespace", default="memra")
+        s.add_argument("--namespace", default="memra", help="the Ray namespace (the YAML's ray.namespace)")
         s.add_argument("--address", default="auto", help="the Ray cluster (`memra-pp launch` prints it)")
         s.set_defaults(fn=fn)
         if name == "generate":
             s.add_argument("prompt", help="text, or comma-separated token ids with --ids")
-            s.add_argument("--ids", action="store_true")
-            s.add_argument("--max-new-tokens", type=int, default=32)
-            s.add_argument("--temperature", type=float, default=0.0)
-            s.add_argument("--seed", type=int, default=None)
+            s.add_argument("--ids", action="store_true", help="the prompt is token ids, not text")
+            s.add_argument("--max-new-tokens", type=int, default=32, help="default 32")
+            s.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+            s.add_argument("--seed", type=int, default=None, help="the sampler's seed, for repeatable sampling")
             s.add_argument("--stop", default=None, help="comma-separated token ids that end the request, besides eos")
             s.add_argument("--ignore-eos", action="store_true", help="only --stop and --max-new-tokens end it")
-    s = sub.add_parser("battery", help="run the residency battery on a live placement")
-    s.add_argument("config")
+    s = _command(sub, "battery", help="run the residency battery on a live placement")
+    s.add_argument("config", help="placement YAML")
     s.add_argument("--out", default=None, help="write the JSON report here")
     s.set_defaults(fn=cmd_battery)
-    s = sub.add_parser("bench", help="benchmark a placement")
-    s.add_argument("config")
-    s.add_argument("--concurrency", type=int, default=32)
-    s.add_argument("--prompt-len", type=int, default=64)
-    s.add_argument("--max-new-tokens", type=int, default=32)
+    s = _command(sub, "bench", help="benchmark a placement")
+    s.add_argument("config", help="placement YAML")
+    s.add_argument("--concurrency", type=int, default=32, help="requests in flight, 1 to 4096 (default 32)")
+    s.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (random ids; default 64)")
+    s.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     s.add_argument("--prompt-spread", type=float, default=0.0, metavar="S",
                    help="prompt lengths drawn evenly from prompt-len x [1 - S, 1 + S] (0 to 1), as traffic has them")
-    s.add_argument("--out", default=None)
+    s.add_argument("--out", default=None, help="also write the JSON report here")
     s.add_argument("--timeline", default=None, metavar="PNG",
-                   help="also plot every stage's microbatches against time (prefill chunks, decode steps) here")
+                   help="also plot every stage's microbatches against time (prefill chunks, decode steps) here; "
+                        "the extension names the format (.png, .svg, .pdf...)")
     s.set_defaults(fn=cmd_bench)
-    s = sub.add_parser("make-tiny", help="write a tiny random Qwen3.5 checkpoint")
-    s.add_argument("path")
-    s.add_argument("--moe", action="store_true")
-    s.add_argument("--vision", action="store_true")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--overwrite", action="store_true")
+    s = _command(sub, "make-tiny", help="write a tiny random Qwen3.5 checkpoint")
+    s.add_argument("path", help="a new or empty directory")
+    s.add_argument("--moe", action="store_true", help="MoE layers instead of dense ones")
+    s.add_argument("--vision", action="store_true", help="with a vision tower")
+    s.add_argument("--seed", type=int, default=0, help="the weights' random seed (default 0)")
+    s.add_argument("--overwrite", action="store_true", help="write over an existing checkpoint or other files")
     s.set_defaults(fn=cmd_make_tiny)
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
+    if args.cmd in RAY_COMMANDS:
+        # an argument the terminal could not decode (a surrogate escape) made ray.init fail on the command line it
+        # records, reported as "cannot attach to a Ray cluster there"
+        for a in (sys.argv[1:] if argv is None else argv):
+            try:
+                a.encode("utf-8")
+            except UnicodeEncodeError:
+                print(f"memra-pp {args.cmd}: InputError: argument {a!r} is not valid UTF-8 (bytes the terminal "
+                      f"could not decode); Ray cannot carry it: pass UTF-8 text", file=sys.stderr)
+                return 2
     hooks = None
     if args.cmd in ("demo", "launch", "battery", "bench"):
         import signal
@@ -239,6 +277,9 @@ def main(argv=None) -> int:
     except MemraError as e:
         print(f"memra-pp {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except OSError as e:             # the environment's (a file, a disk, HOME): one line, not a traceback
+        print(f"memra-pp {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:        # Ctrl-C or SIGTERM: the command's shutdown has run on the way out
         print(f"memra-pp {args.cmd}: interrupted", file=sys.stderr)
         return 130
