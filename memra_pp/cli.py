@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -74,12 +75,51 @@ def _interrupt(signum, frame):
     """SIGTERM (a service manager's stop, `timeout`, `kill`) shuts down as Ctrl-C does. A second SIGTERM is
     ignored from then on (main restores the handler it found): `timeout` sends two, to the command and then to its
     process group, and the second cut the shutdown the first started short (the stages' segments stayed). SIGKILL
-    still stops it at once. Not handled here: a local cluster's GCS and raylet share the launcher's process group,
-    so a SIGTERM to the group (`timeout`'s second, systemd's control-group stop) ends them too, and the shutdown
-    then waits about 60 s for the dead GCS before Ray ends the process (exit 1)."""
+    still stops it at once. A SIGTERM to the whole process group never reaches the local cluster Ray starts: the
+    command runs in a session of its own (_in_own_session)."""
     import signal
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+# the commands that start a deployment, and a local Ray cluster with it where ray.address is local
+LAUNCHING = ("demo", "launch", "battery", "bench")
+_PARENT = "MEMRA_SESSION_PARENT"     # (not MEMRA_PP_*: those are the runtime's switches, checked strictly)
+
+
+def _in_own_session(argv: list[str]) -> int:
+    """Run this launching command in a child process of its own session, and wait for it; returns its exit status.
+
+    Ray starts a local cluster's GCS and raylet in the caller's process group, blocking only SIGINT there. A
+    SIGTERM to that group (`timeout`'s second signal, `kill -TERM -PGID`) ended them under the launcher, whose
+    shutdown then waited 60 s for the dead GCS until Ray ended it with exit 1. Here nothing but this process is in
+    the caller's group: SIGINT and SIGTERM are passed on to the child once each arrives (SIGHUP as SIGTERM), which
+    shuts its deployment down as before, and the child gets SIGTERM should this process be killed (SIGKILL too),
+    so its deployment never outlives the command."""
+    import signal
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-m", "memra_pp.cli", *argv], start_new_session=True,
+                             env=dict(os.environ, **{_PARENT: str(os.getpid())}), preexec_fn=_die_with_parent)
+
+    def forward(signum, frame):
+        try:
+            child.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        except ProcessLookupError:
+            pass
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, forward)
+    rc = child.wait()
+    return rc if rc >= 0 else 128 - rc
+
+
+def _die_with_parent() -> None:
+    """(In the child, before exec) SIGTERM when the parent ends, however it ends (Linux)."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))      # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _sigterm_is_ctrl_c() -> None:
@@ -266,8 +306,15 @@ def main(argv=None) -> int:
                 print(f"memra-pp {args.cmd}: InputError: argument {a!r} is not valid UTF-8 (bytes the terminal "
                       f"could not decode); Ray cannot carry it: pass UTF-8 text", file=sys.stderr)
                 return 2
+    if args.cmd in LAUNCHING:
+        parent = os.environ.pop(_PARENT, None)
+        if parent is None and argv is None:     # the program itself (not main called in-process): a session
+            return _in_own_session(sys.argv[1:])
+        if parent is not None and os.getppid() != int(parent):      # it ended before PR_SET_PDEATHSIG was set
+            print(f"memra-pp {args.cmd}: the launching process ended before this one started", file=sys.stderr)
+            return 130
     hooks = None
-    if args.cmd in ("demo", "launch", "battery", "bench"):
+    if args.cmd in LAUNCHING:
         import signal
         from .deployment import AFTER_RAY_INIT as hooks
         hooks.append(_sigterm_is_ctrl_c)

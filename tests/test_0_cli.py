@@ -166,20 +166,24 @@ def test_plan_refuses_an_ambiguous_or_mismatched_checkpoint(tmp_path, capsys):
         assert msg in capsys.readouterr().err, path
 
 
-@pytest.mark.parametrize("sigterms", [1, 2])
+@pytest.mark.parametrize("sigterms", [1, 2, "group"])
 def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path, sigterms):
     """`memra-pp launch` stopped with SIGTERM (a service manager, `timeout`, `kill`) must shut its deployment down
     as Ctrl-C does: exit 0, its Ray gone, and no shared-memory segment of its stages left (SIGTERM used to kill the
     launcher outright, and the stages' receive slots stayed in /dev/shm). `timeout` sends SIGTERM twice (to the
     command, then to its process group): the second arrived inside the shutdown the first started, the launcher
-    exited 130 and the segments stayed; a second SIGTERM is now ignored once the first has started the shutdown."""
+    exited 130 and the segments stayed; a second SIGTERM is now ignored once the first has started the shutdown.
+    "group": SIGTERM to the launcher's whole process group (`kill -TERM -PGID`, what `timeout` sends second) ended
+    the GCS and raylet Ray had started in that group, and the shutdown waited 60 s for them, then exited 1; the
+    command now runs in a session of its own, so the group holds the launcher alone."""
     import glob
     import ray
     assert not ray.is_initialized()
     before = set(glob.glob("/dev/shm/mpp-*"))
     log = open(tmp_path / "launch.log", "w+")
     launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                start_new_session=sigterms == "group")
     try:
         for _ in range(480):
             log.seek(0)
@@ -188,11 +192,16 @@ def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path, sigterms):
             assert launcher.poll() is None, "the launcher exited early"
             time.sleep(0.25)
         assert set(glob.glob("/dev/shm/mpp-*")) - before, "the stages made no segment: the check below is vacuous"
-        launcher.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        if sigterms == "group":
+            os.killpg(launcher.pid, signal.SIGTERM)
+        else:
+            launcher.send_signal(signal.SIGTERM)
         if sigterms == 2:
             time.sleep(0.3)                     # inside the shutdown the first one started
             launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) == 0
+        assert time.monotonic() - t0 < 30       # (the group's took 60 s, and exited 1)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -234,11 +243,23 @@ def test_sigterm_shuts_a_bench_down_too(tmp_path):
 
 
 
-def test_a_sigkilled_launchers_segments_are_swept_by_the_next_launch(tmp_path):
-    """A SIGKILLed launcher (`ray.address: local`) takes its Ray cluster and stages down with it, and nothing was
-    left to unlink the stages' segments: they stayed in /dev/shm (with a host path, hundreds of MB of pinned
-    memory) until a reboot. Each stage holds an flock on its lock file while it runs; the next launch's sweep
-    takes the dead ones' locks and unlinks what they made, and nothing of a live process."""
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("killed", ["memra-pp", "everything"])
+def test_a_sigkilled_launcher(tmp_path, killed):
+    """"memra-pp": SIGKILL to the `memra-pp launch` process. Its deployment runs in a child of its own session
+    (the launcher's process group holds nothing else), which gets SIGTERM when the launcher dies and shuts the
+    deployment down: nothing is left, no segment, no Ray process.
+    "everything": that child and its local Ray cluster SIGKILLed too, so nothing was left to unlink the stages'
+    segments: they stayed in /dev/shm (with a host path, pinned memory the size of a prefill step) until a
+    reboot. Each stage holds an flock on its lock file while it runs; the next launch's sweep takes the dead ones'
+    locks and unlinks what they made, and nothing of a live process."""
     import glob
     import ray
     from memra_pp.shm import segment_name, sweep_dead
@@ -249,6 +270,7 @@ def test_a_sigkilled_launchers_segments_are_swept_by_the_next_launch(tmp_path):
     log = open(tmp_path / "launch.log", "w+")
     launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
                                 stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    child = None
     try:
         for _ in range(480):
             log.seek(0)
@@ -256,19 +278,34 @@ def test_a_sigkilled_launchers_segments_are_swept_by_the_next_launch(tmp_path):
                 break
             assert launcher.poll() is None, "the launcher exited early"
             time.sleep(0.25)
+        child = _children(launcher.pid)
+        assert len(child) == 1 and os.getsid(child[0]) == child[0] != os.getsid(launcher.pid), child
+        child = child[0]
         made = set(glob.glob("/dev/shm/mpp-*")) - before
         locks = [m for m in made if m.endswith(".lock")]
         assert len(locks) == 2 and len(made) > 2, made      # the two stages' locks and their segments
-        launcher.kill()                                     # SIGKILL: no handler, no teardown
+        if killed == "everything":                         # the child's session: it, and Ray's processes
+            os.killpg(child, signal.SIGKILL)
+        launcher.kill()
         launcher.wait(10)
+        for _ in range(240):                # (everything: Ray ends the stages once their cluster is gone)
+            if not os.path.exists(f"/proc/{child}") and not any(
+                    os.path.exists(f"/proc/{m.split('mpp-')[1].split('.')[0]}") for m in locks):
+                break
+            time.sleep(0.25)
+        assert not os.path.exists(f"/proc/{child}"), "the deployment outlived its launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    pids = {int(os.path.basename(m)[4:].split(".")[0]) for m in locks}
-    for _ in range(240):                    # Ray ends the stages once their cluster is gone
-        if not any(os.path.exists(f"/proc/{p}") for p in pids):
-            break
-        time.sleep(0.25)
+        if child is not None:
+            try:
+                os.killpg(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if killed == "memra-pp":                # the child's shutdown ran: nothing left to sweep
+        log.seek(0)
+        assert set(glob.glob("/dev/shm/mpp-*")) - before == set(), log.read()[-2000:]
+        return
     assert set(glob.glob("/dev/shm/mpp-*")) - before == made, "the dead stages' segments should still be there"
     assert sweep_dead() == len(made) - len(locks)           # what launch runs first
     assert set(glob.glob("/dev/shm/mpp-*")) - before == set() and os.path.exists(mine_lock)
