@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .errors import MemraError, ResidencyError
+from .errors import ResidencyError
 from .placement.schema import load_placement
 from .rayutil import get
 
@@ -288,12 +288,8 @@ class Battery:
 def main(args) -> int:
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print   # --json: stdout is JSON only
     from .bench import check_output_path
-    try:
-        check_output_path("--out", args.out)       # before the launch, not after every check has run
-        report = Battery(args.config, progress=say, out=args.out).run()
-    except MemraError as e:
-        print(f"battery could not run: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    check_output_path("--out", args.out)           # before the launch, not after every check has run
+    report = Battery(args.config, progress=say, out=args.out).run()     # (an error: one line, as every command's)
     if args.json:
         print(json.dumps(report, indent=1, default=str))
     else:

@@ -42,7 +42,13 @@ def ensure_embedded(path: Path) -> bool:
     from .model.tiny import make_tiny
     logging.getLogger("memra_pp").warning(f"writing the embedded tiny checkpoint {p} (it was not there)")
     tmp = p.with_name(f".{p.name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    make_tiny(tmp, **EMBEDDED[p])
+    try:
+        make_tiny(tmp, **EMBEDDED[p])
+    except OSError as e:    # (an unwritable or missing HOME: a raw error from every command that reads it)
+        from .errors import ConfigError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"{p}: cannot write the embedded tiny checkpoint there ({e.strerror or e}); make "
+                          f"~/.cache writable or set HOME to a writable directory") from None
     try:
         if p.exists() and not (p / "config.json").exists():
             shutil.rmtree(p, ignore_errors=True)      # an interrupted write's leftovers

@@ -62,21 +62,20 @@ def attach(address: str, namespace: str) -> None:
     of its interfaces: where `auto` would look) and a token is at hand, token mode is turned on as Ray does for
     `auto`. A cluster without authentication accepts such a client. Another host never gets this host's token:
     set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN for it, as Ray asks."""
-    if address not in (None, "auto"):
-        host = _require_listening(address)
-        try:        # Ray's private module: a Ray without it has no token authentication to turn on
-            from ray._private.authentication import authentication_token_setup as auth
-        except ImportError:
-            auth = None
-        if auth is not None and "RAY_AUTH_MODE" not in os.environ and host is not None and _this_host(host):
-            quiet = logging.getLogger(auth.__name__)
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)       # its "token authentication is enabled" on every connect
-            try:
-                auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-            finally:
-                quiet.setLevel(level)
+    try:        # Ray's private module: a Ray without it has no token authentication to turn on
+        from ray._private.authentication import authentication_token_setup as auth
+    except ImportError:
+        auth = None
+    # its "Token authentication is enabled for this Ray cluster" on every connect, `auto`'s too: stderr noise on
+    # every generate / status / stop
+    quiet = logging.getLogger(auth.__name__ if auth is not None else "ray")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
+        if address not in (None, "auto"):
+            host = _require_listening(address)
+            if auth is not None and "RAY_AUTH_MODE" not in os.environ and host is not None and _this_host(host):
+                auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError,      # ValueError: an address Ray cannot parse
             getattr(ray.exceptions, "AuthenticationError", ConnectionError)) as e:
@@ -84,6 +83,8 @@ def attach(address: str, namespace: str) -> None:
                           f"{str(e).splitlines()[0]}); give the address `memra-pp launch` printed, or `auto` on "
                           f"the launcher's host; a cluster with token authentication needs its token "
                           f"(~/.ray/auth_token or RAY_AUTH_TOKEN)") from None
+    finally:
+        quiet.setLevel(level)
 
 
 def _require_listening(address: str, timeout: float = 5.0) -> str | None:

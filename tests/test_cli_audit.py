@@ -128,3 +128,22 @@ def test_help_says_what_the_commands_do(capsys):
         assert e.value.code == 0
         out = " ".join(capsys.readouterr().out.split())     # (argparse wraps the lines)
         assert all(s in out for s in says), (argv, out)
+
+
+def test_an_embedded_checkpoint_that_cannot_be_written_is_a_config_error(tmp_path, monkeypatch):
+    """ensure_embedded (plan, launch, bench and battery with a shipped YAML) let the OSError of an unwritable
+    ~/.cache through raw; it is a ConfigError naming the path, and no partial directory is left."""
+    import memra_pp.defaults as defaults
+    import memra_pp.model.tiny as tiny
+    from memra_pp.errors import ConfigError
+    p = tmp_path / "tiny"
+
+    def cannot(path, **k):
+        path.mkdir()
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(defaults, "EMBEDDED", {p: {}})
+    monkeypatch.setattr(tiny, "make_tiny", cannot)
+    with pytest.raises(ConfigError, match=rf"^{p}: cannot write the embedded tiny checkpoint there \(Permission "
+                                          rf"denied\); make ~/.cache writable or set HOME"):
+        defaults.ensure_embedded(p)
+    assert list(tmp_path.iterdir()) == []
