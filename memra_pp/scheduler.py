@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections import deque
 
 from .errors import InputError, StageFailed
@@ -33,6 +34,9 @@ class Scheduler:
         self.active: dict[int, Seq] = {}          # slot -> Seq
         self.free_slots = list(range(max_batch))[::-1]
         self.inflight: dict[int, Microbatch] = {}
+        # add and admission move a request into waiting and on to active under it: a reader on another thread (the
+        # intake's adapter_users) that holds it sees each request in one of the two, never between them
+        self.mu = threading.Lock()
         self.pending_release: list[int] = []
         self._mb = itertools.count()
         self.dropped = 0                          # sampled tokens nobody gets: their sequence had ended or was aborted
@@ -51,7 +55,8 @@ class Scheduler:
 
     def add(self, r: Request) -> None:
         self.validate(r)
-        self.waiting.append(r)
+        with self.mu:
+            self.waiting.append(r)
 
     def validate(self, r: Request) -> None:
         """Refuse a request that can never run (pure: safe to call from any thread)."""
@@ -175,11 +180,12 @@ class Scheduler:
                     self._kv_blocked = r
                     self.kv_waits += 1
                 break
-            self.waiting.popleft()
-            s = Seq(r, self.free_slots.pop())
+            with self.mu:
+                self.waiting.popleft()
+                s = Seq(r, self.free_slots.pop())
+                self.active[s.slot] = s
             s.pages = self.pages(r)
             self.kv_used += s.pages
-            self.active[s.slot] = s
         return done
 
     def next_microbatch(self) -> tuple[Microbatch | None, list[Event]]:

@@ -121,6 +121,7 @@ class IntakeLoop(_Loop):
                 r.mail.post(sched.fail_mb(item["mb"], "StageFailed", msg))
             elif kind == "dead":
                 r.mail.post(sched.fail_all("StageFailed", item[1], item[0]))
+            r.inbox.taken = None        # handed on (a request: in the scheduler now, or failed)
 
     def _advance(self):
         """One stage: a step is on the device. While nothing else waits to be scheduled and its tokens are on the

@@ -62,6 +62,7 @@ class RecoveryMixin:
                     evs.append(Event(item.client, item.rid, [], [], "error", ("StageFailed", message, stage)))
                 elif kind == "post":            # an image request's failure, made before the halt
                     evs.extend(item)
+            self.inbox.taken = None             # (every one taken has failed)
             self.mail.post(evs)
             self.scheduler = Scheduler.for_placement(sc, len(self.plan.stages), self.plan.microbatches)
         g = self.model.graphs

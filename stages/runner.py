@@ -62,13 +62,27 @@ class _LoadProgress:
                   f"[{self.sp.layer_start}, {self.sp.layer_end}) in {now - self.t0:.1f} s", flush=True)
 
 
+class Inbox(queue.Queue):
+    """The intake's inbox: the item a get() took stays `taken` (set under the queue's mutex) until the loop has
+    handed it on and clears it, so adapter_users, reading the queue and `taken` under that mutex, never misses a
+    request between the inbox and the scheduler (an unload then swapped another adapter in under it)."""
+
+    def _init(self, maxsize):
+        super()._init(maxsize)
+        self.taken = None
+
+    def _get(self):
+        self.taken = item = super()._get()
+        return item
+
+
 class StageRunner(ImagesMixin, RecoveryMixin):
     def __init__(self):
         self.index = -1
         self.loop = None
         self.receiver = self.sender = self.ring_listener = self.ring = None
         self.mail = Mailboxes()
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: Inbox = Inbox()
         self.t_setup = time.monotonic()
         self.tower = None
         self.tower_ctx = None
@@ -403,10 +417,12 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             n = self._submitting.get(slot, 0)
         with self._pending_lock:
             n += sum(r.adapter == slot for r in self._pending.values())
-        with self.inbox.mutex:
-            queued = [item[1] for item in self.inbox.queue if item[0] == "req"]
-        return n + sum(r.adapter == slot for r in queued) + sum(r.adapter == slot for r in list(sch.waiting)) + \
-            sum(q.req.adapter == slot for q in list(sch.active.values()))
+        with self.inbox.mutex:      # (the one the loop has taken and not yet added: Inbox.taken)
+            queued = [item[1] for item in [*self.inbox.queue, self.inbox.taken] if item and item[0] == "req"]
+        with sch.mu:
+            waiting, active = list(sch.waiting), list(sch.active.values())
+        return n + sum(r.adapter == slot for r in queued) + sum(r.adapter == slot for r in waiting) + \
+            sum(q.req.adapter == slot for q in active)
 
     def _take_adapter(self, name: str | None) -> int:
         """The slot of the loaded adapter `name` (-1: none), counted as being submitted until submit has queued

@@ -312,9 +312,9 @@ def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
     r.release_adapter("a")
     assert r.adapters() == {"d": (1, "/d", "loading")} and r.adapter_names == {}
     # an unload counts the slot's requests still in the intake's inbox too (submitted, not yet scheduled)
-    import queue
-    r.inbox, r.scheduler = queue.Queue(), types.SimpleNamespace(waiting=[types.SimpleNamespace(adapter=1)],
-                                                                active={})
+    from memra_pp.stages.runner import Inbox
+    r.inbox, r.scheduler = Inbox(), types.SimpleNamespace(waiting=[types.SimpleNamespace(adapter=1)], active={},
+                                                          mu=threading.Lock())
     r._submitting, r._pending, r._pending_lock = {}, {}, threading.Lock()
     r.inbox.put(("req", types.SimpleNamespace(adapter=1)))
     r.inbox.put(("abort", "x"))

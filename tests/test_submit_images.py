@@ -144,3 +144,34 @@ def test_a_halt_fails_the_requests_waiting_for_their_images(runner):
     r.submit(req("z"))                               # the restarted intake's own requests still go through
     [(kind, got)] = inbox(r, 1)
     assert (kind, got.rid) == ("req", "z") and seen == ["x", "z"]       # y's tower work never ran
+
+
+def test_a_request_between_the_inbox_and_the_scheduler_is_its_adapters_user():
+    """The loop takes a request from the inbox, then adds it to the scheduler: adapter_users, read from another
+    thread, missed it in between, so an unload could swap another adapter into its slot under it. The inbox keeps
+    what it gave out as `taken` until the loop has handed it on, and the scheduler moves a request into waiting and
+    on to active under its lock, which adapter_users holds to read both."""
+    from memra_pp.model.sampling import SamplingParams
+    from memra_pp.sched_types import Request
+    r = StageRunner()
+    r.scheduler = Scheduler(max_batch=4, microbatches=1, prefill_chunk=16, max_context=64)
+    q = Request("x", "c", [5, 6, 7], 4, SamplingParams(), adapter=1)
+    r.inbox.put(("req", q))
+    assert r.adapter_users(1) == 1                  # in the inbox
+    kind, got = r.inbox.get_nowait()                # the loop has it, not yet the scheduler
+    assert got is q and r.adapter_users(1) == 1 and r.adapter_users(0) == 0
+    r.scheduler.add(got)
+    assert r.adapter_users(1) >= 1                  # (taken and waiting at once: counted twice is safe)
+    r.inbox.taken = None                            # handed on (intake_loop._drain)
+    assert r.adapter_users(1) == 1
+    r.scheduler.next_microbatch()                   # admitted: active
+    assert not r.scheduler.waiting and r.adapter_users(1) == 1
+    # the reader holds the scheduler's lock: a move between waiting and active cannot fall between its two reads
+    got = []
+    with r.scheduler.mu:
+        t = threading.Thread(target=lambda: got.append(r.adapter_users(1)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and not got
+    t.join(5)
+    assert got == [1]
