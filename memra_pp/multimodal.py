@@ -27,9 +27,8 @@ def as_image_input(x) -> ImageInput:
         return x
     if isinstance(x, dict) and "pixel_values" in x and "grid_thw" in x:
         pv = x["pixel_values"]
-        try:
-            return ImageInput(torch.as_tensor(np.asarray(pv)) if not isinstance(pv, torch.Tensor) else pv,
-                              tuple(int(v) for v in x["grid_thw"]))
+        try:    # the grid as given (not int(): 4.7 is no grid size, True no count): validate refuses it by name
+            return ImageInput(pv if isinstance(pv, (torch.Tensor, np.ndarray)) else np.asarray(pv), x["grid_thw"])
         except (TypeError, ValueError) as e:
             raise InputError(f"an image's pixel_values / grid_thw do not form an ImageInput: {e}") from None
     raise InputError(f"an image must be a memra_pp.ImageInput (pixel_values, grid_thw), got {type(x).__name__}")
@@ -41,30 +40,42 @@ def plan_images(prompt: list[int], images, mc: ModelConfig, max_patches: int) ->
         raise InputError("this model has no vision tower (no vision_config): images cannot be given")
     imgs = [validate_image_input(as_image_input(x), mc.vision, max_patches) for x in images]
     merge = mc.vision.spatial_merge_size
-    prompt = expand_placeholders(prompt, imgs, mc.image_token_id, merge)
+    prompt = expand_placeholders(prompt, imgs, mc.image_token_id, merge, mc.video_token_id)
     grids = [ii.grid_thw for ii in imgs]
     spans = placeholder_spans(prompt, grids, mc.image_token_id, mc.video_token_id, merge)
     pos, delta = rope_positions(prompt, grids, mc.image_token_id, mc.video_token_id, merge)
     return ImagePlan(prompt, imgs, spans, pos, delta)
 
 
-def expand_placeholders(prompt: list[int], imgs: list[ImageInput], image_id: int, merge: int) -> list[int]:
-    """A lone image placeholder stands for all of its image's rows (as vLLM and the HF processor expand it);
-    runs that already have a length other than 1 are left for the count check."""
-    out, k, i = [], 0, 0
+def expand_placeholders(prompt: list[int], imgs: list[ImageInput], image_id: int, merge: int,
+                        video_id: int | None = None) -> list[int]:
+    """A lone image placeholder stands for all of its image's rows (as vLLM and the HF processor expand it).
+    Runs already expanded (images, video frames) take their inputs' rows in prompt order, so that a lone
+    placeholder after them gets its own image; any mismatch is left for the count check."""
+    out, k, left, i = [], 0, 0, 0      # k: the next input; left: rows of the input being placed still unplaced
     while i < len(prompt):
-        j = i
-        while j < len(prompt) and prompt[j] == image_id:
-            j += 1
-        if j == i:
-            out.append(prompt[i])
+        tok, j = prompt[i], i
+        if tok != image_id and (video_id is None or tok != video_id):
+            out.append(tok)
             i += 1
             continue
+        while j < len(prompt) and prompt[j] == tok:
+            j += 1
         n = j - i
-        if n == 1 and k < len(imgs):
-            t, h, w = imgs[k].grid_thw
-            n = t * h * w // (merge * merge)
-        out.extend([image_id] * n)
-        k += 1
+        if n == 1 and tok == image_id and left == 0 and k < len(imgs):
+            n, k = _rows(imgs[k], merge), k + 1
+        else:
+            placed = n
+            while placed and (left or k < len(imgs)):
+                if not left:
+                    left, k = _rows(imgs[k], merge), k + 1
+                took = min(placed, left)
+                placed, left = placed - took, left - took
+        out.extend([tok] * n)
         i = j
     return out
+
+
+def _rows(ii: ImageInput, merge: int) -> int:
+    t, h, w = ii.grid_thw
+    return t * h * w // (merge * merge)

@@ -1,7 +1,8 @@
 """A bounds check of a GGUF file's header and metadata before gguf's reader parses them (any process that opens a
 GGUF). The reader loops over every array's count as written: a count corrupted to 2**40 makes it build views past
 the end of the file until the process runs out of memory. Here every count and length is checked against the bytes
-left, so such a file is a ConfigError naming the key, in O(metadata) time.
+left, so such a file is a ConfigError naming the key, in O(metadata) time; keys and tensor names appear once,
+and every tensor's bytes lie aligned inside the file and apart from the others'.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def _scan(m, size: int, path: Path) -> None:
     if m[:4] != b"GGUF":
         raise bad(f"magic {bytes(m[:4])!r} is not b'GGUF'")
     version, off = u("I", 4)
+    if version not in (2, 3) and struct.unpack_from(">I", m, 4)[0] in (2, 3):
+        raise bad("a big-endian GGUF: only little-endian files are read; convert it with gguf-py's "
+                  "gguf-convert-endian (little)")
     if version not in (2, 3):
         raise bad(f"version {version}: only GGUF 2 and 3 are read")
     n_tensors, off = u("Q", off)
@@ -74,9 +78,66 @@ def _scan(m, size: int, path: Path) -> None:
             return off
         raise bad(f"{key!r}: unknown value type {vtype}")
 
+    keys, alignment = set(), 32          # GGUF's default alignment of the tensor data
     for i in range(n_kv):
         start = off
         off = string(off, f"metadata key {i}")
         key = bytes(m[start + 8:off]).decode("utf-8", "replace")
-        vtype, off = u("I", off)
-        off = value(vtype, off, key)
+        if key in keys:     # two values for one key: which one a reader takes is not the file's to say
+            raise bad(f"metadata key {key!r} is written twice")
+        keys.add(key)
+        vtype, at = u("I", off)
+        off = value(vtype, at, key)
+        if key == "general.alignment":
+            alignment = struct.unpack_from("<I", m, at)[0] if vtype == 4 else 0
+            if alignment <= 0 or alignment & (alignment - 1):
+                raise bad("metadata key 'general.alignment' must be a uint32 power of two")
+    _scan_tensors(m, size, off, n_tensors, alignment, u, string, bad)
+
+
+def _scan_tensors(m, size: int, off: int, n_tensors: int, alignment: int, u, string, bad) -> None:
+    """Every tensor's info (name once, 1..4 dims, a known type, whole blocks per row) and its bytes inside the file,
+    so that a bad one is refused by name (the reader would say only "cannot reshape array of size ...")."""
+    import gguf
+    infos, names = [], set()
+    for i in range(n_tensors):
+        start = off
+        off = string(off, f"tensor info {i}")
+        name = bytes(m[start + 8:off]).decode("utf-8", "replace")
+        if name in names:
+            raise bad(f"tensor {name!r} is listed twice")
+        names.add(name)
+        n_dims, off = u("I", off)
+        if not 1 <= n_dims <= 4:
+            raise bad(f"tensor {name!r} has {n_dims} dimensions; GGUF allows 1 to 4")
+        dims = []
+        for _ in range(n_dims):
+            d, off = u("Q", off)
+            dims.append(d)
+        ttype, off = u("I", off)
+        at, off = u("Q", off)
+        infos.append((name, dims, ttype, at))
+    data = off + -off % alignment
+    spans = []
+    for name, dims, ttype, at in infos:
+        shape = tuple(reversed(dims))       # (torch order: GGUF ne is the reverse)
+        try:
+            qt = gguf.GGMLQuantizationType(ttype)
+            block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+        except (ValueError, KeyError):
+            raise bad(f"tensor {name!r} has unknown type {ttype}") from None
+        if dims[0] % block:
+            raise bad(f"tensor {name!r} of shape {shape} is {qt.name}, whose blocks hold {block} values, but its rows "
+                      f"hold {dims[0]}")
+        n = 1
+        for d in dims:
+            n *= d
+        end = data + at + n // block * nbytes
+        if at % alignment or end > size:
+            raise bad(f"tensor {name!r} ({qt.name}, shape {shape}) lies at bytes {data + at}..{end} of a file of "
+                      f"{size} bytes" + (f", not aligned to {alignment}" if at % alignment else ""))
+        spans.append((data + at, end, name))
+    spans.sort()
+    for (_, end, name), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:     # two tensors read from the same bytes: one of them is another's data
+            raise bad(f"tensor {other!r} starts at byte {start}, inside tensor {name!r} (which ends at {end})")

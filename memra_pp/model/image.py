@@ -21,16 +21,49 @@ class ImageInput:
     grid_thw: tuple[int, int, int]      # (t, h, w) in patches; t counts temporal patches
 
     def __post_init__(self):
+        # As a processor hands them over: grid a tensor / numpy row or a tuple of its 0-d items, pixels a numpy
+        # array (return_tensors="np"). Anything else stays as given, for validate_image_input to refuse by name.
         g = self.grid_thw
-        if isinstance(g, torch.Tensor):
+        if isinstance(g, (torch.Tensor, np.ndarray)):
             g = g.tolist()
         if isinstance(g, (list, tuple)):
-            object.__setattr__(self, "grid_thw", tuple(g))
+            object.__setattr__(self, "grid_thw", tuple(_grid_entry(v) for v in g))
+        pv = self.pixel_values
+        if isinstance(pv, np.ndarray) and pv.dtype.kind in "biufc":
+            pv = pv.astype(pv.dtype.newbyteorder("="), copy=False)
+            object.__setattr__(self, "pixel_values", torch.from_numpy(pv if pv.flags.writeable else pv.copy()))
+
+    def __reduce__(self):
+        """Across processes (a Ray call) only this image's own pixels travel, from host memory: a tensor pickles
+        its whole storage (a per-image slice of a batch's pixel_values would carry the batch) and a CUDA tensor
+        would be rebuilt on the receiver's GPU of the same number."""
+        return ImageInput, (_wire(self.pixel_values), self.grid_thw)
 
     @property
     def n_patches(self) -> int:
         t, h, w = self.grid_thw
         return t * h * w
+
+
+def _grid_entry(v):
+    """An integer numpy scalar or 0-d integer tensor as a Python int (bools are not sizes: kept, then refused)."""
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, torch.Tensor) and v.ndim == 0 and v.device.type != "meta" and \
+            not (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool):
+        return int(v)
+    return v
+
+
+def _wire(pv):
+    """pixel_values as sent to another process: detached, on the host, owning exactly its own bytes."""
+    if not isinstance(pv, torch.Tensor) or pv.layout != torch.strided or pv.device.type == "meta":
+        return pv
+    pv = pv.detach().cpu()
+    if not pv.is_contiguous() or pv.storage_offset() or \
+            pv.untyped_storage().nbytes() != pv.numel() * pv.element_size():
+        pv = pv.clone(memory_format=torch.contiguous_format)
+    return pv
 
 
 @dataclasses.dataclass(frozen=True)

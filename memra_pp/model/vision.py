@@ -4,8 +4,10 @@ Pure math on one device; it runs wherever the caller puts it (the tower engine) 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -144,7 +146,7 @@ class VisionTower(nn.Module):
     # ---- forward ------------------------------------------------------------------------------------------
     def forward(self, pixel_values: torch.Tensor, grid_thw) -> torch.Tensor:
         """pixel_values [N, C*T*p*p], grid_thw (n, 3) ints -> rows [N / merge^2, Ho], images in order."""
-        grids = _grids(grid_thw)
+        grids = _grids(grid_thw, self.vcfg.spatial_merge_size)
         n = sum(t * h * w for t, h, w in grids)
         if pixel_values.ndim != 2 or pixel_values.shape[0] != n:
             raise InputError(f"vision tower: pixel_values has shape {tuple(pixel_values.shape)}, but grid_thw "
@@ -183,9 +185,20 @@ class VisionTower(nn.Module):
         return emb.cos(), emb.sin()
 
 
-def _grids(grid_thw) -> list[tuple[int, int, int]]:
-    if isinstance(grid_thw, torch.Tensor):
+def _grids(grid_thw, merge: int) -> list[tuple[int, int, int]]:
+    """(n, 3) grids, or one (t, h, w), as a list of int triples; what the merge cannot take is an InputError."""
+    if isinstance(grid_thw, (torch.Tensor, np.ndarray)):
         grid_thw = grid_thw.tolist()
-    if isinstance(grid_thw, Iterable) and len(grid_thw) == 3 and all(isinstance(v, int) for v in grid_thw):
+    if isinstance(grid_thw, Iterable) and len(grid_thw) == 3 and all(_is_size(v) for v in grid_thw):
         grid_thw = [grid_thw]
-    return [tuple(int(v) for v in g) for g in grid_thw]
+    grids = [tuple(g) if isinstance(g, Iterable) else g for g in grid_thw]
+    for g in grids:
+        if not (isinstance(g, tuple) and len(g) == 3 and all(_is_size(v) and v > 0 for v in g)) \
+                or g[1] % merge or g[2] % merge:
+            raise InputError(f"vision tower: grid_thw {grids} must be (t, h, w) triples of positive ints with h and w "
+                             f"multiples of spatial_merge_size {merge}")
+    return [tuple(int(v) for v in g) for g in grids]
+
+
+def _is_size(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
