@@ -310,7 +310,7 @@ class Deployment:
         if self._tokenizer is None:
             from .model.tokenizer import Tokenizer
             p = Path(self.placement.model.path).expanduser()
-            self._tokenizer = Tokenizer.from_model_dir(p) if p.is_dir() else None
+            self._tokenizer = Tokenizer.for_model(p)
             if self._tokenizer is None:
                 self._tokenizer = False
         return self._tokenizer or None

@@ -30,5 +30,12 @@ def test_gguf_deployment_matches_transformers(ray_cluster):
             assert r.token_ids == want, (p[:4], r.token_ids, want)
             assert len(r.logprobs) == len(want_lp)
             assert max(abs(a - b) for a, b in zip(r.logprobs, want_lp, strict=True)) < 5e-4
+        # text through the GGUF's own tokenizer (tokenizer.ggml.*): the HF tokenizer's ids, decoded back
+        from tokenizers import Tokenizer as HFTokenizer
+        hf_tok = HFTokenizer.from_file(str(d / "hf" / "tokenizer.json"))
+        text = "<|im_start|>user\nHello, world! 123<|im_end|>\n"
+        r = c.generate(text, max_new_tokens=6, ignore_eos=True)
+        assert r.token_ids == c.generate(hf_tok.encode(text).ids, max_new_tokens=6, ignore_eos=True).token_ids
+        assert r.text == hf_tok.decode(r.token_ids), (r.text, r.token_ids)
         st = dep.stats()["stages"]
     assert st[1]["handoffs"] > 0, "the activations crossed the boundary"

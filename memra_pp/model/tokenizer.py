@@ -1,19 +1,34 @@
-"""Text in and out for a model directory's `tokenizer.json` (Hugging Face `tokenizers`), with a streaming decoder
-that never splits a UTF-8 character. Runs in the driver process."""
+"""Text in and out for a model directory's `tokenizer.json` or a GGUF file's `tokenizer.ggml.*` metadata (Hugging
+Face `tokenizers`), with a streaming decoder that never splits a UTF-8 character. Runs in the driver process."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.decoders import DecodeStream
 
 from ..errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 REPLACEMENT = "\ufffd"
+
+# `tokenizer.ggml.pre` -> the Split regex of the model's own tokenizer.json (the behaviour llama.cpp's
+# LLAMA_VOCAB_PRE_TYPE_QWEN2 / _QWEN35 transcribe, contractions spelled '[sS]... there). qwen35 differs from qwen2
+# only by keeping combining marks (\p{M}) with their letters: the wrong one would split "e\u0301" differently.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+GGUF_PRE_SPLITS = {"qwen2": _QWEN2_SPLIT, "qwen35": _QWEN35_SPLIT}
+_CONTROL, _USER_DEFINED = 3, 4      # tokenizer.ggml.token_type values matched whole in text (llama.cpp's enum)
 
 
 class Tokenizer:
-    """A loaded `tokenizer.json`: encode, decode, special-token lookup, incremental decoding."""
+    """A loaded tokenizer (`tokenizer.json` or GGUF metadata): encode, decode, special-token lookup, incremental
+    decoding."""
 
     def __init__(self, tok: tokenizers.Tokenizer, source: str = "<memory>"):
         self._tok = tok
@@ -29,6 +44,79 @@ class Tokenizer:
             return cls(tokenizers.Tokenizer.from_file(str(f)), str(f))
         except Exception as e:          # tokenizers raises a bare Exception on a malformed file
             raise ConfigError(f"{f}: not a loadable tokenizer.json ({e}); remove it to run on token ids") from None
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer | None":
+        """The tokenizer a llama.cpp GGUF file carries, or None when it has no `tokenizer.ggml.tokens`.
+
+        A `tokenizer.ggml.model` other than "gpt2" or a `tokenizer.ggml.pre` without a known split regex is also
+        None, with a warning: a guess would encode text to ids the model was not trained on, while token-id
+        requests need no tokenizer. Incomplete tokenizer metadata is a ConfigError naming the key."""
+        f = Path(path).expanduser()
+        fields = _gguf_fields(f)
+        if "tokenizer.ggml.tokens" not in fields:
+            return None
+
+        def get(key, default=KeyError):
+            if key not in fields:
+                if default is KeyError:
+                    raise ConfigError(f"{f}: GGUF metadata key {key!r} is missing; the file's tokenizer is incomplete")
+                return default
+            try:
+                return fields[key].contents()
+            except (UnicodeDecodeError, ValueError, IndexError) as e:
+                raise ConfigError(f"{f}: GGUF metadata key {key!r} does not decode ({type(e).__name__}: {e})") from None
+
+        kind, pre = get("tokenizer.ggml.model"), get("tokenizer.ggml.pre", "default")
+        if kind != "gpt2" or pre not in GGUF_PRE_SPLITS:    # a guessed split would give ids never trained on
+            what = f"tokenizer.ggml.model {kind!r}" if kind != "gpt2" else f"tokenizer.ggml.pre {pre!r}"
+            log.warning("%s: %s is not supported (byte-level BPE 'gpt2' with pre %s only); text prompts are refused, "
+                        "token ids still work (or give the model directory's tokenizer.json)", f, what,
+                        " / ".join(sorted(GGUF_PRE_SPLITS)))
+            return None
+        tokens, types = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.token_type")
+        if len(types) != len(tokens):
+            raise ConfigError(f"{f}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        merges = []
+        for n, m in enumerate(get("tokenizer.ggml.merges")):
+            i = m.find(" ", 1)          # as llama.cpp splits: the first space past the first character
+            if i < 0:
+                raise ConfigError(f"{f}: tokenizer.ggml.merges[{n}] {m!r} is not two tokens joined by a space")
+            merges.append((m[:i], m[i + 1:]))
+        tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
+                                              byte_fallback=False))
+        tok.normalizer = normalizers.NFC()      # as Qwen's tokenizer.json (llama.cpp itself does not normalize)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(tokenizers.Regex(GGUF_PRE_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        bos = get("tokenizer.ggml.bos_token_id", None)
+        if get("tokenizer.ggml.add_bos_token", False) and bos is not None and 0 <= bos < len(tokens):
+            tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+                                                               special_tokens=[(tokens[bos], bos)])
+        else:
+            tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        # Control tokens are special (skipped by skip_special_tokens); user-defined ones (<think>) are not, as in
+        # tokenizer.json. Both already hold their ids in the vocabulary, so adding them keeps those ids.
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, k in zip(tokens, types) if k == _CONTROL])
+        tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, k in zip(tokens, types) if k == _USER_DEFINED])
+        return cls(tok, str(f))
+
+    @classmethod
+    def for_model(cls, path: str | Path) -> "Tokenizer | None":
+        """The tokenizer for a placement's model.path: a directory's tokenizer.json (else, in a directory that
+        open_weights reads as GGUF, its one .gguf file's), or a .gguf file's own; None when there is none (the
+        deployment then runs on token ids)."""
+        p = Path(path).expanduser()
+        if p.is_dir():
+            t = cls.from_model_dir(p)
+            found = sorted(p.glob("*.gguf"))
+            if t is None and len(found) == 1 and not any(p.glob("*.safetensors*")):
+                return cls.from_gguf(found[0])
+            return t
+        return cls.from_gguf(p) if p.is_file() and p.suffix == ".gguf" else None
 
     @property
     def vocab_size(self) -> int:
@@ -48,6 +136,21 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens)
+
+
+def _gguf_fields(f: Path) -> dict:
+    """The GGUF file's metadata fields (gguf.ReaderField by key), or ConfigError naming the file."""
+    import gguf
+    from .gguf_check import check_gguf_metadata
+    try:
+        check_gguf_metadata(f)          # before the reader: a corrupt count must not exhaust memory there
+        return dict(gguf.GGUFReader(str(f)).fields)
+    except FileNotFoundError:
+        raise ConfigError(f"{f}: GGUF file does not exist") from None
+    except ConfigError:
+        raise
+    except Exception as e:              # GGUFReader raises ValueError/KeyError/IndexError on bad or truncated files
+        raise ConfigError(f"{f}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
 class IncrementalDecoder:
