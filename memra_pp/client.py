@@ -12,6 +12,7 @@ import numbers
 import pickle
 import queue
 import threading
+import time
 import uuid
 from typing import Iterator
 
@@ -29,6 +30,10 @@ WAIT_MAX_S = MAX_TIMEOUT_S
 
 
 _CLOSED = object()      # a stream's queue: closed from another thread
+
+# A client's pump thread ends once it has had nothing to poll for this long, and the next request starts one: a
+# client made per request (dep.client().generate(...)) kept a thread waking 50 times a second until shutdown.
+PUMP_IDLE_S = 1.0
 
 
 class Stream(Iterator[StreamEvent]):
@@ -65,6 +70,8 @@ class Stream(Iterator[StreamEvent]):
 class Client(ReplayMixin):
     def __init__(self, dep):
         self.dep = dep
+        self.slow_polls = 0         # polls answered after step_s by a live intake (kept, not taken for a loss)
+        self.abandoned = 0          # requests let go because their agenerate's event loop had closed
         self.id = uuid.uuid4().hex
         self._tracks: dict[str, _Track] = {}
         self._held: list[_Track] = []          # replay deployments: requests of a lost stage, awaiting recovery
@@ -74,8 +81,8 @@ class Client(ReplayMixin):
         # (a Lock does not re-enter); the pump finishes them. SimpleQueue.put is safe there.
         self._dropped: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = threading.Event()
-        self._pump = threading.Thread(target=self._run_pump, name="memra-client-pump", daemon=True)
-        self._pump.start()
+        self._pump_lock = threading.Lock()     # taken before self._lock where both are
+        self._pump: threading.Thread | None = None      # running while any request is tracked or held
 
     @property
     def _intake(self):
@@ -114,25 +121,52 @@ class Client(ReplayMixin):
             pass
 
     @staticmethod
-    def _deliver(t, item) -> None:
+    def _deliver(t, item) -> bool:
+        """Give a request's reader an item; False where that reader is gone: an agenerate whose event loop closed
+        (its task never ran its cleanup)."""
         try:
             t.put(item)
-        except RuntimeError:   # an agenerate whose event loop has closed: nobody is waiting any more
-            pass
+        except RuntimeError:
+            return False
+        return True
 
     # -- plumbing ---------------------------------------------------------------------------------------------
+    def _wake_pump(self) -> None:
+        """Start the pump unless it runs (called with a request tracked and self._lock free): it ends only while
+        nothing is tracked or held, deciding so under both locks, so a request tracked before this call is polled."""
+        with self._pump_lock:
+            if self._pump is None and not self._closed.is_set():
+                self._pump = threading.Thread(target=self._run_pump, name="memra-client-pump", daemon=True)
+                self._pump.start()
+
+    def _pump_ends(self, idle_since: float | None) -> tuple[bool, float | None]:
+        """(whether the pump ends now, since when it has been idle): it ends once nothing has been tracked or held
+        for PUMP_IDLE_S, deciding so under both locks (a request tracked later starts a new one: _wake_pump)."""
+        with self._pump_lock:
+            with self._lock:
+                if self._tracks or self._held:
+                    return False, None
+            now = time.monotonic()
+            idle_since = now if idle_since is None else idle_since
+            if now - idle_since >= PUMP_IDLE_S and self._dropped.empty():
+                self._pump = None
+                return True, idle_since
+            return False, idle_since
+
     def _run_pump(self):
         step = self.dep.placement.timeouts.step_s
+        idle_since = None
         while not self._closed.is_set():
             self._finish_dropped()
-            with self._lock:
-                idle = not self._tracks and not self._held
-            if idle:
+            ends, idle_since = self._pump_ends(idle_since)
+            if ends:
+                return
+            if idle_since is not None:
                 self._closed.wait(0.02)
                 continue
             intake = self._intake
             try:
-                evs = ray.get(intake.poll.remote(self.id, 0.2), timeout=step)
+                evs = self._poll(intake, step)
             except Exception as e:  # the intake stage is gone or silent: its waiting requests fail (or wait)
                 self.on_stage_failed(StageFailed(f"stage 0 failed: it did not answer a poll: {type(e).__name__}: "
                                                  f"{e}", stage=0), intake=intake._actor_id)
@@ -141,6 +175,21 @@ class Client(ReplayMixin):
                 continue
             self._take(evs)
             self._replay_if_recovered()
+
+    def _poll(self, intake, step: float) -> list:
+        """This client's events from the intake. A poll unanswered for step_s has been queued behind other clients'
+        long polls (the intake serves a bounded number at once: 200 clients waiting failed 28 healthy requests with
+        step_s 1) unless the intake misses a ping as well (its control calls do not queue behind polls): only then
+        is the intake taken for silent (the caller's except)."""
+        ref = intake.poll.remote(self.id, 0.2)
+        while True:
+            try:
+                return ray.get(ref, timeout=step)
+            except ray.exceptions.GetTimeoutError:
+                ray.get(intake.ping.remote(), timeout=step)
+                self.slow_polls += 1
+                if self._closed.is_set() or self._intake is not intake:    # (a replaced intake: poll the new one)
+                    return []
 
     def _take(self, evs) -> None:
         """A poll's events to their requests. An error naming a lost stage (the intake's own report, usually ahead
@@ -159,7 +208,9 @@ class Client(ReplayMixin):
                     if finish or err:
                         del self._tracks[rid]
             if t is not None:
-                self._deliver(t, (toks, lps, finish, err))
+                if not self._deliver(t, (toks, lps, finish, err)) and not (finish or err):
+                    self.abandoned += 1         # nobody reads the rest: let it go, as a cancelled agenerate is
+                    self._let_go(t)
             elif lost is not None:
                 self._fail(lost, _error(*err))
 
@@ -211,6 +262,7 @@ class Client(ReplayMixin):
             self._tracks[tr.rid] = tr
         try:
             self._send(tr, req, t.step_s)
+            self._wake_pump()   # after the send: a connect()ed handle's send may find a restarted intake to poll
             if self._closed.is_set():   # closed during the send: close() aborted it before the intake had it
                 self._abort(tr.rid)
         except StageFailed as e:   # the intake is gone: with replay the request waits for the recovery
@@ -218,8 +270,11 @@ class Client(ReplayMixin):
                 self._drop(tr)
                 raise
             with self._lock:
-                if self._replays() and tr.rid in self._tracks and self._hold_or_give_up(tr):
-                    return tr, q, ids
+                held = self._replays() and tr.rid in self._tracks and self._hold_or_give_up(tr)
+            if held:
+                self._wake_pump()       # (it replays the held request once the deployment has recovered)
+                return tr, q, ids
+            with self._lock:
                 self._tracks.pop(tr.rid, None)
             raise self._loss_error(tr, StageFailed(f"stage 0 failed: {e}", stage=0)) from None
         except RequestTimeout as e:     # the intake may take it yet: the abort drops it there (runner.abort)
@@ -438,7 +493,8 @@ async def _get(aq: asyncio.Queue, wait: float, rid: str):
         done, _ = await asyncio.wait({get}, timeout=wait)
     finally:
         if not get.done():
-            get.cancel()
+            with contextlib.suppress(RuntimeError):     # a task collected after its loop closed: nothing to cancel
+                get.cancel()
     if not done:
         raise RequestTimeout(f"request {rid} produced nothing for {wait:g} s")
     return get.result()
