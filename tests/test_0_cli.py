@@ -167,6 +167,23 @@ def test_plan_refuses_an_ambiguous_or_mismatched_checkpoint(tmp_path, capsys):
         assert msg in capsys.readouterr().err, path
 
 
+def _launched(tmp_path, **popen):
+    """`memra-pp launch cluster_configs/tiny-cpu.yaml` in a subprocess, returned (with its log) once it is ready."""
+    log = open(tmp_path / "launch.log", "w+")
+    launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"), **popen)
+    for _ in range(480):
+        log.seek(0)
+        if "ray address" in log.read():
+            return launcher, log
+        if launcher.poll() is not None:
+            break
+        time.sleep(0.25)
+    launcher.kill()
+    log.seek(0)
+    raise AssertionError(f"the launcher exited early or never got ready: {log.read()[-2000:]}")
+
+
 @pytest.mark.parametrize("sigterms", [1, 2, "group"])
 def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path, sigterms):
     """`memra-pp launch` stopped with SIGTERM (a service manager, `timeout`, `kill`) must shut its deployment down
@@ -181,17 +198,8 @@ def test_sigterm_shuts_a_launch_down_like_ctrl_c(tmp_path, sigterms):
     import ray
     assert not ray.is_initialized()
     before = set(glob.glob("/dev/shm/mpp-*"))
-    log = open(tmp_path / "launch.log", "w+")
-    launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                start_new_session=sigterms == "group")
+    launcher, log = _launched(tmp_path, start_new_session=sigterms == "group")
     try:
-        for _ in range(480):
-            log.seek(0)
-            if "ray address" in log.read():
-                break
-            assert launcher.poll() is None, "the launcher exited early"
-            time.sleep(0.25)
         assert set(glob.glob("/dev/shm/mpp-*")) - before, "the stages made no segment: the check below is vacuous"
         t0 = time.monotonic()
         if sigterms == "group":
@@ -268,17 +276,9 @@ def test_a_sigkilled_launcher(tmp_path, killed):
     mine = segment_name("test", "live")      # this process's lock: a live maker's, to be kept
     mine_lock = f"/dev/shm/{mine.split('-test_')[0]}.lock"
     before = set(glob.glob("/dev/shm/mpp-*"))
-    log = open(tmp_path / "launch.log", "w+")
-    launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    launcher, log = _launched(tmp_path)
     child = None
     try:
-        for _ in range(480):
-            log.seek(0)
-            if "ray address" in log.read():
-                break
-            assert launcher.poll() is None, "the launcher exited early"
-            time.sleep(0.25)
         child = _children(launcher.pid)
         assert len(child) == 1 and os.getsid(child[0]) == child[0] != os.getsid(launcher.pid), child
         child = child[0]

@@ -17,7 +17,7 @@ from memra_pp.model.local import LocalPipeline
 from memra_pp.model.lora import LoraPool
 from memra_pp.model.weights import SafetensorsSource
 from memra_pp.overlay import TokenOverlay, TokenOverlaySet
-from test_adapters import _PEFT_KEY, ALL, NEW, PROMPTS, _edit, adapter, peft_reference
+from test_adapters import _PEFT_KEY, ALL, NEW, PROMPTS, _edit, adapter, peft_reference, perturbed_and_saved
 from test_runtime_adapters import cfg as runtime_cfg
 from tiny_hf import hf_greedy
 
@@ -146,17 +146,8 @@ def _patterned_adapter(tied: bool):
         tti["lm_head"] = [250, 11, 42]
     cfg = LoraConfig(r=8, lora_alpha=12, target_modules=ALL, layers_to_transform=[0, 2, 3, 5, 7],
                      rank_pattern={"up_proj": 4, r"layers\.3\.self_attn\.q_proj": 2}, trainable_token_indices=tti)
-    pm = get_peft_model(copy.deepcopy(base), cfg)
-    g = torch.Generator().manual_seed(7 + tied)
-    with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-            elif "trainable_tokens_delta" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * (3.0 if "lm_head" in n else 1.0))
-    out = path.parent / f"adapter-patterned-{tied}"
-    pm.save_pretrained(out)
-    return pm.eval(), out
+    return perturbed_and_saved(get_peft_model(copy.deepcopy(base), cfg), 7 + tied,
+                               path.parent / f"adapter-patterned-{tied}")
 
 
 @pytest.mark.parametrize("tied,splits", [(False, [(0, 3), (3, 8)]), (True, [(0, 2), (2, 5), (5, 8)])])

@@ -39,15 +39,20 @@ def _adapter(kind, tied, which):
     cfg = LoraConfig(r=8 if which == "A" else 4, lora_alpha=16 if which == "A" else 8, use_rslora=which == "B",
                      target_modules=ALL if which == "A" else ["q_proj", "v_proj", "in_proj_qkv", "out_proj",
                                                                "down_proj"], trainable_token_indices=tti)
-    pm = get_peft_model(copy.deepcopy(base), cfg)
-    g = torch.Generator().manual_seed(ord(which) + 10 * tied)
+    return perturbed_and_saved(get_peft_model(copy.deepcopy(base), cfg), ord(which) + 10 * tied,
+                               path.parent / f"adapter-{kind}-{tied}-{which}")
+
+
+def perturbed_and_saved(pm, seed: int, out):
+    """(peft model, saved dir): its LoRA B and token rows randomised (PEFT inits B to zero and the rows to the
+    base's), saved to `out`."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
             elif "trainable_tokens_delta" in n:
                 p.copy_(torch.randn(p.shape, generator=g) * (3.0 if "lm_head" in n else 1.0))
-    out = path.parent / f"adapter-{kind}-{tied}-{which}"
     pm.save_pretrained(out)
     return pm.eval(), out
 
