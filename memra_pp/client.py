@@ -105,8 +105,7 @@ class Client(ReplayMixin):
             self._deliver(t, ([], [], "error", ("StageFailed", "the client was closed (close(), or its "
                                                                "deployment's shutdown)")))
         if first:
-            with contextlib.suppress(ValueError):
-                self.dep._clients.remove(self)
+            self.dep._clients.discard(self)
             try:
                 # (an abort's last event that reaches the mailbox after this is dropped there: forget remembers)
                 self._intake.forget_client.remote(self.id)

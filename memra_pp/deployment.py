@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -77,7 +78,10 @@ class Deployment:
         self.placement, self.plan, self.actors, self.infos = placement, plan, actors, infos
         self.slot_names = [shm_names(x) for x in infos]   # each stage's receiving segments (to clean after a kill)
         self.run_dir, self.owns_ray, self.detached = run_dir, owns_ray, detached
-        self._clients = []
+        # its clients not closed, held weakly: a client let go without close() is collected, and its id comes to
+        # _forgotten (weakref.finalize), whose intake mailboxes the next client() has forgotten
+        self._clients: "weakref.WeakSet" = weakref.WeakSet()
+        self._forgotten: queue.SimpleQueue = queue.SimpleQueue()
         self.switches: dict[str, bool] | None = None      # launch's resolved MEMRA_PP_* switches (a restart's too)
         # name -> (slot, path) as this handle last saw the intake's registry (stages/runner.reserve_adapter: the
         # table that gives out slots, whichever handle loads): what a restart reloads if the intake itself is lost
@@ -293,9 +297,25 @@ class Deployment:
     def client(self):
         self._require_up("client")
         from .client import Client
+        self._forget_collected()
         c = Client(self)
-        self._clients.append(c)
+        self._clients.add(c)
+        weakref.finalize(c, self._forgotten.put, c.id)
         return c
+
+    def _forget_collected(self) -> None:
+        """The intake forgets the mailboxes of clients collected without close() (a client made per request
+        and dropped: each kept its mailbox on the intake until shutdown). Not from the finalizer itself: a Ray
+        call inside the garbage collector could meet Ray's own locks."""
+        while True:
+            try:
+                cid = self._forgotten.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.actors[0].forget_client.remote(cid)
+            except Exception:  # noqa: BLE001 - the intake is gone: so is its mailbox
+                pass
 
     @property
     def model_config(self):

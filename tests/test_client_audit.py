@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 import types
+import weakref
 
 import pytest
 import ray
@@ -145,7 +146,7 @@ def test_a_poll_queued_past_step_s_at_a_live_intake_is_not_a_lost_stage(ray_clus
     intake serves a bounded number of long polls at once); an intake that misses the ping too still fails its
     requests with StageFailed(stage=0)."""
     intake = _SlowIntake.remote()
-    dep = types.SimpleNamespace(actors=[intake], supervisor=None, tokenizer=None, _clients=[],
+    dep = types.SimpleNamespace(actors=[intake], supervisor=None, tokenizer=None, _clients=weakref.WeakSet(),
                                 refresh_actors=lambda: False,
                                 placement=types.SimpleNamespace(recover="error", timeouts=types.SimpleNamespace(
                                     step_s=0.5, ready_s=1.0)))
@@ -161,3 +162,39 @@ def test_a_poll_queued_past_step_s_at_a_live_intake_is_not_a_lost_stage(ray_clus
     finally:
         c.close()
         ray.kill(intake)
+
+
+def test_a_client_let_go_without_close_is_collected_and_its_mailbox_forgotten(dep):
+    """dep.client().generate(...) and nothing else: the deployment held every client until shutdown, and the
+    intake kept each one's mailbox (a dict entry and a deque per client, for ever on a server that makes one per
+    request). The deployment holds its clients weakly; a collected client's mailbox is forgotten at the next
+    client()."""
+    import gc
+    import weakref
+    boxes = lambda: dep.stats()["stages"][0]["mailboxes"]      # noqa: E731
+
+    def settled() -> int:                       # (forget_client calls are sent and not waited for)
+        n, end = boxes(), time.monotonic() + 5
+        while time.monotonic() < end:
+            time.sleep(0.2)
+            if (m := boxes()) == n:
+                return n
+            n = m
+        return n
+    gc.collect()
+    c = dep.client()                            # (forgets the earlier tests' collected clients)
+    n0 = settled()
+    assert len(c.generate([5, 6, 7], max_new_tokens=2, ignore_eos=True).token_ids) == 2
+    assert boxes() == n0 + 1 and c in dep._clients
+    gone = weakref.ref(c)
+    del c
+    end = time.monotonic() + IDLE_WAIT         # its pump (which holds it) ends once idle
+    while gone() is not None and time.monotonic() < end:
+        gc.collect()
+        time.sleep(0.05)
+    assert gone() is None, "the deployment (or something) still holds the client"
+    dep.client().close()                       # the next client() forgets it (close() forgets its own)
+    end = time.monotonic() + 5
+    while boxes() > n0 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert boxes() == n0

@@ -2,6 +2,7 @@
 request whose reader leaves at an awkward moment."""
 import threading
 import types
+import weakref
 
 import pytest
 
@@ -28,7 +29,7 @@ def _client(monkeypatch, on_submit=None):
                                    _actor_id="the-intake")
     sup = types.SimpleNamespace(ready=threading.Event(), recovered=1, generation=1, failure=None)
     sup.ready.set()
-    dep = types.SimpleNamespace(actors=[intake], supervisor=sup, tokenizer=None, _clients=[],
+    dep = types.SimpleNamespace(actors=[intake], supervisor=sup, tokenizer=None, _clients=weakref.WeakSet(),
                                 placement=types.SimpleNamespace(recover="replay",
                                                                 timeouts=types.SimpleNamespace(step_s=1.0,
                                                                                                ready_s=1.0)))
