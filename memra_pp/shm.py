@@ -37,7 +37,7 @@ def owner_tag() -> str:
                 fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 os.rename(tmp, os.path.join(SHM_DIR, lock_name(tag)))
-                atexit.register(_drop_lock, tag)
+                atexit.register(_drop_lock, tag, os.getpid())
             except OSError:
                 if fd >= 0:
                     os.close(fd)
@@ -50,8 +50,11 @@ def lock_name(tag: str) -> str:
     return f"mpp-{tag}.lock"
 
 
-def _drop_lock(tag: str) -> None:
-    """At a normal exit the lock file goes too (the process's own segments are unlinked by their owners)."""
+def _drop_lock(tag: str, pid: int) -> None:
+    """At a normal exit the lock file goes too (the process's own segments are unlinked by their owners); not at a
+    forked child's, which inherits the atexit list but not the lock's ownership."""
+    if os.getpid() != pid:
+        return
     try:
         os.unlink(os.path.join(SHM_DIR, lock_name(tag)))
     except OSError:

@@ -69,3 +69,23 @@ def test_sweep_unlinks_what_dead_makers_left_and_nothing_of_live_ones():
             p.wait(10)
     assert sweep_dead() >= 1 and not os.path.exists(f"/dev/shm/{live_name}")     # dead now, so swept
     assert os.path.exists(own_lock)
+
+
+def test_a_forked_childs_exit_leaves_its_parents_lock():
+    """A child forked after owner_tag inherits the atexit that drops the lock file: at its exit it removed its
+    parent's, whose segments then could never be swept after the parent's death."""
+    own = segment_name("test", "fork")
+    lock = f"/dev/shm/{own.split('-test_')[0]}.lock"
+    assert os.path.exists(lock)
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import os, sys
+        from memra_pp.shm import segment_name
+        name = segment_name("test", "parent")
+        lock = "/dev/shm/" + name.split("-test_")[0] + ".lock"
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)                      # a normal exit: atexit runs in the child
+        os.waitpid(pid, 0)
+        print(os.path.exists(lock))
+    """)], capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "True", (p.stdout, p.stderr)
