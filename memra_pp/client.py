@@ -280,7 +280,8 @@ class Client(ReplayMixin):
             self._abort(tr.rid)
             self._drop(tr)
             raise RequestTimeout(f"{e} (timeouts.step_s); request {tr.rid} was aborted") from None
-        except BaseException:
+        except BaseException:   # (Ctrl-C in the send, say): the intake may hold it; an abort that overtakes its
+            self._abort(tr.rid)     # submit there drops it (runner.abort), so nobody's request runs unread
             self._drop(tr)
             raise
         return tr, q, ids

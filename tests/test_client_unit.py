@@ -382,3 +382,22 @@ def test_get_fetches_the_other_failures_of_a_list(ray_cluster):
         get(refs, 30, "two calls")
     ready, _ = ray.wait(refs, num_returns=2, timeout=0)
     assert len(ready) == 2          # the slower one was waited for (and fetched) before the raise
+
+
+def test_an_interrupted_submit_is_aborted_at_the_intake(monkeypatch):
+    """Ctrl-C while the submit was on its way dropped the request here only: the intake may hold it, and it ran to
+    its budget with nobody reading. It is now aborted there too (an abort that overtakes its submit drops it)."""
+    c, log = _client(monkeypatch)
+
+    def interrupted(tr, req, step_s):
+        log.append(("sent", req["rid"]))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(c, "_send", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.generate([5, 17], max_new_tokens=4)
+        rid = next(a[1] for a in log if a[0] == "sent")
+        assert ("abort", rid) in [a[:2] for a in log], log
+        assert not c._tracks
+    finally:
+        c.close()
