@@ -14,7 +14,7 @@ import torch
 from .errors import ConfigError
 from .model.config import ModelConfig, read_json
 from .model.lora import layer_modules
-from .model.weights import expected_shape
+from .model.weights import FLOAT_DTYPES, expected_shape
 from .overlay import TokenOverlay, TokenOverlaySet
 
 _PREFIX = r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?"
@@ -42,8 +42,6 @@ _UNSUPPORTED = {
 # init_lora_weights whose adapter is relative to base weights PEFT rewrites when it loads one (W - B0 A0 or a
 # quantized residual): on the unmodified base this runtime serves, its LoRA would compute something else
 _BASE_REWRITING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
-# the dtypes PEFT saves adapters in; others (ints, bool, float8) are refused rather than cast
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -217,7 +215,7 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int, name: str 
     seen: dict[tuple[str, str], str] = {}     # (module or token target, half) -> the key that gave it
     names: dict[str, str] = {}                # canonical module -> its name in the model PEFT wrapped
     for key, t in tensors.items():
-        if t.dtype not in _FLOATS:
+        if t.dtype not in FLOAT_DTYPES:    # (ints, bool, float8: refused rather than cast)
             raise ConfigError(f"{where}: adapter_model.safetensors' {key!r} is {str(t.dtype).replace('torch.', '')}; "
                               f"adapter tensors must be float16, bfloat16, float32 or float64")
         # refused, not loaded: a step computes every slot's LoRA and masks it per row, and NaN times a 0 mask is

@@ -13,6 +13,13 @@ TINY_CPU = {
 }
 
 
+def unwritable(p: Path, what: str, e: OSError):
+    """The ConfigError for a tiny checkpoint that cannot be written (an unwritable or missing HOME)."""
+    from .errors import ConfigError
+    return ConfigError(f"{p}: cannot write {what} there ({e.strerror or e}); make ~/.cache writable or set HOME to "
+                       f"a writable directory")
+
+
 def ensure_tiny(path: Path = TINY_PATH) -> Path:
     """Write the tiny checkpoint if it is not there yet (reused across runs)."""
     from .model.tiny import make_tiny
@@ -45,10 +52,8 @@ def ensure_embedded(path: Path) -> bool:
     try:
         make_tiny(tmp, **EMBEDDED[p])
     except OSError as e:    # (an unwritable or missing HOME: a raw error from every command that reads it)
-        from .errors import ConfigError
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"{p}: cannot write the embedded tiny checkpoint there ({e.strerror or e}); make "
-                          f"~/.cache writable or set HOME to a writable directory") from None
+        raise unwritable(p, "the embedded tiny checkpoint", e) from None
     try:
         if p.exists() and not (p / "config.json").exists():
             shutil.rmtree(p, ignore_errors=True)      # an interrupted write's leftovers

@@ -36,10 +36,8 @@ def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24)
     try:
         path = ensure_tiny()
     except OSError as e:            # (an unwritable or missing HOME: a traceback before)
-        from .errors import ConfigError
-        from .defaults import TINY_PATH
-        raise ConfigError(f"{TINY_PATH}: cannot write the demo's tiny checkpoint there ({e.strerror or e}); "
-                          f"make ~/.cache writable or set HOME to a writable directory") from None
+        from .defaults import TINY_PATH, unwritable
+        raise unwritable(TINY_PATH, "the demo's tiny checkpoint", e) from None
     _say(f"[1/4] tiny checkpoint ready at {path} ({time.time() - t0:.1f} s)", q)
     from .model.tokenizer import Tokenizer
     from .placement.schema import load_placement

@@ -11,6 +11,7 @@ import torch
 
 from memra_pp.engine import Engine
 from memra_pp.errors import ConfigError, OverlayError
+from memra_pp.model.weights import FLOAT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def _check_token_rows(slot: int, kind: str, ids, rows, vocab: int, hidden):
         raise OverlayError(f"token overlay slot {slot}: {kind} ids must be an integer tensor, got {ids.dtype}")
     if not rows.is_floating_point():
         raise OverlayError(f"token overlay slot {slot}: {kind} rows must be floating point, got {rows.dtype}")
-    if rows.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    if rows.dtype not in FLOAT_DTYPES:
         # float8: neither isfinite nor the device kernels take it
         raise OverlayError(f"token overlay slot {slot}: {kind} rows must be float16, bfloat16, float32 or float64, "
                            f"got {rows.dtype}")

@@ -17,6 +17,35 @@ _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 
 
+def open_gguf(path: Path):
+    """gguf's reader over the file at `path`, checked first (check_gguf_metadata: a corrupt count must not exhaust
+    memory in the reader); a missing, bad or truncated file is a ConfigError naming it."""
+    import gguf
+    try:
+        check_gguf_metadata(path)
+        return gguf.GGUFReader(str(path))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: GGUF file does not exist") from None
+    except ConfigError:     # the metadata check's own, already naming the file
+        raise
+    except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError on bad or truncated files
+        raise ConfigError(f"{path}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
+
+
+def gguf_field(reader, path: Path, key: str, default=KeyError, missing: str = ""):
+    """Metadata `key`'s value; absent: `default`, or (none given) a ConfigError naming the key (and `missing`, what
+    its absence means); a value that does not decode (a mutated string or array) is a ConfigError too."""
+    f = reader.fields.get(key)
+    if f is None:
+        if default is KeyError:
+            raise ConfigError(f"{path}: GGUF metadata key {key!r} is missing{missing}")
+        return default
+    try:
+        return f.contents()
+    except (UnicodeDecodeError, ValueError, IndexError) as e:
+        raise ConfigError(f"{path}: GGUF metadata key {key!r} does not decode ({type(e).__name__}: {e})") from None
+
+
 def check_gguf_metadata(path: Path) -> None:
     """Refuse a GGUF whose header or metadata claims more bytes than the file has (or an unknown value type)."""
     with open(path, "rb") as f:

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import ConfigError
 from .config import FULL, LINEAR, ModelConfig, parse_config
+from .gguf_check import gguf_field, open_gguf
 from .weights import check_shape, expected_shape
 
 ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
@@ -74,33 +75,14 @@ class GGUFSource:
         import gguf
         self.path = Path(path).expanduser()
         self._gguf = gguf
-        from .gguf_check import check_gguf_metadata
-        try:
-            check_gguf_metadata(self.path)      # before the reader: a corrupt count must not exhaust memory there
-            self._reader = gguf.GGUFReader(str(self.path))
-        except FileNotFoundError:
-            raise ConfigError(f"{self.path}: GGUF file does not exist") from None
-        except ConfigError:     # the metadata check's own, already naming the file
-            raise
-        except Exception as e:  # GGUFReader raises ValueError/KeyError/IndexError on bad or truncated files
-            raise ConfigError(f"{self.path}: not a readable GGUF file, truncated or corrupt "
-                              f"({type(e).__name__}: {e})") from None
+        self._reader = open_gguf(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self.read_names: list[str] = []
         self.config: ModelConfig = self._build_config()
 
     # ---- metadata -> ModelConfig --------------------------------------------------------------------------
     def _field(self, key: str, default=KeyError):
-        f = self._reader.fields.get(key)
-        if f is None:
-            if default is KeyError:
-                raise ConfigError(f"{self.path}: GGUF metadata key {key!r} is missing")
-            return default
-        try:
-            return f.contents()
-        except (UnicodeDecodeError, ValueError, IndexError) as e:   # a mutated string or array in the metadata
-            raise ConfigError(f"{self.path}: GGUF metadata key {key!r} does not decode "
-                              f"({type(e).__name__}: {e})") from None
+        return gguf_field(self._reader, self.path, key, default)
 
     def _int(self, key: str, default=KeyError, lo: int = 1) -> int:
         v = self._field(key, default)

@@ -52,20 +52,14 @@ class Tokenizer:
         A `tokenizer.ggml.model` other than "gpt2" or a `tokenizer.ggml.pre` without a known split regex is also
         None, with a warning: a guess would encode text to ids the model was not trained on, while token-id
         requests need no tokenizer. Incomplete tokenizer metadata is a ConfigError naming the key."""
+        from .gguf_check import gguf_field, open_gguf
         f = Path(path).expanduser()
-        fields = _gguf_fields(f)
-        if "tokenizer.ggml.tokens" not in fields:
+        reader = open_gguf(f)
+        if "tokenizer.ggml.tokens" not in reader.fields:
             return None
 
         def get(key, default=KeyError):
-            if key not in fields:
-                if default is KeyError:
-                    raise ConfigError(f"{f}: GGUF metadata key {key!r} is missing; the file's tokenizer is incomplete")
-                return default
-            try:
-                return fields[key].contents()
-            except (UnicodeDecodeError, ValueError, IndexError) as e:
-                raise ConfigError(f"{f}: GGUF metadata key {key!r} does not decode ({type(e).__name__}: {e})") from None
+            return gguf_field(reader, f, key, default, missing="; the file's tokenizer is incomplete")
 
         kind, pre = get("tokenizer.ggml.model"), get("tokenizer.ggml.pre", "default")
         if kind != "gpt2" or pre not in GGUF_PRE_SPLITS:    # a guessed split would give ids never trained on
@@ -136,21 +130,6 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens)
-
-
-def _gguf_fields(f: Path) -> dict:
-    """The GGUF file's metadata fields (gguf.ReaderField by key), or ConfigError naming the file."""
-    import gguf
-    from .gguf_check import check_gguf_metadata
-    try:
-        check_gguf_metadata(f)          # before the reader: a corrupt count must not exhaust memory there
-        return dict(gguf.GGUFReader(str(f)).fields)
-    except FileNotFoundError:
-        raise ConfigError(f"{f}: GGUF file does not exist") from None
-    except ConfigError:
-        raise
-    except Exception as e:              # GGUFReader raises ValueError/KeyError/IndexError on bad or truncated files
-        raise ConfigError(f"{f}: not a readable GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
 class IncrementalDecoder:
