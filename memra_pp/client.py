@@ -72,6 +72,7 @@ class Client(ReplayMixin):
         self.dep = dep
         self.slow_polls = 0         # polls answered after step_s by a live intake (kept, not taken for a loss)
         self.abandoned = 0          # requests let go because their agenerate's event loop had closed
+        self.forget_when_collected = None       # (Deployment.client's weakref.finalize; close() forgets at once)
         self.id = uuid.uuid4().hex
         self._tracks: dict[str, _Track] = {}
         self._held: list[_Track] = []          # replay deployments: requests of a lost stage, awaiting recovery
@@ -106,6 +107,8 @@ class Client(ReplayMixin):
                                                                "deployment's shutdown)")))
         if first:
             self.dep._clients.discard(self)
+            if self.forget_when_collected is not None:
+                self.forget_when_collected.detach()
             try:
                 # (an abort's last event that reaches the mailbox after this is dropped there: forget remembers)
                 self._intake.forget_client.remote(self.id)

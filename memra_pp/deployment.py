@@ -21,7 +21,7 @@ from .errors import ConfigError, StageFailed
 from .rayutil import attach, get as _get
 from .placement.planner import Plan, make_plan
 from .placement.schema import Placement, load_placement
-from .shm import shm_names, stage_pids, sweep_dead, unlink_shm, unlink_shm_of
+from .shm import shm_names, stage_pids, unlink_shm, unlink_shm_of
 from .switches import check_environment
 
 log = logging.getLogger("memra_pp")
@@ -120,7 +120,6 @@ class Deployment:
         for w in plan.warnings:
             log.warning(w)
         owns_ray = cls._ray_up(placement)
-        sweep_dead()        # segments of makers gone from this host (each stage sweeps its own host too)
         run_dir = tempfile.mkdtemp(prefix="memra-")
         actors, pg = [], None
         try:
@@ -300,7 +299,7 @@ class Deployment:
         self._forget_collected()
         c = Client(self)
         self._clients.add(c)
-        weakref.finalize(c, self._forgotten.put, c.id)
+        c.forget_when_collected = weakref.finalize(c, self._forgotten.put, c.id)
         return c
 
     def _forget_collected(self) -> None:

@@ -5,7 +5,7 @@ Driver side (launch, teardown, the supervisor) and stage side (a replacement unl
 Every segment's name starts "mpp-TAG-" (segment_name), TAG being its maker's pid and a random part, and the maker
 holds an flock on /dev/shm/mpp-TAG.lock until it ends, however it ends (the kernel drops the lock of a killed
 process). sweep_dead takes the locks it can: their makers are gone, so their segments go. That cleans what no
-driver was left to clean: a SIGKILLed launcher's stages, say (launch and every stage's setup sweep their host)."""
+driver was left to clean: a SIGKILLed launcher's stages, say (every stage's setup sweeps its host)."""
 from __future__ import annotations
 
 import atexit

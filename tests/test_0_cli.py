@@ -308,5 +308,5 @@ def test_a_sigkilled_launcher(tmp_path, killed):
         assert set(glob.glob("/dev/shm/mpp-*")) - before == set(), log.read()[-2000:]
         return
     assert set(glob.glob("/dev/shm/mpp-*")) - before == made, "the dead stages' segments should still be there"
-    assert sweep_dead() == len(made) - len(locks)           # what launch runs first
+    assert sweep_dead() == len(made) - len(locks)           # what every stage's setup runs first
     assert set(glob.glob("/dev/shm/mpp-*")) - before == set() and os.path.exists(mine_lock)
