@@ -88,7 +88,7 @@ def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
 
 def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: int, microbatches,
               fmt: str = "dummy", ttft: int = 0, out: list | None = None, chunk: int = 4096,
-              spread: float = 0.0, pipeline_chunks="auto") -> list[dict]:
+              spread: float = 0.0, pipeline_chunks="auto", chunk_decoding="off") -> list[dict]:
     """One deployment over `devices` (one stage per entry; a GPU may hold several). Each concurrency is warmed up
     by run_bench (its decode graphs are captured), then measured: the steady-state decode rate is the tokens that
     arrived while every request was decoding, over that window (memra_pp.bench)."""
@@ -100,7 +100,7 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
            "scheduler": {"max_batch": max(concurrencies),
                          "max_context": max(prompt_range(prompt_len, spread)[1] + new, ttft + 2) + 8,
                          "prefill_chunk": chunk, "microbatches": microbatches,
-                         "pipeline_chunks": pipeline_chunks}}
+                         "pipeline_chunks": pipeline_chunks, "prefill_chunk_decoding": chunk_decoding}}
     out = [] if out is None else out      # the caller's list: runs measured before a failure are kept
     t0 = time.time()
     with memra_pp.launch(cfg) as dep:
@@ -124,7 +124,8 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
                      + ring_line(r["stages"][0]) if n > 1 else "")       # one stage has no boundary nor ring
                   + f", decode graphs captured in the timed run {r['graph_captures_in_run']}"
                   + f", KV growths in it {r['kv_growths_in_run']} ({', '.join(r['kv_growth'])})"
-                  + f", kernel keys tuned in it {r['kernel_tunings_in_run']}",
+                  + f", kernel keys tuned in it {r['kernel_tunings_in_run']}"
+                  + f", microbatches held to prefill_chunk_decoding {st[0].get('prefill_held_back', 0)}",
                   flush=True)
             for what, key in (("steady decode", "steady_phase_us"), ("prefill ramp", "ramp_phase_us")):
                 for i, ph in enumerate(r.get(key) or []):
@@ -160,6 +161,10 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", default="4096",
                     help="scheduler.prefill_chunk (a long prompt's chunks pipeline across stages); a comma list: one "
                          "deployment each, in turn")
+    ap.add_argument("--prefill-chunk-decoding", default="off",
+                    help="scheduler.prefill_chunk_decoding: the prompt tokens a step takes while requests decode (off: "
+                         "prefill_chunk throughout); a comma list (off,1024): one deployment each, for every "
+                         "--prefill-chunk")
     ap.add_argument("--pipeline-chunks", default="auto",
                     help="scheduler.pipeline_chunks, or a comma-separated list (1,auto): one deployment each for "
                          "layouts of several stages (a lone long prompt's pieces; 1 = whole chunks)")
@@ -229,6 +234,10 @@ def main() -> int:
         chunks = [int(x) for x in a.prefill_chunk.split(",")]
     except ValueError:
         ap.error(f"--prefill-chunk {a.prefill_chunk!r}: give integers, comma-separated")
+    try:
+        decodings = [x if x == "off" else int(x) for x in a.prefill_chunk_decoding.split(",")]
+    except ValueError:
+        ap.error(f"--prefill-chunk-decoding {a.prefill_chunk_decoding!r}: give off or integers, comma-separated")
 
     def save():
         with open(os.path.join(a.out, "gpu_decode.json"), "w") as f:
@@ -257,10 +266,11 @@ def main() -> int:
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
             pcs = pipeline_chunks if len(devices) > 1 else pipeline_chunks[:1]   # one stage: never cut
-            for any_kv, in_place, merged, cudnn, varlen, pc, chunk, cs in [
-                    (k, p, m, cu, v, pc, ch, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
+            for any_kv, in_place, merged, cudnn, varlen, pc, chunk, pd, cs in [
+                    (k, p, m, cu, v, pc, ch, pd, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
                     for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn] for v in sides[a.prefill_varlen]
-                    for pc in pcs for ch in chunks for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
+                    for pc in pcs for ch in chunks for pd in decodings if pd == "off" or pd <= ch
+                    for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
                 # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
                 os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
                 os.environ["MEMRA_PP_KV_IN_PLACE"] = "1" if in_place else "0"
@@ -277,12 +287,12 @@ def main() -> int:
                     print(f"  one decode graph per batch bucket (any KV length): {any_kv}", flush=True)
                 if a.kv_in_place == "both":
                     print(f"  KV pools grow in place: {in_place}", flush=True)
-                if len(chunks) > 1:
-                    print(f"  prefill_chunk {chunk}", flush=True)
+                if len(chunks) > 1 or len(decodings) > 1:
+                    print(f"  prefill_chunk {chunk}, prefill_chunk_decoding {pd}", flush=True)
                 n0 = len(rep["runs"])
                 try:
                     run_memra(a.model, devices, cs, a.prompt_len, a.new, mb_l, ttft=a.ttft, out=rep["runs"],
-                              chunk=chunk, spread=a.prompt_spread, pipeline_chunks=pc)
+                              chunk=chunk, spread=a.prompt_spread, pipeline_chunks=pc, chunk_decoding=pd)
                 except Exception as e:  # noqa: BLE001 - record it and go on
                     print(f"  layout {devices}, concurrency {cs} failed: {type(e).__name__}: {e}", flush=True)
                     rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs, "any_kv": any_kv,
@@ -290,6 +300,7 @@ def main() -> int:
                 for r in rep["runs"][n0:]:
                     r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
                     r["prefill_varlen"], r["pipeline_chunks"], r["prefill_chunk"] = varlen, pc, chunk
+                    r["prefill_chunk_decoding"] = pd
                 save()
     if not a.hf_first:
         hf()
@@ -315,6 +326,7 @@ def plot(rep: dict, path: str) -> None:
     floor = {int(c): v for c, v in rep["step_floor_tokens_per_s"].items()}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     chunks = {r.get("prefill_chunk") for r in rep["runs"] if r.get("kind") != "ttft" and not r.get("system")}
+    pds = {r.get("prefill_chunk_decoding") for r in rep["runs"] if r.get("kind") != "ttft" and not r.get("system")}
     lat = {}
     for panel, ax in zip(("end to end", "decode"), axes):
         systems = {}
@@ -329,6 +341,8 @@ def plot(rep: dict, path: str) -> None:
                                        + (", cuDNN SDPA" if r.get("sdpa_cudnn") else "")
                                        + (", varlen prefill" if r.get("prefill_varlen") else "")
                                        + (f", prefill_chunk {r['prefill_chunk']}" if len(chunks) > 1 else "")
+                                       + (f" ({r.get('prefill_chunk_decoding')} while decoding)" if len(pds) > 1
+                                          else "")
                                        + (", KV pools copied to grow" if "in place" not in r.get("kv_growth", [
                                            "in place"]) else ""))
             v = r["tokens_per_s"] if panel == "end to end" else r.get("decode_tokens_per_s")

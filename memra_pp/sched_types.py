@@ -56,6 +56,7 @@ class Microbatch:
     release: list[int]
     feed: list[int] | None = None                 # a continuation: ids are these rows of the previous
                                                   # microbatch's sampled tokens, still on the device (ids unknown)
+    prompt_tokens: int = 0                        # the prompt tokens it carries (Scheduler.chunk_decoding)
 
 
 @dataclasses.dataclass

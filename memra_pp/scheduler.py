@@ -23,8 +23,15 @@ def auto_pipeline_chunks(stages: int) -> int:
 
 class Scheduler:
     def __init__(self, max_batch: int, microbatches: int, prefill_chunk: int, max_context: int,
-                 pipeline_chunks: int = 1):
+                 pipeline_chunks: int = 1, prefill_chunk_decoding: int | None = None):
         self.max_batch, self.M, self.chunk, self.max_context = max_batch, microbatches, prefill_chunk, max_context
+        # the prompt tokens the microbatches in flight may hold together while any admitted request decodes
+        # (scheduler.prefill_chunk_decoding; None: prefill_chunk per microbatch throughout). A decoding request's
+        # next step runs after every microbatch ahead of it on each stage, so what its token waits for is the prompt
+        # tokens of all of them, not of its own microbatch alone
+        self.chunk_decoding = prefill_chunk if prefill_chunk_decoding is None else min(prefill_chunk,
+                                                                                      prefill_chunk_decoding)
+        self.held_back = 0                        # microbatches whose prompt tokens that budget cut (stats, tests)
         # a prompt alone in the deployment when its first chunk is cut goes down the pipeline in up to
         # `pipeline_chunks` equal pieces (Scheduler.piece), so stage i+1 runs piece k while stage i runs k + 1;
         # with other requests about, their microbatches keep the stages busy and its chunks stay whole
@@ -94,7 +101,7 @@ class Scheduler:
         pieces = auto_pipeline_chunks(stages) if sc.pipeline_chunks is None else sc.pipeline_chunks
         if stages < 2 or microbatches < 2:
             pieces = 1
-        return cls(sc.max_batch, microbatches, sc.prefill_chunk, sc.max_context, pieces)
+        return cls(sc.max_batch, microbatches, sc.prefill_chunk, sc.max_context, pieces, sc.prefill_chunk_decoding)
 
     def piece(self, s: Seq) -> int:
         """The most prompt tokens of `s` one microbatch takes, fixed when its first chunk is cut: prefill_chunk,
@@ -201,7 +208,12 @@ class Scheduler:
         if not ready:
             return None, events
         cap = max(1, math.ceil(len(self.active) / self.M))
-        take, counts, budget = [], [], self.chunk
+        budget = self.chunk
+        if self.chunk_decoding < self.chunk and any(s.sent >= len(s.req.prompt) for s in self.active.values()):
+            # someone decodes: its next token waits for these prompt tokens and those already in flight
+            budget = max(0, self.chunk_decoding - sum(m.prompt_tokens for m in self.inflight.values()))
+        capped, short = budget < self.chunk, False
+        take, counts = [], []
         for s in ready:
             if len(take) >= cap:
                 break
@@ -211,21 +223,27 @@ class Scheduler:
                 take.append(s)
                 counts.append(1)
             elif budget > 0:
-                c = min(len(s.req.prompt) - s.sent, budget, self.piece(s))
+                want = min(len(s.req.prompt) - s.sent, self.piece(s))
+                c = min(want, budget)
+                short |= c < want
                 budget -= c
                 take.append(s)
                 counts.append(c)
                 if s.in_flight:
                     break
+            else:
+                short = True
         if not take:
             return None, events
+        self.held_back += capped and short
         ids, starts, sample, pos, admit = [], [], [], [], []
-        tick = next(self._tick)
+        tick, prompt_tokens = next(self._tick), 0
         for s, c in zip(take, counts):
             if s.sent >= len(s.req.prompt):
                 ids.append(s.out[-1])
             else:
                 ids.extend(s.req.prompt[s.sent:s.sent + c])
+                prompt_tokens += c
             self.pipelined += s.in_flight > 0
             starts.append(s.sent)
             sample.append(s.sent + c >= len(s.req.prompt))
@@ -237,7 +255,7 @@ class Scheduler:
                 s.admitted = True
             s.in_flight, s.last_run = s.in_flight + 1, tick
         mb = Microbatch(next(self._mb), take, ids, starts, counts, sample, positions_3T(pos), admit,
-                        self.pending_release)
+                        self.pending_release, prompt_tokens=prompt_tokens)
         self.pending_release = []
         self.inflight[mb.mb] = mb
         return mb, events

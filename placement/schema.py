@@ -79,6 +79,11 @@ class SchedulerSpec:
     # first token); None = auto: 8 per stage beyond the first (memra_pp.scheduler.auto_pipeline_chunks); 1 = off.
     # No piece is below prefill_chunk / 8; one stage or one microbatch: no pieces (Scheduler.piece)
     pipeline_chunks: int | None = None
+    # prompt tokens per microbatch while any admitted request is decoding (None = off: prefill_chunk throughout).
+    # A step's prompt tokens are what a decoding request's next token waits for: a smaller budget while some decode
+    # bounds their inter-token latency, and prompts that arrive with nobody decoding still take prefill_chunk
+    # (Sarathi-Serve's stall-free batching; vLLM's max_num_batched_tokens is one budget for both)
+    prefill_chunk_decoding: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +136,8 @@ class Placement:
         d["scheduler"]["kv_pages"] = "auto" if self.scheduler.kv_pages is None else self.scheduler.kv_pages
         pc = self.scheduler.pipeline_chunks
         d["scheduler"]["pipeline_chunks"] = "auto" if pc is None else pc
+        pd = self.scheduler.prefill_chunk_decoding
+        d["scheduler"]["prefill_chunk_decoding"] = "off" if pd is None else pd
         d["transport_poll_us"] = "auto" if self.transport_poll_us is None else self.transport_poll_us
         return d
 
@@ -258,6 +265,13 @@ def _scheduler(raw: Any) -> SchedulerSpec:
             raise _bad("scheduler.pipeline_chunks", f"must be auto or an integer >= 1 (1: prompts keep whole "
                                                     f"chunks), got {pc!r}")
         kw["pipeline_chunks"] = _int(pc, "scheduler.pipeline_chunks")
+    pd = d.get("prefill_chunk_decoding", "off")
+    if pd is not False and pd not in ("off", None):      # (YAML 1.1 reads a bare off as false)
+        chunk = kw.get("prefill_chunk", SchedulerSpec.prefill_chunk)
+        if isinstance(pd, bool) or not isinstance(pd, int) or not 1 <= pd <= chunk:
+            raise _bad("scheduler.prefill_chunk_decoding", f"must be off or an integer from 1 to "
+                                                           f"scheduler.prefill_chunk ({chunk}), got {pd!r}")
+        kw["prefill_chunk_decoding"] = pd
     return SchedulerSpec(**kw)
 
 

@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep mixedstep e2e cudnn varlen varlen-e2e chunks moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -81,6 +81,11 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     chunks) phase gpu-decode-chunks 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/chunks" \
               --model ${E2E_MODEL:-preset:qwen3.5-35b-a3b} --layouts 0 --concurrency ${E2E_C:-512} --prompt-len 512 \
               --prompt-spread 0.5 --new 256 --prefill-chunk ${CHUNKS:-4096,8192,16384} ;;
+    # a smaller prompt budget while requests decode (scheduler.prefill_chunk_decoding), one deployment per value:
+    # what it buys the decoding requests' inter-token latency and costs the first tokens and the rate
+    budget) phase gpu-decode-budget 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/budget" \
+              --model ${E2E_MODEL:-preset:qwen3.5-27b} --layouts 0 --concurrency ${E2E_C:-64} --prompt-len 512 \
+              --prompt-spread 0.5 --new 256 --prefill-chunk ${CHUNKS:-4096} --prefill-chunk-decoding ${PDS:-off,1024} ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
     # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and

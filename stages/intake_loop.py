@@ -39,6 +39,8 @@ class IntakeLoop(_Loop):
         out["async_dropped"] = self.sched.dropped
         out["pipelined_chunks"] = self.sched.pipelined
         out["prompts_cut"] = self.sched.cut       # prompts sent in pipeline pieces (scheduler.pipeline_chunks)
+        # microbatches whose prompt tokens were held to scheduler.prefill_chunk_decoding while requests decoded
+        out["prefill_held_back"] = self.sched.held_back
         # requests an abort reached (a cancelled agenerate, a dropped stream), in the scheduler or waiting for images
         out["aborted"] = self.sched.aborted + self.r.images_aborted
         out["mailboxes"] = len(self.r.mail)       # clients not closed that have polled (a closed one's box goes)

@@ -603,3 +603,15 @@ def test_a_malformed_switch_never_fails_an_import_but_fails_the_strict_readers()
                           f"{here / 'test_placement.py'}::test_a_stage_is_given_every_switch_or_refuses"],
                          cwd=here.parent, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "MEMRA_PP_KV_IN_PLACE='false': a switch is 0 or 1" in out.stdout + out.stderr
+
+
+def test_the_readme_placement_yaml_loads_as_written():
+    """The README's annotated YAML is what users copy: it must load, and every value it shows must be the default
+    (YAML 1.1 reads a bare `off` as false, say)."""
+    import re
+    from memra_pp.placement.schema import AdapterSpec, SchedulerSpec, TimeoutSpec
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = re.search(r"## Placement YAML\n\n```yaml\n(.*?)```", readme, re.S).group(1)
+    p = load_placement(yaml.safe_load(block))
+    assert p.scheduler == SchedulerSpec() and p.adapters == AdapterSpec() and p.timeouts == TimeoutSpec()
+    assert [s.device for s in p.stages] == ["cpu", "cpu"] and p.transport == "auto"

@@ -163,6 +163,23 @@ def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
     assert st[0]["kv_pages"] == 4 and st[0]["kv_admission_waits"] > 0 and st[0]["kv_pages_reserved"] == 0, st[0]
 
 
+def test_prefill_chunk_decoding_holds_prompts_back_while_requests_decode(ray_cluster):
+    """scheduler.prefill_chunk_decoding 8 (prefill_chunk 48): 16 concurrent requests, the short ones decoding while
+    the long prompts prefill in 8-token pieces; every result equals transformers, and the counter shows the held
+    steps ran."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(config(path, 2, prefill_chunk_decoding=8)) as dep:
+        c = dep.client()
+        many = [PROMPTS[i % 4] for i in range(16)]
+
+        async def go():
+            return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
+        for p, r in zip(many, asyncio.run(go()), strict=True):
+            assert_same("dense", False, p, r)
+        st = dep.stats()["stages"]
+    assert st[0]["prefill_held_back"] > 0, st[0]
+
+
 def test_a_lone_prompt_goes_down_two_stages_in_pieces(ray_cluster):
     """scheduler.pipeline_chunks auto (8 on two stages), prefill_chunk 256: a 200-token prompt alone would be one
     chunk, the second stage idle while the first runs it; it goes in 3 equal pieces (none below a KV page: 200 //

@@ -285,3 +285,83 @@ def test_kv_admission_unlimited_without_a_budget():
     s.add(req(0, n=4000, new=90))
     assert s.kv_pages is None and s.pages(s.waiting[0]) == 64      # capped at max_context
     assert [e.finish for e in run_to_end(s) if e.finish] == ["length"]
+
+
+def test_prefill_chunk_decoding_holds_prompt_tokens_back_only_while_requests_decode():
+    """scheduler.prefill_chunk_decoding: a microbatch takes at most that many prompt tokens while any admitted request
+    decodes (its next token waits for them), and prefill_chunk while none does; every request still gets its tokens."""
+    s = Scheduler(max_batch=8, microbatches=1, prefill_chunk=64, max_context=512, prefill_chunk_decoding=8)
+    s.add(req(0, n=40, new=6))
+    mb, _ = s.next_microbatch()
+    assert mb.counts == [40] and s.held_back == 0, "nobody decodes yet: the whole prefill_chunk"
+    s.on_tokens(mb.mb, [7], [-0.5])
+    s.add(req(1, n=100, new=2))
+    seen, ended = [], []
+    while not ended:
+        mb, _ = s.next_microbatch()
+        seen.append([c for c, x in zip(mb.counts, mb.seqs) if x.req.rid == "r1"])
+        ended = [e for e in s.on_tokens(mb.mb, [7] * sum(mb.sample), [-0.5] * sum(mb.sample)) if e.finish]
+    assert seen == [[8]] * 5, "r0 decodes its 5 tokens left: r1's prompt goes in 8-token pieces"
+    assert s.held_back == 5
+    seen = [c for (c,) in seen]
+    # r0 ended: r1's rest takes the whole prefill_chunk again
+    mb, _ = s.next_microbatch()
+    assert mb.counts == [100 - sum(seen)] and 100 - sum(seen) > 8
+    ev = s.on_tokens(mb.mb, [7], [-0.5]) + run_to_end(s)
+    assert [e.finish for e in ev if e.finish] == ["length"] and s.held_back == 5
+
+    # off (None) and a budget as large as prefill_chunk change nothing
+    for pd in (None, 64):
+        s = Scheduler(max_batch=8, microbatches=1, prefill_chunk=64, max_context=512, prefill_chunk_decoding=pd)
+        s.add(req(0, n=3, new=9))
+        mb, _ = s.next_microbatch()
+        s.on_tokens(mb.mb, [7], [-0.5])
+        s.add(req(1, n=100, new=2))
+        mb, _ = s.next_microbatch()
+        assert sorted(mb.counts) == [1, 64] and s.held_back == 0
+
+
+def test_prefill_chunk_decoding_counts_the_prompt_tokens_of_every_microbatch_in_flight():
+    """A decoding request's next step runs after every microbatch ahead of it, so the budget holds for the prompt
+    tokens in flight together, not per microbatch: with 3 microbatches and a budget of 8, one 8-token piece at a
+    time, and a decode-only microbatch may still go beside it."""
+    s = Scheduler(max_batch=8, microbatches=3, prefill_chunk=64, max_context=512, prefill_chunk_decoding=8)
+    s.add(req(0, n=2, new=50))
+    s.add(req(1, n=2, new=50))
+    mb, _ = s.next_microbatch()
+    s.on_tokens(mb.mb, [7] * sum(mb.sample), [-0.5] * sum(mb.sample))     # r0, r1 decode from here
+    s.add(req(2, n=100, new=2))
+    s.add(req(3, n=100, new=2))
+    mbs = []
+    while (mb := s.next_microbatch()[0]) is not None:
+        mbs.append(mb)
+    assert [m.prompt_tokens for m in mbs] == [8, 0], [(m.counts, m.prompt_tokens) for m in mbs]
+    assert sum(len(m.seqs) for m in mbs) == 3, "both decoders and one 8-token piece"
+    s.on_tokens(mbs[0].mb, [7] * sum(mbs[0].sample), [-0.5] * sum(mbs[0].sample))
+    mb, _ = s.next_microbatch()
+    assert mb.prompt_tokens == 8 and s.held_back >= 2
+    ev = s.on_tokens(mbs[1].mb, [7] * sum(mbs[1].sample), [-0.5] * sum(mbs[1].sample))
+    ev += s.on_tokens(mb.mb, [7] * sum(mb.sample), [-0.5] * sum(mb.sample)) + run_to_end(s)
+    assert sorted(e.rid for e in ev if e.finish) == ["r0", "r1", "r2", "r3"]
+
+
+def test_prefill_chunk_decoding_from_the_placement():
+    """The YAML key reaches the intake's scheduler, round-trips through to_dict, and bad values are refused."""
+    from memra_pp.errors import ConfigError
+    from memra_pp.placement import load_placement
+    base = {"name": "t", "model": {"path": "/x", "format": "dummy"}, "stages": [{"device": "cpu"}]}
+    p = load_placement({**base, "scheduler": {"prefill_chunk": 256, "prefill_chunk_decoding": 32}})
+    assert Scheduler.for_placement(p.scheduler, 2, 2).chunk_decoding == 32
+    assert load_placement(p.to_dict()) == p
+    off = load_placement(base)
+    assert off.scheduler.prefill_chunk_decoding is None
+    assert off.to_dict()["scheduler"]["prefill_chunk_decoding"] == "off"
+    assert Scheduler.for_placement(off.scheduler, 1, 1).chunk_decoding == off.scheduler.prefill_chunk
+    import yaml                 # a bare `off` is YAML 1.1's false, as the README writes it
+    assert load_placement({**base, "scheduler": yaml.safe_load("{prefill_chunk_decoding: off}")}) == off
+    assert load_placement(yaml.safe_load(yaml.safe_dump(p.to_dict()))) == p
+    assert load_placement(yaml.safe_load(yaml.safe_dump(off.to_dict()))) == off
+    for bad in (0, 257, True, 8.0, "auto"):
+        with pytest.raises(ConfigError, match=r"scheduler.prefill_chunk_decoding.*must be off or an integer from 1 to "
+                                              r"scheduler.prefill_chunk \(256\)"):
+            load_placement({**base, "scheduler": {"prefill_chunk": 256, "prefill_chunk_decoding": bad}})

@@ -1,0 +1,83 @@
+"""What `scheduler.prefill_chunk_decoding` buys and costs: one deployment per budget, in turn in one run, the same
+requests each (all arriving at once, prompt lengths spread), and per budget the end-to-end rate, time to first token
+and what a decoding request waits between tokens (inter-token p50, p99, the longest gap). Writes JSON and a PNG.
+
+    .venv/bin/python benchmarks/decode_budget.py --out docs/results          # the tiny model on two CPU stages
+
+On a GPU, benchmarks/gpu_decode.py --prefill-chunk-decoding off,1024 measures the same at the real dimensions.
+"""
+import argparse
+import json
+import os
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="docs/results")
+    ap.add_argument("--model", default="", help="a checkpoint directory (default: the embedded tiny checkpoint)")
+    ap.add_argument("--stages", default="cpu,cpu", help="one stage per entry: cpu or cuda:N")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--prompt-spread", type=float, default=0.5)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--decoding", default="off,128,32", help="prefill_chunk_decoding values, comma-separated: one "
+                    "deployment each")
+    ap.add_argument("--tag", default="")
+    a = ap.parse_args()
+    try:
+        budgets = [x if x == "off" else int(x) for x in a.decoding.split(",")]
+    except ValueError:
+        ap.error(f"--decoding {a.decoding!r}: give off or integers, comma-separated")
+    import memra_pp
+    from memra_pp.bench import run_bench
+    from memra_pp.defaults import TINY_PATH, ensure_tiny
+    if not a.model:
+        ensure_tiny()
+    stages = a.stages.split(",")
+    runs = []
+    for pd in budgets:
+        cfg = {"name": "budget", "model": {"path": a.model or str(TINY_PATH)},
+               "stages": [{"device": d, "num_cpus": 0.5} for d in stages],
+               "scheduler": {"max_batch": a.concurrency, "prefill_chunk": a.prefill_chunk,
+                             "max_context": int(a.prompt_len * (1 + a.prompt_spread)) + a.new + 8,
+                             "prefill_chunk_decoding": pd}}
+        with memra_pp.launch(cfg) as dep:
+            r = run_bench(dep, a.concurrency, a.prompt_len, a.new, prompt_spread=a.prompt_spread)
+            held = dep.stats()["stages"][0]["prefill_held_back"]
+        r.update(prefill_chunk_decoding=pd, prefill_chunk=a.prefill_chunk, n_stages=len(stages), held_back=held)
+        runs.append(r)
+        print(f"prefill_chunk {a.prefill_chunk}, while decoding {pd}: {r['tokens_per_s']:.1f} tokens/s end to end, "
+              f"ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms (p99 {r['ttft_p99_s'] * 1e3:.0f}), inter-token p50 "
+              f"{r['itl_p50_s'] * 1e3:.1f} ms, p99 {r['itl_p99_s'] * 1e3:.1f} ms, longest {r['itl_max_s'] * 1e3:.0f} "
+              f"ms; microbatches held back {held}", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    stem = os.path.join(a.out, "decode_budget" + (f"-{a.tag}" if a.tag else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump({"argv": vars(a), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}, f, indent=1)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    names = [str(r["prefill_chunk_decoding"]) for r in runs]
+    for key, label in (("ttft_p50_s", "time to first token p50"), ("itl_p99_s", "inter-token p99"),
+                       ("itl_max_s", "longest gap")):
+        axes[0].plot(names, [r[key] * 1e3 for r in runs], marker="o", label=label)
+    axes[0].set_ylabel("ms")
+    axes[0].set_yscale("log")
+    axes[0].legend()
+    axes[1].bar(names, [r["tokens_per_s"] for r in runs])
+    axes[1].set_ylabel("tokens/s end to end")
+    for ax in axes:
+        ax.set_xlabel(f"prompt tokens per step while requests decode (prefill_chunk {a.prefill_chunk})")
+    fig.suptitle(f"{a.concurrency} requests at once, prompts {a.prompt_len} x [1 -+ {a.prompt_spread}], "
+                 f"{a.new} new, stages {a.stages}")
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+    print(f"wrote {stem}.json and .png", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
