@@ -313,6 +313,10 @@ def _warnings(placement: Placement, model: ModelConfig, n: int, tower: int, mb: 
         elif not any(s.is_cuda for s in placement.stages):
             out.append(f"transport: {placement.transport} has no effect: every stage is on cpu, so boundaries "
                        "use CPU shared-memory slots")
+        elif not any(a.is_cuda and b.is_cuda for a, b in zip(placement.stages, placement.stages[1:])):
+            # (Deployment._transports: a boundary with a cpu side takes the shared-memory slots whatever is asked)
+            out.append(f"transport: {placement.transport} has no effect: every stage boundary has a cpu stage on "
+                       "one side, so boundaries use CPU shared-memory slots")
     # positions past max_position_embeddings run (rotary embeddings have no end), but the model was not trained
     # there: said once at boot, as llama.cpp does for n_ctx above n_ctx_train
     ctx, mpe = placement.scheduler.max_context, model.text.max_position_embeddings

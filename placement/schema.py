@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import math
 import os
 import re
+import reprlib
 import stat
 from pathlib import Path
 from typing import Any, Mapping
@@ -32,6 +34,8 @@ MAX_BATCH = 65536              # scheduler.max_batch: sequences with a cache slo
 MAX_CONTEXT = 2 ** 24          # scheduler.max_context: positions per sequence (Qwen3.5 trains 262144)
 MAX_THREADS = 1024             # stages[].threads: torch intra-op threads of one stage
 MAX_CPUS = 1024.0              # stages[].num_cpus: Ray CPUs reserved for one stage
+MIN_CPUS = 1e-4                # stages[].num_cpus: Ray's resource unit; a smaller reservation is Ray's ValueError
+MAX_YAML_BYTES = 2 ** 20       # a placement file: a few hundred bytes written by hand
 MAX_TIMEOUT_S = 1e9            # timeouts.*: the longest wait the runtime makes (memra_pp.client.WAIT_MAX_S)
 
 
@@ -148,31 +152,55 @@ def _bad(path: str, msg: str) -> ConfigError:
     return ConfigError(f"{path}: {msg}")
 
 
+# a refused value's repr, bounded: a YAML of a few hundred bytes whose aliases nest lists in lists expands to a repr
+# of gigabytes (ten levels of ten aliases); numbers and short strings print whole
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 2, 200, 200, 5000
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = _SHOW.maxset = _SHOW.maxfrozenset = 8
+
+
+def _got(v: Any, number: bool = False) -> str:
+    """The refused value for a message. Where a number was wanted, a number that reached us as text says so: YAML 1.1
+    (PyYAML) reads an exponent without a dot and sign (1e3, 1.0e3) as a string, and "must be a number, got '1e3'"
+    misleads."""
+    shown = _SHOW.repr(v)
+    if number and isinstance(v, str):
+        try:
+            if not math.isfinite(float(v)):
+                return shown
+        except ValueError:
+            return shown
+        if "e" in v.lower():
+            return f"{shown}, a string (YAML reads 1e3 and 1.0e3 as text: write 1000 or 1.0e+3)"
+        return f"{shown}, a string (write the number unquoted)"
+    return shown
+
+
 def _mapping(raw: Any, path: str, cls) -> dict:
     """The section as a dict; refuses a non-mapping and unknown keys (with a close match when there is one)."""
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        raise _bad(path or "placement", f"must be a mapping, got {raw!r}")
+        raise _bad(path or "placement", f"must be a mapping, got {_got(raw)}")
     names = [f.name for f in dataclasses.fields(cls)]
     for k in raw:
         if k not in names:
             near = difflib.get_close_matches(str(k), names, n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
             where = f"{path}.{k}" if path else str(k)
-            raise _bad(where, f"unknown key {k!r}; {hint}accepted keys: {', '.join(names)}")
+            raise _bad(where, f"unknown key {_got(k)}; {hint}accepted keys: {', '.join(names)}")
     return dict(raw)
 
 
 def _choice(v: Any, path: str, allowed: tuple[str, ...]) -> str:
     if v not in allowed:
-        raise _bad(path, f"{v!r} is not one of {' | '.join(allowed)}")
+        raise _bad(path, f"{_got(v)} is not one of {' | '.join(allowed)}")
     return v
 
 
 def _int(v: Any, path: str, lo: int = 1, hi: int = MAX_COUNT) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise _bad(path, f"must be an integer >= {lo}, got {v!r}")
+        raise _bad(path, f"must be an integer >= {lo}, got {_got(v, number=True)}")
     if v > hi:
         raise _bad(path, f"must be at most {hi}, got {v!r}")
     return v
@@ -180,7 +208,7 @@ def _int(v: Any, path: str, lo: int = 1, hi: int = MAX_COUNT) -> int:
 
 def _pos(v: Any, path: str, hi: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
-        raise _bad(path, f"must be a positive finite number, got {v!r}")
+        raise _bad(path, f"must be a positive finite number, got {_got(v, number=True)}")
     if v > hi:      # (compared before float(): an integer past float range overflows there)
         raise _bad(path, f"must be at most {hi:g}, got {v!r}")
     return float(v)
@@ -188,7 +216,7 @@ def _pos(v: Any, path: str, hi: float) -> float:
 
 def _str(v: Any, path: str) -> str:
     if not isinstance(v, str) or not v.strip():
-        raise _bad(path, f"must be a non-empty string, got {v!r}")
+        raise _bad(path, f"must be a non-empty string, got {_got(v)}")
     return v
 
 
@@ -202,7 +230,14 @@ def _expand(p: str | Path, path: str) -> Path:
 
 def _model(raw: Any) -> ModelSpec:
     d = _mapping(raw, "model", ModelSpec)
-    path = _expand(_str(d.get("path", DEFAULT_MODEL_PATH), "model.path"), "model.path")
+    path = d.get("path", DEFAULT_MODEL_PATH)
+    if isinstance(path, os.PathLike):   # a dict built in Python may hold a Path, as ModelSpec itself does
+        path = os.fspath(path)
+    path = _expand(_str(path, "model.path"), "model.path")
+    if not path.is_absolute() and not str(path).startswith("preset:"):
+        # from where the placement is loaded: every stage, and a client that connects later from elsewhere, reads
+        # the same checkpoint (a relative path was each process's own working directory's)
+        path = Path(os.path.abspath(path))
     return ModelSpec(path=path, format=_choice(d.get("format", "auto"), "model.format", FORMATS),
                      dtype=_choice(d.get("dtype", "float32"), "model.dtype", DTYPES))
 
@@ -214,7 +249,7 @@ def _stage(raw: Any, i: int) -> StageSpec:
         raise _bad(f"{p}.device", "is required: cpu or cuda:N (N >= 0)")
     dev = d["device"]
     if not isinstance(dev, str) or not _DEVICE.fullmatch(dev):
-        raise _bad(f"{p}.device", f"{dev!r} is not a device; use cpu or cuda:N with N >= 0 (e.g. cuda:0)")
+        raise _bad(f"{p}.device", f"{_got(dev)} is not a device; use cpu or cuda:N with N >= 0 (e.g. cuda:0)")
     layers = d.get("layers", "auto")
     if layers == "auto":
         rng = None
@@ -223,16 +258,18 @@ def _stage(raw: Any, i: int) -> StageSpec:
           and layers[0] < layers[1]):
         rng = (layers[0], layers[1])
     else:
-        raise _bad(f"{p}.layers", f"{layers!r} must be auto or [start, end) with 0 <= start < end")
+        raise _bad(f"{p}.layers", f"{_got(layers)} must be auto or [start, end) with 0 <= start < end")
     spec = StageSpec(device=dev, layers=rng)
     cpus = _pos(d["num_cpus"], f"{p}.num_cpus", MAX_CPUS) if "num_cpus" in d else (1.0 if spec.is_cuda else 0.5)
+    if cpus < MIN_CPUS:     # (at actor creation, after the cluster started; a fraction >= it is rounded to it)
+        raise _bad(f"{p}.num_cpus", f"must be at least {MIN_CPUS:g} (Ray's smallest CPU fraction), got {cpus!r}")
     return dataclasses.replace(spec, num_cpus=cpus, threads=_int(d.get("threads", 1), f"{p}.threads",
                                                                  hi=MAX_THREADS))
 
 
 def _stages(raw: Any) -> tuple[StageSpec, ...]:
     if not isinstance(raw, (list, tuple)) or not raw:
-        raise _bad("stages", f"must be a list of at least one stage ({{device: cpu, layers: auto}}), got {raw!r}")
+        raise _bad("stages", f"must be a list of at least one stage ({{device: cpu, layers: auto}}), got {_got(raw)}")
     return tuple(_stage(s, i) for i, s in enumerate(raw))
 
 
@@ -241,7 +278,7 @@ def _vision(raw: Any, n_stages: int) -> VisionSpec:
     eng = d.get("engine", "primary")
     v = VisionSpec(engine=eng)
     if eng not in ("primary", "intake") and (not isinstance(eng, str) or v.stage is None):
-        raise _bad("vision.engine", f"{eng!r} is not one of primary | intake | stage:N")
+        raise _bad("vision.engine", f"{_got(eng)} is not one of primary | intake | stage:N")
     if v.stage is not None and v.stage >= n_stages:
         raise _bad("vision.engine", f"{eng!r} names no stage; this placement has stages 0..{n_stages - 1}")
     return v
@@ -252,9 +289,9 @@ def _scheduler(raw: Any) -> SchedulerSpec:
     mb = d.get("microbatches", "auto")
     his = {"max_batch": MAX_BATCH, "max_context": MAX_CONTEXT, "prefill_chunk": MAX_CONTEXT}
     kw = {k: _int(d[k], f"scheduler.{k}", hi=hi) for k, hi in his.items() if k in d}
-    if mb != "auto":
+    if mb not in ("auto", None):      # (~ is auto, as for kv_pages and pipeline_chunks)
         if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
-            raise _bad("scheduler.microbatches", f"must be auto or an integer >= 1, got {mb!r}")
+            raise _bad("scheduler.microbatches", f"must be auto or an integer >= 1, got {_got(mb, True)}")
         kw["microbatches"] = _int(mb, "scheduler.microbatches")
     kv = d.get("kv_pages", "auto")
     if kv not in ("auto", None):
@@ -263,14 +300,15 @@ def _scheduler(raw: Any) -> SchedulerSpec:
     if pc not in ("auto", None):
         if isinstance(pc, bool) or not isinstance(pc, int) or pc < 1:
             raise _bad("scheduler.pipeline_chunks", f"must be auto or an integer >= 1 (1: prompts keep whole "
-                                                    f"chunks), got {pc!r}")
+                                                    f"chunks), got {_got(pc, True)}")
         kw["pipeline_chunks"] = _int(pc, "scheduler.pipeline_chunks")
     pd = d.get("prefill_chunk_decoding", "off")
     if pd is not False and pd not in ("off", None):      # (YAML 1.1 reads a bare off as false)
         chunk = kw.get("prefill_chunk", SchedulerSpec.prefill_chunk)
         if isinstance(pd, bool) or not isinstance(pd, int) or not 1 <= pd <= chunk:
             raise _bad("scheduler.prefill_chunk_decoding", f"must be off or an integer from 1 to "
-                                                           f"scheduler.prefill_chunk ({chunk}), got {pd!r}")
+                                                           f"scheduler.prefill_chunk ({chunk}), got "
+                                                           f"{_got(pd, True)}")
         kw["prefill_chunk_decoding"] = pd
     return SchedulerSpec(**kw)
 
@@ -279,7 +317,8 @@ def _poll_us(v: Any) -> float | None:
     if v in ("auto", None):
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1e6:
-        raise _bad("transport_poll_us", f"must be auto or microseconds in [0, 1000000] (0: no mailbox), got {v!r}")
+        raise _bad("transport_poll_us", f"must be auto or microseconds in [0, 1000000] (0: no mailbox), "
+                                        f"got {_got(v, number=True)}")
     return float(v)
 
 
@@ -326,6 +365,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":   # '<<: *base' (its keys may be overridden here): it has
+                continue                                    # no constructor of its own; super() flattens it in
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (list, dict)):       # a complex key ({a: 1}: ..., [a, b]: ...) is no placement key
                 kind = "mapping" if isinstance(key, dict) else "sequence"
@@ -339,8 +380,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _read_yaml(path: Path, where: str) -> Any:
     try:
-        if not stat.S_ISREG(path.stat().st_mode):    # a FIFO or device would block the read; a directory fails it
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):    # a FIFO or device would block the read; a directory fails it
             raise ConfigError(f"{where}: cannot read the placement file (not a regular file)")
+        if st.st_size > MAX_YAML_BYTES:     # a checkpoint given in its place would be read whole into memory
+            raise ConfigError(f"{where}: cannot read the placement file ({st.st_size} bytes; a placement YAML is "
+                              f"at most {MAX_YAML_BYTES} bytes): is it a model file? That goes in model.path")
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{where}: cannot read the placement file ({e.strerror or e})") from None

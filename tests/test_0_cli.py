@@ -158,7 +158,7 @@ def test_plan_refuses_an_ambiguous_or_mismatched_checkpoint(tmp_path, capsys):
              (f"{fx}/hf", "gguf", "holds no .gguf file for model.format gguf"),
              (f"{fx}/dense_text-f32.gguf", "safetensors", "is a GGUF file but model.format is safetensors"),
              (str(shard), "auto", "one shard of a split GGUF; merge the shards"),
-             ("README.md", "auto", "'README.md' is a file, not a checkpoint: give a Hugging Face checkpoint "
+             ("README.md", "auto", "/README.md' is a file, not a checkpoint: give a Hugging Face checkpoint "
                                    "directory (config.json and *.safetensors) or a .gguf file"))
     for path, fmt, msg in cases:
         f = tmp_path / "p.yaml"
