@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ def _record(engine: Engine, what: str, rows: torch.Tensor) -> None:
 def _check_spans(rows: torch.Tensor, spans) -> tuple[Span, ...]:
     if not isinstance(rows, torch.Tensor):
         raise OverlayError(f"overlay rows must be a torch.Tensor (N, H), got a {type(rows).__name__}")
-    if rows.dim() != 2 or rows.shape[0] == 0:
+    if rows.dim() != 2 or 0 in rows.shape:      # (N, 0) rows would splice nothing into any target
         raise OverlayError(f"overlay rows must be a non-empty (N, H) tensor, got shape {tuple(rows.shape)}")
     # floating point, but any bit pattern: a publication carries the rows bit-exact, NaN payloads included
     if not rows.is_floating_point():
@@ -63,12 +64,11 @@ def _check_spans(rows: torch.Tensor, spans) -> tuple[Span, ...]:
     n = rows.shape[0]
     out = []
     for i, s in enumerate(spans):
-        if not isinstance(s, (list, tuple)) or len(s) != 3 or \
-                not all(isinstance(v, int) and not isinstance(v, bool) for v in s):
+        if not isinstance(s, (list, tuple)) or len(s) != 3 or not all(_is_int(v) for v in s):
             raise OverlayError(f"span {i} {s!r} must be three ints (prompt_pos, row_off, n_rows)")
-        p, r, k = s
+        p, r, k = (int(v) for v in s)
         if p < 0 or r < 0 or k < 1 or r + k > n:
-            raise OverlayError(f"span {i} {tuple(s)} is outside rows [0, {n}) or empty (prompt_pos, row_off >= 0, "
+            raise OverlayError(f"span {i} {(p, r, k)} is outside rows [0, {n}) or empty (prompt_pos, row_off >= 0, "
                                f"n_rows >= 1)")
         out.append((p, r, k))
     for key, what in ((0, "prompt positions"), (1, "rows")):
@@ -77,6 +77,11 @@ def _check_spans(rows: torch.Tensor, spans) -> tuple[Span, ...]:
             if out[a][key] + out[a][2] > out[b][key]:
                 raise OverlayError(f"span {b} {out[b]} overlaps span {a} {out[a]} in {what}")
     return tuple(sorted(out))
+
+
+def _is_int(v) -> bool:
+    """An integer position or count (numpy's too), never a bool or a float."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 def _not_resident(what: str, ctx: ContextId, engine: Engine, fix: str) -> ResidencyError:
@@ -121,8 +126,8 @@ class EmbedOverlay:
 
     def window(self, off: int, length: int) -> EmbedOverlay | None:
         """The overlay over prompt positions [off, off+length), spans rebased to 0; rows shared, not copied."""
-        if off < 0 or length < 1:
-            raise OverlayError(f"window(off={off}, length={length}) must have off >= 0 and length >= 1")
+        if not (_is_int(off) and _is_int(length)) or off < 0 or length < 1:   # (a float would make float spans)
+            raise OverlayError(f"window(off={off!r}, length={length!r}) must be ints with off >= 0 and length >= 1")
         spans = []
         for p, r, k in self.spans:
             lo, hi = max(p, off), min(p + k, off + length)
@@ -136,9 +141,17 @@ class EmbedOverlay:
         """Write the rows falling in prompt positions [chunk_off, chunk_off+T) into `embedded_TD` (in place);
         returns the rows written. Refuses unless the rows live in `engine`'s context."""
         self.require_resident(engine)
+        H = self.rows.shape[1]
+        if not isinstance(embedded_TD, torch.Tensor):
+            raise OverlayError(f"splice target must be a (T, {H}) torch.Tensor, got a {type(embedded_TD).__name__}")
+        if embedded_TD.dim() != 2 or embedded_TD.shape[1] != H:
+            raise OverlayError(f"splice target {tuple(embedded_TD.shape)} is not (T, {H})")
+        if embedded_TD.dtype != self.rows.dtype:    # copy_ would cast: the rows would not arrive bit-exact
+            raise OverlayError(f"splice target is {embedded_TD.dtype} but the overlay rows are {self.rows.dtype}; "
+                               f"produce the rows in the embedding's dtype (the model's)")
+        if not _is_int(chunk_off) or chunk_off < 0:
+            raise OverlayError(f"splice chunk_off {chunk_off!r} must be the chunk's first prompt position, an int >= 0")
         T = embedded_TD.shape[0]
-        if embedded_TD.dim() != 2 or embedded_TD.shape[1] != self.rows.shape[1]:
-            raise OverlayError(f"splice target {tuple(embedded_TD.shape)} is not (T, {self.rows.shape[1]})")
         if embedded_TD.device != self.rows.device:
             raise ResidencyError(f"splice target lives on {embedded_TD.device}, the overlay rows in {self.ctx}; "
                                  f"embed on engine {engine.device}")
