@@ -64,11 +64,17 @@ def token_latencies(runs: list[tuple[float, list[tuple[float, int]]]]) -> dict:
             "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99), "itl_max_s": max(gaps, default=0.0)}
 
 
-def warm_tokens(concurrency: int, prompt_len: int, max_new_tokens: int, prefill_chunk: int) -> int:
+def warm_tokens(concurrency: int, prompt_len: int, max_new_tokens: int, prefill_chunk: int,
+                chunk_decoding: int | None = None) -> int:
     """Tokens each warm-up request generates: 3, plus one for each prefill step the prompts take, so the first
     request still decodes when the last one starts (with 3 tokens alone, 256 prompts of 128 tokens in steps of
-    4,096 never made one decode-only step of more than 64 rows, and the timed run captured 5 graphs)."""
-    return min(max_new_tokens, 3 + -(-concurrency * prompt_len // max(1, prefill_chunk)))
+    4,096 never made one decode-only step of more than 64 rows, and the timed run captured 5 graphs). With
+    scheduler.prefill_chunk_decoding, the steps after the first take that many prompt tokens."""
+    total, chunk = concurrency * prompt_len, max(1, prefill_chunk)
+    steps = -(-total // chunk)
+    if chunk_decoding is not None and total > chunk:
+        steps = 1 + -(-(total - chunk) // max(1, min(chunk, chunk_decoding)))
+    return min(max_new_tokens, 3 + steps)
 
 
 def prompt_range(prompt_len: int, spread: float) -> tuple[int, int]:
@@ -184,7 +190,8 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         threading.Thread(target=ticker, args=(stop_ticking,), daemon=True).start()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         if warm:   # the same load, untimed: decode graphs of these batch sizes are captured, KV pools grown
-            n = warm_tokens(concurrency, prompt_len, max_new_tokens, dep.placement.scheduler.prefill_chunk)
+            sc = dep.placement.scheduler
+            n = warm_tokens(concurrency, prompt_len, max_new_tokens, sc.prefill_chunk, sc.prefill_chunk_decoding)
             counts["of"] = n * concurrency
             try:
                 list(pool.map(lambda p: one(p, n, False), prompts))

@@ -213,6 +213,9 @@ def test_warm_up_lasts_until_the_last_prompt_is_prefilled():
     assert warm_tokens(1, 128, 64, 512) == 4
     assert warm_tokens(1024, 512, 256, 4096) == 131
     assert warm_tokens(4, 16, 2, 512) == 2
+    # scheduler.prefill_chunk_decoding 512: the first step takes 4,096 prompt tokens, the next 512 each
+    assert warm_tokens(64, 128, 256, 4096, 512) == 3 + 1 + 8 and warm_tokens(64, 128, 256, 4096, None) == 5
+    assert warm_tokens(4, 16, 64, 512, 8) == 4, "the prompts fit the first step: no held steps"
 
 
 def test_handoff_split_plot_draws_a_probe_run(tmp_path):
