@@ -24,6 +24,7 @@ _QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 GGUF_PRE_SPLITS = {"qwen2": _QWEN2_SPLIT, "qwen35": _QWEN35_SPLIT}
 _CONTROL, _USER_DEFINED = 3, 4      # tokenizer.ggml.token_type values matched whole in text (llama.cpp's enum)
+_UNUSED = 5                         # the converter's "[PAD{id}]" fillers up to the model's vocab_size: no text
 
 
 class Tokenizer:
@@ -77,8 +78,10 @@ class Tokenizer:
             if i < 0:
                 raise ConfigError(f"{f}: tokenizer.ggml.merges[{n}] {m!r} is not two tokens joined by a space")
             merges.append((m[:i], m[i + 1:]))
-        tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False,
-                                              byte_fallback=False))
+        # Unused ids stay out of the vocabulary, as they are absent from the tokenizer.json they were padded from:
+        # a sampled one decodes to "" (llama.cpp's token_to_piece too), never to the filler's name "[PAD248100]".
+        vocab = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k != _UNUSED}
+        tok = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
         tok.normalizer = normalizers.NFC()      # as Qwen's tokenizer.json (llama.cpp itself does not normalize)
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(tokenizers.Regex(GGUF_PRE_SPLITS[pre]), behavior="isolated"),
@@ -101,8 +104,8 @@ class Tokenizer:
     @classmethod
     def for_model(cls, path: str | Path) -> "Tokenizer | None":
         """The tokenizer for a placement's model.path: a directory's tokenizer.json (else, in a directory that
-        open_weights reads as GGUF, its one .gguf file's), or a .gguf file's own; None when there is none (the
-        deployment then runs on token ids)."""
+        open_weights reads as GGUF, its one .gguf file's), or a GGUF file's own (by its magic bytes, whatever its
+        name); None when there is none (the deployment then runs on token ids)."""
         p = Path(path).expanduser()
         if p.is_dir():
             t = cls.from_model_dir(p)
@@ -110,7 +113,7 @@ class Tokenizer:
             if t is None and len(found) == 1 and not any(p.glob("*.safetensors*")):
                 return cls.from_gguf(found[0])
             return t
-        return cls.from_gguf(p) if p.is_file() and p.suffix == ".gguf" else None
+        return cls.from_gguf(p) if p.is_file() and (p.suffix == ".gguf" or _gguf_magic(p)) else None
 
     @property
     def vocab_size(self) -> int:
@@ -132,6 +135,15 @@ class Tokenizer:
         return IncrementalDecoder(self, skip_special_tokens)
 
 
+def _gguf_magic(path: Path) -> bool:
+    """A GGUF file by its first bytes, whatever its name: model.format gguf loads weights from any file name."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 class IncrementalDecoder:
     """Turns ids arriving one by one into text pieces whose concatenation equals `decode(all ids)`.
 
@@ -144,7 +156,15 @@ class IncrementalDecoder:
         self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
-        self.text = ""                  # everything emitted so far
+        self._pieces: list[str] = []    # everything emitted so far, joined only when read: a `text +=` per id
+        #                                 would copy the whole text each time (quadratic in a long generation)
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def push(self, ids: int | list[int] | tuple[int, ...]) -> str:
         """Add one id or several; returns the new text they complete ("" when held back)."""
@@ -155,14 +175,17 @@ class IncrementalDecoder:
             piece = self._stream.step(self._tok._tok, i)
             if piece is not None:
                 out.append(piece)
-        self.text += "".join(out)
-        return "".join(out)
+        piece = "".join(out)
+        if piece:
+            self._pieces.append(piece)
+        return piece
 
     def flush(self) -> str:
         """The text still held back at the end of the stream (replacement characters for bytes never
         completed), so that `text` then equals the full decode."""
-        full = self._tok.decode(self.ids, self._skip)
+        full, text = self._tok.decode(self.ids, self._skip), self.text
         # Byte-level decoders only ever extend their output; text already emitted cannot be taken back.
-        rest = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text += rest
+        rest = full[len(text):] if full.startswith(text) else ""
+        if rest:
+            self._pieces.append(rest)
         return rest
