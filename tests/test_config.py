@@ -36,10 +36,11 @@ def test_layer_types_from_full_attention_interval(interval, full):
     assert [i for i in range(8) if t.is_full(i)] == full and len(t.layer_types) == 8
 
 
-@pytest.mark.parametrize("top,text,tied", [(True, False, True), (False, True, False), (None, True, True),
+@pytest.mark.parametrize("top,text,tied", [(True, False, True), (False, True, False), (None, True, False),
                                            (None, False, False)])
 def test_top_level_tie_word_embeddings_decides(top, text, tied):
-    """In a VLM config the top-level tie_word_embeddings must decide tying; the text_config's only when absent."""
+    """In a VLM config the top-level tie_word_embeddings alone decides tying, false when absent, as transformers'
+    Qwen3_5Config does (the text_config's is not read: tests/test_weights_audit.py compares logits)."""
     raw = {"model_type": "qwen3_5", "text_config": flat(tie_word_embeddings=text)}
     if top is not None:
         raw["tie_word_embeddings"] = top

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -189,6 +190,23 @@ def _real(v, key: str, where: str) -> float:
         return math.inf
 
 
+# transformers' values for text config keys a config.json leaves out (Qwen3_5TextConfig / Qwen3_5MoeTextConfig):
+# a missing key loads as these there, so here too (by MoE or dense). Not max_position_embeddings (32768 there): it
+# changes no math, only the planner's max_context warning, which keeps TextConfig's released-model 262144.
+TEXT_DEFAULTS = dict(vocab_size=248320, num_attention_heads=16, head_dim=256, linear_conv_kernel_dim=4,
+                     linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                     linear_num_value_heads=32)
+TEXT_DEFAULTS_BY_MOE = {False: dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                                    num_key_value_heads=4),
+                        True: dict(hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2, num_experts=256,
+                                   num_experts_per_tok=8, moe_intermediate_size=512,
+                                   shared_expert_intermediate_size=512)}
+# Qwen3_5VisionConfig's and Qwen3_5Config's (the VLM's special tokens) likewise
+VISION_DEFAULTS = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                       temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=3584, num_position_embeddings=2304)
+VLM_TOKEN_DEFAULTS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                          vision_end_token_id=248054)
+
 # Config keys that choose the text model's math, and the values this runtime implements (DESIGN law 2: a value it
 # does not implement is refused, never run as the default): the key, its accepted values
 TEXT_MODES = {"hidden_act": ("silu",), "attention_bias": (False,)}
@@ -209,9 +227,10 @@ def _check_modes(raw: dict, text: dict, prefix: str, where: str) -> None:
 
 
 def _rope(text: dict, prefix: str, where: str) -> tuple[dict, str]:
-    """(the RoPE block, its key): rope_parameters, else Qwen2-VL's rope_scaling; both are checked when both given."""
+    """(the RoPE block, its key): a non-empty rope_scaling (Qwen2-VL's spelling), else rope_parameters, the precedence
+    transformers gives them (PreTrainedConfig.convert_rope_params_to_dict); both are checked when both given."""
     found = []
-    for key in ("rope_parameters", "rope_scaling"):
+    for key in ("rope_scaling", "rope_parameters"):
         block = text.pop(key, None)
         if block is None:
             continue
@@ -230,7 +249,9 @@ def _rope(text: dict, prefix: str, where: str) -> tuple[dict, str]:
 def _text_extra(raw: dict, text: dict, prefix: str, where: str) -> dict:
     """TextConfig fields whose key is not their field name, or that live in the RoPE block / at the top level."""
     rope, rope_key = _rope(text, prefix, where)
-    extra = {}
+    # transformers' defaults where neither the RoPE block nor the text config gives one: rope_theta is
+    # RotaryEmbeddingConfigMixin.default_theta (10000, not the released models' 1e7), partial_rotary_factor 0.25
+    extra = {"rope_theta": 10000.0}
     for f in ("rope_theta", "partial_rotary_factor"):
         if f in rope or f in text:
             key = f"{prefix}{rope_key}.{f}" if f in rope else prefix + f
@@ -240,7 +261,9 @@ def _text_extra(raw: dict, text: dict, prefix: str, where: str) -> dict:
     if rope.get("mrope_section") is not None:
         sec = rope["mrope_section"]
         extra["mrope_section"] = tuple(sec) if isinstance(sec, list) else sec
-    # The VLM's top-level tie_word_embeddings decides tying (reference/qwen35.md 2.6).
+    # Tying is decided as the config's class in transformers decides it (reference/qwen35.md 2.6), false when
+    # absent: a VLM (Qwen3_5Config) reads its top-level key alone; a *ForCausalLM reads its text config, the
+    # text_config of a nested config.json (Qwen3_5TextConfig.from_pretrained) or the flat config itself.
     for key, d, name in ((f"{prefix}{rope_key}.mrope_interleaved", rope, "mrope_interleaved"),
                          (prefix + "tie_word_embeddings", text, "tie_word_embeddings"),
                          ("tie_word_embeddings", raw, "tie_word_embeddings")):
@@ -248,6 +271,13 @@ def _text_extra(raw: dict, text: dict, prefix: str, where: str) -> dict:
             if not isinstance(d[name], bool):   # bool("false") is True: only JSON true / false
                 raise ConfigError(f"{where}: {key} must be true or false, got {d[name]!r}")
             extra[name] = d[name]
+    arch = raw.get("architectures")
+    causal = isinstance(arch, list) and bool(arch) and all(str(a).endswith("ForCausalLM") for a in arch)
+    extra["tie_word_embeddings"] = (text if causal or not prefix else raw).get("tie_word_embeddings", False)
+    if extra.get("mrope_interleaved") is False:     # transformers never reads the key: Qwen3.5 always interleaves
+        warnings.warn(f"{where}: {prefix}{rope_key}.mrope_interleaved false is ignored; Qwen3.5 interleaves its "
+                      f"M-RoPE sections (as transformers does)")
+    extra["mrope_interleaved"] = True
     n = text.get("num_hidden_layers")
     if "layer_types" not in text and _is_int(n):
         every = text.get("full_attention_interval", 4)
@@ -274,23 +304,23 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: model_type {mtype!r} is not a Qwen3.5 model; supported: "
                           f"{sorted(TEXT_TYPES)}")
     _check_modes(raw, text, prefix, where)
+    moe = TEXT_TYPES.get(ttype, TEXT_TYPES.get(mtype))
+    text = {**TEXT_DEFAULTS, **TEXT_DEFAULTS_BY_MOE[moe], **text}
     extra = _text_extra(raw, text, prefix, where)
     names = {f.name for f in dataclasses.fields(TextConfig)}
     fields = {k: v for k, v in text.items() if k in names and k not in extra and k != "moe"}
-    tc = _take(fields, TextConfig, where, moe=TEXT_TYPES.get(ttype, TEXT_TYPES.get(mtype)), **extra).validate(where)
+    tc = _take(fields, TextConfig, where, moe=moe, **extra).validate(where)
     vis = raw.get("vision_config")
     if vis is not None and not isinstance(vis, dict):
         raise ConfigError(f"{where}: vision_config must be an object of the vision tower's keys, got {vis!r}")
-    vc = _take(vis, VisionConfig, where + " vision_config").validate(where) if vis else None
+    vc = _take({**VISION_DEFAULTS, **vis}, VisionConfig, where + " vision_config").validate(where) if vis else None
     if vc is not None and vc.out_hidden_size != tc.hidden_size:
         raise ConfigError(f"{where}: vision_config.out_hidden_size {vc.out_hidden_size} must equal the text "
                           f"hidden_size {tc.hidden_size}")
     eos_key = "eos_token_id" if "eos_token_id" in raw or not prefix else prefix + "eos_token_id"
     eos = raw.get("eos_token_id", text.get("eos_token_id"))
-    return ModelConfig(model_type=mtype or ttype, text=tc, vision=vc,
-                       image_token_id=raw.get("image_token_id"), video_token_id=raw.get("video_token_id"),
-                       vision_start_token_id=raw.get("vision_start_token_id"),
-                       vision_end_token_id=raw.get("vision_end_token_id"),
+    tokens = {k: raw.get(k, VLM_TOKEN_DEFAULTS[k] if vc is not None else None) for k in VLM_TOKEN_DEFAULTS}
+    return ModelConfig(model_type=mtype or ttype, text=tc, vision=vc, **tokens,
                        eos_token_ids=_eos(eos, eos_key, tc.vocab_size, where))
 
 

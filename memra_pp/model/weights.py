@@ -4,8 +4,10 @@ A stage asks only for the tensors of its own layers; `read_names` records what w
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Protocol
 
@@ -100,6 +102,14 @@ class SafetensorsSource:
         keys = self._file_of.keys()
         self._prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in keys) \
             else "model."
+        if self.config.tied and "lm_head.weight" in keys:
+            # transformers ties only a head the checkpoint lacks: its own lm_head.weight is loaded and used
+            # (modeling_utils tie_weights; one equal to the embedding gives the same logits either way)
+            warnings.warn(f"{self.dir}: config.json ties lm_head to the embedding, but the checkpoint holds its own "
+                          f"lm_head.weight, which is used (as transformers does); set tie_word_embeddings false to say "
+                          f"so, or remove lm_head.weight to share the embedding")
+            c = self.config
+            self.config = dataclasses.replace(c, text=dataclasses.replace(c.text, tie_word_embeddings=False))
 
     def _open(self, f: Path):
         try:
@@ -124,6 +134,9 @@ class SafetensorsSource:
         try:
             t = h.get_tensor(key)
         except Exception as e:
+            if key not in h.keys():     # the index names a shard that does not hold it: not a corrupt file
+                raise ConfigError(f"{f}: holds no tensor {key!r}, but model.safetensors.index.json names this shard "
+                                  f"for it; the index is stale or belongs to another checkpoint") from None
             raise ConfigError(f"{f}: cannot read tensor {key!r} (truncated or corrupt file?): {e}") from None
         if t.dtype not in FLOAT_DTYPES:
             raise ConfigError(f"{f}: tensor {key!r} has dtype {str(t.dtype).removeprefix('torch.')}; this runtime "
@@ -143,6 +156,11 @@ class SafetensorsSource:
             t, where = self._raw(key), str(self._file_of[key])   # name the shard that holds the tensor
         elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             t, where = self._stack_experts(name), str(self.dir)
+        elif name == "lm_head.weight":     # (a tied model never asks for it)
+            raise ConfigError(f"{self.dir}: tensor 'lm_head.weight' is missing from the checkpoint and config.json "
+                              f"does not tie it to the embedding (tie_word_embeddings false or absent; with a "
+                              f"text_config, the top-level key alone decides, as in transformers): set "
+                              f"tie_word_embeddings true there if this model's lm_head is its embedding")
         else:
             raise ConfigError(f"{self.dir}: tensor {key!r} (canonical {name!r}) is missing from the checkpoint")
         self.read_names.append(name)
