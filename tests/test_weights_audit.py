@@ -206,3 +206,23 @@ def test_mtp_tensors_are_ignored(tmp_path):
     StageModel(src.config, 0, 8, intake=True, primary=True).load(src)
     assert not any(n.startswith("mtp") for n in src.read_names)
 
+
+
+def test_generation_config_eos_ids_end_requests_too(tmp_path):
+    """generation_config.json's eos ids are stop ids beside config.json's (transformers' generate and vLLM stop on
+    them; a chat model may list <|im_end|> there only); one that is not a token id, or a file that is not an
+    object, is refused naming generation_config.json."""
+    from memra_pp.model.config import load_config
+    d = variant(tmp_path, lambda raw: None)
+    base = load_config(d).eos_token_ids
+    gen = json.loads((d / "generation_config.json").read_text())
+    gen["eos_token_id"] = [7, *base]
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    assert load_config(d).eos_token_ids == (*base, 7)
+    for bad, msg in (({"eos_token_id": 10 ** 9}, r"generation_config.json: eos_token_id .* must be a token id"),
+                     ([1], r"generation_config.json: must be a JSON object")):
+        (d / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=msg):
+            load_config(d)
+    (d / "generation_config.json").unlink()
+    assert load_config(d).eos_token_ids == base

@@ -345,4 +345,17 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: no config.json in the model directory") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config.json ({e.strerror or e})") from None
-    return parse_config(raw, str(path))
+    mc = parse_config(raw, str(path))
+    # generation_config.json's eos ids end a request too, beside config.json's (transformers' generate and vLLM
+    # stop on them; a chat model may list <|im_end|> there only)
+    gen = path.with_name("generation_config.json")
+    try:
+        g = read_json(gen, "not valid JSON") if gen.is_file() else {}
+    except OSError as e:
+        raise ConfigError(f"{gen}: cannot read generation_config.json ({e.strerror or e})") from None
+    if not isinstance(g, dict):
+        raise ConfigError(f"{gen}: must be a JSON object, got {type(g).__name__}")
+    more = _eos(g.get("eos_token_id"), "eos_token_id", mc.text.vocab_size, str(gen))
+    if any(i not in mc.eos_token_ids for i in more):
+        mc = dataclasses.replace(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + more)))
+    return mc
