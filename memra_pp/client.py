@@ -340,9 +340,10 @@ class Client(ReplayMixin):
         return ids
 
     def _result(self, toks, lps, finish, logprobs: bool, ids) -> Result:
-        tok = self.dep.tokenizer     # text as vLLM gives it: special tokens (<|im_end|>) skipped
+        tok = self.dep.tokenizer     # text as vLLM gives it: special tokens (<|im_end|>) skipped, and the stop token
+        #                              that ended it left out of the text (kept in the ids)
         return Result(toks, lps if logprobs else None, finish,
-                      tok.decode(toks, skip_special_tokens=True) if tok else None, len(ids))
+                      tok.decode(_shown(toks, finish), skip_special_tokens=True) if tok else None, len(ids))
 
     def _timeout(self, timeout: float | None) -> float:
         """A request's wait for each piece: `timeout` as given (0: what is already there), None: ten steps'
@@ -413,7 +414,7 @@ class Client(ReplayMixin):
         min_p 0 are off; the filters apply as vLLM's (min_p and top_k, then top_p over what they keep); numbers
         may be numpy or 0-d torch scalars; seed makes a sampled request reproducible whatever it is batched with;
         stop_token_ids end it as the model's eos does, in addition to it (as in vLLM), and with ignore_eos only
-        they and max_new_tokens do;
+        they and max_new_tokens do; the token that stopped it ends r.token_ids but not r.text (as in vLLM);
         adapter names a loaded adapter (dep.load_adapter); images is a list of memra_pp.ImageInput for the
         prompt's image placeholders; timeout bounds the wait for each piece (default 10 x timeouts.step_s).
         logprobs: r.logprobs[i] is token i's log-probability under the raw model (temperature 1)."""
@@ -451,7 +452,7 @@ class Client(ReplayMixin):
                 for t, l, f in events:
                     text = None
                     if dec is not None:
-                        text = "".join(dec.push(x) for x in t) + (dec.flush() if f else "")
+                        text = "".join(dec.push(x) for x in _shown(t, f)) + (dec.flush() if f else "")
                     yield StreamEvent(t, l if logprobs else None, text, f)
         it = pieces()
         next(it)
@@ -485,6 +486,12 @@ class Client(ReplayMixin):
             else:
                 self._drop(tr)
         return self._result(toks, lps, finish, logprobs, ids)
+
+
+def _shown(toks: list[int], finish) -> list[int]:
+    """The ids whose text a request shows: all but the stop token that ended it (vLLM's detokenizer leaves it out
+    unless include_stop_str_in_output; a non-special one, `</think>` say, would end the text)."""
+    return toks[:-1] if finish == "stop" and toks else toks
 
 
 async def _get(aq: asyncio.Queue, wait: float, rid: str):

@@ -282,6 +282,14 @@ def test_stream_text_pieces_with_a_tokenizer(ray_cluster):
             r = c.generate(text, max_new_tokens=24)
             assert ids and r.token_ids == ids, (text, ids, r.token_ids)
             assert "".join(pieces) == r.text == tok.decode(ids, skip_special_tokens=True), (text, pieces, r.text)
+            # a (non-special) stop token ends the ids but not the text, as in vLLM: streamed and whole alike
+            stop = next(i for i in ids[2:] if tok.decode([i]).strip() and ids.index(i) >= 2)
+            k = ids.index(stop) + 1
+            r = c.generate(text, max_new_tokens=24, stop_token_ids=[stop])
+            evs = list(c.stream(text, max_new_tokens=24, stop_token_ids=[stop]))
+            assert r.finish_reason == evs[-1].finish_reason == "stop" and r.token_ids == ids[:k], (r, ids, stop)
+            assert "".join(e.text for e in evs) == r.text == tok.decode(ids[:k - 1], skip_special_tokens=True)
+            assert r.text != tok.decode(ids[:k], skip_special_tokens=True), "the stop token shows no text"
     # non-vacuity: the random tiny model emits lone UTF-8 bytes, so some event's text was held back (an empty piece)
     assert held > 0, "no stream event held text back: the partial-character path never ran"
 
