@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
-import ray
-
-from .errors import StageFailed
+from .errors import MemraError, StageFailed
+from .rayutil import get
 
 
 @dataclasses.dataclass(eq=False)
@@ -114,13 +113,31 @@ class ReplayMixin:
             req = dict(t.req, rid=t.rid, prompt=t.req["prompt"] + t.tokens,
                        max_new_tokens=t.req["max_new_tokens"] - done, step0=done)
             refs.append(intake.submit.remote(req))
-        if refs:
-            try:
-                ray.get(refs, timeout=self.dep.placement.timeouts.step_s)
-            except Exception as e:  # noqa: BLE001 - the replay could not be queued: those requests fail, typed
-                self.on_stage_failed(StageFailed(f"stage 0 failed: replay was not accepted: {e}", stage=0))
-                return
-            with self._lock:     # a reader gone between the new rid and the submit: its abort went first
-                gone = [t.rid for t in go if t.rid not in self._tracks]
-            for rid in gone:     # (a request that already finished is no longer in the scheduler: a no-op)
-                self._abort(rid)
+        if not refs:
+            return
+        # each on its own: the new intake refusing one (its adapter could not be reloaded: "unknown adapter") ends
+        # that one with the refusal. One failure for all held every request of the client again, for a recovery
+        # that never came: they hung to their timeout (for ever with timeout=inf)
+        lost = None
+        try:
+            get(refs, self.dep.placement.timeouts.step_s, "replay")
+        except MemraError:
+            for t, ref in zip(go, refs):    # (all answered or waited out by now: each one's own outcome)
+                try:
+                    get(ref, 0, "replay")
+                except StageFailed as e:    # the new intake gone or silent: a stage failure (held or failed below)
+                    lost = e
+                except MemraError as e:     # refused by the intake: this request ends, typed
+                    with self._lock:
+                        known = self._tracks.pop(t.rid, None) is not None
+                    if known:
+                        msg = f"the request was replayed after a stage failure and the new intake refused it: {e}"
+                        self._deliver(t, ([], [], "error", (type(e).__name__, msg, None)))
+        if lost is not None:    # (those submitted to this intake, the replayed ones among them)
+            self.on_stage_failed(StageFailed(f"stage 0 failed: replay was not accepted: {lost}", stage=0),
+                                 intake=intake._actor_id)
+            return
+        with self._lock:         # a reader gone between the new rid and the submit: its abort went first
+            gone = [t.rid for t in go if t.rid not in self._tracks]
+        for rid in gone:         # (a request that already finished is no longer in the scheduler: a no-op)
+            self._abort(rid)

@@ -5,22 +5,25 @@ one wait), wire the boundary slots and the ring, start the loops. Any failure te
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import numbers
 import os
 import queue
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 
 import ray
 
-from .errors import ConfigError, StageFailed
+from .errors import ConfigError, InputError, StageFailed
 from .rayutil import attach, get as _get
 from .placement.planner import Plan, make_plan
-from .placement.schema import Placement, load_placement
+from .placement.schema import MAX_TIMEOUT_S, Placement, load_placement
 from .shm import shm_names, stage_pids, unlink_shm, unlink_shm_of
 from .switches import check_environment
 
@@ -97,6 +100,9 @@ class Deployment:
         self._pg_id: str | None = None       # a connected handle: the detached group it found (kv_key)
         _LIVE.add(self)
         self._torn_down = False        # its teardown completed: a second shutdown only stops Ray if still asked
+        # one shutdown at a time (two threads, or a stop request's and the caller's): a second one during the first
+        # tore down beside it, and the first's ray.shutdown() made the second's ray.kill raise Ray's own error
+        self._shutdown_lock = threading.Lock()
         self.vocab_size = infos[0]["vocab_size"]
         self.eos = infos[0]["eos"]
 
@@ -117,6 +123,10 @@ class Deployment:
                         raise ConfigError(f"stages[{i}].device: {e}") from None
         mc = open_weights(placement.model.path, placement.model.format).config
         plan = make_plan(placement, mc)
+        # read now: a malformed tokenizer.json is refused at boot, not at the end of every request (whose tokens
+        # were computed and then lost to the ConfigError its text raised)
+        from .model.tokenizer import Tokenizer
+        tokenizer = Tokenizer.for_model(placement.model.path)
         for w in plan.warnings:
             log.warning(w)
         owns_ray = cls._ray_up(placement)
@@ -161,6 +171,7 @@ class Deployment:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         dep = cls(placement, plan, actors, infos, run_dir, owns_ray, detached)
+        dep._tokenizer = tokenizer or False
         dep._pg, dep.transports, dep.switches = pg, transports, switches
         from .supervisor import Supervisor
         dep.supervisor = Supervisor(dep)
@@ -256,19 +267,41 @@ class Deployment:
         if not ray.is_initialized():
             attach(address, namespace)
             owns = True
-        try:
-            first = ray.get_actor(f"{name}.stage0")
-        except ValueError:
-            where = ray.get_runtime_context().gcs_address
-            raise ConfigError(f"no deployment named {name!r} in namespace {namespace!r} on the Ray cluster at "
-                              f"{where}" + (" (found by `auto`: where several clusters run on this host, pass the "
-                                            "address `memra-pp launch` printed)" if address == "auto" else "")
-                              ) from None
-        d = _get(first.describe.remote(), 30, "describe")
-        plan = Plan.from_dict(d["plan"])
-        actors = [first] + [ray.get_actor(f"{name}.stage{i}") for i in range(1, len(plan.stages))]
+        deadline = time.monotonic() + cls.CONNECT_WAIT_S
+        while True:
+            try:
+                first = ray.get_actor(f"{name}.stage0")
+                d = _get(first.describe.remote(), 30, "describe")
+                plan = Plan.from_dict(d["plan"])
+                actors = [first] + [ray.get_actor(f"{name}.stage{i}") for i in range(1, len(plan.stages))]
+                st = cls._recovery_state(name)
+                if st is None or st["ready"] or st["failure"]:    # (a failed one: the handle's calls report it)
+                    break
+                why = f"it is restarting a stage ({st['reason']})"
+            except (ValueError, StageFailed) as e:
+                # a stage between its death and its replacement: its name is free for a moment, or the new actor is
+                # not set up yet (this raised Ray's ValueError, or "no deployment named", during every recovery).
+                # The deployment lives while its placement group does.
+                st = cls._recovery_state(name)
+                if st is not None and st["failure"]:        # no stage will come back: waiting is pointless
+                    raise StageFailed(f"connect({name!r}): {st['failure']}", stage=st["stage"]) from None
+                if _named_pg(name) is None:
+                    if isinstance(e, StageFailed):
+                        raise
+                    where = ray.get_runtime_context().gcs_address
+                    raise ConfigError(f"no deployment named {name!r} in namespace {namespace!r} on the Ray cluster "
+                                      f"at {where}" + (" (found by `auto`: where several clusters run on this host, "
+                                                       "pass the address `memra-pp launch` printed)"
+                                                       if address == "auto" else "")) from None
+                why = f"a stage is being replaced ({type(e).__name__}: {str(e).splitlines()[0]})"
+            if time.monotonic() >= deadline:
+                raise StageFailed(f"connect({name!r}): the deployment did not serve within {cls.CONNECT_WAIT_S:g} s: "
+                                  f"{why}; connect again once `memra-pp status` shows it serving")
+            time.sleep(0.2)
         infos = [{"vocab_size": d["vocab_size"], "eos": d["eos"]}]
         dep = cls(load_placement(d["placement"]), plan, actors, infos, None, owns, True)
+        from .model.tokenizer import Tokenizer      # (as launch: a malformed one refused here, not per request)
+        dep._tokenizer = Tokenizer.for_model(dep.placement.model.path) or False
         dep.connected = True
         dep._pg_id = _named_pg_id(dep.placement.name)
         if dep.placement.recover == "replay" and dep._pg_id is not None:
@@ -276,6 +309,20 @@ class Deployment:
             dep.supervisor = RemoteSupervisor(dep)
             dep.supervisor.start()
         return dep
+
+    CONNECT_WAIT_S = 60.0   # connect() waits this long for a deployment restarting a stage to serve again
+
+    @staticmethod
+    def _recovery_state(name: str) -> dict | None:
+        """A detached deployment's recovery state as its launching supervisor publishes it (Supervisor._publish;
+        None: no failure yet, or no such deployment)."""
+        import json
+        from ray.experimental import internal_kv
+        pg_id = _named_pg_id(name)
+        if pg_id is None:
+            return None
+        raw = internal_kv._internal_kv_get(kv_key(ray.get_runtime_context().namespace, name, pg_id, "recovery"))
+        return json.loads(raw) if raw else None
 
     def kv_key(self, kind: str) -> bytes | None:
         """This detached deployment's `kind` key in the Ray KV ("stop", "recovery", "adapters": kv_key; None: not
@@ -339,7 +386,6 @@ class Deployment:
         """Load a PEFT adapter on every stage into a free slot; clients then select it by `name`. The intake's
         registry gives the slot and publishes the name once every stage holds it, so handles of one deployment
         (launch's, connect()'s) never share a slot or unload what another is loading."""
-        from .errors import InputError
         self._require_up("load_adapter")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_ADAPTER_NAME or not name.isprintable() \
                 or name != name.strip():
@@ -350,20 +396,45 @@ class Deployment:
         # absolute here: each stage reads the path from its own working directory, not the caller's
         path = str(Path(path).expanduser().absolute())
         t = self.placement.timeouts.ready_s
-        self.refresh_actors()           # a connect()ed handle: the stages as they are now (after any restart)
-        slot = _get(self.actors[0].reserve_adapter.remote(name, path), t, "reserve an adapter slot")
-        try:
-            _get([a.load_adapter.remote(name, path, slot) for a in self.actors], t, f"load adapter {name!r}")
-            _get(self.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
-        except BaseException:
+        with self._between_recoveries(f"load_adapter({name!r})"):
+            self.refresh_actors()       # a connect()ed handle: the stages as they are now (after any restart)
+            slot = _get(self.actors[0].reserve_adapter.remote(name, path), t, "reserve an adapter slot")
             try:
-                _get([a.unload_adapter.remote(slot) for a in self.actors], t, "unload after a failed load")
-            finally:
-                _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
-            raise
-        self._rebudget(t)                # the first load made LoRA pools: the KV budget shrinks by what they took
-        self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
+                _get([a.load_adapter.remote(name, path, slot) for a in self.actors], t, f"load adapter {name!r}")
+                _get(self.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
+            except BaseException:
+                try:
+                    _get([a.unload_adapter.remote(slot) for a in self.actors], t, "unload after a failed load")
+                finally:
+                    _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+                raise
+            self._rebudget(t)            # the first load made LoRA pools: the KV budget shrinks by what they took
+            self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
         return slot
+
+    @contextlib.contextmanager
+    def _between_recoveries(self, what: str):
+        """An adapter load or unload runs on every stage, so not across a recovery, which replaces stages under it:
+        a load during one reached the new actor before its setup (a Ray traceback of an AttributeError) and the
+        adapter was lost. Waits for a recovery in progress (timeouts.ready_s) and holds this process's supervisor
+        lock, so that none starts meanwhile: a stage lost during the load fails it with StageFailed, and then the
+        recovery runs. (A connect()ed handle can only wait for the launcher's recovery to end.)"""
+        sup, t = self.supervisor, self.placement.timeouts.ready_s
+        lock = getattr(sup, "lock", None)
+        if lock is not None and not lock.acquire(timeout=t):
+            raise StageFailed(f"{what}: a stage recovery did not end within {t:g} s (timeouts.ready_s); retry once "
+                              f"dep.wait_ready() returns")
+        try:
+            if sup is not None and not sup.ready.wait(t):
+                raise sup.failure or StageFailed(f"{what}: the deployment did not recover within {t:g} s "
+                                                 f"(timeouts.ready_s); retry once dep.wait_ready() returns")
+            if sup is not None and sup.failure is not None:     # a recovery gave up: no stage set to load on
+                raise sup.failure
+            self._require_up(what)      # (shut down while this waited)
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _rebudget(self, t: float) -> None:
         """Measure every stage's KV memory again and give the intake the new budget (admissions already made keep
@@ -372,26 +443,26 @@ class Deployment:
         _get(self.actors[0].set_kv_pages.remote(max(1, pages)), t, "KV budget")
 
     def unload_adapter(self, name: str) -> None:
-        from .errors import InputError
         self._require_up("unload_adapter")
         if not isinstance(name, str):
             raise InputError(f"unknown adapter {name!r}: an adapter's name is a string")
         t = self.placement.timeouts.ready_s
-        self.refresh_actors()           # a connect()ed handle: the stages as they are now (after any restart)
-        slot = _get(self.actors[0].begin_unload.remote(name), t, "withdraw the adapter's name")   # no new requests
-        try:
-            users = _get(self.actors[0].adapter_users.remote(slot), t, "adapter users")
-        except BaseException:
-            _get(self.actors[0].abort_unload.remote(name), t, "publish the adapter's name again")
-            raise
-        if users:   # unloading now would change the weights under requests still generating with them
-            _get(self.actors[0].abort_unload.remote(name), t, "publish the adapter's name again")
-            raise InputError(f"adapter {name!r} is still used by {users} request(s); unload it when they finish")
-        try:
-            _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
-        finally:        # withdrawn: its slot is free even where a stage failed midway (a load clears a slot first)
-            _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
-        self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
+        with self._between_recoveries(f"unload_adapter({name!r})"):
+            self.refresh_actors()       # a connect()ed handle: the stages as they are now (after any restart)
+            slot = _get(self.actors[0].begin_unload.remote(name), t, "withdraw the adapter's name")   # no new use
+            try:
+                users = _get(self.actors[0].adapter_users.remote(slot), t, "adapter users")
+            except BaseException:
+                _get(self.actors[0].abort_unload.remote(name), t, "publish the adapter's name again")
+                raise
+            if users:   # unloading now would change the weights under requests still generating with them
+                _get(self.actors[0].abort_unload.remote(name), t, "publish the adapter's name again")
+                raise InputError(f"adapter {name!r} is still used by {users} request(s); unload it when they finish")
+            try:
+                _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
+            finally:    # withdrawn: its slot is free even where a stage failed midway (a load clears a slot first)
+                _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+            self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
 
     def refresh_actors(self) -> bool:
         """A connect()ed handle: look the stage actors up by name again, since the launching process's supervisor
@@ -432,8 +503,15 @@ class Deployment:
             raise
         return {"stages": st}
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Return once every stage serves (after a recovery: once it completed); StageFailed if not in time."""
+    def wait_ready(self, timeout: float | None = 60.0) -> None:
+        """Return once every stage serves (after a recovery: once it completed); StageFailed if not in time.
+        timeout: seconds >= 0, or None (as long as it takes)."""
+        if timeout is None:
+            timeout = MAX_TIMEOUT_S
+        # (None raised a TypeError and NaN a ValueError from deep inside; a negative wait is a caller's mistake)
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+            raise InputError(f"wait_ready: timeout is seconds >= 0 or None (as long as it takes), got {_clip(timeout)}")
+        timeout = min(float(timeout), MAX_TIMEOUT_S)
         self._require_up("wait_ready")
         if self.supervisor is not None:
             return self.supervisor.wait_ready(timeout)
@@ -444,19 +522,20 @@ class Deployment:
         (unless `stop_ray` is False: the caller still needs the cluster, e.g. to tell a waiting `stop`). A second
         call only stops Ray where the first left it up."""
         self._down = True                 # refuse every later call, also while this one tears down
-        if not self._torn_down:
-            if self.connected:
-                self.stopped_by = self._stop_remote()
-            else:
-                self._teardown()
-            self._torn_down = True        # (a teardown that raised, e.g. on Ctrl-C, runs again on the next call)
-        _LIVE.discard(self)
-        if self.owns_ray and stop_ray and ray.is_initialized():
-            others = [d for d in list(_LIVE) if not d._down]
-            if others:      # another handle of this process still uses the cluster: it stops Ray when it goes
-                others[0].owns_ray = True
-            else:
-                ray.shutdown()
+        with self._shutdown_lock:         # (a second caller returns once the first has torn everything down)
+            if not self._torn_down:
+                if self.connected:
+                    self.stopped_by = self._stop_remote()
+                else:
+                    self._teardown()
+                self._torn_down = True    # (a teardown that raised, e.g. on Ctrl-C, runs again on the next call)
+            _LIVE.discard(self)
+            if self.owns_ray and stop_ray and ray.is_initialized():
+                others = [d for d in list(_LIVE) if not d._down]
+                if others:  # another handle of this process still uses the cluster: it stops Ray when it goes
+                    others[0].owns_ray = True
+                else:
+                    ray.shutdown()
 
     def _stop_remote(self, wait_s: float | None = None) -> str:
         """A connect()ed handle's shutdown: ask the launching process (its supervisor) to shut the deployment down,

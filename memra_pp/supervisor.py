@@ -44,11 +44,16 @@ class Supervisor:
         """Stop supervising. A recovery in progress stops at its next step (an actor it creates after this is
         killed by it); the caller then tears down every actor, so this waits only briefly."""
         self.stopping.set()
-        if not self.ready.is_set():   # callers waiting for a recovery that will not come get a typed error
-            self.failure = self.failure or StageFailed("the deployment was shut down during a recovery")
-            self.ready.set()
+        if not self.ready.is_set():
+            self._end_stopped()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join(timeout=10)
+
+    def _end_stopped(self) -> None:
+        """A recovery ended by a shutdown: callers waiting for it get a typed error, not timeouts.ready_s of waiting
+        (a stop that came between the recovery's check and its clearing `ready` found it still set)."""
+        self.failure = self.failure or StageFailed("the deployment was shut down during a recovery")
+        self.ready.set()
 
     def wait_ready(self, timeout: float) -> None:
         """Return once every stage answers and no recovery is pending; a failure not detected yet is waited out
@@ -61,6 +66,8 @@ class Supervisor:
                 raise self.failure or StageFailed(f"the deployment did not recover within {timeout:g} s")
             if self.failure is not None:
                 raise self.failure
+            if self.stopping.is_set():      # (its stages answer no more: this looped, without a pause, to the end)
+                raise StageFailed("wait_ready: the deployment was shut down while this waited")
             try:
                 h = _get([a.health.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
                          "wait_ready")
@@ -181,9 +188,10 @@ class Supervisor:
             last = None
             for attempt in range(ATTEMPTS):
                 if self.stopping.is_set() or (dep.detached and self._stop_requested()):
+                    self._end_stopped()
                     return
                 try:
-                    self._restart(stage, err)
+                    self._restart(stage, err, attempt)
                     break
                 except Exception as e:  # noqa: BLE001 - any failure to restart is retried, then reported
                     last = e
@@ -192,7 +200,7 @@ class Supervisor:
                 self.failure = StageFailed(f"stage {stage} failed ({reason}) and could not be restarted in "
                                            f"{ATTEMPTS} attempts: {type(last).__name__}: {last}; shut the deployment "
                                            f"down and launch it again once that is fixed", stage=stage)
-                self.log.append({"stage": stage, "reason": reason, "recovered": False})
+                self.log.append({"stage": stage, "reason": reason, "recovered": False, "attempts": ATTEMPTS})
                 for c in list(dep._clients):
                     c.on_recovery_failed(self.failure)
                 self.ready.set()
@@ -200,15 +208,15 @@ class Supervisor:
                 return
             self.recovered = self.generation
             self.log.append({"stage": stage, "reason": reason, "recovered": True,
-                             "recovery_s": time.monotonic() - t0})
+                             "recovery_s": time.monotonic() - t0, "attempts": attempt + 1})
             self.ready.set()
             self._publish(stage, str(err))
             for c in list(dep._clients):
                 c.on_recovered()
 
-    def _restart(self, stage: int, err: StageFailed) -> None:
+    def _restart(self, stage: int, err: StageFailed, attempt: int = 0) -> None:
         """Kill the failed actor, halt the survivors, start a new actor in the same bundle, reload its weights,
-        open every receiving side afresh in a new run sub-dir, rewire, reload adapters, start."""
+        open every receiving side afresh in a new run sub-dir (one per attempt), rewire, reload adapters, start."""
         dep, p = self.dep, self.dep.placement
         t = p.timeouts.ready_s
         ray.kill(dep.actors[stage])
@@ -226,7 +234,9 @@ class Supervisor:
             # an intake a failed attempt made and left half reloaded: its registry is not the deployment's
             ray.kill(dep.actors[0])
             failed.add(0)
-        run_dir = os.path.join(dep.run_dir, f"r{self.generation}-{len(self.log)}")
+        # one sub-dir per attempt: a failed attempt leaves the sockets its stages opened (a stage lost during the
+        # restart), and a retry in the same dir was refused ("channel socket ... exists") every time after
+        run_dir = os.path.join(dep.run_dir, f"r{self.generation}-{len(self.log)}-{attempt}")
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         for i in sorted(failed):
             a = dep.new_actor(i)
