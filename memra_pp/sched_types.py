@@ -38,7 +38,7 @@ class Seq:
     in_flight: int = 0                            # microbatches holding it (pipelined chunks, a continuation)
     admitted: bool = False                        # the primary has its sampling params
     done: bool = False                            # finished: tokens of a continuation still in flight are dropped
-    last_run: int = 0
+    last_run: int = 0                             # the tick of its last microbatch (of its admission, before one)
     pages: int = 0                                # KV pages reserved for it at admission (Scheduler.kv_pages)
     piece: int = 0                                # most prompt tokens a microbatch takes (Scheduler.piece; 0: unset)
 

@@ -49,7 +49,9 @@ class Scheduler:
         self.dropped = 0                          # sampled tokens nobody gets: their sequence had ended or was aborted
         self.pipelined = 0                        # prompt chunks sent while the same prompt's previous one ran
         self.aborted = 0                          # requests an abort found, waiting or admitted (stats, tests)
-        self._tick = itertools.count(1)          # a sequence never run has last_run 0: it goes first
+        # a new sequence counts as run when admitted: had it gone before all (last_run 0), short prompts arriving
+        # every step would take a long prompt's budget for ever once its first chunk had run
+        self._tick = itertools.count(1)
         # KV admission: the pages (of kv_block positions) every stage can hold for sequences at once (the least
         # over the stages, set when the pipeline is wired; None: no limit). A request is admitted only when its
         # most pages (prompt + max_new_tokens, capped at max_context) fit beside those of the admitted ones, so
@@ -124,8 +126,9 @@ class Scheduler:
 
     def has_ready_work(self) -> bool:
         """Is there anything next_microbatch could take besides what is in flight (new requests, idle seqs)?"""
-        return bool(self.waiting and self.free_slots and (self.waiting[0].max_new_tokens == 0 or
-                                                          self._pages_fit(self.waiting[0]))) or \
+        h = self.waiting[0] if self.waiting else None      # (one that can never fit is work too: _admit refuses it)
+        return bool(h and self.free_slots and (h.max_new_tokens == 0 or self._pages_fit(h) or
+                                               self.pages(h) > self.kv_pages)) or \
             any(not s.in_flight for s in self.active.values())
 
     def continue_microbatch(self, mb: Microbatch) -> Microbatch | None:
@@ -183,13 +186,21 @@ class Scheduler:
                 done.append(Event(r.client, r.rid, [], [], "length"))
                 continue
             if not self._pages_fit(r):      # waits, in order, for finished sequences' pages
+                if self.pages(r) > self.kv_pages:   # the budget shrank since add (an adapter's LoRA pools): it can
+                    with self.mu:                   # never fit, and would hold every request behind it for ever
+                        self.waiting.popleft()
+                    try:
+                        self.validate(r)
+                    except InputError as e:
+                        done += self.fail_one(r, e)
+                    continue
                 if r is not self._kv_blocked:
                     self._kv_blocked = r
                     self.kv_waits += 1
                 break
             with self.mu:
                 self.waiting.popleft()
-                s = Seq(r, self.free_slots.pop())
+                s = Seq(r, self.free_slots.pop(), last_run=next(self._tick))
                 self.active[s.slot] = s
             s.pages = self.pages(r)
             self.kv_used += s.pages
@@ -201,10 +212,11 @@ class Scheduler:
             return None, events
         # a prompt's next chunk may follow its previous one before that one is back: every stage runs microbatches
         # in order, so chunk k+1 meets chunk k's cache on each stage (chunked prefill pipelined across stages)
-        # (after every sequence that is not in flight: they take the budget first, least recently run first)
+        # (after every sequence that is not in flight: they take the budget first, prompts least recently run first,
+        # then the decode rows, which need no budget, least recently run first)
         ready = sorted((s for s in self.active.values() if not s.in_flight or (
             s.sent < len(s.req.prompt) and s.req.max_new_tokens > 0)),      # (no more chunks of an aborted one)
-                       key=lambda s: (s.in_flight > 0, s.last_run))
+                       key=lambda s: (s.in_flight > 0, s.sent >= len(s.req.prompt), s.last_run))
         if not ready:
             return None, events
         cap = max(1, math.ceil(len(self.active) / self.M))
@@ -322,6 +334,10 @@ class Scheduler:
         mb = self.inflight.pop(mb_id, None)
         if mb is None:
             return []
+        # the slots it released may never have been released on some stage (it failed at stage 0 before any ran
+        # it; a later stage passes an mb_error on, not the step): the next microbatch releases them again, where
+        # they are still free (release is idempotent; a slot taken since is reset by its new sequence's start 0)
+        self.pending_release += [x for x in mb.release if x in self.free_slots and x not in self.pending_release]
         evs = []
         for s in mb.seqs:
             s.in_flight -= 1
