@@ -30,18 +30,25 @@ def owner_tag() -> str:
     global _owner
     with _owner_mu:
         if _owner is None or _owner[2] != os.getpid():
-            tag = f"{os.getpid()}.{secrets.token_hex(4)}"
-            fd = -1
-            try:
-                tmp = os.path.join(SHM_DIR, f".mpp-{tag}.tmp")
-                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                os.rename(tmp, os.path.join(SHM_DIR, lock_name(tag)))
-                atexit.register(_drop_lock, tag, os.getpid())
-            except OSError:
-                if fd >= 0:
-                    os.close(fd)
+            for _ in range(3):
+                tag = f"{os.getpid()}.{secrets.token_hex(4)}"
                 fd = -1
+                try:
+                    tmp = os.path.join(SHM_DIR, f".mpp-{tag}.tmp")
+                    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    os.rename(tmp, os.path.join(SHM_DIR, lock_name(tag)))
+                    atexit.register(_drop_lock, tag, os.getpid())
+                    break
+                except OSError as e:
+                    opened = fd >= 0
+                    if opened:
+                        os.close(fd)
+                    fd = -1
+                    # a sweep took the .tmp between our open and our flock (it looked like a maker killed there):
+                    # a new tag, or our segments would have no lock and never be swept
+                    if not (opened and isinstance(e, FileNotFoundError)):
+                        break
             _owner = (tag, fd, os.getpid())
         return _owner[0]
 

@@ -39,6 +39,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
+from memra_pp.errors import ProtocolError
 from memra_pp.shm import segment_name
 from memra_pp.stages.channel import ChannelClosed
 from memra_pp.stages.header import decode_header, encode_header
@@ -180,6 +181,10 @@ class HeaderReader:
         self.plain: collections.deque = collections.deque()   # socket frames without a number: in socket order
         self.mailboxed = 0
         self.seen = 0                                    # numbered frames read off the socket (copies too)
+        # the last wait ended in a timeout: the link is idle, so the next wait sleeps in the socket at once. A loop
+        # that calls next(0.2) while nothing comes would otherwise poll spin_s of every 0.2 s (all of it where
+        # spin_s >= the timeout: transport_poll_us goes up to 1 s); the first header back ends the idleness.
+        self.idle = False
 
     def next(self, timeout: float | None) -> dict:
         """The next header: from the mailbox if it is there or shows up while we poll, else from the socket."""
@@ -189,8 +194,9 @@ class HeaderReader:
         self._drain()            # here, not after a take: the header's latency does not pay for it
         h = self._take()
         if isinstance(h, dict):
+            self.idle = False
             return h
-        if h is None:            # not written yet: poll the ring (FALLBACK: it comes by the socket only)
+        if h is None and not self.idle:     # not written yet: poll the ring (FALLBACK: by the socket only)
             end = time.perf_counter() + (self.spin_s if timeout is None else min(self.spin_s, timeout))
             while h is None and time.perf_counter() < end:
                 os.sched_yield()     # releases the GIL: the stage's other threads run meanwhile
@@ -200,7 +206,13 @@ class HeaderReader:
                 h = self._take()
             if isinstance(h, dict):
                 return h
-        return self._block(deadline)
+        try:
+            h = self._block(deadline)
+        except TimeoutError:
+            self.idle = True
+            raise
+        self.idle = False
+        return h
 
     def _block(self, deadline: float | None) -> dict:
         """Wait in the socket, saying so to the sender (which then writes the socket too); look at the ring again
@@ -256,6 +268,8 @@ class HeaderReader:
         if q is None:
             self.plain.append(h)
             return True
+        if type(q) is not int:
+            raise ProtocolError(f"{self.label}: header of mb {h['mb']} carries number _q {q!r}, not an int")
         self.seen += 1
         if q >= self.q:
             self.ahead[q] = h

@@ -22,7 +22,9 @@ class SlotReceiver(SlotReceiverBase):
 
     def _allocate(self, n_slots: int, max_bytes: int) -> dict:
         prefix = segment_name("slot", self.name)
-        self._shms = [SharedMemory(name=f"{prefix}_{k}", create=True, size=max_bytes) for k in range(n_slots)]
+        self._shms = []         # filled one by one: a failed second segment leaves the first to _release
+        for k in range(n_slots):
+            self._shms.append(SharedMemory(name=f"{prefix}_{k}", create=True, size=max_bytes))
         self._views = _SlotViews([_u8_over(shm.buf, max_bytes) for shm in self._shms])
         return {"shm": [s.name for s in self._shms]}
 

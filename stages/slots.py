@@ -132,6 +132,10 @@ class SlotReceiverBase(_Link):
             self._listener.close()
             if self._mbox is not None:
                 self._mbox.close()
+            try:
+                self._release()     # the slots _allocate made before it failed (a second one out of memory)
+            except Exception:  # noqa: BLE001 - the allocation's own error is the one to raise
+                pass
             raise
         self._headers: mailbox.HeaderReader | None = None      # made by accept, over the channel
         self._ch = None
@@ -205,7 +209,7 @@ class SlotReceiverBase(_Link):
     def free(self, slot: int) -> None:
         """Give `slot` back to the sender (a credit frame); views over it must not be used afterwards."""
         with self._lock:
-            if slot not in self._held:
+            if type(slot) is not int or slot not in self._held:    # (0.0 or True would match slot 0 / 1)
                 raise InputError(f"boundary {self.name}: free({slot!r}) of a slot not held "
                                  f"(held: {sorted(self._held)})")
             mb = self._held.pop(slot)
@@ -315,7 +319,7 @@ class SlotSenderBase(_Link):
 
     def _on_credit(self, msg: dict) -> None:
         slot = msg.get("slot")
-        if msg["kind"] != _CREDIT or slot not in self._in_flight:
+        if msg["kind"] != _CREDIT or type(slot) is not int or slot not in self._in_flight:
             raise ProtocolError(f"boundary {self.name}: expected a credit for one of {sorted(self._in_flight)}, "
                                 f"got kind {msg['kind']!r} slot {slot!r}")
         self._in_flight.remove(slot)
