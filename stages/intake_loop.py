@@ -56,7 +56,7 @@ class IntakeLoop(_Loop):
         """Tokens coming back from the primary go into the same inbox as new requests."""
         while not self.stopping.is_set():
             try:
-                msg = self.r.ring.recv(timeout=0.2)
+                msg = self.ring.recv(timeout=0.2)
             except TimeoutError:
                 continue
             except (ChannelClosed, MemraError) as e:
@@ -201,7 +201,7 @@ class IntakeLoop(_Loop):
                "sample": mb.sample, "pos": mb.pos_3T.to(torch.int32), "admit": mb.admit, "release": mb.release,
                "adapters": b.adapter_slots}
         try:
-            r.sender.send(hdr, out, timeout=r.placement.timeouts.step_s)
+            self.sender.send(hdr, out, timeout=r.placement.timeouts.step_s)
         except (ChannelClosed, TimeoutError, MemraError) as e:
             r.mail.post(self.sched.fail_all("StageFailed", f"stage 1 is lost: it did not take a microbatch: {e}", 1))
             raise   # the loop ends loudly: the supervisor sees a lost link and recovers the pipeline

@@ -83,6 +83,9 @@ class _Loop:
         self.thread = threading.Thread(target=self._guarded, name=f"memra-{self.name}-{runner.index}",
                                        daemon=True)
         self.ring_thread: threading.Thread | None = None   # the ring's reader (intake) or writer (primary)
+        # the links this loop serves, fixed at its start: a loop still computing after halt() gave up waiting for it
+        # (10 s) must not free a slot on, or send its stale microbatch through, the links relink() made since
+        self.receiver, self.sender, self.ring = runner.receiver, runner.sender, runner.ring
 
     def start(self):
         if self.ring_thread is not None:
@@ -150,7 +153,7 @@ class _Loop:
             self.error = traceback.format_exc()
             # a neighbour that closed its link, or would not take a microbatch in time, is the lost one, not us
             self.lost_link = isinstance(e, (ChannelClosed, TimeoutError))
-            ch = getattr(self.r.receiver, "_ch", None)
+            ch = getattr(self.receiver, "_ch", None)
             if isinstance(e, ProtocolError) and ch is not None:
                 ch.close()   # fail the link loudly: the sender sees it closed, never waits on it
 
@@ -271,14 +274,14 @@ class StageLoop(_Loop):
                     hdr = {"kind": "tokens", "mb": hdr["mb"], "tokens": toks, "logprobs": lps, "t": time.monotonic()}
                 except Exception as e:  # pragma: no cover - a device fault surfaces here; the microbatch fails
                     hdr = mb_error(hdr["mb"], r.index, e)
-            r.ring.send(hdr)
+            self.ring.send(hdr)
 
     def run(self):
         r = self.r
         step = r.placement.timeouts.step_s
         while not self.stopping.is_set():
             try:
-                hdr, view = r.receiver.recv(timeout=0.2)
+                hdr, view = self.receiver.recv(timeout=0.2)
             except TimeoutError:
                 continue
             except ChannelClosed:
@@ -295,12 +298,13 @@ class StageLoop(_Loop):
                     hdr = mb_error(hdr["mb"], r.index, e)
                 finally:
                     if slot is not None:
-                        r.receiver.free(slot)
+                        self.receiver.free(slot)
+            if self.stopping.is_set():      # halted under it: the stage's requests already ended (stage lost)
+                return
             self._forward(hdr, out, step)
 
     def _forward(self, hdr, out, step):
-        r = self.r
         if self.sampler is not None:      # the ring thread waits for the tokens and sends them (or the error)
             self.ringq.put((hdr, out if hdr["kind"] == "step" else None))
         else:
-            r.sender.send(hdr, out if hdr["kind"] == "step" else None, timeout=step)
+            self.sender.send(hdr, out if hdr["kind"] == "step" else None, timeout=step)

@@ -148,7 +148,8 @@ def test_a_failed_continuation_comes_after_the_tokens_of_the_step_before_it():
         spec=types.SimpleNamespace(primary=True), index=0, engine=types.SimpleNamespace(make_current=lambda: None),
         scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=64), inbox=queue.Queue(),
         mail=types.SimpleNamespace(post=events.extend), model=Model(), cache=None, lora=None, token_overlay=None,
-        stall_s=0.0, ring=None, placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
+        stall_s=0.0, ring=None, receiver=None, sender=None,
+        placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
     loop = IntakeLoop(r)
     r.inbox.put(("req", Request("a", "c", [1, 2, 3], 5, SamplingParams())))
     loop.start()
@@ -186,7 +187,8 @@ def test_a_finished_sequence_gives_its_pages_back_on_every_stage():
             msgs.put((decode_header(encode_header(hdr)), out.clone()))
 
     r0 = types.SimpleNamespace(
-        spec=types.SimpleNamespace(primary=False), index=0, inbox=queue.Queue(), ring=None, sender=Send(),
+        spec=types.SimpleNamespace(primary=False), index=0, inbox=queue.Queue(), ring=None, receiver=None,
+        sender=Send(),
         scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=512),
         mail=types.SimpleNamespace(post=events.extend), model=models[0], cache=caches[0], **common)
     r1 = types.SimpleNamespace(
@@ -209,3 +211,48 @@ def test_a_finished_sequence_gives_its_pages_back_on_every_stage():
         assert c.owned[1] == [] and c.lens[1] == 0, "the short sequence's release must have freed its page"
         assert len(c.owned[0]) == 1             # the long one's release has no next microbatch to travel in
         assert sorted(c.free_blocks + c.owned[0]) == list(range(2, c.n_blocks))
+
+
+def test_a_loop_left_running_by_a_halt_touches_only_its_own_links():
+    """halt() waits 10 s for a loop still computing; one that finishes later must not free its slot on, nor send its
+    stale microbatch through, the links relink() made meanwhile (the new receiver's slot of that number would be
+    overwritten under a computation): it frees its own receiver's slot and sends nothing."""
+    class Recv:
+        _ch = None
+
+        def __init__(self):
+            self.q, self.freed = queue.Queue(), []
+
+        def recv(self, timeout):
+            try:
+                return self.q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError from None
+
+        def free(self, slot):
+            self.freed.append(slot)
+
+    class Send:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, h, t, timeout=None):
+            self.sent.append(h["mb"])
+
+    old_rx, old_tx, new_rx, new_tx = Recv(), Send(), Recv(), Send()
+    r = types.SimpleNamespace(spec=types.SimpleNamespace(primary=False), index=1, ring=None, rx_hashes=None,
+                              engine=types.SimpleNamespace(make_current=lambda: None, is_cuda=False),
+                              receiver=old_rx, sender=old_tx,
+                              placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
+    loop = StageLoop(r)
+    gate, computing = threading.Event(), threading.Event()
+    loop.compute = lambda b, view, wait=True: (computing.set(), gate.wait(10), torch.zeros(1, 4))[-1]
+    old_rx.q.put(({"kind": "step", "mb": 7, "slot": 0, "slots": [0], "starts": [0], "counts": [1],
+                   "sample": [False], "pos": torch.zeros(3, 1, dtype=torch.int32)}, torch.zeros(1, 4)))
+    loop.start()
+    assert computing.wait(10)
+    loop.stopping.set()                       # halt(): the join gives up while the compute hangs
+    r.receiver, r.sender = new_rx, new_tx     # relink()
+    gate.set()
+    loop.thread.join(10)
+    assert (old_rx.freed, new_rx.freed, old_tx.sent, new_tx.sent) == ([0], [], [], [])
