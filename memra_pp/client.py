@@ -1,13 +1,14 @@
 """The Python client: generate / stream / agenerate over a deployment's intake stage (driver side).
 
-One background pump per client long-polls the intake stage for this client's events (one Ray call per batch of
-events, not per token) and routes them to per-request queues. A lost stage's requests fail or are replayed by
-client_replay.ReplayMixin.
+One background poller per deployment handle long-polls the intake stage for the events of every client of this
+process that has requests (one Ray call per round for all of them, not one per client, nor per token) and routes
+them to per-request queues. A lost stage's requests fail or are replayed by client_replay.ReplayMixin.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import numbers
 import pickle
 import queue
@@ -31,9 +32,121 @@ WAIT_MAX_S = MAX_TIMEOUT_S
 
 _CLOSED = object()      # a stream's queue: closed from another thread
 
-# A client's pump thread ends once it has had nothing to poll for this long, and the next request starts one: a
+# The poller thread ends once no client has had anything to poll for this long, and the next request starts one: a
 # client made per request (dep.client().generate(...)) kept a thread waking 50 times a second until shutdown.
 PUMP_IDLE_S = 1.0
+
+log = logging.getLogger("memra_pp.client")
+_POLLER_LOCK = threading.Lock()     # makes a deployment handle's poller once
+
+
+class _Poller:
+    """One deployment handle's long-poll loop (a thread while any of its clients has requests): one intake poll a
+    round for every such client of this process. With a pump per client, a server making a client per request had
+    the intake answer a poll per client per round (128 clients streaming: 1.5x the latency of one client)."""
+
+    def __init__(self, dep):
+        self.dep = dep
+        self._lock = threading.Lock()           # taken after a client's locks where both are
+        self._clients: dict[str, Client] = {}   # those with a request tracked or held (Client._wake_pump)
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def of(dep) -> "_Poller":
+        with _POLLER_LOCK:
+            p = getattr(dep, "_poller", None)
+            if p is None:
+                p = dep._poller = _Poller(dep)
+            return p
+
+    def add(self, c: "Client") -> None:
+        with self._lock:
+            self._clients[c.id] = c
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="memra-client-pump", daemon=True)
+                self._thread.start()
+
+    def remove(self, c: "Client") -> None:
+        with self._lock:
+            self._clients.pop(c.id, None)
+
+    def _ends(self, idle_since: float | None) -> tuple[bool, float | None]:
+        """(whether the thread ends now, since when nobody has been polled for): decided under the lock add()
+        takes, so a client added later starts a new thread."""
+        with self._lock:
+            if self._clients:
+                return False, None
+            now = time.monotonic()
+            idle_since = now if idle_since is None else idle_since
+            if now - idle_since >= PUMP_IDLE_S:
+                self._thread = None
+                return True, idle_since
+            return False, idle_since
+
+    def _run(self):
+        idle_since = None
+        while True:
+            with self._lock:
+                clients = list(self._clients.values())
+            live = [c for c in clients if c._still_polled()]    # (each leaves the poller once it has nothing)
+            ends, idle_since = self._ends(idle_since)
+            if ends:
+                return
+            if not live:
+                time.sleep(0.02)
+                continue
+            self._round(live)
+            del clients, live   # (held here, a client let go unclosed would be collected a round late)
+
+    def _round(self, live: list) -> None:
+        """One poll for the `live` clients and their events, in a frame of its own: a loop variable left in _run's
+        would hold the last client, which a caller let go unclosed, until the next round."""
+        if not ray.is_initialized():    # ray.shutdown() in this process: nothing will answer, and a Ray call from
+            #                             here would start a new local cluster (Ray's auto-init)
+            err = StageFailed("this process is no longer connected to the deployment's Ray cluster (ray.shutdown())")
+            for c in live:
+                self._each(c, c.on_stage_failed, err)
+                self._each(c, c.on_recovery_failed, err)
+            time.sleep(0.2)
+            return
+        intake = self.dep.actors[0]
+        try:
+            evs = self._poll(intake, live)
+        except Exception as e:  # the intake stage is gone or silent: its waiting requests fail (or wait)
+            err = StageFailed(f"stage 0 failed: it did not answer a poll: {type(e).__name__}: {e}", stage=0)
+            for c in live:
+                self._each(c, c.on_stage_failed, err, intake=intake._actor_id)
+            self.dep.refresh_actors()       # a connect()ed handle: the restarted stages, by name
+            time.sleep(0.2)
+            return
+        for c in live:
+            self._each(c, c._take, evs.get(c.id, ()))
+            self._each(c, c._replay_if_recovered)
+
+    @staticmethod
+    def _each(c: "Client", fn, *a, **kw) -> None:
+        """One client's share of a round; what it raises is logged, and the other clients are served on."""
+        try:
+            fn(*a, **kw)
+        except Exception:  # noqa: BLE001 - one client's failure must not stop the others' events
+            log.exception("memra_pp client %s: handling its events failed", c.id)
+
+    def _poll(self, intake, live: list) -> dict:
+        """The events of `live` clients from the intake. A poll unanswered for step_s has been queued behind other
+        processes' long polls (the intake serves a bounded number at once: 200 clients waiting failed 28 healthy
+        requests with step_s 1) unless the intake misses a ping as well (its control calls do not queue behind
+        polls): only then is the intake taken for silent (the caller's except)."""
+        step = self.dep.placement.timeouts.step_s
+        ref = intake.poll.remote([c.id for c in live], 0.2)
+        while True:
+            try:
+                return ray.get(ref, timeout=step)
+            except ray.exceptions.GetTimeoutError:
+                ray.get(intake.ping.remote(), timeout=step)
+                for c in live:
+                    c.slow_polls += 1
+                if self.dep.actors[0] is not intake or all(c._closed.is_set() for c in live):
+                    return {}                   # (a replaced intake: poll the new one)
 
 
 class Stream(Iterator[StreamEvent]):
@@ -82,8 +195,8 @@ class Client(ReplayMixin):
         # (a Lock does not re-enter); the pump finishes them. SimpleQueue.put is safe there.
         self._dropped: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = threading.Event()
-        self._pump_lock = threading.Lock()     # taken before self._lock where both are
-        self._pump: threading.Thread | None = None      # running while any request is tracked or held
+        self._pump_lock = threading.Lock()     # taken before self._lock (and the poller's lock) where both are
+        self._polled = False                   # in its deployment handle's poller: a request is tracked or held
 
     @property
     def _intake(self):
@@ -134,64 +247,27 @@ class Client(ReplayMixin):
 
     # -- plumbing ---------------------------------------------------------------------------------------------
     def _wake_pump(self) -> None:
-        """Start the pump unless it runs (called with a request tracked and self._lock free): it ends only while
-        nothing is tracked or held, deciding so under both locks, so a request tracked before this call is polled."""
+        """Have the poller poll this client (called with a request tracked and self._lock free). It leaves the
+        poller only while nothing is tracked or held, deciding so under both locks (_still_polled), so a request
+        tracked before this call is polled."""
         with self._pump_lock:
-            if self._pump is None and not self._closed.is_set():
-                self._pump = threading.Thread(target=self._run_pump, name="memra-client-pump", daemon=True)
-                self._pump.start()
+            if not self._polled and not self._closed.is_set():
+                self._polled = True
+                _Poller.of(self.dep).add(self)
 
-    def _pump_ends(self, idle_since: float | None) -> tuple[bool, float | None]:
-        """(whether the pump ends now, since when it has been idle): it ends once nothing has been tracked or held
-        for PUMP_IDLE_S, deciding so under both locks (a request tracked later starts a new one: _wake_pump)."""
+    def _still_polled(self) -> bool:
+        """The poller's question each round: finish dropped requests, then leave the poller if this client has
+        nothing tracked or held (or was closed)."""
+        self._finish_dropped()
         with self._pump_lock:
             with self._lock:
-                if self._tracks or self._held:
-                    return False, None
-            now = time.monotonic()
-            idle_since = now if idle_since is None else idle_since
-            if now - idle_since >= PUMP_IDLE_S and self._dropped.empty():
-                self._pump = None
-                return True, idle_since
-            return False, idle_since
-
-    def _run_pump(self):
-        step = self.dep.placement.timeouts.step_s
-        idle_since = None
-        while not self._closed.is_set():
-            self._finish_dropped()
-            ends, idle_since = self._pump_ends(idle_since)
-            if ends:
-                return
-            if idle_since is not None:
-                self._closed.wait(0.02)
-                continue
-            intake = self._intake
-            try:
-                evs = self._poll(intake, step)
-            except Exception as e:  # the intake stage is gone or silent: its waiting requests fail (or wait)
-                self.on_stage_failed(StageFailed(f"stage 0 failed: it did not answer a poll: {type(e).__name__}: "
-                                                 f"{e}", stage=0), intake=intake._actor_id)
-                self.dep.refresh_actors()       # a connect()ed handle: the restarted stages, by name
-                self._closed.wait(0.2)
-                continue
-            self._take(evs)
-            self._replay_if_recovered()
-
-    def _poll(self, intake, step: float) -> list:
-        """This client's events from the intake. A poll unanswered for step_s has been queued behind other clients'
-        long polls (the intake serves a bounded number at once: 200 clients waiting failed 28 healthy requests with
-        step_s 1) unless the intake misses a ping as well (its control calls do not queue behind polls): only then
-        is the intake taken for silent (the caller's except)."""
-        ref = intake.poll.remote(self.id, 0.2)
-        while True:
-            try:
-                return ray.get(ref, timeout=step)
-            except ray.exceptions.GetTimeoutError:
-                ray.get(intake.ping.remote(), timeout=step)
-                self.slow_polls += 1
-                if self._closed.is_set() or self._intake is not intake:    # (a replaced intake: poll the new one)
-                    return []
+                if (self._tracks or self._held) and not self._closed.is_set():
+                    return True
+            if not self._dropped.empty():
+                return True
+            self._polled = False
+            _Poller.of(self.dep).remove(self)
+            return False
 
     def _take(self, evs) -> None:
         """A poll's events to their requests. An error naming a lost stage (the intake's own report, usually ahead

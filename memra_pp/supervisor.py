@@ -82,6 +82,8 @@ class Supervisor:
     def _run(self) -> None:
         hb = self.dep.placement.timeouts.heartbeat_s
         while not self.stopping.wait(hb):
+            if not ray.is_initialized():    # ray.shutdown() here without dep.shutdown(): a Ray call from this
+                return                      # thread would start a new local cluster (Ray's auto-init)
             if self.dep.detached and self._stop_requested():
                 return
             if self.failure is not None:
@@ -342,6 +344,8 @@ class RemoteSupervisor:
             self.thread.join(timeout=5)
 
     def _read(self) -> dict | None:
+        if not ray.is_initialized():    # (kv_key's get_runtime_context would start a new local cluster)
+            return None
         try:
             raw = internal_kv._internal_kv_get(self.dep.kv_key("recovery"))
         except Exception:  # noqa: BLE001 - the cluster is going away
@@ -351,6 +355,14 @@ class RemoteSupervisor:
     def _run(self) -> None:
         checked = time.monotonic()
         while not self.stopping.wait(self.POLL_S):
+            if not ray.is_initialized():    # this process left the cluster (ray.shutdown()): nothing held will be
+                self.failure = self.failure or StageFailed(    # replayed, and any Ray call from here would start a
+                    f"the deployment {self.dep.placement.name!r} cannot be reached: this process is no longer "
+                    f"connected to its Ray cluster (ray.shutdown())")        # new local cluster (auto-init)
+                for c in list(self.dep._clients):
+                    c.on_recovery_failed(self.failure)
+                self.ready.set()
+                return
             st = self._read()
             clients = list(self.dep._clients)
             if self.failure is None and any(c._held for c in clients) and time.monotonic() - checked >= 1.0:

@@ -12,6 +12,7 @@ class Mailboxes:
         self._cv = threading.Condition()
         self._boxes: dict[str, deque] = defaultdict(deque)
         self._gone: dict[str, None] = {}       # closed clients, oldest first
+        self.polls = 0                          # poll calls served (stats: one per round per driver process)
 
     def post(self, events) -> None:
         if not events:
@@ -35,14 +36,18 @@ class Mailboxes:
         with self._cv:
             return len(self._boxes)
 
-    def poll(self, client: str, timeout: float) -> list[tuple]:
-        """Every event queued for `client`, waiting up to `timeout` seconds for the first one."""
+    def poll(self, clients: list[str], timeout: float) -> dict[str, list[tuple]]:
+        """Every event queued for each of `clients` (those with any), waiting up to `timeout` seconds for the first
+        one: a driver process polls once for all its clients (memra_pp.client._Poller), not once per client."""
+        self.polls += 1
         with self._cv:
-            if client in self._gone:            # a poll that was on its way when the client closed
-                return []
-            box = self._boxes[client]
-            if not box:
-                self._cv.wait_for(lambda: bool(box), timeout)
-            out = list(box)
-            box.clear()
+            live = [c for c in clients if c not in self._gone]   # (a poll on its way when its client closed)
+            boxes = [self._boxes[c] for c in live]
+            if not any(boxes):
+                self._cv.wait_for(lambda: any(boxes), timeout)
+            out = {}
+            for c, box in zip(live, boxes):
+                if box:
+                    out[c] = list(box)
+                    box.clear()
             return out

@@ -452,8 +452,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 self._aborts.popitem(last=False)
             self.inbox.put(("abort", rid))
 
-    def poll(self, client: str, timeout: float) -> list[tuple]:
-        return self.mail.poll(client, timeout)
+    def poll(self, clients: list[str], timeout: float) -> dict[str, list[tuple]]:
+        return self.mail.poll(clients, timeout)
 
     def forget_client(self, client: str) -> None:
         self.mail.forget(client)

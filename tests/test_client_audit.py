@@ -120,10 +120,10 @@ class _SlowIntake:
         self.rids.append(req["rid"])
 
     @ray.method(concurrency_group="polls")
-    def poll(self, client: str, timeout: float) -> list:
+    def poll(self, clients: list, timeout: float) -> dict:
         time.sleep(self.poll_s if self.rids else timeout)
         rids, self.rids = self.rids, []
-        return [(r, [7], [-1.0], "length", None) for r in rids]
+        return {clients[0]: [(r, [7], [-1.0], "length", None) for r in rids]} if rids else {}
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:
@@ -198,3 +198,29 @@ def test_a_client_let_go_without_close_is_collected_and_its_mailbox_forgotten(de
     while boxes() > n0 and time.monotonic() < end:
         time.sleep(0.05)
     assert boxes() == n0
+
+
+def test_one_poll_a_round_for_every_client_of_a_process(dep):
+    """A client per request, 24 streaming at once: the intake answered a poll per client per round (its poll
+    threads and GIL taken from its scheduler); one poller per deployment handle now polls once a round for all of
+    them, and every request gets its tokens."""
+    ref = hf_reference("dense", False, (5, 17, 42), 6)[0]
+    before = dep.stats()["stages"][0]
+    out, go = [], threading.Barrier(24)
+
+    def one():
+        c = dep.client()
+        go.wait()
+        out.append([t for e in c.stream([5, 17, 42], max_new_tokens=6, ignore_eos=True) for t in e.token_ids])
+        c.close()
+    ts = [threading.Thread(target=one) for _ in range(24)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    after = dep.stats()["stages"][0]
+    polls, mbs = after["polls"] - before["polls"], after["microbatches"] - before["microbatches"]
+    assert out == [ref] * 24, out
+    # a round ends when tokens are posted (once per microbatch back) or after 0.2 s: at most one poll for each,
+    # where a poll per client made up to 24 for each
+    assert 0 < polls <= mbs + 10, f"{polls} polls for 24 clients over {mbs} microbatches"

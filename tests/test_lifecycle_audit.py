@@ -232,3 +232,34 @@ def test_a_malformed_tokenizer_is_refused_at_launch(tmp_path):
     (d / "tokenizer.json").write_text("{not json")
     with pytest.raises(memra_pp.errors.ConfigError, match=r"tokenizer.json: not a loadable tokenizer.json"):
         memra_pp.launch({"name": "bt", "model": {"path": str(d)}, "stages": [{"device": "cpu", "num_cpus": 0.1}]})
+
+
+AFTER_RAY_SHUTDOWN = r"""
+import sys, time, ray, memra_pp
+sys.path.insert(0, "tests")
+from conftest_models import tiny_checkpoint
+_, path = tiny_checkpoint("dense", False)
+dep = memra_pp.launch({"name": "gone", "model": {"path": str(path)}, "recover": "replay",
+                       "timeouts": {"heartbeat_s": 0.2}, "stages": [{"device": "cpu", "num_cpus": 0.1}] * 2},
+                      detached=True)
+other = memra_pp.connect("gone")
+assert other.client().generate([5, 6, 7], max_new_tokens=2).token_ids
+ray.shutdown()                  # not dep.shutdown(): the supervisors' threads and the poller are still running
+time.sleep(2)
+print("initialized after", ray.is_initialized(), flush=True)
+"""
+
+
+def test_ray_shutdown_without_dep_shutdown_starts_no_new_cluster(tmp_path):
+    """ray.shutdown() in a process holding a launched and a connect()ed handle: the connected handle's supervisor
+    thread asked Ray's KV for the recovery state every 0.2 s, and that call (get_runtime_context) made Ray start a
+    new local cluster ("Started a local Ray instance"), left running. No background thread calls Ray once the
+    process has left the cluster."""
+    import subprocess
+    import sys
+    script = tmp_path / "s.py"
+    script.write_text(AFTER_RAY_SHUTDOWN)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                       cwd=str(__import__("pathlib").Path(__file__).parent.parent))
+    assert "initialized after False" in p.stdout, (p.stdout[-2000:], p.stderr[-4000:])
+    assert "Started a local Ray instance" not in p.stderr.split("initialized after")[-1], p.stderr[-4000:]
