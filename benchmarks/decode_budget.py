@@ -30,6 +30,10 @@ def main() -> int:
         budgets = [x if x == "off" else int(x) for x in a.decoding.split(",")]
     except ValueError:
         ap.error(f"--decoding {a.decoding!r}: give off or integers, comma-separated")
+    # refused here, not by the placement's check at a later budget's launch: that lost the budgets run before it
+    if any(pd != "off" and not 1 <= pd <= a.prefill_chunk for pd in budgets):
+        ap.error(f"--decoding {a.decoding!r}: each value is off or an integer from 1 to --prefill-chunk "
+                 f"({a.prefill_chunk})")
     import memra_pp
     from memra_pp.bench import run_bench
     from memra_pp.defaults import TINY_PATH, ensure_tiny

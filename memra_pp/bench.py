@@ -3,18 +3,22 @@ concurrent load, next to a Ray actor call round trip measured in the same run (d
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import random
 import threading
 import time
 
-from .errors import InputError
+from .errors import InputError, MemraError
 
 
 def _pct(xs, q):
+    """The q-quantile of xs by nearest rank (the ceil(q * n)-th smallest; stages/slots.nearest_rank, which gives the
+    report's handoff figures), 0.0 where xs is empty. (xs[int(q * n)] took the larger of two samples for their p50,
+    and the largest of 100 for their p99.)"""
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+    return xs[max(0, math.ceil(q * len(xs)) - 1)] if xs else 0.0
 
 
 def actor_call_us(actor, n: int = 200) -> tuple[float, float]:
@@ -132,6 +136,10 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     `progress`: called with a line every `every_s` seconds (the warm-up's and the timed run's requests done and
     tokens so far)."""
     from concurrent.futures import ThreadPoolExecutor
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        # (0 was the thread pool's ValueError, after the actor calls had been timed)
+        raise InputError(f"run_bench: concurrency is the number of requests at once, an integer >= 1, got "
+                         f"{concurrency!r}")
     c = dep.client()
     rng = random.Random(seed)
     V = dep.vocab_size
@@ -141,7 +149,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
     # the steady-state window (every request decoding, none finished yet) gets its own stats: the stages' busy
     # fractions there, apart from the prefill's
     lock, firsts, steady, ramp = threading.Lock(), [0], {}, {}
-    all_decoding, first_done = threading.Event(), threading.Event()
+    all_decoding, first_done, failed = threading.Event(), threading.Event(), threading.Event()
 
     counts = {"phase": "warm-up", "done": 0, "tokens": 0, "of": 0}
 
@@ -168,9 +176,18 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         counts["done"] += 1
         return t, ev
 
+    def snapshot():     # a stage still recovering (replay) answers without its loop's figures: zeros for them
+        return [{"busy_s": x.get("busy_s", 0.0), "wall_s": x.get("wall_s", 0.0), "phase_s": x.get("phase_s") or {},
+                 "microbatches": x.get("microbatches", 0)} for x in dep.stats()["stages"]]
+
     def watch():    # two snapshots, no reset: the run's own figures still cover all of it
         all_decoding.wait()
-        a, t = dep.stats()["stages"], time.perf_counter()
+        if failed.is_set():
+            return
+        try:
+            a, t = snapshot(), time.perf_counter()
+        except MemraError:      # the run is failing (a lost stage): run_bench raises the requests' own error
+            return
         # the prefill ramp: from the timed run's start (its stats reset) until every request has its first token
         ramp.update(busy=[x["busy_s"] / max(x["wall_s"], 1e-9) for x in a],
                     microbatches=[x["microbatches"] for x in a],
@@ -178,7 +195,12 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         if first_done.is_set():
             return
         first_done.wait()
-        b = dep.stats()["stages"]
+        if failed.is_set():
+            return
+        try:
+            b = snapshot()
+        except MemraError:
+            return
         steady.update(window_s=time.perf_counter() - t,
                       busy=[(y["busy_s"] - x["busy_s"]) / max(y["wall_s"] - x["wall_s"], 1e-9)
                             for x, y in zip(a, b)],
@@ -197,6 +219,7 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
                 list(pool.map(lambda p: one(p, n, False), prompts))
             except BaseException:
                 stop_ticking.set()
+                c.close()       # the requests still streaming end now (the pool waits for them), and the client goes
                 raise
         counts.update(phase="timed run", done=0, tokens=0, of=max_new_tokens * concurrency)
         st0 = dep.stats(reset=True)["stages"]
@@ -208,12 +231,18 @@ def run_bench(dep, concurrency: int, prompt_len: int, max_new_tokens: int, seed:
         t0, tm0 = time.perf_counter(), time.monotonic()     # monotonic: the stages' timeline clock
         try:
             out = list(pool.map(one, prompts))
+            # the run ends with its last request, not once the watcher's stats calls below are answered (a stage
+            # that answers late put its delay into the wall time and the end-to-end rate)
+            wall = time.perf_counter() - t0
+        except BaseException:
+            failed.set()
+            c.close()
+            raise
         finally:        # also when a request failed: the watcher must not wait for ever
             stop_ticking.set()
             all_decoding.set()
             first_done.set()
             watcher.join(timeout=30)
-        wall = time.perf_counter() - t0
     st = dep.stats(timeline=timeline)["stages"]
     toks = sum(k for _, ev in out for _, k in ev)
     lat = [ev[-1][0] - t for t, ev in out if ev]
@@ -314,7 +343,8 @@ def plot_timelines(runs: list[tuple[str, dict]], path: str, title: str = "") -> 
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{r['concurrency']} concurrent x ({r['prompt_len']} in, {r['max_new_tokens']} out): "
+    spread = f" +-{r['prompt_spread']:.0%}" if r.get("prompt_spread") else ""     # (prompt lengths drawn over a range)
+    lines = [f"{r['concurrency']} concurrent x ({r['prompt_len']}{spread} in, {r['max_new_tokens']} out): "
              f"{r['generated_tokens']} tokens in {r['wall_s']:.2f} s = {r['tokens_per_s']:.1f} tokens/s; "
              f"steady decode {r['decode_tokens_per_s']:.1f} tokens/s; time to first token p50 "
              f"{r['ttft_p50_s'] * 1e3:.0f} ms; request latency p50 {r['request_latency_p50_s']:.2f} s, "

@@ -65,7 +65,7 @@ def test_token_latencies_share_a_gap_among_the_tokens_it_carried():
     b = (0.0, [(2.0, 3)])                                   # one event: no gap, no time per output token
     r = token_latencies([a, b])
     assert r["tpot_p50_s"] == pytest.approx(0.6 / 4)                    # 0.6 s over the 4 tokens after the first
-    assert r["itl_p50_s"] == pytest.approx(0.2) and r["itl_p99_s"] == pytest.approx(0.2)
+    assert r["itl_p50_s"] == pytest.approx(0.1) and r["itl_p99_s"] == pytest.approx(0.2)   # nearest rank
     assert r["itl_max_s"] == pytest.approx(0.4)                         # the longest wait, not shared
     assert token_latencies([]) == dict.fromkeys(("tpot_p50_s", "tpot_p99_s", "itl_p50_s", "itl_p99_s", "itl_max_s"),
                                                 0.0)
