@@ -24,6 +24,9 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--decoding", default="off,128,32", help="prefill_chunk_decoding values, comma-separated: one "
                     "deployment each")
+    ap.add_argument("--gc-freeze", default="on", choices=("on", "off", "both"),
+                    help="MEMRA_PP_GC_FREEZE in the stages (each freezes its heap at its start; the default on); "
+                         "both: every budget without, then with")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
     try:
@@ -41,7 +44,9 @@ def main() -> int:
         ensure_tiny()
     stages = a.stages.split(",")
     runs = []
-    for pd in budgets:
+    for gc_freeze, pd in [(g, pd) for g in {"on": [True], "off": [False], "both": [False, True]}[a.gc_freeze]
+                          for pd in budgets]:
+        os.environ["MEMRA_PP_GC_FREEZE"] = "1" if gc_freeze else "0"    # (launch gives the stages the driver's)
         cfg = {"name": "budget", "model": {"path": a.model or str(TINY_PATH)},
                "stages": [{"device": d, "num_cpus": 0.5} for d in stages],
                "scheduler": {"max_batch": a.concurrency, "prefill_chunk": a.prefill_chunk,
@@ -50,9 +55,11 @@ def main() -> int:
         with memra_pp.launch(cfg) as dep:
             r = run_bench(dep, a.concurrency, a.prompt_len, a.new, prompt_spread=a.prompt_spread)
             held = dep.stats()["stages"][0]["prefill_held_back"]
-        r.update(prefill_chunk_decoding=pd, prefill_chunk=a.prefill_chunk, n_stages=len(stages), held_back=held)
+        r.update(prefill_chunk_decoding=pd, prefill_chunk=a.prefill_chunk, n_stages=len(stages), held_back=held,
+                 gc_freeze=gc_freeze)
         runs.append(r)
-        print(f"prefill_chunk {a.prefill_chunk}, while decoding {pd}: {r['tokens_per_s']:.1f} tokens/s end to end, "
+        print(f"gc freeze {'on' if gc_freeze else 'off'}, prefill_chunk {a.prefill_chunk}, while decoding {pd}: "
+              f"{r['tokens_per_s']:.1f} tokens/s end to end, "
               f"ttft p50 {r['ttft_p50_s'] * 1e3:.0f} ms (p99 {r['ttft_p99_s'] * 1e3:.0f}), inter-token p50 "
               f"{r['itl_p50_s'] * 1e3:.1f} ms, p99 {r['itl_p99_s'] * 1e3:.1f} ms, longest {r['itl_max_s'] * 1e3:.0f} "
               f"ms; microbatches held back {held}", flush=True)
@@ -64,7 +71,8 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    names = [str(r["prefill_chunk_decoding"]) for r in runs]
+    names = [str(r["prefill_chunk_decoding"]) + ("" if a.gc_freeze != "both" else
+                                                 ", gc frozen" if r["gc_freeze"] else ", gc not frozen") for r in runs]
     for key, label in (("ttft_p50_s", "time to first token p50"), ("itl_p99_s", "inter-token p99"),
                        ("itl_max_s", "longest gap")):
         axes[0].plot(names, [r[key] * 1e3 for r in runs], marker="o", label=label)

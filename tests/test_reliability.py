@@ -151,6 +151,7 @@ def test_stages_run_with_the_drivers_switches_after_a_restart_too(ray_cluster, m
     from memra_pp import switches
     want = not switches.SWITCHES["MEMRA_PP_PREFILL_VARLEN"][0]          # the default's opposite
     monkeypatch.setenv("MEMRA_PP_PREFILL_VARLEN", "1" if want else "0")
+    monkeypatch.setenv("MEMRA_PP_GC_FREEZE", "0")     # (on by default: test_runtime's stats test sees it frozen)
     _, path = tiny_checkpoint("dense", False)
 
     def seen(dep):
@@ -166,6 +167,7 @@ def test_stages_run_with_the_drivers_switches_after_a_restart_too(ray_cluster, m
         dep.wait_ready(90)
         assert dep.supervisor.log[-1]["recovered"] and seen(dep) == [(None, want)] * 2
         check_serves(dep, dep.client())
+        assert [s["gc_frozen"] for s in dep.stats()["stages"]] == [0, 0]
 
 
 def test_supervisor_does_not_race_shutdown(ray_cluster):

@@ -307,6 +307,7 @@ def test_stats_has_the_documented_keys(dense):
         assert s["index"] == ps.index and str(s["device"]) == str(ps.device), (s, ps)
         assert list(s["layers"]) == [ps.layer_start, ps.layer_end], (s["layers"], ps)
         assert 0 <= s["busy"] <= 1 and s["handoff_p99_us"] >= s["handoff_p50_us"] >= 0, s
+        assert s["gc_frozen"] > 10_000, "MEMRA_PP_GC_FREEZE (default on): the stage froze its heap at its start"
 
 
 def test_the_ring_back_is_timed_in_a_pipeline(dense):
