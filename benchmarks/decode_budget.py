@@ -67,28 +67,40 @@ def main() -> int:
     stem = os.path.join(a.out, "decode_budget" + (f"-{a.tag}" if a.tag else ""))
     with open(stem + ".json", "w") as f:
         json.dump({"argv": vars(a), "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}, f, indent=1)
+    plot(runs, stem + ".png", f"{a.concurrency} requests at once, prompts {a.prompt_len} x [1 -+ {a.prompt_spread}], "
+                              f"{a.new} new, stages {a.stages}, prefill_chunk {a.prefill_chunk}")
+    print(f"wrote {stem}.json and .png", flush=True)
+    return 0
+
+
+def plot(runs: list[dict], path: str, title: str) -> None:
+    """Per budget (x), one line per heap mode: time to first token p50, inter-token p99 and the longest gap (left,
+    ms, log), end-to-end tokens/s (right)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    names = [str(r["prefill_chunk_decoding"]) + ("" if a.gc_freeze != "both" else
-                                                 ", gc frozen" if r["gc_freeze"] else ", gc not frozen") for r in runs]
-    for key, label in (("ttft_p50_s", "time to first token p50"), ("itl_p99_s", "inter-token p99"),
-                       ("itl_max_s", "longest gap")):
-        axes[0].plot(names, [r[key] * 1e3 for r in runs], marker="o", label=label)
+    budgets = list(dict.fromkeys(str(r["prefill_chunk_decoding"]) for r in runs))
+    modes = list(dict.fromkeys(r.get("gc_freeze", True) for r in runs))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for gcf, ls in zip(modes, ("-", "--")):
+        rs = {str(r["prefill_chunk_decoding"]): r for r in runs if r.get("gc_freeze", True) == gcf}
+        xs = [b for b in budgets if b in rs]
+        heap = "" if len(modes) == 1 else (", heap frozen" if gcf else ", heap not frozen")
+        for key, label, c in (("ttft_p50_s", "time to first token p50", "C0"), ("itl_p99_s", "inter-token p99", "C1"),
+                              ("itl_max_s", "longest gap", "C2")):
+            axes[0].plot(xs, [rs[b][key] * 1e3 for b in xs], ls=ls, c=c, marker="o", label=label + heap)
+        axes[1].plot(xs, [rs[b]["tokens_per_s"] for b in xs], ls=ls, c="C3", marker="o", label="end to end" + heap)
     axes[0].set_ylabel("ms")
     axes[0].set_yscale("log")
-    axes[0].legend()
-    axes[1].bar(names, [r["tokens_per_s"] for r in runs])
-    axes[1].set_ylabel("tokens/s end to end")
+    axes[1].set_ylabel("tokens/s")
+    axes[1].set_ylim(bottom=0)
     for ax in axes:
-        ax.set_xlabel(f"prompt tokens per step while requests decode (prefill_chunk {a.prefill_chunk})")
-    fig.suptitle(f"{a.concurrency} requests at once, prompts {a.prompt_len} x [1 -+ {a.prompt_spread}], "
-                 f"{a.new} new, stages {a.stages}")
+        ax.set_xlabel("prompt tokens in flight while requests decode (scheduler.prefill_chunk_decoding)")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110)
-    print(f"wrote {stem}.json and .png", flush=True)
-    return 0
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -191,6 +191,9 @@ def main() -> int:
     ap.add_argument("--prefill-merged", choices=("off", "on", "both"), default="on",
                     help="the prefill's merged path (kernels/prefill.MERGED, the default; off: "
                          "MEMRA_PP_PREFILL_MERGED=0 in the stage processes); both: each layout without, then with")
+    ap.add_argument("--gc-freeze", choices=("off", "on", "both"), default="on",
+                    help="MEMRA_PP_GC_FREEZE in the stage processes: on (the default), each freezes its heap at its "
+                         "start, so no full collection stalls the pipeline mid-run; both: without, then with")
     ap.add_argument("--prefill-varlen", choices=("off", "on", "both"), default="on",
                     help="MEMRA_PP_PREFILL_VARLEN in the stage processes: on (the default), a prefill step's Gated "
                          "DeltaNet segments as one variable-length call (kernels/prefill.VARLEN); off: by groups of "
@@ -266,8 +269,9 @@ def main() -> int:
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
             pcs = pipeline_chunks if len(devices) > 1 else pipeline_chunks[:1]   # one stage: never cut
-            for any_kv, in_place, merged, cudnn, varlen, pc, chunk, pd, cs in [
-                    (k, p, m, cu, v, pc, ch, pd, cs) for k in sides[a.any_kv] for p in sides[a.kv_in_place]
+            for gcf, any_kv, in_place, merged, cudnn, varlen, pc, chunk, pd, cs in [
+                    (g, k, p, m, cu, v, pc, ch, pd, cs) for g in sides[a.gc_freeze] for k in sides[a.any_kv]
+                    for p in sides[a.kv_in_place]
                     for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn] for v in sides[a.prefill_varlen]
                     for pc in pcs for ch in chunks for pd in decodings if pd == "off" or pd <= ch
                     for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
@@ -277,6 +281,9 @@ def main() -> int:
                 os.environ["MEMRA_PP_PREFILL_MERGED"] = "1" if merged else "0"
                 os.environ["MEMRA_PP_SDPA_CUDNN"] = "1" if cudnn else "0"
                 os.environ["MEMRA_PP_PREFILL_VARLEN"] = "1" if varlen else "0"
+                os.environ["MEMRA_PP_GC_FREEZE"] = "1" if gcf else "0"
+                if a.gc_freeze == "both":
+                    print(f"  stages freeze their heaps at start: {gcf}", flush=True)
                 if a.prefill_varlen == "both":
                     print(f"  prefill's Gated DeltaNet segments as one variable-length call: {varlen}", flush=True)
                 if a.sdpa_cudnn == "both":
@@ -300,7 +307,7 @@ def main() -> int:
                 for r in rep["runs"][n0:]:
                     r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
                     r["prefill_varlen"], r["pipeline_chunks"], r["prefill_chunk"] = varlen, pc, chunk
-                    r["prefill_chunk_decoding"] = pd
+                    r["prefill_chunk_decoding"], r["gc_freeze"] = pd, gcf
                 save()
     if not a.hf_first:
         hf()
@@ -340,6 +347,7 @@ def plot(rep: dict, path: str) -> None:
                                        + (", prefill not merged" if r.get("prefill_merged") is False else "")
                                        + (", cuDNN SDPA" if r.get("sdpa_cudnn") else "")
                                        + (", varlen prefill" if r.get("prefill_varlen") else "")
+                                       + (", heap not frozen" if r.get("gc_freeze") is False else "")
                                        + (f", prefill_chunk {r['prefill_chunk']}" if len(chunks) > 1 else "")
                                        + (f" ({r.get('prefill_chunk_decoding')} while decoding)" if len(pds) > 1
                                           else "")

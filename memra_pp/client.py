@@ -43,7 +43,8 @@ _POLLER_LOCK = threading.Lock()     # makes a deployment handle's poller once
 class _Poller:
     """One deployment handle's long-poll loop (a thread while any of its clients has requests): one intake poll a
     round for every such client of this process. With a pump per client, a server making a client per request had
-    the intake answer a poll per client per round (128 clients streaming: 1.5x the latency of one client)."""
+    the intake answer a poll per client per round (128 streams, a client each: 2.4-2.6x the latency of one shared
+    client; benchmarks/many_clients.py)."""
 
     def __init__(self, dep):
         self.dep = dep
