@@ -42,6 +42,16 @@ def grown(dep, before):
             for s, b in zip(dep.stats()["stages"], before, strict=True)]
 
 
+def sixteen_at_once_match(c, kind="dense", tied=False):
+    """16 concurrent agenerate calls over PROMPTS (chunked prefill interleaved with decode) equal transformers."""
+    many = [PROMPTS[i % 4] for i in range(16)]
+
+    async def go():
+        return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
+    for p, r in zip(many, asyncio.run(go()), strict=True):
+        assert_same(kind, tied, p, r)
+
+
 def assert_same(kind, tied, prompt, r):
     ht, hl = hf_reference(kind, tied, tuple(prompt), NEW)
     assert r.token_ids == ht and r.finish_reason == "length"
@@ -60,12 +70,7 @@ def test_launch_parity(dense, kind, tied, n_stages):
         c = dep.client()
         for p in PROMPTS:
             assert_same(kind, tied, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
-        many = [PROMPTS[i % 4] for i in range(16)]
-
-        async def go():
-            return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
-        for p, r in zip(many, asyncio.run(go()), strict=True):
-            assert_same(kind, tied, p, r)
+        sixteen_at_once_match(c, kind, tied)
         st = grown(dep, before)
         assert all(s["microbatches"] > 0 for s in st), st
         if n_stages > 1:
@@ -150,12 +155,7 @@ def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
     _, path = tiny_checkpoint("dense", False)
     with memra_pp.launch(config(path, 2, kv_pages=4)) as dep:
         c = dep.client()
-        many = [PROMPTS[i % 4] for i in range(16)]
-
-        async def go():
-            return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
-        for p, r in zip(many, asyncio.run(go()), strict=True):
-            assert_same("dense", False, p, r)
+        sixteen_at_once_match(c)
         with pytest.raises(memra_pp.errors.InputError, match="KV cache holds 256 positions"):
             c.generate(list(range(1, 301)), max_new_tokens=NEW)
         assert_same("dense", False, PROMPTS[0], c.generate(list(PROMPTS[0]), max_new_tokens=NEW, logprobs=True))
@@ -170,12 +170,7 @@ def test_prefill_chunk_decoding_holds_prompts_back_while_requests_decode(ray_clu
     _, path = tiny_checkpoint("dense", False)
     with memra_pp.launch(config(path, 2, prefill_chunk_decoding=8)) as dep:
         c = dep.client()
-        many = [PROMPTS[i % 4] for i in range(16)]
-
-        async def go():
-            return await asyncio.gather(*[c.agenerate(list(p), max_new_tokens=NEW) for p in many])
-        for p, r in zip(many, asyncio.run(go()), strict=True):
-            assert_same("dense", False, p, r)
+        sixteen_at_once_match(c)
         st = dep.stats()["stages"]
     assert st[0]["prefill_held_back"] > 0, st[0]
 

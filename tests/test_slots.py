@@ -193,8 +193,9 @@ def test_killed_sender_gives_channel_closed_within_a_second():
             p.join(5)
 
 
-def _local_pair(name, max_bytes):
-    r = SlotReceiver(name, max_bytes)
+def _local_pair(name, max_bytes, spin_us=0.0):
+    """A receiver and a sender connected in this process (the sender's connect on a thread)."""
+    r = SlotReceiver(name, max_bytes, spin_us=spin_us)
     s = SlotSender(r.endpoint())
     t = threading.Thread(target=s.connect, args=(5.0,))
     t.start()

@@ -16,18 +16,9 @@ from memra_pp.shm import sweep_dead
 from memra_pp.stages import mailbox, shm_slots
 from memra_pp.stages.channel import Channel, ChannelClosed, connect
 from memra_pp.stages.shm_slots import SlotReceiver, SlotSender
+from test_slots import _local_pair
 
 SPAWN = mp.get_context("spawn")
-
-
-def _pair(name, max_bytes, spin_us=0.0):
-    r = SlotReceiver(name, max_bytes, spin_us=spin_us)
-    s = SlotSender(r.endpoint())
-    t = threading.Thread(target=s.connect, args=(5.0,))
-    t.start()
-    r.accept(5.0)
-    t.join()
-    return r, s
 
 
 def _readable(fd, timeout=5.0):
@@ -38,7 +29,7 @@ def test_a_zero_timeout_takes_what_has_arrived():
     """recv(timeout=0) must return a header already in the socket, and send(timeout=0) must take a credit already
     there: a spent timeout means no more waiting, not ignoring what has arrived (it raised TimeoutError, and the
     sender's message claimed the receiver still held slots it had freed)."""
-    r, s = _pair("zero", 256)
+    r, s = _local_pair("zero", 256)
     try:
         s.send({"kind": "step", "mb": 0}, torch.ones(2, 2))
         _readable(r._ch.fileno())
@@ -67,7 +58,7 @@ def test_an_idle_receiver_polling_its_mailbox_does_not_burn_a_core():
     (transport_poll_us is allowed up to 1 s) every call polled for its whole timeout: a core at 100% on an idle
     deployment. Once a wait has timed out the next ones must sleep in the socket, and a header must still arrive
     (and the poll resume after it)."""
-    r, s = _pair("idle", 256, spin_us=300_000.0)
+    r, s = _local_pair("idle", 256, spin_us=300_000.0)
     try:
         cpu0, t_end = time.thread_time(), time.monotonic() + 1.5
         while time.monotonic() < t_end:
@@ -110,7 +101,7 @@ def test_malformed_credits_and_header_numbers_give_protocol_error():
     free() of a non-int must be InputError and leave the slot held (free(0.0) freed slot 0 and sent a float credit
     the sender accepted)."""
     for bad in ([0], True):
-        r, s = _pair("credit", 64)
+        r, s = _local_pair("credit", 64)
         try:
             s.send({"kind": "step", "mb": 0}, torch.ones(2)), s.send({"kind": "step", "mb": 1}, torch.ones(2))
             r._ch.send({"kind": "_credit", "mb": 0, "slot": bad})
@@ -118,7 +109,7 @@ def test_malformed_credits_and_header_numbers_give_protocol_error():
                 s.send({"kind": "step", "mb": 2}, torch.ones(2), timeout=2.0)
         finally:
             s.close(), r.close()
-    r, s = _pair("free", 64)
+    r, s = _local_pair("free", 64)
     try:
         s.send({"kind": "step", "mb": 0}, torch.ones(2))
         h, v = r.recv(1.0)
@@ -149,11 +140,11 @@ def test_many_links_leak_no_fds_and_no_segments():
     def nfd():
         return len(os.listdir("/proc/self/fd"))
 
-    for x in reversed(_pair("warm", 64)):      # (first use: owner_tag's lock file, imports)
+    for x in reversed(_local_pair("warm", 64)):      # (first use: owner_tag's lock file, imports)
         x.close()
     fd0, names = nfd(), []
     for k in range(40):
-        r, s = _pair("cycle", 4096, spin_us=1000.0 if k % 2 else 0.0)
+        r, s = _local_pair("cycle", 4096, spin_us=1000.0 if k % 2 else 0.0)
         ep = r.endpoint()
         names += ep["shm"] + ([ep["mailbox"]] if ep.get("mailbox") else [])
         s.send({"kind": "step", "mb": k}, torch.randn(4, 8).t())      # non-contiguous
