@@ -29,8 +29,7 @@ class Scheduler:
         # (scheduler.prefill_chunk_decoding; None: prefill_chunk per microbatch throughout). A decoding request's
         # next step runs after every microbatch ahead of it on each stage, so what its token waits for is the prompt
         # tokens of all of them, not of its own microbatch alone
-        self.chunk_decoding = prefill_chunk if prefill_chunk_decoding is None else min(prefill_chunk,
-                                                                                      prefill_chunk_decoding)
+        self.chunk_decoding = None if prefill_chunk_decoding is None else min(prefill_chunk, prefill_chunk_decoding)
         self.held_back = 0                        # microbatches whose prompt tokens that budget cut (stats, tests)
         # a prompt alone in the deployment when its first chunk is cut goes down the pipeline in up to
         # `pipeline_chunks` equal pieces (Scheduler.piece), so stage i+1 runs piece k while stage i runs k + 1;
@@ -221,7 +220,7 @@ class Scheduler:
             return None, events
         cap = max(1, math.ceil(len(self.active) / self.M))
         budget = self.chunk
-        if self.chunk_decoding < self.chunk and any(s.sent >= len(s.req.prompt) for s in self.active.values()):
+        if self.chunk_decoding is not None and any(s.sent >= len(s.req.prompt) for s in self.active.values()):
             # someone decodes: its next token waits for these prompt tokens and those already in flight
             budget = max(0, self.chunk_decoding - sum(m.prompt_tokens for m in self.inflight.values()))
         capped, short = budget < self.chunk, False

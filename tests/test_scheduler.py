@@ -345,6 +345,21 @@ def test_prefill_chunk_decoding_counts_the_prompt_tokens_of_every_microbatch_in_
     assert sorted(e.rid for e in ev if e.finish) == ["r0", "r1", "r2", "r3"]
 
 
+def test_a_budget_equal_to_prefill_chunk_still_counts_the_microbatches_in_flight():
+    """prefill_chunk_decoding = prefill_chunk (accepted) caps the prompt tokens in flight together at one chunk: it
+    was taken for off, and 4 microbatches held 48 prompt tokens of a 16-token budget."""
+    s = Scheduler(max_batch=8, microbatches=4, prefill_chunk=16, max_context=512, prefill_chunk_decoding=16)
+    s.add(req(0, n=2, new=50))
+    mb, _ = s.next_microbatch()
+    s.on_tokens(mb.mb, [7], [-0.5])                 # r0 decodes from here
+    for i in range(1, 4):
+        s.add(req(i, n=100, new=2))
+    mbs = []
+    while (mb := s.next_microbatch()[0]) is not None:
+        mbs.append(mb)
+    assert sum(m.prompt_tokens for m in mbs) == 16, [(m.counts, m.prompt_tokens) for m in mbs]
+
+
 def test_prefill_chunk_decoding_from_the_placement():
     """The YAML key reaches the intake's scheduler, round-trips through to_dict, and bad values are refused."""
     from memra_pp.errors import ConfigError
@@ -356,7 +371,7 @@ def test_prefill_chunk_decoding_from_the_placement():
     off = load_placement(base)
     assert off.scheduler.prefill_chunk_decoding is None
     assert off.to_dict()["scheduler"]["prefill_chunk_decoding"] == "off"
-    assert Scheduler.for_placement(off.scheduler, 1, 1).chunk_decoding == off.scheduler.prefill_chunk
+    assert Scheduler.for_placement(off.scheduler, 1, 1).chunk_decoding is None
     import yaml                 # a bare `off` is YAML 1.1's false, as the README writes it
     assert load_placement({**base, "scheduler": yaml.safe_load("{prefill_chunk_decoding: off}")}) == off
     assert load_placement(yaml.safe_load(yaml.safe_dump(p.to_dict()))) == p

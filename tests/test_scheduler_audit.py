@@ -77,7 +77,7 @@ class Harness:
         assert len(mb.seqs) <= s.max_batch and len({q.slot for q in mb.seqs}) == len(mb.seqs)
         assert mb.prompt_tokens <= s.chunk
         assert mb.prompt_tokens == sum(c for q, st, c in zip(mb.seqs, mb.starts, mb.counts) if st < len(q.req.prompt))
-        if decoding and mb.prompt_tokens and s.chunk_decoding < s.chunk:
+        if decoding and mb.prompt_tokens and s.chunk_decoding is not None:
             assert before + mb.prompt_tokens <= s.chunk_decoding, (before, mb.prompt_tokens)
         follow = [q.fed < st for q, st in zip(mb.seqs, mb.starts)]
         assert not any(follow) or len(mb.seqs) == 1, "a follow-on chunk travels alone"
