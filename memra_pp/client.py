@@ -1,8 +1,8 @@
 """The Python client: generate / stream / agenerate over a deployment's intake stage (driver side).
 
-One background poller per deployment handle long-polls the intake stage for the events of every client of this
-process that has requests (one Ray call per round for all of them, not one per client, nor per token) and routes
-them to per-request queues. A lost stage's requests fail or are replayed by client_replay.ReplayMixin.
+One background poller per deployment handle long-polls the intake stage for the events of every client of that
+handle (one Ray call per round for all of them, not one per client, nor per token) and routes them to per-request
+queues. A lost stage's requests fail or are replayed by client_replay.ReplayMixin.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from typing import Iterator
 
 import ray
@@ -42,15 +43,23 @@ _POLLER_LOCK = threading.Lock()     # makes a deployment handle's poller once
 
 class _Poller:
     """One deployment handle's long-poll loop (a thread while any of its clients has requests): one intake poll a
-    round for every such client of this process. With a pump per client, a server making a client per request had
+    round for all its clients, whose ids are "GROUP.CLIENT" (the intake's poll returns every box of the group, so a
+    client made while a poll is out is in it). With a pump per client, a server making a client per request had
     the intake answer a poll per client per round (128 streams, a client each: 2.4-2.6x the latency of one shared
     client; benchmarks/many_clients.py)."""
 
     def __init__(self, dep):
         self.dep = dep
+        self.group = uuid.uuid4().hex
         self._lock = threading.Lock()           # taken after a client's locks where both are
         self._clients: dict[str, Client] = {}   # those with a request tracked or held (Client._wake_pump)
+        self._all: weakref.WeakValueDictionary = weakref.WeakValueDictionary()   # every client: events go to it
         self._thread: threading.Thread | None = None
+
+    def new_id(self, c: "Client") -> str:
+        cid = f"{self.group}.{uuid.uuid4().hex}"
+        self._all[cid] = c
+        return cid
 
     @staticmethod
     def of(dep) -> "_Poller":
@@ -87,17 +96,21 @@ class _Poller:
     def _run(self):
         idle_since = None
         while True:
-            with self._lock:
-                clients = list(self._clients.values())
-            live = [c for c in clients if c._still_polled()]    # (each leaves the poller once it has nothing)
-            ends, idle_since = self._ends(idle_since)
-            if ends:
-                return
-            if not live:
-                time.sleep(0.02)
-                continue
-            self._round(live)
-            del clients, live   # (held here, a client let go unclosed would be collected a round late)
+            try:
+                with self._lock:
+                    clients = list(self._clients.values())
+                live = [c for c in clients if c._still_polled()]    # (each leaves the poller once it has nothing)
+                ends, idle_since = self._ends(idle_since)
+                if ends:
+                    return
+                if not live:
+                    time.sleep(0.02)
+                    continue
+                self._round(live)
+                del clients, live   # (held here, a client let go unclosed would be collected a round late)
+            except Exception:  # noqa: BLE001 - a dead poller would leave every later request of the handle unread
+                log.exception("memra_pp client poller: a round failed")
+                time.sleep(0.2)
 
     def _round(self, live: list) -> None:
         """One poll for the `live` clients and their events, in a frame of its own: a loop variable left in _run's
@@ -120,8 +133,11 @@ class _Poller:
             self.dep.refresh_actors()       # a connect()ed handle: the restarted stages, by name
             time.sleep(0.2)
             return
+        for cid, got in evs.items():       # (a client not polled yet, made while the poll was out, included)
+            c = self._all.get(cid)
+            if c is not None:
+                self._each(c, c._take, got)
         for c in live:
-            self._each(c, c._take, evs.get(c.id, ()))
             self._each(c, c._replay_if_recovered)
 
     @staticmethod
@@ -138,7 +154,7 @@ class _Poller:
         requests with step_s 1) unless the intake misses a ping as well (its control calls do not queue behind
         polls): only then is the intake taken for silent (the caller's except)."""
         step = self.dep.placement.timeouts.step_s
-        ref = intake.poll.remote([c.id for c in live], 0.2)
+        ref = intake.poll.remote(self.group, 0.2)
         while True:
             try:
                 return ray.get(ref, timeout=step)
@@ -187,13 +203,13 @@ class Client(ReplayMixin):
         self.slow_polls = 0         # polls answered after step_s by a live intake (kept, not taken for a loss)
         self.abandoned = 0          # requests let go because their agenerate's event loop had closed
         self.forget_when_collected = None       # (Deployment.client's weakref.finalize; close() forgets at once)
-        self.id = uuid.uuid4().hex
+        self.id = _Poller.of(dep).new_id(self)     # "GROUP.CLIENT": its handle's poller polls the group
         self._tracks: dict[str, _Track] = {}
         self._held: list[_Track] = []          # replay deployments: requests of a lost stage, awaiting recovery
         self._lock = threading.Lock()
         # requests whose reader went away while this client's lock was taken: a stream collected by the cyclic
         # garbage collector runs its cleanup in whatever thread allocated, perhaps inside a `with self._lock`
-        # (a Lock does not re-enter); the pump finishes them. SimpleQueue.put is safe there.
+        # (a Lock does not re-enter); the poller finishes them. SimpleQueue.put is safe there.
         self._dropped: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = threading.Event()
         self._pump_lock = threading.Lock()     # taken before self._lock (and the poller's lock) where both are
@@ -208,8 +224,9 @@ class Client(ReplayMixin):
         return getattr(self.dep, "supervisor", None)
 
     def close(self) -> None:
-        """Stop the pump; every request still waiting ends with StageFailed (and is aborted on the intake). The
-        deployment and its intake forget this client (its mailbox, and events still on their way to it)."""
+        """Every request still waiting ends with StageFailed (and is aborted on the intake); the poller lets this
+        client go at its next round. The deployment and its intake forget this client (its mailbox, and events still
+        on their way to it)."""
         first = not self._closed.is_set()
         self._closed.set()
         with self._lock:
@@ -225,12 +242,15 @@ class Client(ReplayMixin):
                 self.forget_when_collected.detach()
             try:
                 # (an abort's last event that reaches the mailbox after this is dropped there: forget remembers)
-                self._intake.forget_client.remote(self.id)
+                if ray.is_initialized():    # (else the call would start a new local cluster)
+                    self._intake.forget_client.remote(self.id)
             except Exception:  # noqa: BLE001 - the intake is gone: so is its mailbox
                 pass
 
     def _abort(self, rid: str) -> None:
         """Tell the intake to drop a request nobody reads any more (fire and forget: it may be gone)."""
+        if not ray.is_initialized():    # (ray.shutdown() here: the call would start a new local cluster)
+            return
         try:
             self._intake.abort.remote(rid)
         except Exception:  # noqa: BLE001 - a dead intake has nothing left to abort
@@ -304,7 +324,7 @@ class Client(ReplayMixin):
 
     def _let_go(self, tr: _Track) -> None:
         """A request nobody reads any more (a stream closed or dropped, a timeout, a cancelled agenerate): untrack
-        it and tell the intake to drop it, now if this client's lock is free, else through the pump."""
+        it and tell the intake to drop it, now if this client's lock is free, else through the poller."""
         if not self._lock.acquire(blocking=False):
             self._dropped.put(tr)
             return
@@ -335,7 +355,7 @@ class Client(ReplayMixin):
         tr = _Track(uuid.uuid4().hex, req, sink or q.put, gen=sup.generation if sup else 0)
         req["rid"] = tr.rid
         with self._lock:
-            if self._closed.is_set():   # closed while this waited for a recovery: its pump is gone, nothing reads
+            if self._closed.is_set():   # closed while this waited for a recovery: not polled, nothing reads
                 raise StageFailed("this client was closed (close(), or its deployment's shutdown) while the request "
                                   "waited")
             self._tracks[tr.rid] = tr

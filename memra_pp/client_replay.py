@@ -1,6 +1,6 @@
 """What a client does when a stage is lost (driver side): every request in flight fails with the loss, or, with
-`recover: replay`, waits for the recovery and is resubmitted from its token history. Called by the client's pump
-and by the deployment's supervisor thread; a mixin of client.Client, whose state (tracks, lock) it shares."""
+`recover: replay`, waits for the recovery and is resubmitted from its token history. Called by the deployment handle's
+client poller and by its supervisor thread; a mixin of client.Client, whose state (tracks, lock) it shares."""
 from __future__ import annotations
 
 import dataclasses

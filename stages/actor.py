@@ -7,7 +7,7 @@ from .runner import StageRunner
 
 
 CONTROL = "control"     # quick calls that must always find a thread: heartbeats, aborts, stats
-POLLS = "polls"         # the driver processes' long polls (0.2 s each), one per process (for all its clients) at a time
+POLLS = "polls"         # the drivers' long polls (0.2 s each): one per deployment handle, for all its clients
 
 
 @ray.remote(max_concurrency=16, concurrency_groups={CONTROL: 4, POLLS: 32})
@@ -62,8 +62,8 @@ class StageActor:
         return self.runner.abort(rid)
 
     @ray.method(concurrency_group=POLLS)
-    def poll(self, clients: list[str], timeout: float) -> dict:
-        return self.runner.poll(clients, timeout)
+    def poll(self, group: str, timeout: float) -> dict:
+        return self.runner.poll(group, timeout)
 
     @ray.method(concurrency_group=CONTROL)
     def forget_client(self, client: str) -> None:

@@ -10,9 +10,13 @@ class Mailboxes:
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._boxes: dict[str, deque] = defaultdict(deque)
+        self._boxes: dict[str, deque] = {}
+        # a driver process's poller polls for its group: its clients' ids are "GROUP.CLIENT" (memra_pp.client), and
+        # a client whose first events come while a poll is out is in it at once (a poll naming its clients missed one
+        # made meanwhile for up to the poll's 0.2 s)
+        self._groups: dict[str, set[str]] = defaultdict(set)
         self._gone: dict[str, None] = {}       # closed clients, oldest first
-        self.polls = 0                          # poll calls served (stats: one per round per driver process)
+        self.polls = 0                          # poll calls served (stats: one a round per deployment handle)
 
     def post(self, events) -> None:
         if not events:
@@ -20,14 +24,22 @@ class Mailboxes:
         with self._cv:
             for e in events:
                 if e.client not in self._gone:
-                    self._boxes[e.client].append((e.rid, e.tokens, e.logprobs, e.finish, e.error))
+                    box = self._boxes.get(e.client)
+                    if box is None:
+                        box = self._boxes[e.client] = deque()
+                        self._groups[group_of(e.client)].add(e.client)
+                    box.append((e.rid, e.tokens, e.logprobs, e.finish, e.error))
             self._cv.notify_all()
 
     def forget(self, client: str) -> None:
         """A closed client: its mailbox goes, and so does whatever is posted to it later (its aborted requests' last
         events), instead of a box per client ever seen, filling for nobody."""
         with self._cv:
-            self._boxes.pop(client, None)
+            if self._boxes.pop(client, None) is not None:
+                members = self._groups[group_of(client)]
+                members.discard(client)
+                if not members:
+                    del self._groups[group_of(client)]
             self._gone[client] = None
             if len(self._gone) > self.GONE_KEPT:
                 del self._gone[next(iter(self._gone))]
@@ -36,18 +48,24 @@ class Mailboxes:
         with self._cv:
             return len(self._boxes)
 
-    def poll(self, clients: list[str], timeout: float) -> dict[str, list[tuple]]:
-        """Every event queued for each of `clients` (those with any), waiting up to `timeout` seconds for the first
-        one: a driver process polls once for all its clients (memra_pp.client._Poller), not once per client."""
-        self.polls += 1
+    def poll(self, group: str, timeout: float) -> dict[str, list[tuple]]:
+        """Every event queued for the clients of `group` (those with any), waiting up to `timeout` seconds for the
+        first one: a driver process's poller polls once a round for all its clients (memra_pp.client._Poller)."""
         with self._cv:
-            live = [c for c in clients if c not in self._gone]   # (a poll on its way when its client closed)
-            boxes = [self._boxes[c] for c in live]
-            if not any(boxes):
-                self._cv.wait_for(lambda: any(boxes), timeout)
+            self.polls += 1
+
+            def ready():
+                return [c for c in self._groups.get(group, ()) if self._boxes[c]]
+            got = ready()
+            if not got and self._cv.wait_for(ready, timeout):
+                got = ready()
             out = {}
-            for c, box in zip(live, boxes):
-                if box:
-                    out[c] = list(box)
-                    box.clear()
+            for c in got:
+                out[c] = list(self._boxes[c])
+                self._boxes[c].clear()
             return out
+
+
+def group_of(client: str) -> str:
+    """A client id's poller group: what comes before its first '.' (an id without one is a group of its own)."""
+    return client.partition(".")[0]

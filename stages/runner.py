@@ -223,7 +223,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             self.ring = self.ring_listener.accept(timeout)
 
     def start(self) -> None:
-        if GC_FREEZE:   # what is alive now (the libraries, weights' wrappers, the plan) lives as long as the stage:
+        if GC_FREEZE:   # (at every start, a recovery's too) what is alive now lives as long as the stage:
             gc.collect()    # a full collection walking it mid-run stalled every stage behind this one (~160 ms on
             gc.freeze()     # the CPU stages measured, set off by a stats() call); vLLM freezes its heap after startup
             self.gc_frozen = gc.get_freeze_count()
@@ -460,8 +460,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 self._aborts.popitem(last=False)
             self.inbox.put(("abort", rid))
 
-    def poll(self, clients: list[str], timeout: float) -> dict[str, list[tuple]]:
-        return self.mail.poll(clients, timeout)
+    def poll(self, group: str, timeout: float) -> dict[str, list[tuple]]:
+        return self.mail.poll(group, timeout)
 
     def forget_client(self, client: str) -> None:
         self.mail.forget(client)

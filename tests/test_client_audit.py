@@ -117,13 +117,16 @@ class _SlowIntake:
         self.poll_s, self.silent = poll_s, silent
 
     def submit(self, req: dict) -> None:
-        self.rids.append(req["rid"])
+        self.rids.append((req["client"], req["rid"]))
 
     @ray.method(concurrency_group="polls")
-    def poll(self, clients: list, timeout: float) -> dict:
+    def poll(self, group: str, timeout: float) -> dict:
         time.sleep(self.poll_s if self.rids else timeout)
         rids, self.rids = self.rids, []
-        return {clients[0]: [(r, [7], [-1.0], "length", None) for r in rids]} if rids else {}
+        out = {}
+        for c, r in rids:
+            out.setdefault(c, []).append((r, [7], [-1.0], "length", None))
+        return out
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:

@@ -1,6 +1,7 @@
 """The client's bookkeeping without Ray or a deployment (a fake intake records what it is sent): what happens to a
 request whose reader leaves at an awkward moment."""
 import threading
+import time
 import types
 import weakref
 
@@ -34,6 +35,7 @@ def _client(monkeypatch, on_submit=None):
                                                                 timeouts=types.SimpleNamespace(step_s=1.0,
                                                                                                ready_s=1.0)))
     monkeypatch.setattr(client_mod.ray, "get", lambda refs, timeout=None: [] if isinstance(refs, list) else [])
+    monkeypatch.setattr(client_mod.ray, "is_initialized", lambda: True)   # (the fakes stand for a live cluster's)
     return Client(dep), log
 
 
@@ -333,6 +335,7 @@ def test_a_submit_the_intake_does_not_take_in_time_is_a_timeout_and_aborted(monk
     c._intake.submit = types.SimpleNamespace(remote=lambda req: (log.append(("submit", req)),
                                                                  submits.append(object()))[1] or submits[-1])
     monkeypatch.setattr(client_mod.ray, "get", get)
+    monkeypatch.setattr(client_mod.ray, "is_initialized", lambda: True)
     try:
         with pytest.raises(RequestTimeout, match=r"submit: no answer within 1 s \(timeouts.step_s\); request \w+ "
                                                  r"was aborted"):
@@ -401,3 +404,22 @@ def test_an_interrupted_submit_is_aborted_at_the_intake(monkeypatch):
         assert not c._tracks
     finally:
         c.close()
+
+
+def test_a_group_poll_takes_a_client_made_while_it_waits():
+    """The intake's poll is for a deployment handle's group of clients ("GROUP.CLIENT" ids): a client made while a
+    poll is out (its first events posted then) is answered by that poll at once; a poll naming its clients waited
+    its whole long poll for such a one. Other groups' events stay where they are; a forgotten client leaves its
+    group."""
+    from memra_pp.sched_types import Event
+    from memra_pp.stages.events import Mailboxes
+    m, out = Mailboxes(), {}
+    t = threading.Thread(target=lambda: out.update(m.poll("g", 30.0)))
+    t.start()
+    time.sleep(0.1)
+    m.post([Event("other.x", "r0", [5], [-1.0]), Event("g.new", "r1", [7], [-1.0])])
+    t.join(10)
+    assert not t.is_alive() and out == {"g.new": [("r1", [7], [-1.0], None, None)]}
+    assert m.poll("g", 0) == {} and m.poll("other", 0) == {"other.x": [("r0", [5], [-1.0], None, None)]}
+    m.forget("g.new")
+    assert len(m) == 1 and "g" not in m._groups and m.polls == 3

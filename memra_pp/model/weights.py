@@ -158,8 +158,8 @@ class SafetensorsSource:
             t, where = self._stack_experts(name), str(self.dir)
         elif name == "lm_head.weight":     # (a tied model never asks for it)
             raise ConfigError(f"{self.dir}: tensor 'lm_head.weight' is missing from the checkpoint and config.json "
-                              f"does not tie it to the embedding (tie_word_embeddings false or absent; with a "
-                              f"text_config, the top-level key alone decides, as in transformers): set "
+                              f"does not tie it to the embedding (tie_word_embeddings false or absent where "
+                              f"transformers reads it: a VLM config's top level, a *ForCausalLM's text_config): set "
                               f"tie_word_embeddings true there if this model's lm_head is its embedding")
         else:
             raise ConfigError(f"{self.dir}: tensor {key!r} (canonical {name!r}) is missing from the checkpoint")
