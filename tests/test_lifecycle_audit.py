@@ -240,7 +240,7 @@ sys.path.insert(0, "tests")
 from conftest_models import tiny_checkpoint
 _, path = tiny_checkpoint("dense", False)
 dep = memra_pp.launch({"name": "gone", "model": {"path": str(path)}, "recover": "replay",
-                       "timeouts": {"heartbeat_s": 0.2}, "stages": [{"device": "cpu", "num_cpus": 0.1}] * 2},
+                       "timeouts": {"heartbeat_s": 0.2}, "stages": [{"device": "cpu", "num_cpus": 0.1}]},
                       detached=True)
 other = memra_pp.connect("gone")
 assert other.client().generate([5, 6, 7], max_new_tokens=2).token_ids

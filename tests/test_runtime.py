@@ -148,12 +148,14 @@ def test_header_mailbox_in_a_three_stage_deployment(ray_cluster):
     assert all(0 <= sock < mbox for mbox, sock in sent), sent
 
 
-def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
+def test_kv_admission_and_a_prompt_budget_in_a_two_stage_deployment(ray_cluster):
     """With a KV budget of 4 pages (scheduler.kv_pages; auto on a GPU is what the memory holds), 16 concurrent
     requests must queue for pages instead of failing a microbatch, and all equal transformers; a request that can never
-    fit must be refused alone with a typed error, and the deployment must go on."""
+    fit must be refused alone with a typed error, and the deployment must go on. With scheduler.prefill_chunk_decoding
+    8 (prefill_chunk 48) as well, the long prompts go in 8-token pieces while the short ones decode, and the counter
+    shows the held steps ran (one deployment for both: a launch costs the suite seconds)."""
     _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(config(path, 2, kv_pages=4)) as dep:
+    with memra_pp.launch(config(path, 2, kv_pages=4, prefill_chunk_decoding=8)) as dep:
         c = dep.client()
         sixteen_at_once_match(c)
         with pytest.raises(memra_pp.errors.InputError, match="KV cache holds 256 positions"):
@@ -161,17 +163,6 @@ def test_kv_admission_in_a_two_stage_deployment(ray_cluster):
         assert_same("dense", False, PROMPTS[0], c.generate(list(PROMPTS[0]), max_new_tokens=NEW, logprobs=True))
         st = dep.stats()["stages"]
     assert st[0]["kv_pages"] == 4 and st[0]["kv_admission_waits"] > 0 and st[0]["kv_pages_reserved"] == 0, st[0]
-
-
-def test_prefill_chunk_decoding_holds_prompts_back_while_requests_decode(ray_cluster):
-    """scheduler.prefill_chunk_decoding 8 (prefill_chunk 48): 16 concurrent requests, the short ones decoding while
-    the long prompts prefill in 8-token pieces; every result equals transformers, and the counter shows the held
-    steps ran."""
-    _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(config(path, 2, prefill_chunk_decoding=8)) as dep:
-        c = dep.client()
-        sixteen_at_once_match(c)
-        st = dep.stats()["stages"]
     assert st[0]["prefill_held_back"] > 0, st[0]
 
 
