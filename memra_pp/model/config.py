@@ -267,14 +267,12 @@ def _text_extra(raw: dict, text: dict, prefix: str, where: str) -> dict:
     for key, d, name in ((f"{prefix}{rope_key}.mrope_interleaved", rope, "mrope_interleaved"),
                          (prefix + "tie_word_embeddings", text, "tie_word_embeddings"),
                          ("tie_word_embeddings", raw, "tie_word_embeddings")):
-        if name in d:
-            if not isinstance(d[name], bool):   # bool("false") is True: only JSON true / false
-                raise ConfigError(f"{where}: {key} must be true or false, got {d[name]!r}")
-            extra[name] = d[name]
+        if name in d and not isinstance(d[name], bool):   # bool("false") is True: only JSON true / false
+            raise ConfigError(f"{where}: {key} must be true or false, got {d[name]!r}")
     arch = raw.get("architectures")
     causal = isinstance(arch, list) and bool(arch) and all(str(a).endswith("ForCausalLM") for a in arch)
     extra["tie_word_embeddings"] = (text if causal or not prefix else raw).get("tie_word_embeddings", False)
-    if extra.get("mrope_interleaved") is False:     # transformers never reads the key: Qwen3.5 always interleaves
+    if rope.get("mrope_interleaved") is False:      # transformers never reads the key: Qwen3.5 always interleaves
         warnings.warn(f"{where}: {prefix}{rope_key}.mrope_interleaved false is ignored; Qwen3.5 interleaves its "
                       f"M-RoPE sections (as transformers does)")
     extra["mrope_interleaved"] = True
