@@ -42,6 +42,11 @@ class Seq:
     pages: int = 0                                # KV pages reserved for it at admission (Scheduler.kv_pages)
     piece: int = 0                                # most prompt tokens a microbatch takes (Scheduler.piece; 0: unset)
 
+    @property
+    def prefilled(self) -> bool:
+        """Every prompt token is sent: it decodes from here (its first token may still be on its way)."""
+        return self.sent >= len(self.req.prompt)
+
 
 @dataclasses.dataclass
 class Microbatch:

@@ -214,13 +214,13 @@ class Scheduler:
         # (after every sequence that is not in flight: they take the budget first, prompts least recently run first,
         # then the decode rows, which need no budget, least recently run first)
         ready = sorted((s for s in self.active.values() if not s.in_flight or (
-            s.sent < len(s.req.prompt) and s.req.max_new_tokens > 0)),      # (no more chunks of an aborted one)
-                       key=lambda s: (s.in_flight > 0, s.sent >= len(s.req.prompt), s.last_run))
+            not s.prefilled and s.req.max_new_tokens > 0)),      # (no more chunks of an aborted one)
+                       key=lambda s: (s.in_flight > 0, s.prefilled, s.last_run))
         if not ready:
             return None, events
         cap = max(1, math.ceil(len(self.active) / self.M))
         budget = self.chunk
-        if self.chunk_decoding is not None and any(s.sent >= len(s.req.prompt) for s in self.active.values()):
+        if self.chunk_decoding is not None and any(s.prefilled for s in self.active.values()):
             # someone decodes: its next token waits for these prompt tokens and those already in flight
             budget = max(0, self.chunk_decoding - sum(m.prompt_tokens for m in self.inflight.values()))
         capped, short = budget < self.chunk, False
@@ -230,7 +230,7 @@ class Scheduler:
                 break
             if s.in_flight and take:          # a follow-on chunk travels alone: should its predecessor fail on
                 break                         # some stage, the failure (a lens mismatch there) stays its own
-            if s.sent >= len(s.req.prompt):   # decoding (not in flight: its last token is known)
+            if s.prefilled:                   # decoding (not in flight: its last token is known)
                 take.append(s)
                 counts.append(1)
             elif budget > 0:
@@ -250,7 +250,7 @@ class Scheduler:
         ids, starts, sample, pos, admit = [], [], [], [], []
         tick, prompt_tokens = next(self._tick), 0
         for s, c in zip(take, counts):
-            if s.sent >= len(s.req.prompt):
+            if s.prefilled:
                 ids.append(s.out[-1])
             else:
                 ids.extend(s.req.prompt[s.sent:s.sent + c])
