@@ -11,7 +11,7 @@ class Mailboxes:
     def __init__(self):
         self._cv = threading.Condition()
         self._boxes: dict[str, deque] = {}
-        # a driver process's poller polls for its group: its clients' ids are "GROUP.CLIENT" (memra_pp.client), and
+        # a deployment handle's poller polls for its group: its clients' ids are "GROUP.CLIENT" (memra_pp.client), and
         # a client whose first events come while a poll is out is in it at once (a poll naming its clients missed one
         # made meanwhile for up to the poll's 0.2 s)
         self._groups: dict[str, set[str]] = defaultdict(set)
@@ -50,7 +50,7 @@ class Mailboxes:
 
     def poll(self, group: str, timeout: float) -> dict[str, list[tuple]]:
         """Every event queued for the clients of `group` (those with any), waiting up to `timeout` seconds for the
-        first one: a driver process's poller polls once a round for all its clients (memra_pp.client._Poller)."""
+        first one: a deployment handle's poller polls once a round for all its clients (memra_pp.client._Poller)."""
         with self._cv:
             self.polls += 1
 

@@ -44,7 +44,7 @@ class IntakeLoop(_Loop):
         # requests an abort reached (a cancelled agenerate, a dropped stream), in the scheduler or waiting for images
         out["aborted"] = self.sched.aborted + self.r.images_aborted
         out["mailboxes"] = len(self.r.mail)       # clients not closed that have polled (a closed one's box goes)
-        out["polls"] = self.r.mail.polls          # poll calls: one per round per driver process, whatever its clients
+        out["polls"] = self.r.mail.polls          # poll calls: one a round per deployment handle, whatever its clients
         for k, d in self.ring_s.items():
             xs = list(d)        # (a copy first: the loop appends meanwhile)
             for q in (0.5, 0.99):
