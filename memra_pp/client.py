@@ -203,7 +203,8 @@ class Client(ReplayMixin):
         self.slow_polls = 0         # polls answered after step_s by a live intake (kept, not taken for a loss)
         self.abandoned = 0          # requests let go because their agenerate's event loop had closed
         self.forget_when_collected = None       # (Deployment.client's weakref.finalize; close() forgets at once)
-        self.id = _Poller.of(dep).new_id(self)     # "GROUP.CLIENT": its handle's poller polls the group
+        self._poller = _Poller.of(dep)             # its deployment handle's (looked up once: each round asks it)
+        self.id = self._poller.new_id(self)        # "GROUP.CLIENT": the poller polls the group
         self._tracks: dict[str, _Track] = {}
         self._held: list[_Track] = []          # replay deployments: requests of a lost stage, awaiting recovery
         self._lock = threading.Lock()
@@ -274,7 +275,7 @@ class Client(ReplayMixin):
         with self._pump_lock:
             if not self._polled and not self._closed.is_set():
                 self._polled = True
-                _Poller.of(self.dep).add(self)
+                self._poller.add(self)
 
     def _still_polled(self) -> bool:
         """The poller's question each round: finish dropped requests, then leave the poller if this client has
@@ -287,7 +288,7 @@ class Client(ReplayMixin):
             if not self._dropped.empty():
                 return True
             self._polled = False
-            _Poller.of(self.dep).remove(self)
+            self._poller.remove(self)
             return False
 
     def _take(self, evs) -> None:
