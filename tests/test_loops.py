@@ -217,17 +217,10 @@ def test_a_loop_left_running_by_a_halt_touches_only_its_own_links():
     """halt() waits 10 s for a loop still computing; one that finishes later must not free its slot on, nor send its
     stale microbatch through, the links relink() made meanwhile (the new receiver's slot of that number would be
     overwritten under a computation): it frees its own receiver's slot and sends nothing."""
-    class Recv:
-        _ch = None
-
+    class Recv(QueueRecv):          # (one that records the slots it was given back)
         def __init__(self):
-            self.q, self.freed = queue.Queue(), []
-
-        def recv(self, timeout):
-            try:
-                return self.q.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError from None
+            super().__init__(queue.Queue())
+            self.freed = []
 
         def free(self, slot):
             self.freed.append(slot)
@@ -247,7 +240,7 @@ def test_a_loop_left_running_by_a_halt_touches_only_its_own_links():
     loop = StageLoop(r)
     gate, computing = threading.Event(), threading.Event()
     loop.compute = lambda b, view, wait=True: (computing.set(), gate.wait(10), torch.zeros(1, 4))[-1]
-    old_rx.q.put(({"kind": "step", "mb": 7, "slot": 0, "slots": [0], "starts": [0], "counts": [1],
+    old_rx.msgs.put(({"kind": "step", "mb": 7, "slot": 0, "slots": [0], "starts": [0], "counts": [1],
                    "sample": [False], "pos": torch.zeros(3, 1, dtype=torch.int32)}, torch.zeros(1, 4)))
     loop.start()
     assert computing.wait(10)
