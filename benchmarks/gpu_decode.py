@@ -313,6 +313,8 @@ def main() -> int:
         hf()
     save()
     plot(rep, os.path.join(a.out, "gpu_decode.png"))
+    if len(decodings) > 1:  # a budget sweep: per budget, what a request waits and the rate (decode_budget's plot)
+        plot_budget(rep, os.path.join(a.out, "budget.png"))
     ttfts = [r for r in rep["runs"] if r.get("kind") == "ttft" and r.get("timeline")]
     if ttfts:   # each layout's long prompt: every stage's chunks against time (is the prefill pipelined?)
         from memra_pp.bench import plot_timelines
@@ -321,6 +323,18 @@ def main() -> int:
                          r["timeline"]) for r in ttfts],
                        os.path.join(a.out, "ttft_timeline.png"), f"{a.model}, {rep['gpu']}")
     return 0
+
+
+def plot_budget(rep: dict, path: str) -> None:
+    """decode_budget.py's plot of this run's decode rows (one line per heap mode where both ran)."""
+    from decode_budget import plot as plot_decode_budget
+    runs = [r for r in rep["runs"] if r.get("kind") != "ttft" and "prefill_chunk_decoding" in r
+            and not r.get("system")]
+    if runs:
+        r = runs[0]
+        plot_decode_budget(runs, path, f"{r['model']}, {rep['gpu']}: {r['concurrency']} requests at once, prompts "
+                                       f"{r['prompt_len']} x [1 -+ {r['prompt_spread']}], {r['max_new_tokens']} new, "
+                                       f"{r['n_stages']} stage(s), prefill_chunk {r['prefill_chunk']}")
 
 
 def plot(rep: dict, path: str) -> None:

@@ -128,12 +128,16 @@ class HostSlotReceiver(_GpuReceiver):
 
     def _allocate(self, n_slots: int, max_bytes: int) -> dict:
         tag = segment_name("host", self.name)
-        self._shms = [SharedMemory(name=f"{tag}_{k}", create=True, size=max_bytes) for k in range(n_slots)]
-        self._cbufs = [(ctypes.c_char * max_bytes).from_buffer(s.buf) for s in self._shms]
-        self._addrs = [cuda.host_register(ctypes.addressof(c), max_bytes) for c in self._cbufs]
-        self._staging = [torch.empty(max_bytes, dtype=torch.uint8, device=self.engine.device) for _ in self._shms]
+        # built one slot at a time, so that _release frees what a failure part way (the second segment, a pinned
+        # registration, device memory) left made
+        self._shms, self._cbufs, self._addrs, self._staging, self._h2d = [], [], [], [], []
+        for k in range(n_slots):
+            self._shms.append(SharedMemory(name=f"{tag}_{k}", create=True, size=max_bytes))
+            self._cbufs.append((ctypes.c_char * max_bytes).from_buffer(self._shms[-1].buf))
+            self._addrs.append(cuda.host_register(ctypes.addressof(self._cbufs[-1]), max_bytes))
+            self._staging.append(torch.empty(max_bytes, dtype=torch.uint8, device=self.engine.device))
+            self._h2d.append(cuda.event_create(interprocess=False))
         self._views = _SlotViews(self._staging)
-        self._h2d = [cuda.event_create(interprocess=False) for _ in self._shms]
         return {"owner": _ctx_dict(self.engine.ctx), "shm": [s.name for s in self._shms]}
 
     def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -155,8 +159,8 @@ class HostSlotReceiver(_GpuReceiver):
             self._views.clear()
         self._addrs, self._h2d, self._cbufs, self._staging = [], [], [], []
         for s in getattr(self, "_shms", []):
+            s.unlink()      # the name first: a close refused while a view is alive must not leave it in /dev/shm
             s.close()
-            s.unlink()
         self._shms = []
 
 

@@ -56,3 +56,43 @@ def test_probe_p2p_copies_a_pattern():
     src, dst = gpu_probe.devices()
     r = probe_p2p(src, dst, timeout=120)
     assert r["ok"], r
+
+
+@pytest.mark.parametrize("fail_at", ["host_register", "event_create"])
+def test_host_receiver_frees_what_a_failed_allocation_made(monkeypatch, fail_at):
+    """A host receiver whose second slot fails part way (its pinned registration; its event, after the slot's
+    device staging) must unregister and unlink everything the first slot and the failed one made: no segment of
+    the boundary stays in /dev/shm, every registration is undone, and the allocation's own error is raised."""
+    import glob
+
+    from memra_pp import cuda
+    from memra_pp.stages import gpu_slots
+
+    real, calls = getattr(cuda, fail_at), {"n": 0, "unregistered": []}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError(f"{fail_at} refused (test)")
+        return real(*a, **k)
+
+    real_unregister = cuda.host_unregister
+
+    def unregister(addr):
+        calls["unregistered"].append(addr)
+        return real_unregister(addr)
+
+    monkeypatch.setattr(cuda, fail_at, flaky)
+    monkeypatch.setattr(cuda, "host_unregister", unregister)
+    name = "leaktest_" + fail_at
+    with pytest.raises(RuntimeError, match=f"{fail_at} refused"):
+        gpu_slots.HostSlotReceiver(name, 1 << 20)
+    assert calls["n"] == 2, calls        # the second slot's call is the one that failed
+    assert len(calls["unregistered"]) == (1 if fail_at == "host_register" else 2), calls
+    assert glob.glob(f"/dev/shm/mpp-*-host_{name}_*") == []
+    r = gpu_slots.HostSlotReceiver(name, 1 << 20)     # and the next one is made and closed cleanly
+    try:
+        assert len(glob.glob(f"/dev/shm/mpp-*-host_{name}_*")) == 2
+    finally:
+        r.close()
+    assert glob.glob(f"/dev/shm/mpp-*-host_{name}_*") == []
