@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..switches import initial
 from .batch import h2d
@@ -20,15 +19,12 @@ class Rope:
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r))
         row = torch.zeros(r // 2, dtype=torch.long)
         sec = cfg.mrope_section
-        if cfg.mrope_interleaved:
-            for j in range(r // 2):
-                if j % 3 == 1 and j < 3 * sec[1]:
-                    row[j] = 1
-                elif j % 3 == 2 and j < 3 * sec[2]:
-                    row[j] = 2
-        else:
-            row[sec[0]:sec[0] + sec[1]] = 1
-            row[sec[0] + sec[1]:] = 2
+        # interleaved always: transformers' Qwen3.5 never reads mrope_interleaved (config.py warns on false)
+        for j in range(r // 2):
+            if j % 3 == 1 and j < 3 * sec[1]:
+                row[j] = 1
+            elif j % 3 == 2 and j < 3 * sec[2]:
+                row[j] = 2
         self.row = row.to(device)
 
     def cos_sin(self, pos_3T: torch.Tensor, dtype):
@@ -138,6 +134,8 @@ def attend_batch(q_GTHD: torch.Tensor, k_GHSD: torch.Tensor, v_GHSD: torch.Tenso
         o = sdpa(q, k_GHSD, v_GHSD, is_causal=T > 1, enable_gqa=True)
     else:
         if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            # (imported here: torch.nn.attention.bias imports torch._dynamo, 1.2 s of every stage's start)
+            from torch.nn.attention.bias import causal_lower_right
             mask = causal_lower_right(T, S)
         else:
             mask = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
