@@ -53,7 +53,7 @@ class Scheduler:
         self._tick = itertools.count(1)
         # KV admission: the pages (of kv_block positions) every stage can hold for sequences at once (the least
         # over the stages, set when the pipeline is wired; None: no limit). A request is admitted only when its
-        # most pages (prompt + max_new_tokens, capped at max_context) fit beside those of the admitted ones, so
+        # most pages (prompt + max_new_tokens - 1 positions) fit beside those of the admitted ones, so
         # no stage's cache growth is ever refused under a running microbatch; the others wait in order.
         self.kv_pages: int | None = None
         self.kv_block = 64
@@ -84,13 +84,15 @@ class Scheduler:
                              f"tokens or raise max_context")
         if self.kv_pages is not None and self.pages(r) > self.kv_pages:
             raise InputError(f"the request can reach {self.pages(r) * self.kv_block} positions "
-                             f"({len(r.prompt)} prompt + {r.max_new_tokens} new tokens, capped at max_context); the "
+                             f"({len(r.prompt)} prompt + {r.max_new_tokens} new tokens, the last never fed, in pages "
+                             f"of {self.kv_block}); the "
                              f"KV cache holds {self.kv_pages * self.kv_block} positions on the fullest stage: lower "
                              f"max_new_tokens or split the model over more stages")
 
     def pages(self, r: Request) -> int:
-        """The most KV pages request r's sequence can hold."""
-        return -(-min(len(r.prompt) + r.max_new_tokens, self.max_context) // self.kv_block)
+        """The most KV pages request r's sequence can hold: its prompt and every generated token but the last (which
+        is sampled, never fed), at most max_context positions (validate refuses more)."""
+        return -(-min(len(r.prompt) + max(r.max_new_tokens - 1, 0), self.max_context) // self.kv_block)
 
     def _pages_fit(self, r: Request) -> bool:
         return self.kv_pages is None or self.kv_used + self.pages(r) <= self.kv_pages

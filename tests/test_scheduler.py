@@ -380,3 +380,19 @@ def test_prefill_chunk_decoding_from_the_placement():
         with pytest.raises(ConfigError, match=r"scheduler.prefill_chunk_decoding.*must be off or an integer from 1 to "
                                               r"scheduler.prefill_chunk \(256\)"):
             load_placement({**base, "scheduler": {"prefill_chunk": 256, "prefill_chunk_decoding": bad}})
+
+
+def test_kv_admission_counts_the_positions_a_sequence_can_write():
+    """A sequence writes its prompt and every generated token but the last (sampled, never fed): n + m - 1
+    positions. A request that fills its pages exactly is admitted and runs (it used to be counted one position
+    over, a page more at a page boundary, and refused); max_new_tokens 0 still holds its prompt."""
+    s = Scheduler(max_batch=2, microbatches=1, prefill_chunk=256, max_context=512)
+    s.kv_pages = 2
+    r = req(0, n=100, new=29)                        # 128 positions: 2 pages of 64
+    assert s.pages(r) == 2 and s.pages(req(1, n=100, new=30)) == 3 and s.pages(req(2, n=128, new=0)) == 2
+    s.add(r)
+    with pytest.raises(InputError, match=r"can reach 192 positions \(100 prompt \+ 30 new tokens, the last never fed"):
+        s.add(req(1, n=100, new=30))
+    ev = run_to_end(s)
+    assert sum(len(e.tokens) for e in ev if e.rid == "r0") == 29 and ev[-1].finish == "length"
+    assert s.kv_used == 0 and s.idle()
