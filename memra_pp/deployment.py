@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 
 from .errors import ConfigError, InputError, StageFailed
-from .rayutil import attach, get as _get
+from .rayutil import attach, get as _get, kill_actor
 from .placement.planner import Plan, make_plan
 from .placement.schema import MAX_TIMEOUT_S, Placement, load_placement
 from .shm import shm_names, stage_pids, unlink_shm, unlink_shm_of
@@ -80,6 +80,8 @@ class Deployment:
                  owns_ray: bool, detached: bool):
         self.placement, self.plan, self.actors, self.infos = placement, plan, actors, infos
         self.slot_names = [shm_names(x) for x in infos]   # each stage's receiving segments (to clean after a kill)
+        # each stage's process as its setup named it (rayutil.proc_identity; none for a connect()ed handle)
+        self.procs: dict[int, dict] = {i: x["proc"] for i, x in enumerate(infos) if x.get("proc")}
         self.run_dir, self.owns_ray, self.detached = run_dir, owns_ray, detached
         # its clients not closed, held weakly: a client let go without close() is collected, and its id comes to
         # _forgotten (weakref.finalize), whose intake mailboxes the next client() has forgotten
@@ -577,8 +579,8 @@ class Deployment:
             pass
         with self._actors_lock:
             actors = list(self.actors)
-        for a in actors:
-            ray.kill(a)
+        for i, a in enumerate(actors):   # (a stage that stops answering: its process, not Ray's 5 s wait)
+            kill_actor(a, self.procs.get(i))
         unlink_shm([n for names in self.slot_names for n in names])   # what a killed stage could not (this host)
         from ray.util.placement_group import remove_placement_group
         pg = getattr(self, "_pg", None)

@@ -2,9 +2,11 @@
 the one way to attach to a running Ray cluster."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import signal
 import socket
 import time
 
@@ -34,6 +36,41 @@ def _ours(e: Exception, what: str, stage: int | None) -> Exception:
     if isinstance(e, getattr(ray.exceptions, "ActorUnavailableError", ())):
         return StageFailed(f"{what}: a stage actor is unreachable for now ({e})")
     return StageFailed(f"{what}: a stage actor died ({e})", stage=stage)
+
+
+def proc_identity() -> dict:
+    """This process as kill_actor finds it again: its Ray node, pid and start time (a pid reused by another process
+    has another start time)."""
+    return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def _start_time(pid: int) -> int | None:
+    """Process `pid`'s start time (clock ticks since boot) where it runs on this host; None if it does not (a
+    zombie, already killed, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()     # the fields after comm: state is 3, starttime 22
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kill_actor(actor, proc: dict | None) -> bool:
+    """ray.kill(actor), after a SIGKILL to its process where `proc` (its proc_identity) is a live process of this
+    node. Ray gives a worker that does not answer (SIGSTOPped, hung in a driver call) about 5 s before it kills it,
+    and a restart's new actor waits that long for the old one's bundle. Returns whether the SIGKILL was sent."""
+    sent = False
+    if proc and proc.get("start") is not None:
+        try:
+            here = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - no Ray here: Ray's kill alone
+            here = None
+        if here == proc.get("node") and _start_time(proc["pid"]) == proc["start"]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(proc["pid"], signal.SIGKILL)
+                sent = True
+    ray.kill(actor)
+    return sent
 
 
 DRAIN_S = 2.0   # the longest a failed list's other refs are waited for (a stage still loading is not waited out)

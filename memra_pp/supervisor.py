@@ -14,7 +14,7 @@ import ray
 from ray.experimental import internal_kv
 
 from .errors import ConfigError, InputError, StageFailed
-from .rayutil import get as _get
+from .rayutil import get as _get, kill_actor
 from .shm import shm_names
 
 log = logging.getLogger("memra_pp")
@@ -33,6 +33,7 @@ class Supervisor:
         self.recovered = 0                    # the generation of the last completed recovery
         self.failure: StageFailed | None = None   # set when a recovery gave up: wait_ready raises it
         self.log: list[dict] = []             # one record per failure: stage, reason, detect / recovery times
+        self.sigkilled = 0                    # stage processes a restart SIGKILLed itself (rayutil.kill_actor)
         self.reload_from: str | None = None   # where the last restart read its adapters: intake, kv or heartbeat
         self.intake_id = dep.actors[0]._actor_id if dep.actors else None   # the intake a restart last completed
         self.thread = threading.Thread(target=self._run, name="memra-supervisor", daemon=True)
@@ -179,7 +180,7 @@ class Supervisor:
         with self.lock:
             if self.stopping.is_set() or (dep.detached and self._stop_requested()):   # stopped, not failed
                 return
-            t0 = time.monotonic()
+            t0, k0 = time.monotonic(), self.sigkilled
             self.ready.clear()
             self.generation += 1
             err = StageFailed(f"stage {stage} failed: {reason}", stage=stage)
@@ -210,7 +211,8 @@ class Supervisor:
                 return
             self.recovered = self.generation
             self.log.append({"stage": stage, "reason": reason, "recovered": True,
-                             "recovery_s": time.monotonic() - t0, "attempts": attempt + 1})
+                             "recovery_s": time.monotonic() - t0, "attempts": attempt + 1,
+                             "sigkilled": self.sigkilled - k0})
             self.ready.set()
             self._publish(stage, str(err))
             for c in list(dep._clients):
@@ -221,7 +223,9 @@ class Supervisor:
         open every receiving side afresh in a new run sub-dir (one per attempt), rewire, reload adapters, start."""
         dep, p = self.dep, self.dep.placement
         t = p.timeouts.ready_s
-        ray.kill(dep.actors[stage])
+        # its process first where it runs here: Ray waits about 5 s for one that does not answer (a hung or stopped
+        # stage), and the new actor waits for its bundle
+        self.sigkilled += kill_actor(dep.actors[stage], dep.procs.get(stage))
         survivors = [i for i in range(len(dep.actors)) if i != stage]
         refs = [dep.actors[i].halt.remote(stage, str(err)) for i in survivors]
         ray.wait(refs, num_returns=len(refs), timeout=p.timeouts.step_s)
@@ -230,11 +234,11 @@ class Supervisor:
             try:
                 ray.get(ref, timeout=0)
             except Exception:  # noqa: BLE001
-                ray.kill(dep.actors[i])
+                self.sigkilled += kill_actor(dep.actors[i], dep.procs.get(i))
                 failed.add(i)
         if 0 not in failed and dep.actors[0]._actor_id != self.intake_id:
             # an intake a failed attempt made and left half reloaded: its registry is not the deployment's
-            ray.kill(dep.actors[0])
+            self.sigkilled += kill_actor(dep.actors[0], dep.procs.get(0))
             failed.add(0)
         # one sub-dir per attempt: a failed attempt leaves the sockets its stages opened (a stage lost during the
         # restart), and a retry in the same dir was refused ("channel socket ... exists") every time after
@@ -254,6 +258,7 @@ class Supervisor:
         infos = _get([a.setup.remote(p.to_dict(), dep.plan.to_dict(), i, run_dir, tr[i], dep.switches) if i in failed
                       else a.relink.remote(run_dir, tr[i]) for i, a in enumerate(dep.actors)], t, "stage restart")
         dep.slot_names = [shm_names(x) for x in infos]
+        dep.procs.update({i: infos[i]["proc"] for i in failed if infos[i].get("proc")})
         dep.wire(dep.actors, infos, t)
         # the adapters to reload: the loaded ones of the intake's registry where the intake survived (every
         # handle's loads); else as the dead intake last kept them in Ray's KV (a detached deployment, where other
