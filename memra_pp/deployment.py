@@ -573,14 +573,16 @@ class Deployment:
             self.supervisor.stop()
         for c in list(self._clients):     # (a closed client leaves the list)
             c.close()
-        try:
-            ray.get([a.stop.remote() for a in self.actors], timeout=10)
-        except Exception:  # a dead or hung stage must not stop the others from being torn down
-            pass
         with self._actors_lock:
             actors = list(self.actors)
-        for i, a in enumerate(actors):   # (a stage that stops answering: its process, not Ray's 5 s wait)
-            kill_actor(a, self.procs.get(i))
+        refs = [a.stop.remote() for a in actors]
+        ray.wait(refs, num_returns=len(refs), timeout=10)   # a dead or hung stage must not keep the others up
+        for i, (a, ref) in enumerate(zip(actors, refs)):
+            try:
+                ray.get(ref, timeout=0)
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - it did not stop: its process, where it is here (Ray waits ~5 s)
+                kill_actor(a, self.procs.get(i))
         unlink_shm([n for names in self.slot_names for n in names])   # what a killed stage could not (this host)
         from ray.util.placement_group import remove_placement_group
         pg = getattr(self, "_pg", None)
