@@ -7,6 +7,7 @@ queues. A lost stage's requests fail or are replayed by client_replay.ReplayMixi
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import numbers
@@ -562,14 +563,13 @@ class Client(ReplayMixin):
         thread per request)."""
         wait, logprobs = self._timeout(timeout), flag("logprobs", logprobs)
         loop = asyncio.get_running_loop()
-        aq: asyncio.Queue = asyncio.Queue()
-        sink = lambda item: loop.call_soon_threadsafe(aq.put_nowait, item)   # noqa: E731
+        box = _Box(loop)
+        sink = lambda item: loop.call_soon_threadsafe(box.put, item)   # noqa: E731
         tr, _, ids = await self._submit_cancellable(loop, lambda: self._submit(prompt, max_new_tokens, kw, sink))
         toks, lps, finish, done = [], [], "length", False
         try:
             while True:
-                # a piece already queued is taken as generate takes it, also with timeout 0
-                t, l, f, err = aq.get_nowait() if not aq.empty() else await _get(aq, wait, tr.rid)
+                t, l, f, err = await box.get(wait, tr.rid)
                 if err is not None:
                     done = True
                     raise _error(*err)
@@ -592,17 +592,29 @@ def _shown(toks: list[int], finish) -> list[int]:
     return toks[:-1] if finish == "stop" and toks else toks
 
 
-async def _get(aq: asyncio.Queue, wait: float, rid: str):
-    """The queue's next item within `wait` seconds, else RequestTimeout. Not asyncio.wait_for: before Python 3.12
-    it returns the item and drops a cancellation that arrives as the item does (the caller's task then runs the
-    request to its end); asyncio.wait raises it."""
-    get = asyncio.ensure_future(aq.get())
-    try:
-        done, _ = await asyncio.wait({get}, timeout=wait)
-    finally:
-        if not get.done():
-            with contextlib.suppress(RuntimeError):     # a task collected after its loop closed: nothing to cancel
-                get.cancel()
-    if not done:
-        raise RequestTimeout(f"request {rid} produced nothing for {wait:g} s")
-    return get.result()
+class _Box:
+    """What agenerate's pieces come in by: put on the loop (the pump thread's call_soon_threadsafe), taken by get.
+    A wait parks on a plain future, no task: a loop closed under a waiting agenerate leaves no queue read behind
+    that never ran (asyncio.Queue's get as a task did: "coroutine 'Queue.get' was never awaited")."""
+
+    def __init__(self, loop):
+        self.loop, self.items, self.waiter = loop, collections.deque(), None
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self, wait: float, rid: str):
+        """The next item within `wait` seconds, else RequestTimeout; one already here is taken at once (also with
+        wait 0). Not asyncio.wait_for: before Python 3.12 it returns and drops a cancellation that arrives as the
+        item does (the caller's task then ran the request to its end); asyncio.wait raises it."""
+        if not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await asyncio.wait({self.waiter}, timeout=wait)
+            finally:
+                self.waiter = None
+            if not self.items:
+                raise RequestTimeout(f"request {rid} produced nothing for {wait:g} s")
+        return self.items.popleft()
