@@ -326,15 +326,21 @@ def main() -> int:
 
 
 def plot_budget(rep: dict, path: str) -> None:
-    """decode_budget.py's plot of this run's decode rows (one line per heap mode where both ran)."""
+    """decode_budget.py's plot of this run's decode rows (one line per heap mode where both ran): one plot per
+    layout, concurrency, prefill_chunk and pipeline_chunks (budget.png, or budget-1.png, budget-2.png, ...)."""
     from decode_budget import plot as plot_decode_budget
-    runs = [r for r in rep["runs"] if r.get("kind") != "ttft" and "prefill_chunk_decoding" in r
-            and not r.get("system")]
-    if runs:
+    groups: dict = {}
+    for r in rep["runs"]:
+        if r.get("kind") != "ttft" and "prefill_chunk_decoding" in r and not r.get("system"):
+            key = (tuple(r["devices"]), r["concurrency"], r["prefill_chunk"], str(r.get("pipeline_chunks")))
+            groups.setdefault(key, []).append(r)
+    stem, ext = os.path.splitext(path)
+    for k, runs in enumerate(groups.values(), 1):
         r = runs[0]
-        plot_decode_budget(runs, path, f"{r['model']}, {rep['gpu']}: {r['concurrency']} requests at once, prompts "
-                                       f"{r['prompt_len']} x [1 -+ {r['prompt_spread']}], {r['max_new_tokens']} new, "
-                                       f"{r['n_stages']} stage(s), prefill_chunk {r['prefill_chunk']}")
+        plot_decode_budget(runs, path if len(groups) == 1 else f"{stem}-{k}{ext}",
+                           f"{r['model']}, {rep['gpu']}: {r['concurrency']} requests at once, prompts "
+                           f"{r['prompt_len']} x [1 -+ {r['prompt_spread']}], {r['max_new_tokens']} new, "
+                           f"{r['n_stages']} stage(s) on cuda {r['devices']}, prefill_chunk {r['prefill_chunk']}")
 
 
 def plot(rep: dict, path: str) -> None:

@@ -580,8 +580,14 @@ class Deployment:
         for i, (a, ref) in enumerate(zip(actors, refs)):
             try:
                 ray.get(ref, timeout=0)
+                answered = True
+            except ray.exceptions.GetTimeoutError:
+                answered = False
+            except Exception:  # noqa: BLE001 - it answered, with an error (or it is dead): Ray's kill is enough
+                answered = True
+            if answered:
                 ray.kill(a)
-            except Exception:  # noqa: BLE001 - it did not stop: its process, where it is here (Ray waits ~5 s)
+            else:           # it did not stop: its process, where it is here (Ray waits ~5 s for one that hangs)
                 kill_actor(a, self.procs.get(i))
         unlink_shm([n for names in self.slot_names for n in names])   # what a killed stage could not (this host)
         from ray.util.placement_group import remove_placement_group

@@ -39,9 +39,17 @@ def _ours(e: Exception, what: str, stage: int | None) -> Exception:
 
 
 def proc_identity() -> dict:
-    """This process as kill_actor finds it again: its Ray node, pid and start time (a pid reused by another process
-    has another start time)."""
-    return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+    """This process as kill_actor finds it again: its Ray node, pid namespace, pid and start time (a pid reused by
+    another process has another start time)."""
+    return {"node": ray.get_runtime_context().get_node_id(), "pidns": _pidns(), "pid": os.getpid(),
+            "start": _start_time(os.getpid())}
+
+
+def _pidns() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def _start_time(pid: int) -> int | None:
@@ -55,20 +63,40 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
+def _sigkill(pid: int, start: int) -> bool:
+    """SIGKILL `pid` if it is still the process that started at `start`, through a pidfd where Linux has them (the
+    pid then cannot be reused between the check and the signal). Returns whether it was sent."""
+    fd = None
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.pidfd_open(pid)
+    try:
+        if _start_time(pid) != start:
+            return False
+        if fd is not None:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def kill_actor(actor, proc: dict | None) -> bool:
     """ray.kill(actor), after a SIGKILL to its process where `proc` (its proc_identity) is a live process of this
-    node. Ray gives a worker that does not answer (SIGSTOPped, hung in a driver call) about 5 s before it kills it,
-    and a restart's new actor waits that long for the old one's bundle. Returns whether the SIGKILL was sent."""
+    node and pid namespace. Ray gives a worker that does not answer (SIGSTOPped, hung in a driver call) about 5 s
+    before it kills it, and a restart's new actor waits that long for the old one's bundle. Returns whether the
+    SIGKILL was sent."""
     sent = False
     if proc and proc.get("start") is not None:
         try:
             here = ray.get_runtime_context().get_node_id()
         except Exception:  # noqa: BLE001 - no Ray here: Ray's kill alone
             here = None
-        if here == proc.get("node") and _start_time(proc["pid"]) == proc["start"]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(proc["pid"], signal.SIGKILL)
-                sent = True
+        if here is not None and here == proc.get("node") and _pidns() == proc.get("pidns"):
+            sent = _sigkill(proc["pid"], proc["start"])
     ray.kill(actor)
     return sent
 

@@ -248,6 +248,7 @@ class Supervisor:
             a = dep.new_actor(i)
             with dep._actors_lock:
                 dep.actors[i] = a
+            dep.procs.pop(i, None)      # its setup names the new process (a retry must not aim at the dead one)
             if self.stopping.is_set():
                 ray.kill(a)
                 raise StageFailed("the deployment is shutting down")

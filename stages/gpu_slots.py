@@ -7,6 +7,7 @@ ordered by IPC events) and `host` (pinned shared memory, d2h then h2d). Runs in 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
@@ -151,17 +152,25 @@ class HostSlotReceiver(_GpuReceiver):
         cuda.event_synchronize(self._h2d[slot])
 
     def _release(self) -> None:
-        for a in getattr(self, "_addrs", []):
-            cuda.host_unregister(a)
-        for e in getattr(self, "_h2d", []):
-            cuda.event_destroy(e)
+        # each step on its own: one that fails (a registration the driver already dropped, a name the driver's
+        # unlink_shm took, a close refused while a view lives) must not keep the later ones from being freed
+        addrs, events, shms = getattr(self, "_addrs", []), getattr(self, "_h2d", []), getattr(self, "_shms", [])
+        self._addrs, self._h2d, self._shms = [], [], []
+        for a in addrs:
+            with contextlib.suppress(Exception):
+                cuda.host_unregister(a)
+        for e in events:
+            with contextlib.suppress(Exception):
+                cuda.event_destroy(e)
         if getattr(self, "_views", None) is not None:
             self._views.clear()
-        self._addrs, self._h2d, self._cbufs, self._staging = [], [], [], []
-        for s in getattr(self, "_shms", []):
-            s.unlink()      # the name first: a close refused while a view is alive must not leave it in /dev/shm
-            s.close()
-        self._shms = []
+        self._cbufs, self._staging = [], []
+        for s in shms:      # every name first: a close refused while a view is alive must not leave one in /dev/shm
+            with contextlib.suppress(FileNotFoundError):
+                s.unlink()
+        for s in shms:
+            with contextlib.suppress(BufferError):
+                s.close()
 
 
 class _GpuSender(SlotSenderBase):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import importlib
 import numbers
 import os
 import queue
@@ -157,6 +158,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             # for the whole process, not around each call (model/attention.sdpa): the vision tower runs on Ray's
             # pool threads beside the loop thread's prefill, and torch's switch is one flag for the process
             torch.backends.cuda.enable_cudnn_sdp(False)
+        if self.engine.is_cuda:     # the chunk mask's module (attention.attend_batch) here, not on the loop thread at
+            importlib.import_module("torch.nn.attention.bias")     # the first prompt cut in pieces (1.2 s: dynamo)
         t0 = time.monotonic()
         m = self.placement.model
         self.src = open_weights(m.path, m.format)

@@ -128,7 +128,7 @@ def test_a_cancel_that_arrives_with_a_piece_is_not_lost():
     async def race(turns):
         box = client_mod._Box(asyncio.get_running_loop())
         task = asyncio.ensure_future(box.get(10.0, "r1"))
-        for _ in range(turns):      # one turn: get parks on its future; two: asyncio.wait waits on it too
+        for _ in range(turns):      # the piece and the cancel after one loop turn or two of the parked get
             await asyncio.sleep(0)
         box.put("piece")                    # the piece and the cancellation in one turn
         task.cancel()

@@ -96,3 +96,21 @@ def test_host_receiver_frees_what_a_failed_allocation_made(monkeypatch, fail_at)
     finally:
         r.close()
     assert glob.glob(f"/dev/shm/mpp-*-host_{name}_*") == []
+
+
+def test_host_receiver_close_frees_every_slot_when_one_name_is_already_gone():
+    """The driver's unlink_shm may take a stage's segment names first (after a kill): closing the receiver then must
+    still unlink the other slot's name and free every registration, not stop at the first missing name."""
+    import glob
+
+    from memra_pp.stages import gpu_slots
+    from multiprocessing.shared_memory import SharedMemory
+    name = "gonetest"
+    r = gpu_slots.HostSlotReceiver(name, 1 << 20)
+    first = sorted(glob.glob(f"/dev/shm/mpp-*-host_{name}_*"))
+    assert len(first) == 2
+    other = SharedMemory(name=first[0].split("/dev/shm/")[1])    # someone else unlinks the first slot's name
+    other.unlink()
+    other.close()
+    r.close()
+    assert glob.glob(f"/dev/shm/mpp-*-host_{name}_*") == [] and r._shms == [] and r._addrs == []

@@ -24,7 +24,7 @@ def child(monkeypatch):
 
 
 def ident(p, **kw):
-    return {"node": "n1", "pid": p.pid, "start": rayutil._start_time(p.pid)} | kw
+    return {"node": "n1", "pidns": rayutil._pidns(), "pid": p.pid, "start": rayutil._start_time(p.pid)} | kw
 
 
 def test_a_stopped_stage_on_this_node_is_sigkilled_then_ray_killed(child):
@@ -35,10 +35,14 @@ def test_a_stopped_stage_on_this_node_is_sigkilled_then_ray_killed(child):
     assert rayutil._start_time(p.pid) is None          # reaped: gone; a zombie reads as gone too
 
 
-@pytest.mark.parametrize("why", ["another start time (the pid reused)", "another node", "no start time", "none"])
-def test_a_process_that_is_not_the_stage_is_never_signalled(child, why):
+@pytest.mark.parametrize("why", ["another start time (the pid reused)", "another node", "another pid namespace",
+                                 "no start time", "none", "no Ray context"])
+def test_a_process_that_is_not_the_stage_is_never_signalled(child, monkeypatch, why):
     p, killed = child
     proc = {"another start time (the pid reused)": ident(p, start=(rayutil._start_time(p.pid) or 0) + 1),
-            "another node": ident(p, node="n2"), "no start time": ident(p, start=None), "none": None}[why]
+            "another node": ident(p, node="n2"), "another pid namespace": ident(p, pidns=-1),
+            "no start time": ident(p, start=None), "none": None, "no Ray context": ident(p)}[why]
+    if why == "no Ray context":
+        monkeypatch.setattr(rayutil.ray, "get_runtime_context", lambda: 1 / 0)
     assert rayutil.kill_actor("actor", proc) is False
     assert p.poll() is None and killed == ["actor"]      # alive, and Ray's kill still asked

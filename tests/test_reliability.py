@@ -111,7 +111,7 @@ def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
             assert len(dec.tokens) < DECODE_NEW
             check_serves(dep, c)
             if how == "SIGSTOP":    # the restart SIGKILLed the stopped process itself (Ray alone waited ~5 s)
-                assert dep.supervisor.log[-1]["sigkilled"] == 1, dep.supervisor.log[-1]
+                assert dep.supervisor.log[-1]["sigkilled"] >= 1, dep.supervisor.log[-1]
             left = [x for x in dead if os.path.exists(f"/dev/shm/{x}")] + \
                 [e for x in dead if x.endswith("*") for e in os.listdir("/dev/shm") if e.startswith(x[:-1])]
             assert not left, f"{how} of stage {i} left its slot segments behind: {left}"
@@ -202,7 +202,7 @@ def test_stuck_stage_is_detected_and_replaced(ray_cluster):
         assert e.value.stage == 1 and "computing for" in str(e.value), e.value
         assert time.monotonic() - t0 < 15
         dep.wait_ready(timeout=60)
-        assert dep.supervisor.log[-1]["sigkilled"] == 1, dep.supervisor.log      # its live process, by its pid
+        assert dep.supervisor.log[-1]["sigkilled"] >= 1, dep.supervisor.log      # its live process, by its pid
         ref = hf_reference("dense", False, SHORT, 4)[0]
         assert c.generate(list(SHORT), max_new_tokens=4).token_ids == ref
 

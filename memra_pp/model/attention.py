@@ -19,7 +19,9 @@ class Rope:
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=device) / r))
         row = torch.zeros(r // 2, dtype=torch.long)
         sec = cfg.mrope_section
-        # interleaved always: transformers' Qwen3.5 never reads mrope_interleaved (config.py warns on false)
+        # interleaved always: transformers' Qwen3.5 never reads mrope_interleaved (config.py warns on false and
+        # sets it true); a TextConfig built by hand with false would be read otherwise than it says
+        assert cfg.mrope_interleaved, "Qwen3.5's M-RoPE is interleaved (mrope_interleaved false is not supported)"
         for j in range(r // 2):
             if j % 3 == 1 and j < 3 * sec[1]:
                 row[j] = 1
