@@ -78,8 +78,13 @@ def _interrupt(signum, frame):
     still stops it at once. A SIGTERM to the whole process group never reaches the local cluster Ray starts: the
     command runs in a session of its own (_in_own_session)."""
     import signal
+    global _TERM_SEEN
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _TERM_SEEN = True
     raise KeyboardInterrupt
+
+
+_TERM_SEEN = False      # a SIGTERM started this process's shutdown: it stays ignored until the program exits
 
 
 # the commands that start a deployment, and a local Ray cluster with it where ray.address is local
@@ -93,22 +98,32 @@ def _in_own_session(argv: list[str]) -> int:
     Ray starts a local cluster's GCS and raylet in the caller's process group, blocking only SIGINT there. A
     SIGTERM to that group (`timeout`'s second signal, `kill -TERM -PGID`) ended them under the launcher, whose
     shutdown then waited 60 s for the dead GCS until Ray ended it with exit 1. Here nothing but this process is in
-    the caller's group: SIGINT and SIGTERM are passed on to the child once each arrives (SIGHUP as SIGTERM), which
-    shuts its deployment down as before, and the child gets SIGTERM should this process be killed (SIGKILL too),
-    so its deployment never outlives the command."""
+    the caller's group: SIGINT is passed on to the child each time it arrives, SIGTERM (and SIGHUP, as SIGTERM)
+    once, which shuts its deployment down as before, and the child gets SIGTERM should this process be killed
+    (SIGKILL too), so its deployment never outlives the command."""
     import signal
     import subprocess
     child = subprocess.Popen([sys.executable, "-m", "memra_pp.cli", *argv], start_new_session=True,
                              env=dict(os.environ, **{_PARENT: str(os.getpid())}), preexec_fn=_die_with_parent)
 
+    termed = []
+
     def forward(signum, frame):
+        sig = signal.SIGTERM if signum == signal.SIGHUP else signum
+        if sig == signal.SIGTERM:
+            if termed:      # the child is shutting down already: Ray's driver shutdown (core_worker.shutdown_driver)
+                return      # sets SIGTERM back to the default there, and `timeout`'s second one killed it (exit 143)
+            termed.append(sig)
         try:
-            child.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+            child.send_signal(sig)
         except ProcessLookupError:
             pass
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, forward)
     rc = child.wait()
+    if termed:      # a SIGTERM ended the child: more of them from here to the exit are ignored, not fatal (Python's
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)       # finalization sets its handlers back to the default)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return rc if rc >= 0 else 128 - rc
 
 
@@ -333,8 +348,10 @@ def main(argv=None) -> int:
     finally:                         # (main called in-process: the host's handler and launches as they were)
         if hooks is not None:
             hooks.remove(_sigterm_is_ctrl_c)
+            # the program itself, shut down by a SIGTERM, ignores it again while Ray's exit handlers run
+            # (ray.shutdown set the default back)
             if threading.current_thread() is threading.main_thread() and before is not None:
-                signal.signal(signal.SIGTERM, before)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN if argv is None and _TERM_SEEN else before)
 
 
 if __name__ == "__main__":
