@@ -73,10 +73,10 @@ def cmd_demo(args) -> int:
 
 def _interrupt(signum, frame):
     """SIGTERM (a service manager's stop, `timeout`, `kill`) shuts down as Ctrl-C does. A second SIGTERM is
-    ignored from then on (main restores the handler it found): `timeout` sends two, to the command and then to its
-    process group, and the second cut the shutdown the first started short (the stages' segments stayed). SIGKILL
-    still stops it at once. A SIGTERM to the whole process group never reaches the local cluster Ray starts: the
-    command runs in a session of its own (_in_own_session)."""
+    ignored from then on (main restores the handler it found only where it was called in-process): `timeout` sends
+    two, to the command and then to its process group, and the second cut the shutdown the first started short (the
+    stages' segments stayed). SIGKILL still stops it at once. A SIGTERM to the whole process group never reaches
+    the local cluster Ray starts: the command runs in a session of its own (_in_own_session)."""
     import signal
     global _TERM_SEEN
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
