@@ -593,7 +593,7 @@ def _shown(toks: list[int], finish) -> list[int]:
 
 
 class _Box:
-    """What agenerate's pieces come in by: put on the loop (the pump thread's call_soon_threadsafe), taken by get.
+    """What agenerate's pieces come in by: put on the loop (the poller's call_soon_threadsafe), taken by get.
     A wait parks on a plain future, no task: a loop closed under a waiting agenerate leaves no queue read behind
     that never ran (asyncio.Queue's get as a task did: "coroutine 'Queue.get' was never awaited")."""
 

@@ -91,8 +91,8 @@ class Scheduler:
 
     def pages(self, r: Request) -> int:
         """The most KV pages request r's sequence can hold: its prompt and every generated token but the last (which
-        is sampled, never fed), at most max_context positions (validate refuses more)."""
-        return -(-min(len(r.prompt) + max(r.max_new_tokens - 1, 0), self.max_context) // self.kv_block)
+        is sampled, never fed); validate refuses a request whose positions pass max_context."""
+        return -(-(len(r.prompt) + max(r.max_new_tokens - 1, 0)) // self.kv_block)
 
     def _pages_fit(self, r: Request) -> bool:
         return self.kv_pages is None or self.kv_used + self.pages(r) <= self.kv_pages
