@@ -13,6 +13,7 @@ import time
 import ray
 
 from .errors import ConfigError, MemraError, StageFailed
+from .shm import proc_stat
 
 
 def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error: type = StageFailed):
@@ -53,13 +54,11 @@ def _pidns() -> int | None:
 
 
 def _start_time(pid: int) -> int | None:
-    """Process `pid`'s start time (clock ticks since boot) where it runs on this host; None if it does not (a
-    zombie, already killed, does not)."""
+    """Process `pid`'s start time (clock ticks since boot) where it runs on this host (shm.proc_stat); else None."""
+    fields = proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()     # the fields after comm: state is 3, starttime 22
-        return None if fields[0] in ("Z", "X") else int(fields[19])
-    except (OSError, IndexError, ValueError):
+        return None if fields is None else int(fields[19])
+    except (IndexError, ValueError):
         return None
 
 

@@ -163,13 +163,20 @@ def stage_pids(actors, timeout: float = 5.0) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host (a zombie, killed and not yet reaped, does not)."""
+def proc_stat(pid: int) -> list[str] | None:
+    """Process `pid`'s /proc stat fields after its name (state first: stat's field 3, starttime at index 19) where
+    it runs on this host; None if it does not (a zombie, killed and not yet reaped, does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return None
+    return fields if fields and fields[0] not in ("Z", "X") else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (a zombie, killed and not yet reaped, does not)."""
+    return proc_stat(pid) is not None
 
 
 def unlink_shm_of(pids, wait: float = 5.0) -> int:
