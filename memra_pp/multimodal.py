@@ -34,16 +34,23 @@ def as_image_input(x) -> ImageInput:
     raise InputError(f"an image must be a memra_pp.ImageInput (pixel_values, grid_thw), got {type(x).__name__}")
 
 
-def plan_images(prompt: list[int], images, mc: ModelConfig, max_patches: int) -> ImagePlan:
-    """Refuses (InputError) before any device work: a model without a tower, bad pixels, count mismatches."""
+def plan_images(prompt: list[int], images, mc: ModelConfig, max_patches: int, generated: int = 0) -> ImagePlan:
+    """Refuses (InputError) before any device work: a model without a tower, bad pixels, count mismatches.
+    `generated`: the prompt's last tokens are the model's own (a replay's prompt after a stage failure): text at
+    decode's positions (index + rope_delta) whatever their ids, never placeholders of an image span."""
     if mc.vision is None or mc.image_token_id is None:
         raise InputError("this model has no vision tower (no vision_config): images cannot be given")
     imgs = [validate_image_input(as_image_input(x), mc.vision, max_patches) for x in images]
     merge = mc.vision.spatial_merge_size
-    prompt = expand_placeholders(prompt, imgs, mc.image_token_id, merge, mc.video_token_id)
+    cut = len(prompt) - generated
+    prompt, tail = expand_placeholders(prompt[:cut], imgs, mc.image_token_id, merge, mc.video_token_id), prompt[cut:]
     grids = [ii.grid_thw for ii in imgs]
     spans = placeholder_spans(prompt, grids, mc.image_token_id, mc.video_token_id, merge)
     pos, delta = rope_positions(prompt, grids, mc.image_token_id, mc.video_token_id, merge)
+    if tail:
+        n = len(prompt)
+        pos = torch.cat([pos, (torch.arange(n, n + len(tail)) + delta).expand(3, -1)], 1)
+        prompt = prompt + tail
     return ImagePlan(prompt, imgs, spans, pos, delta)
 
 

@@ -27,7 +27,7 @@ class ImagesMixin:
     def _plan_images(self, r: Request, images):
         """Everything an image request can be refused for before the tower runs: raises InputError."""
         try:
-            ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES)
+            ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES, generated=r.step0)
         except (TypeError, ValueError, AttributeError, IndexError) as e:
             if isinstance(e, MemraError):
                 raise

@@ -100,6 +100,23 @@ def test_a_lone_placeholder_after_two_images_in_one_run_gets_the_third():
         plan_images([5, VS] + [IMG] * 10 + [VE, VS, IMG, IMG, VE], [a, b, a], MC, 16384)
 
 
+def test_a_replays_generated_tokens_are_text_whatever_their_ids():
+    """A replay's prompt is the prompt and the tokens generated before a stage failure (`generated`). Those are the
+    model's own tokens: placeholders or vision marks among them are text at decode's positions (index +
+    rope_delta), never an image span. They were planned as placeholders, and the replay refused ("6 tower rows but
+    the prompt holds 7 image/video placeholder tokens")."""
+    a = ImageInput(_px(24), (1, 4, 6))
+    head, tail = [5, VS, IMG, VE, 7], [IMG, VS, IMG, IMG, VE, 9]
+    with pytest.raises(InputError, match="the prompt holds 9 image/video placeholder tokens"):
+        plan_images(head + tail, [a], MC, 16384)
+    ip, alone = plan_images(head + tail, [a], MC, 16384, generated=len(tail)), plan_images(head, [a], MC, 16384)
+    assert ip.prompt == alone.prompt + tail and ip.spans == alone.spans == [(2, 0, 6)]
+    n = len(alone.prompt)
+    assert ip.rope_delta == alone.rope_delta
+    assert torch.equal(ip.positions_3L[:, :n], alone.positions_3L)
+    assert ip.positions_3L[:, n:].tolist() == [[i + alone.rope_delta for i in range(n, n + len(tail))]] * 3
+
+
 def test_the_tower_takes_numpy_grids_and_refuses_what_the_merge_cannot():
     """VisionTower must take a grid of numpy ints as ints, and refuse a grid the 2x2 merge cannot take by name
     (numpy ints raised TypeError, (1, 3, 4) a RuntimeError from a view)."""

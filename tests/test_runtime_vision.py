@@ -155,3 +155,45 @@ def test_a_dead_tower_is_named_not_the_intake(ray_cluster):
         with pytest.raises(StageFailed) as e:
             c.generate(prompt_for(imgs), max_new_tokens=NEW, images=imgs, timeout=60)
         assert e.value.stage == 1 and str(e.value).startswith("stage 1 (vision tower): a stage actor died"), e.value
+
+
+def hf_image_greedy_n(model, p, imgs, new):
+    ids = torch.tensor([p])
+    with torch.no_grad():
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), pixel_values=torch.cat(
+            [i.pixel_values for i in imgs]), image_grid_thw=torch.tensor([i.grid_thw for i in imgs]),
+            mm_token_type_ids=(ids == IMG).long(), max_new_tokens=new, do_sample=False, eos_token_id=None,
+            pad_token_id=0)
+    return g[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("stage", [1, 0])
+def test_an_image_request_is_replayed_through_a_restart(ray_cluster, stage):
+    """recover: replay with an image request cut mid-decode, by the loss of the tower (stage 1, primary) or of the
+    intake: the replay re-runs the tower and the request ends with transformers' tokens. This prompt's first
+    generated token is the image placeholder itself (300): in the replayed prompt it is a generated token, plain
+    text, not a second image's span (the replay was refused, "1 placeholder rows but 0 images", or spliced)."""
+    from test_reliability import Stream, kill
+    model, path = tiny_checkpoint("dense", False)
+    imgs = [image(2)]
+    p = [5, 17, VS] + [IMG] * 6 + [VE, 42, 14, 7]
+    new = 160
+    want = hf_image_greedy_n(model, p, imgs, new)
+    assert want[0] == IMG, "the premise: the model's first token is the placeholder"
+    conf = {**cfg(path, 2), "recover": "replay", "timeouts": {"heartbeat_s": 0.5},
+            "scheduler": {"max_batch": 8, "max_context": 256, "prefill_chunk": 4}}
+    with memra_pp.launch(conf) as dep:
+        c = dep.client()
+        s = Stream(c, p, new, images=imgs)
+        s.wait_tokens(3)
+        assert s.t_end is None, "the request must still be decoding when the stage dies"
+        kill(dep, stage, "ray.kill")
+        s.join(120)
+        assert s.error is None, s.error
+        assert len(dep.supervisor.log) == 1 and dep.supervisor.log[0]["stage"] == stage
+        assert s.tokens == want and s.finish == "length"
+        st = dep.stats()["stages"]
+        # the replay ran the tower again: a new intake counts the replay's publication alone, the old one both
+        assert st[0]["overlay_publications"] == (1 if stage == 0 else 2), st[0]
+        r = c.generate(p, max_new_tokens=NEW, images=imgs, timeout=60)
+        assert r.token_ids == want[:NEW]
