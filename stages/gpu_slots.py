@@ -156,6 +156,9 @@ class HostSlotReceiver(_GpuReceiver):
         # unlink_shm took, a close refused while a view lives) must not keep the later ones from being freed
         addrs, events, shms = getattr(self, "_addrs", []), getattr(self, "_h2d", []), getattr(self, "_shms", [])
         self._addrs, self._h2d, self._shms = [], [], []
+        if addrs:       # an h2d out of a slot may still run (a view taken, not yet credited): the peer path syncs too
+            with contextlib.suppress(Exception):
+                cuda.stream_synchronize(self._stream())
         for a in addrs:
             with contextlib.suppress(Exception):
                 cuda.host_unregister(a)
