@@ -294,7 +294,7 @@ class Supervisor:
             _get(dep.actors[0].registry_key.remote(key), t, "adapter registry key")
         if loaded:      # reloaded LoRA pools took memory after the wiring measured it
             dep._rebudget(t)
-        _get([a.start.remote() for a in dep.actors], t, "stage start")
+        _get([a.start.remote(recovered=True) for a in dep.actors], t, "stage start")
         self.intake_id = dep.actors[0]._actor_id
 
     def _kept_registry(self) -> dict | None:

@@ -54,8 +54,8 @@ class StageActor:
     def encode_images(self, pixel_values: list, grids: list, spans: list, inbox=None):
         return self.runner.encode_images(pixel_values, grids, spans, inbox)
 
-    def start(self) -> None:
-        return self.runner.start()
+    def start(self, recovered: bool = False) -> None:
+        return self.runner.start(recovered)
 
     def submit(self, req: dict) -> None:
         return self.runner.submit(req)

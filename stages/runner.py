@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, StageFailed
 from ..model import attention
 from ..model.config import ModelConfig
 from ..model.stage_model import StageModel
@@ -125,6 +125,10 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self._pending_lock = threading.Lock()
         self._images_q: queue.Queue = queue.Queue()
         self._images_thread: threading.Thread | None = None
+        # intake: (stage, message) of a stage loss that ended requests here (their clients hold them for a replay)
+        # with no recovery since; and when this loop last started after a recovery (see begin_unload)
+        self.lost: tuple[int, str] | None = None
+        self.resumed_at: float | None = None
 
     def here(self) -> None:
         """Make this stage's context current on the calling thread (Ray calls arrive on pool threads)."""
@@ -225,7 +229,10 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         if self.ring_listener is not None:
             self.ring = self.ring_listener.accept(timeout)
 
-    def start(self) -> None:
+    def start(self, recovered: bool = False) -> None:
+        """Start the loop; `recovered`: after a recovery (the supervisor's restart), which ends the stage loss."""
+        if recovered:
+            self.lost, self.resumed_at = None, time.monotonic()
         if GC_FREEZE:   # (at every start, a recovery's too) what is alive now lives as long as the stage:
             gc.collect()    # a full collection walking it mid-run stalled every stage behind this one (~160 ms on
             gc.freeze()     # the CPU stages measured, set off by a stats() call); vLLM freezes its heap after startup
@@ -339,8 +346,22 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             e[2] = "loaded"
         self._keep_registry()
 
+    # After a recovery, the requests it cut come back as replays: the launching handle's at once, a connect()ed
+    # handle's at its next read of the recovery record (RemoteSupervisor.POLL_S, 0.2 s). An unload waits this long
+    # after the recovery for them, so that they are counted as the adapter's users.
+    REPLAY_GRACE_S = 1.0
+
     def begin_unload(self, name: str) -> int:
-        """Intake: withdraw a loaded adapter's name (no new request selects it) and mark it unloading; its slot."""
+        """Intake: withdraw a loaded adapter's name (no new request selects it) and mark it unloading; its slot.
+        Requests held by their clients for a replay still use their adapter: while a stage loss has ended requests
+        here and no recovery has run, the unload is refused (StageFailed), and just after a recovery it waits up to
+        REPLAY_GRACE_S for the replays (a held request's adapter was unloaded under it: its replay was refused)."""
+        if self.lost is not None:
+            raise StageFailed(f"adapter {name!r} cannot be unloaded now: {self.lost[1]}, and the deployment has not "
+                              f"recovered yet (requests held for a replay may still use it); retry once "
+                              f"dep.wait_ready() returns", stage=self.lost[0])
+        if self.resumed_at is not None and self.placement.recover == "replay":
+            time.sleep(max(0.0, self.resumed_at + self.REPLAY_GRACE_S - time.monotonic()))
         with self._registry_lock:
             e = self.adapter_registry.get(name)
             if e is None:

@@ -64,6 +64,8 @@ class ImagesMixin:
                     # its client let it go, or a halt failed it (the stage restarted under it): nobody reads it
                     self._pending_aborted.discard(r.rid)
                 elif err is not None:
+                    if isinstance(err, StageFailed) and err.stage is not None:     # the tower's stage is lost:
+                        self.lost = (err.stage, str(err))       # its client holds r for a replay (begin_unload)
                     self.inbox.put(("post", self.scheduler.fail_one(r, err)))
                 else:
                     self.inbox.put(("req", r))

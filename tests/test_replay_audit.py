@@ -1,0 +1,124 @@
+"""A request held by its client for a replay (recover: replay) still uses its adapter: an unload during the recovery
+must not take it away (the replay was refused: "unknown adapter")."""
+import re
+import threading
+import time
+
+import memra_pp
+from conftest_models import tiny_checkpoint
+from memra_pp.errors import StageFailed
+from test_reliability import config, kill
+
+P1 = (5, 17, 42, 7, 23)
+
+
+class Run(threading.Thread):
+    """One streamed request on its own thread: tokens, logprobs, text and how it ended."""
+
+    def __init__(self, c, prompt, new, **kw):
+        super().__init__(daemon=True)
+        self.c, self.prompt, self.new, self.kw = c, list(prompt), new, kw
+        self.tokens, self.lps, self.text, self.error, self.finish, self.t_end = [], [], "", None, None, None
+        self.start()
+
+    def run(self):
+        try:
+            for ev in self.c.stream(self.prompt, max_new_tokens=self.new, timeout=60, **self.kw):
+                self.tokens += ev.token_ids
+                self.lps += ev.logprobs
+                self.text += ev.text or ""
+                self.finish = ev.finish_reason or self.finish
+        except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
+            self.error = e
+        self.t_end = time.monotonic()
+
+    def wait_tokens(self, n, timeout=30):
+        deadline = time.monotonic() + timeout
+        while len(self.tokens) < n and self.t_end is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(self.tokens) >= n, (self.tokens, self.error)
+
+
+def replay_cfg(path, n, name, **extra):
+    return {**config(path, n, recover="replay"), "name": name, **extra}
+
+
+# -- adapters of requests held for a replay ------------------------------------------------------------------------
+def test_an_unload_racing_a_connected_handles_replay_is_refused(ray_cluster):
+    """A connect()ed handle's request with an adapter is held across a recovery; the launching process asks to unload
+    that adapter during the recovery (its unload waits for the recovery's end). Uninterrupted, that unload is
+    refused ("still used by 1 request") and the request ends with its tokens: so must it be here. The connected
+    handle replays only at its next read of the launcher's recovery record (RemoteSupervisor.POLL_S), after the
+    launcher's supervisor lock is released, and a held request is not an adapter user: the unload went first, and
+    the replay was refused (unknown adapter)."""
+    from memra_pp.errors import InputError
+    from test_adapters import adapter
+    new = 300      # still decoding when the unload, after its wait for replays, counts the users
+    _, path = tiny_checkpoint("dense", False)
+    cfg = replay_cfg(path, 2, "hrunload", adapters={"max_loras": 2, "max_rank": 8})
+    with memra_pp.launch(cfg, detached=True) as dep:
+        dep.load_adapter("a", adapter("dense", False, "A")[1])
+        other = memra_pp.connect("hrunload", namespace="memra-test")
+        c = other.client()
+        want = c.generate(list(P1), max_new_tokens=new, adapter="a", timeout=60)
+        s = Run(c, P1, new, adapter="a")
+        s.wait_tokens(3)
+        assert s.t_end is None
+        kill(dep, 1, "SIGKILL")
+        deadline = time.monotonic() + 20
+        while dep.supervisor.ready.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not dep.supervisor.ready.is_set(), "the launcher must be recovering"
+        out = {}
+
+        def unload():
+            try:
+                dep.unload_adapter("a")
+                out["r"] = "unloaded"
+            except Exception as e:  # noqa: BLE001
+                out["r"] = e
+        th = threading.Thread(target=unload, daemon=True)
+        th.start()
+        s.join(90)
+        th.join(60)
+        assert s.error is None, f"the held request was lost to an unload it would have refused: {s.error}"
+        assert s.tokens == want.token_ids
+        assert isinstance(out["r"], InputError) and "still used by 1 request" in str(out["r"]), out
+
+
+def test_an_unload_right_after_a_kill_does_not_take_a_held_requests_adapter(ray_cluster):
+    """The launcher's own handle: stage 1 is SIGKILLed under a request with an adapter and the operator unloads that
+    adapter at once, before the supervisor has noticed the loss (heartbeat_s 0.5). Uninterrupted, the unload is
+    refused ("still used by 1 request"); the interrupted request is only held for its replay, so the unload must
+    still be refused (or fail) without taking the adapter from under it: the request must end with its tokens."""
+    from test_adapters import adapter
+    new = 64
+    _, path = tiny_checkpoint("dense", False)
+    cfg = replay_cfg(path, 2, "hr-unload2", adapters={"max_loras": 2, "max_rank": 8})
+    with memra_pp.launch(cfg) as dep:
+        dep.load_adapter("a", adapter("dense", False, "A")[1])
+        c = dep.client()
+        want = c.generate(list(P1), max_new_tokens=new, adapter="a", timeout=60)
+        s = Run(c, P1, new, adapter="a")
+        s.wait_tokens(3)
+        assert s.t_end is None
+        kill(dep, 1, "SIGKILL")
+        deadline = time.monotonic() + 10
+        while not c._held and time.monotonic() < deadline:     # the intake's link break: the request is held
+            time.sleep(0.002)
+        assert c._held and dep.supervisor.ready.is_set(), "the premise: held, the loss not yet seen by the supervisor"
+        try:
+            dep.unload_adapter("a")
+            unload = "unloaded"
+        except Exception as e:  # noqa: BLE001
+            unload = e
+        s.join(90)
+        dep.wait_ready(60)
+        assert s.error is None, f"the held request lost its adapter (unload: {unload!r}): {s.error}"
+        assert s.tokens == want.token_ids
+        # the intake had ended the request for the lost stage: the unload is refused until a recovery has run
+        assert isinstance(unload, StageFailed) and unload.stage == 1, unload
+        assert re.fullmatch(r"adapter 'a' cannot be unloaded now: stage 1 is lost: .*, and the deployment has not "
+                            r"recovered yet \(requests held for a replay may still use it\); retry once "
+                            r"dep.wait_ready\(\) returns", str(unload), re.S), unload
+
