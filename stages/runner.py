@@ -81,6 +81,11 @@ class Inbox(queue.Queue):
 
 
 class StageRunner(ImagesMixin, RecoveryMixin):
+    # intake: (stage, message) of a stage loss that ended requests here (their clients hold them for a replay) with
+    # no recovery since; and when this loop last started after a recovery (see begin_unload)
+    lost: tuple[int, str] | None = None
+    resumed_at: float | None = None
+
     def __init__(self):
         self.index = -1
         self.loop = None
@@ -125,10 +130,6 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self._pending_lock = threading.Lock()
         self._images_q: queue.Queue = queue.Queue()
         self._images_thread: threading.Thread | None = None
-        # intake: (stage, message) of a stage loss that ended requests here (their clients hold them for a replay)
-        # with no recovery since; and when this loop last started after a recovery (see begin_unload)
-        self.lost: tuple[int, str] | None = None
-        self.resumed_at: float | None = None
 
     def here(self) -> None:
         """Make this stage's context current on the calling thread (Ray calls arrive on pool threads)."""

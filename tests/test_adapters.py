@@ -275,6 +275,37 @@ def test_pool_refusals():
     assert all(torch.equal(before[k], v) for k, v in pool.b.items()), "the refused load changed the pool"
 
 
+def test_an_unload_waits_for_the_replays_a_recovery_brings_and_is_refused_before_it():
+    """begin_unload: while a stage loss has ended requests at the intake (clients hold them for a replay) it refuses
+    with StageFailed naming the stage, the name left loaded; after a recovery with recover: replay it waits until
+    REPLAY_GRACE_S past the loop's restart (the replays' submits count the adapter's users); with recover: error,
+    nothing is replayed and it does not wait."""
+    import threading
+    import time
+    import types
+    from memra_pp.errors import StageFailed
+    from memra_pp.stages.runner import StageRunner
+    r = StageRunner.__new__(StageRunner)
+    r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2), recover="replay")
+    r.adapter_registry, r._registry_lock, r._registry_kv = {}, threading.Lock(), None
+    r.reserve_adapter("a", "/a")
+    r.commit_adapter("a", 0)
+    r.lost = (1, "stage 1 is lost: the ring from it broke")
+    with pytest.raises(StageFailed, match=r"^adapter 'a' cannot be unloaded now: stage 1 is lost: the ring from it "
+                                          r"broke, and the deployment has not recovered yet \(requests held for a "
+                                          r"replay may still use it\); retry once dep.wait_ready\(\) returns$") as e:
+        r.begin_unload("a")
+    assert e.value.stage == 1 and r.adapter_names == {"a": 0}
+    r.lost, r.resumed_at = None, time.monotonic()       # what start(recovered=True) sets
+    t0 = time.monotonic()
+    assert r.begin_unload("a") == 0
+    assert time.monotonic() - t0 >= StageRunner.REPLAY_GRACE_S - 0.05 and r.adapter_names == {}
+    r.abort_unload("a")
+    r.placement.recover, r.resumed_at = "error", time.monotonic()
+    t0 = time.monotonic()
+    assert r.begin_unload("a") == 0 and time.monotonic() - t0 < 0.5
+
+
 def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
     """stages/runner's registry (the table every Deployment handle loads and unloads through): reserve gives the
     lowest free slot (loading), commit publishes the name (loaded), begin_unload withdraws it (unloading), abort_unload
