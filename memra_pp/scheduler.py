@@ -170,6 +170,8 @@ class Scheduler:
                 return [Event(r.client, rid, [], [], "abort")]
         for s in list(self.active.values()):
             if s.req.rid == rid:
+                if s.in_flight and s.req.max_new_tokens == 0:   # aborted already (a second abort: close() and the
+                    return []                                   # submit it overtook both ask): counted once
                 self.aborted += 1
                 if not s.in_flight:
                     self._finish(s)
