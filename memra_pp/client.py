@@ -367,7 +367,7 @@ class Client(ReplayMixin):
             if self._closed.is_set():   # closed during the send: close() aborted it before the intake had it
                 self._abort(tr.rid)
         except StageFailed as e:   # the intake is gone: with replay the request waits for the recovery
-            if type(e) is not StageFailed or e.stage is not None:
+            if type(e) is not StageFailed or e.stage is not None or getattr(self.dep, "_gone", None):
                 self._drop(tr)
                 raise
             with self._lock:
@@ -407,6 +407,8 @@ class Client(ReplayMixin):
         except StageFailed as e:
             if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
                     self._intake._actor_id == intake._actor_id:
+                if getattr(self.dep, "_gone", None):    # a connect()ed handle whose launch was shut down
+                    raise StageFailed(f"submit: {self.dep._gone}") from None
                 raise
             tr.intake = self._intake._actor_id
             get(self._intake.submit.remote(req), step_s, "submit")

@@ -76,6 +76,9 @@ _LIVE: "weakref.WeakSet[Deployment]" = weakref.WeakSet()
 
 
 class Deployment:
+    _pg_id: str | None = None       # a connected handle: the detached group it found (kv_key)
+    _gone: str | None = None        # a connected handle whose launch refresh_actors found shut down
+
     def __init__(self, placement: Placement, plan: Plan, actors: list, infos: list[dict], run_dir: str | None,
                  owns_ray: bool, detached: bool):
         self.placement, self.plan, self.actors, self.infos = placement, plan, actors, infos
@@ -99,7 +102,6 @@ class Deployment:
         self.stopped_by: str | None = None   # a connected handle's shutdown: "launcher", "killed" or "gone"
         self.stop_done = threading.Event()   # a stop request was answered (the launcher's shutdown ran or failed)
         self.stop_ok = False                 # ... and its shutdown completed
-        self._pg_id: str | None = None       # a connected handle: the detached group it found (kv_key)
         _LIVE.add(self)
         self._torn_down = False        # its teardown completed: a second shutdown only stops Ray if still asked
         # one shutdown at a time (two threads, or a stop request's and the caller's): a second one during the first
@@ -306,8 +308,8 @@ class Deployment:
         dep._tokenizer = Tokenizer.for_model(dep.placement.model.path) or False
         dep.connected = True
         dep._pg_id = _named_pg_id(dep.placement.name)
-        if dep.placement.recover == "replay" and dep._pg_id is not None:
-            from .supervisor import RemoteSupervisor    # its clients replay as launch's own do
+        if dep._pg_id is not None:      # (whatever `recover`: a recovery in progress is waited for as launch's
+            from .supervisor import RemoteSupervisor    # handle waits; with replay its clients replay as launch's do)
             dep.supervisor = RemoteSupervisor(dep)
             dep.supervisor.start()
         return dep
@@ -338,6 +340,8 @@ class Deployment:
     def _require_up(self, what: str) -> None:
         if self._down:      # the actors are gone: a call would make Ray start a new local cluster to find them
             raise StageFailed(f"{what}: the deployment {self.placement.name!r} was shut down")
+        if self._gone is not None:      # a connect()ed handle whose launch was shut down (refresh_actors)
+            raise StageFailed(f"{what}: {self._gone}")
         if not ray.is_initialized():    # (ray.shutdown() by the caller): a call would start a new local cluster
             raise StageFailed(f"{what}: this process is no longer connected to the Ray cluster of the deployment "
                               f"{self.placement.name!r} (ray.shutdown() was called); connect() again")
@@ -476,9 +480,20 @@ class Deployment:
 
         def look():     # ray.get_actor waits for the GCS as long as it takes (a killed launcher's cluster: until
             try:        # Ray ends this process, 60 s on): the caller waits REFRESH_S at most
-                found.append([ray.get_actor(f"{self.placement.name}.stage{i}") for i in range(len(self.plan.stages))])
+                actors = [ray.get_actor(f"{self.placement.name}.stage{i}") for i in range(len(self.plan.stages))]
             except Exception:  # noqa: BLE001 - a stage between its kill and its replacement, the GCS slow: not now
-                pass
+                actors = None
+            try:    # (after the actors: a launch that took the name meanwhile is found)
+                pg = _named_pg_id(self.placement.name)
+            except Exception:  # noqa: BLE001 - the GCS slow or gone: not now
+                return
+            if self._pg_id is not None and pg != self._pg_id:
+                # this handle's launch is gone: its calls fail from now on, and a later launch of the name (another
+                # placement, maybe another model, a recovery record this handle does not follow) never serves them
+                self._gone = (f"the deployment {self.placement.name!r} this handle connected to was shut down"
+                              + ("; a later launch has its name: connect() to it" if pg else ""))
+            elif actors is not None:
+                found.append(actors)
         t = threading.Thread(target=look, name="refresh-actors", daemon=True)
         t.start()
         t.join(self.REFRESH_S)

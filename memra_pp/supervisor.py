@@ -315,11 +315,12 @@ def is_stage_lost(err: tuple | None) -> bool:
 
 
 class RemoteSupervisor:
-    """A connect()ed handle's view of the launching process's supervisor, for `recover: replay`: its generation
-    (failures seen), the last generation recovered, whether the deployment serves and a recovery's failure, read
-    every 0.2 s from the Ray KV key that supervisor publishes (Supervisor._publish). On a failure this handle's
-    clients hold their requests; on a completed recovery it looks the new stages up and they replay, as launch's
-    own clients do. Has what Client and ReplayMixin read of a Supervisor."""
+    """A connect()ed handle's view of the launching process's supervisor: its generation (failures seen), the last
+    generation recovered, whether the deployment serves and a recovery's failure, read every 0.2 s from the Ray KV
+    key that supervisor publishes (Supervisor._publish). While a recovery runs, this handle's submits, adapter loads
+    and unloads and wait_ready wait for it, as launch's own do; on a failure its clients fail their requests, or with
+    `recover: replay` hold them, and on a completed recovery it looks the new stages up and they replay. Has what
+    Client and ReplayMixin read of a Supervisor."""
 
     POLL_S = 0.2
     UNREACHABLE_S = 10.0    # the launch's cluster unreachable this long, with requests held: they fail
@@ -369,31 +370,38 @@ class RemoteSupervisor:
                     c.on_recovery_failed(self.failure)
                 self.ready.set()
                 return
-            st = self._read()
-            clients = list(self.dep._clients)
-            if self.failure is None and any(c._held for c in clients) and time.monotonic() - checked >= 1.0:
-                checked = time.monotonic()
-                if self._launch_gone():
-                    continue
-            if st is None:
-                continue
-            if st["generation"] > self.generation:       # a stage failed: hold (replay) what was in flight
-                self.generation = st["generation"]
-                self.ready.clear()
-                err = StageFailed(st["reason"], stage=st["stage"])
-                for c in clients:
-                    c.on_stage_failed(err)
-            if st["failure"] and self.failure is None:
-                self.failure = StageFailed(st["failure"], stage=st["stage"])
-                for c in clients:
-                    c.on_recovery_failed(self.failure)
-                self.ready.set()
-            elif st["ready"] and st["recovered"] > self.recovered:
-                self.dep.refresh_actors()                  # the new stages, before anything is resubmitted
-                self.recovered = st["recovered"]
-                self.ready.set()
-                for c in clients:
-                    c.on_recovered()
+            checked = self._round(checked)
+
+    def _round(self, checked: float) -> float:
+        """One read of the launcher's record: what it changed, told to this handle's clients; returns when the held
+        requests' launch was last checked. (A method, so that its list of clients dies with each round: kept across
+        the wait, it kept a client nobody references alive, and its intake mailbox with it.)"""
+        st = self._read()
+        clients = list(self.dep._clients)
+        if self.failure is None and any(c._held for c in clients) and time.monotonic() - checked >= 1.0:
+            checked = time.monotonic()
+            if self._launch_gone():
+                return checked
+        if st is None:
+            return checked
+        if st["generation"] > self.generation:       # a stage failed: hold (replay) what was in flight
+            self.generation = st["generation"]
+            self.ready.clear()
+            err = StageFailed(st["reason"], stage=st["stage"])
+            for c in clients:
+                c.on_stage_failed(err)
+        if st["failure"] and self.failure is None:
+            self.failure = StageFailed(st["failure"], stage=st["stage"])
+            for c in clients:
+                c.on_recovery_failed(self.failure)
+            self.ready.set()
+        elif st["ready"] and st["recovered"] > self.recovered:
+            self.dep.refresh_actors()                  # the new stages, before anything is resubmitted
+            self.recovered = st["recovered"]
+            self.ready.set()
+            for c in clients:
+                c.on_recovered()
+        return checked
 
     def _launch_gone(self) -> bool:
         """Requests are held for a replay: if the launch this handle connected to is gone (its launching process shut
@@ -418,11 +426,25 @@ class RemoteSupervisor:
         return True
 
     def wait_ready(self, timeout: float) -> None:
-        """Return once the launcher's supervisor says the deployment serves and its stages answer here."""
+        """Return once the launcher's supervisor says the deployment serves and its stages answer here; a failure
+        it has not detected yet is waited out, as Supervisor.wait_ready does (a stage that does not answer is asked
+        again, after the record's next read, until the recovery has run or the time is up)."""
         deadline = time.monotonic() + timeout
-        if not self.ready.wait(timeout):
-            raise self.failure or StageFailed(f"the deployment did not recover within {timeout:g} s")
-        if self.failure is not None:
-            raise self.failure
-        self.dep.refresh_actors()
-        _get([a.ping.remote() for a in list(self.dep.actors)], max(deadline - time.monotonic(), 0.1), "wait_ready")
+        beat = self.dep.placement.timeouts.heartbeat_s
+        while True:
+            left = deadline - time.monotonic()
+            if not self.ready.wait(max(left, 0)):
+                raise self.failure or StageFailed(f"the deployment did not recover within {timeout:g} s")
+            if self.failure is not None:
+                raise self.failure
+            self.dep._require_up("wait_ready")     # (shut down, or its launch gone: refresh_actors found it)
+            self.dep.refresh_actors()
+            try:
+                _get([a.ping.remote() for a in list(self.dep.actors)],
+                     max(min(deadline - time.monotonic(), beat * MISSED_BEATS), 0.1), "wait_ready")
+                if self.ready.is_set():
+                    return
+            except StageFailed:
+                if time.monotonic() >= deadline:
+                    raise
+            self.stopping.wait(self.POLL_S)
