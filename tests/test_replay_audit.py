@@ -7,36 +7,9 @@ import time
 import memra_pp
 from conftest_models import tiny_checkpoint
 from memra_pp.errors import StageFailed
-from test_reliability import config, kill
+from test_reliability import Stream, config, kill
 
 P1 = (5, 17, 42, 7, 23)
-
-
-class Run(threading.Thread):
-    """One streamed request on its own thread: tokens, logprobs, text and how it ended."""
-
-    def __init__(self, c, prompt, new, **kw):
-        super().__init__(daemon=True)
-        self.c, self.prompt, self.new, self.kw = c, list(prompt), new, kw
-        self.tokens, self.lps, self.text, self.error, self.finish, self.t_end = [], [], "", None, None, None
-        self.start()
-
-    def run(self):
-        try:
-            for ev in self.c.stream(self.prompt, max_new_tokens=self.new, timeout=60, **self.kw):
-                self.tokens += ev.token_ids
-                self.lps += ev.logprobs
-                self.text += ev.text or ""
-                self.finish = ev.finish_reason or self.finish
-        except Exception as e:  # noqa: BLE001 - recorded for the test to assert on
-            self.error = e
-        self.t_end = time.monotonic()
-
-    def wait_tokens(self, n, timeout=30):
-        deadline = time.monotonic() + timeout
-        while len(self.tokens) < n and self.t_end is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert len(self.tokens) >= n, (self.tokens, self.error)
 
 
 def replay_cfg(path, n, name, **extra):
@@ -61,7 +34,7 @@ def test_an_unload_racing_a_connected_handles_replay_is_refused(ray_cluster):
         other = memra_pp.connect("hrunload", namespace="memra-test")
         c = other.client()
         want = c.generate(list(P1), max_new_tokens=new, adapter="a", timeout=60)
-        s = Run(c, P1, new, adapter="a")
+        s = Stream(c, P1, new, adapter="a")
         s.wait_tokens(3)
         assert s.t_end is None
         kill(dep, 1, "SIGKILL")
@@ -99,7 +72,7 @@ def test_an_unload_right_after_a_kill_does_not_take_a_held_requests_adapter(ray_
         dep.load_adapter("a", adapter("dense", False, "A")[1])
         c = dep.client()
         want = c.generate(list(P1), max_new_tokens=new, adapter="a", timeout=60)
-        s = Run(c, P1, new, adapter="a")
+        s = Stream(c, P1, new, adapter="a")
         s.wait_tokens(3)
         assert s.t_end is None
         kill(dep, 1, "SIGKILL")
