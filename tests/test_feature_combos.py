@@ -1,6 +1,6 @@
-"""Scheduler features in combination, through memra_pp.launch on CPU stages, against transformers: pipeline pieces
-cutting through image spans, a prefill_chunk_decoding budget of one token while requests decode, adapters with
-images on a MoE, prompts at max_context with a chunk above it."""
+"""Scheduler features in combination, through memra_pp.launch on CPU stages, against transformers: an image prompt
+alone on three stages in pipeline pieces that cut through its image span, then a prefill_chunk_decoding budget of
+one token while a request decodes."""
 import asyncio
 import threading
 
@@ -114,67 +114,3 @@ def test_lone_image_prompt_in_pieces_on_three_stages_then_a_budget_of_one(ray_cl
         same(r3, hf_reference("dense", False, tuple(range(30, 70)), new), "text under budget 1")
         same_stream(dec, hf_reference("dense", False, long_text, 120), "decoding request")
         assert dep.stats()["stages"][0]["prefill_held_back"] > h0
-
-
-def test_moe_adapter_image_pieces_three_stages_tower_on_stage_one(ray_cluster):
-    """MoE untied on 3 stages, tower on stage 1 (published to the intake), adapter A: a long image prompt with the
-    adapter alone goes in pieces through the span; then, while a request decodes, the same request and a text one
-    with adapter B go under a budget of 1. Each equals PEFT's model."""
-    from test_adapters import adapter
-    from tiny_hf import hf_greedy
-    kind, tied = "moe", False
-    base, path = tiny_checkpoint(kind, tied)
-    conf = cfg(path, 3, prefill_chunk_decoding=1)
-    conf["adapters"] = {"max_loras": 2, "max_rank": 8}
-    conf["vision"] = {"engine": "stage:1"}
-    big = [image(41, (1, 16, 32))]                       # 128 rows
-    p = image_prompt(big, pre=tuple([5, 17, 42, 99, 11] * 12), post=tuple(range(100, 170)))
-    new = 6
-    am, bm = adapter(kind, tied, "A")[0], adapter(kind, tied, "B")[0]
-    ref = hf_image(am, p, big, new)
-    assert ref[0] != hf_image(base, p, big, new)[0]
-    with memra_pp.launch(conf) as dep:
-        dep.load_adapter("a", adapter(kind, tied, "A")[1])
-        dep.load_adapter("b", adapter(kind, tied, "B")[1])
-        c = dep.client()
-        r = c.generate(p, max_new_tokens=new, images=big, adapter="a", logprobs=True, timeout=120)
-        same(r, ref, "lone moe adapter image")
-        st = dep.stats()["stages"][0]
-        assert st["prompts_cut"] == 1 and st["mid_span_splices"] > 0 and st["overlay_publications"] == 1, st
-        d = Streamer(c, [7, 23, 60], 80)
-        assert d.first.wait(60)
-        tp = [60, 61, 62, 11, 7] * 8
-
-        async def go():
-            return await asyncio.gather(
-                c.agenerate(p, max_new_tokens=new, images=big, adapter="a", logprobs=True),
-                c.agenerate(tp, max_new_tokens=new, adapter="b", logprobs=True))
-        r1, r2 = asyncio.run(go())
-        d.join()
-        same(r1, ref, "moe adapter image under budget")
-        same(r2, hf_greedy(bm, tp, new), "moe adapter b")
-        same_stream(d, hf_reference(kind, tied, (7, 23, 60), 80), "moe decoding")
-
-
-def test_pieces_at_max_context_with_a_chunk_above_it(ray_cluster):
-    """3 stages, prefill_chunk 1024 above max_context 512, pipeline_chunks 100: a 512-token prompt with
-    max_new_tokens 1 (exactly max_context positions) and an image prompt whose last piece is image rows reaching
-    max_context - 1, alone in pieces; max_new_tokens 0 ends at once. All equal transformers."""
-    model, path = tiny_checkpoint("dense", False)
-    conf = cfg(path, 3, prefill_chunk=1024, pipeline_chunks=100)
-    p = tuple((i * 13) % 290 + 1 for i in range(512))
-    big = [image(81, (1, 24, 32))]                               # 192 rows
-    # 305 + 1 + 192 + 1: ends on the vision end
-    pi = image_prompt(big, pre=tuple(i % 290 + 1 for i in range(305)), post=())
-    assert pi[-1] == VE and pi[-2] == IMG
-    with memra_pp.launch(conf) as dep:
-        c = dep.client()
-        r = c.generate(list(p), max_new_tokens=1, logprobs=True, timeout=120)
-        same(r, hf_reference("dense", False, p, 1), "512")
-        n = 512 - len(pi) + 1
-        r = c.generate(pi, max_new_tokens=n, images=big, logprobs=True, timeout=120)
-        same(r, hf_image(model, pi, big, n), "image to max_context")
-        r = c.generate(pi, max_new_tokens=0, images=big, timeout=120)
-        assert r.token_ids == [] and r.finish_reason == "length"
-        st = dep.stats()["stages"][0]
-        assert st["prompts_cut"] == 2, st
