@@ -82,7 +82,7 @@ class Scheduler:
                              f"{len(r.prompt) + r.max_new_tokens - 1} positions, more than scheduler.max_context "
                              f"({self.max_context}); ask for at most {self.max_context + 1 - len(r.prompt)} new "
                              f"tokens or raise max_context")
-        if self.kv_pages is not None and self.pages(r) > self.kv_pages:
+        if self.kv_pages is not None and r.max_new_tokens > 0 and self.pages(r) > self.kv_pages:
             raise InputError(f"the request can reach {self.pages(r) * self.kv_block} positions "
                              f"({len(r.prompt)} prompt + {r.max_new_tokens} new tokens, the last never fed, in pages "
                              f"of {self.kv_block}); the "
@@ -128,8 +128,8 @@ class Scheduler:
     def has_ready_work(self) -> bool:
         """Is there anything next_microbatch could take besides what is in flight (new requests, idle seqs)?"""
         h = self.waiting[0] if self.waiting else None      # (one that can never fit is work too: _admit refuses it)
-        return bool(h and self.free_slots and (h.max_new_tokens == 0 or self._pages_fit(h) or
-                                               self.pages(h) > self.kv_pages)) or \
+        return bool(h and (h.max_new_tokens == 0 or self.free_slots and (self._pages_fit(h) or
+                                                                          self.pages(h) > self.kv_pages))) or \
             any(not s.in_flight for s in self.active.values())
 
     def continue_microbatch(self, mb: Microbatch) -> Microbatch | None:
@@ -182,9 +182,9 @@ class Scheduler:
 
     def _admit(self) -> list[Event]:
         done = []
-        while self.waiting and self.free_slots:
+        while self.waiting and (self.free_slots or self.waiting[0].max_new_tokens == 0):
             r = self.waiting[0]
-            if r.max_new_tokens == 0:
+            if r.max_new_tokens == 0:       # ends at once, in its turn: it takes no slot and no page
                 self.waiting.popleft()
                 done.append(Event(r.client, r.rid, [], [], "length"))
                 continue

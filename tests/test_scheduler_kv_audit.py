@@ -8,6 +8,7 @@ import random
 import pytest
 
 from memra_pp.model.sampling import SamplingParams
+from memra_pp.errors import InputError
 from memra_pp.scheduler import Request, Scheduler
 
 VOCAB = 10
@@ -443,6 +444,32 @@ def test_max_new_tokens_zero_and_requests_at_exactly_max_context():
     ends = {e.rid: (e.finish, sum(len(x.tokens) for x in ev if x.rid == e.rid)) for e in ev if e.finish}
     assert ends == {"r0": ("length", 1), "r1": ("length", 0), "r2": ("length", 13)}
     assert s.kv_used == 0 and sorted(s.free_slots) == [0, 1]
+
+
+def test_max_new_tokens_zero_needs_no_slot_and_no_page():
+    """A request for 0 new tokens is never prefilled: a prompt beyond the KV budget (within max_context) is
+    accepted, and it ends while every slot is taken; a head that waits for pages still holds it back (in order)."""
+    s = Scheduler(max_batch=1, microbatches=1, prefill_chunk=16, max_context=64)
+    s.kv_block, s.kv_pages = 8, 2
+    with pytest.raises(InputError, match="the KV cache holds 16 positions"):
+        s.validate(req(9, n=40, new=1))
+    s.add(req(0, n=5, new=4))
+    mb, ev = s.next_microbatch()
+    assert ev == [] and not s.free_slots
+    s.add(req(1, n=40, new=0))                       # 5 pages of prompt: more than the budget, and no slot is free
+    assert s.has_ready_work()
+    nxt, ev = s.next_microbatch()
+    assert nxt is None and [(e.rid, e.tokens, e.finish) for e in ev] == [("r1", [], "length")]
+    ev = _tokens(s, mb)                               # r0 runs on, its slot and pages untouched
+    s.add(req(2, n=9, new=8))                        # 16 positions: waits for r0's pages
+    s.add(req(3, n=3, new=0))                        # behind it: held until r2 is admitted
+    while not s.idle():
+        nxt, evs = s.next_microbatch()
+        ev += evs
+        if nxt is not None:
+            ev += _tokens(s, nxt)
+    assert [e.rid for e in ev if e.finish] == ["r0", "r3", "r2"], "r3 ends once r2, ahead of it, is admitted"
+    assert s.kv_used == 0 and s.free_slots == [0]
 
 
 # -- end to end: memra_pp.launch on CPU stages with a small scheduler.kv_pages ---------------------------------------
