@@ -42,7 +42,7 @@ class IntakeLoop(_Loop):
         # microbatches whose prompt tokens were held to scheduler.prefill_chunk_decoding while requests decoded
         out["prefill_held_back"] = self.sched.held_back
         # requests an abort reached (a cancelled agenerate, a dropped stream), in the scheduler or waiting for images
-        out["aborted"] = self.sched.aborted + self.r.images_aborted
+        out["aborted"] = self.sched.aborted + self.r.aborted_early
         out["mailboxes"] = len(self.r.mail)       # clients not closed that have polled (a closed one's box goes)
         out["polls"] = self.r.mail.polls          # poll calls: one a round per deployment handle, whatever its clients
         for k, d in self.ring_s.items():

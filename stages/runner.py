@@ -125,7 +125,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         # them on different threads); submit's queueing and abort meet under _pending_lock
         self._pending: dict[str, object] = {}
         self._pending_aborted: set[str] = set()
-        self.images_aborted = 0                     # aborts that reached a request waiting for its images (stats)
+        self.aborted_early = 0      # aborts of requests the scheduler never had (awaiting images; submit overtaken)
         self._aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending_lock = threading.Lock()
         self._images_q: queue.Queue = queue.Queue()
@@ -276,7 +276,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                                      f"{self.mc.image_token_id}, {self.mc.video_token_id}) but no images were given: "
                                      f"pass images=[memra_pp.ImageInput(...)] or drop the placeholders")
             with self._pending_lock:
-                if r.rid in self._aborts:       # its client let it go before this submit got here
+                if r.rid in self._aborts:       # its client let it go before this submit got here (the abort
+                    self.aborted_early += 1     # found nothing in the scheduler: counted here, once)
                     return
                 if ip is not None:
                     self._queue_images(r, ip)
@@ -478,7 +479,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             if rid in self._pending:           # its images are being made: the images thread drops it
                 if rid not in self._pending_aborted:
                     self._pending_aborted.add(rid)
-                    self.images_aborted += 1
+                    self.aborted_early += 1
                 return
             self._aborts[rid] = None
             if len(self._aborts) > self.ABORTS_KEPT:

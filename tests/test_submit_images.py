@@ -67,7 +67,7 @@ def test_an_abort_reaches_a_request_waiting_for_its_images(runner):
     r.submit(req("y"))
     r.abort("y")                                     # still waiting behind x: dropped, never queued
     r.abort("y")
-    assert r._pending_aborted == {"y"} and r.images_aborted == 1         # counted once (the intake's "aborted")
+    assert r._pending_aborted == {"y"} and r.aborted_early == 1         # counted once (the intake's "aborted")
     gate.set()
     assert [(k, g.rid) for k, g in inbox(r, 1)] == [("req", "x")]
     for _ in range(1000):                            # y leaves the images thread with nothing queued
@@ -175,3 +175,15 @@ def test_a_request_between_the_inbox_and_the_scheduler_is_its_adapters_user():
         assert t.is_alive() and not got
     t.join(5)
     assert got == [1]
+
+
+def test_an_abort_that_overtakes_its_submit_is_counted_once(runner):
+    """Ray runs a client's abort and submit on different threads: an abort may reach the intake first. The
+    submit then queues nothing, and stats' "aborted" counts the request once (the scheduler never had it)."""
+    r, *_ = runner
+    r.abort("z")
+    r.abort("z")                                     # (close() and a cancel both ask)
+    r.submit(req("z", images=False, prompt=(5, 6, 7)))
+    assert r.aborted_early == 1
+    assert inbox(r, 2) == [("abort", "z"), ("abort", "z")]     # the scheduler's abort finds nothing: counts 0
+    assert r.scheduler.abort("z") == [] and r.scheduler.aborted == 0
