@@ -123,8 +123,7 @@ class IntakeLoop(_Loop):
                 msg = f"stage {item['stage']} failed a microbatch: {item['etype']}: {item['message']}"
                 r.mail.post(sched.fail_mb(item["mb"], "StageFailed", msg))
             elif kind == "dead":
-                r.lost = (item[0], item[1])
-                r.mail.post(sched.fail_all("StageFailed", item[1], item[0]))
+                r.mail.post(r.fail_lost(item[0], item[1]))
             r.inbox.taken = None        # handed on (a request: in the scheduler now, or failed)
 
     def _advance(self):
@@ -205,6 +204,5 @@ class IntakeLoop(_Loop):
         try:
             self.sender.send(hdr, out, timeout=r.placement.timeouts.step_s)
         except (ChannelClosed, TimeoutError, MemraError) as e:
-            r.lost = (1, f"stage 1 is lost: it did not take a microbatch: {e}")
-            r.mail.post(self.sched.fail_all("StageFailed", r.lost[1], 1))
+            r.mail.post(r.fail_lost(1, f"stage 1 is lost: it did not take a microbatch: {e}"))
             raise   # the loop ends loudly: the supervisor sees a lost link and recovers the pipeline

@@ -52,8 +52,7 @@ class RecoveryMixin:
         self._close_links()
         sc = self.placement.scheduler
         if self.spec.intake:
-            self.lost = (stage, message)         # (until the recovery's start: begin_unload)
-            evs = self.scheduler.fail_all("StageFailed", message, stage) + self._fail_pending(message, stage)
+            evs = self.fail_lost(stage, message) + self._fail_pending(message, stage)
             while True:
                 try:
                     kind, item = self.inbox.get_nowait()

@@ -22,7 +22,7 @@ from ..model.weights import open_weights
 from ..placement.planner import Plan
 from ..placement.schema import load_placement
 from ..overlay import resolve_overlay_publish
-from ..scheduler import Request, Scheduler
+from ..scheduler import Event, Request, Scheduler
 from ..switches import initial
 from ..model.sampling import SamplingParams
 from .events import Mailboxes
@@ -347,6 +347,12 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                                  f"unloaded or replaced meanwhile")
             e[2] = "loaded"
         self._keep_registry()
+
+    def fail_lost(self, stage: int, message: str) -> list[Event]:
+        """Intake: stage `stage` is lost. Every request in the scheduler ends with StageFailed (the events), and
+        the loss is recorded in `lost` until a recovery starts this stage again (begin_unload refuses meanwhile)."""
+        self.lost = (stage, message)
+        return self.scheduler.fail_all("StageFailed", message, stage)
 
     # After a recovery, the requests it cut come back as replays: the launching handle's at once, a connect()ed
     # handle's at its next read of the recovery record (RemoteSupervisor.POLL_S, 0.2 s). An unload waits this long
