@@ -59,25 +59,17 @@ class Supervisor:
     def wait_ready(self, timeout: float) -> None:
         """Return once every stage answers and no recovery is pending; a failure not detected yet is waited out
         (the next heartbeat finds it and the recovery runs). StageFailed if that does not happen in time."""
-        deadline = time.monotonic() + timeout
         beat = self.dep.placement.timeouts.heartbeat_s
-        while True:
-            left = deadline - time.monotonic()
-            if not self.ready.wait(max(left, 0)):
-                raise self.failure or StageFailed(f"the deployment did not recover within {timeout:g} s")
-            if self.failure is not None:
-                raise self.failure
+
+        def check():
             if self.stopping.is_set():      # (its stages answer no more: this looped, without a pause, to the end)
                 raise StageFailed("wait_ready: the deployment was shut down while this waited")
-            try:
-                h = _get([a.health.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
-                         "wait_ready")
-                if all(x["alive"] for x in h) and self.ready.is_set():
-                    return
-            except StageFailed:
-                if time.monotonic() >= deadline:
-                    raise
-            self.stopping.wait(min(beat, 0.2))
+
+        def ask(left):
+            h = _get([a.health.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
+                     "wait_ready")
+            return all(x["alive"] for x in h)
+        await_ready(self, timeout, check, ask, min(beat, 0.2))
 
     # -- detection ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -309,6 +301,27 @@ class Supervisor:
             return None
 
 
+def await_ready(sup, timeout: float, check, ask, pause: float) -> None:
+    """wait_ready's loop, for Supervisor and RemoteSupervisor `sup` (its `ready`, `failure` and `stopping`): wait
+    until `sup` is ready, raise its failure, `check()` (raises what ends the wait at once), then `ask(seconds left)`
+    the stages: True, and they serve. A StageFailed from the ask is a failure not detected yet: asked again after
+    `pause` until the deadline, when it is raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not sup.ready.wait(max(deadline - time.monotonic(), 0)):
+            raise sup.failure or StageFailed(f"the deployment did not recover within {timeout:g} s")
+        if sup.failure is not None:
+            raise sup.failure
+        check()
+        try:
+            if ask(deadline - time.monotonic()) and sup.ready.is_set():
+                return
+        except StageFailed:
+            if time.monotonic() >= deadline:
+                raise
+        sup.stopping.wait(pause)
+
+
 def is_stage_lost(err: tuple | None) -> bool:
     """An error event that names a lost stage (a replay deployment's clients replay such requests)."""
     return err is not None and len(err) > 2 and err[2] is not None
@@ -429,22 +442,14 @@ class RemoteSupervisor:
         """Return once the launcher's supervisor says the deployment serves and its stages answer here; a failure
         it has not detected yet is waited out, as Supervisor.wait_ready does (a stage that does not answer is asked
         again, after the record's next read, until the recovery has run or the time is up)."""
-        deadline = time.monotonic() + timeout
         beat = self.dep.placement.timeouts.heartbeat_s
-        while True:
-            left = deadline - time.monotonic()
-            if not self.ready.wait(max(left, 0)):
-                raise self.failure or StageFailed(f"the deployment did not recover within {timeout:g} s")
-            if self.failure is not None:
-                raise self.failure
+
+        def check():
             self.dep._require_up("wait_ready")     # (shut down, or its launch gone: refresh_actors found it)
             self.dep.refresh_actors()
-            try:
-                _get([a.ping.remote() for a in list(self.dep.actors)],
-                     max(min(deadline - time.monotonic(), beat * MISSED_BEATS), 0.1), "wait_ready")
-                if self.ready.is_set():
-                    return
-            except StageFailed:
-                if time.monotonic() >= deadline:
-                    raise
-            self.stopping.wait(self.POLL_S)
+
+        def ask(left):
+            _get([a.ping.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
+                 "wait_ready")
+            return True
+        await_ready(self, timeout, check, ask, self.POLL_S)
