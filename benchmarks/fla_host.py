@@ -36,6 +36,7 @@ def main() -> int:
                     "--prefill spelling, no decode rows)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true", help="cProfile each way's calls (host side)")
+    ap.add_argument("--checks-only", action="store_true", help="only the empty-segment and graph-replay checks")
     a = ap.parse_args()
     from memra_pp import switches
     switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
@@ -65,7 +66,7 @@ def main() -> int:
     def r(*s, dt=torch.bfloat16):
         return torch.randn(*s, device=dev, generator=gen).to(dt)
 
-    for spec in a.prompts.split(","):
+    for spec in ([] if a.checks_only else a.prompts.split(",")):
         B, n, _, spread = prefill_shape(spec)
         for label, lens in ((("spread", spread_lengths(B, n, spread)),) if spread else ()) + (("equal", [n] * B),):
             R = sum(lens)
@@ -135,9 +136,13 @@ def main() -> int:
                     torch.cuda.synchronize()
                     s = io.StringIO()
                     pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(25)
-                    open(os.path.join(a.out, f"cprofile-{spec}-{way}.txt"), "w").write(s.getvalue())
+                    open(os.path.join(a.out, f"cprofile-{spec.replace('~', 's')}-{way}.txt"), "w").write(s.getvalue())
     rep["empty_segments"] = empty_segments(rule, qh, HV, D, dev, gen)
     print(f"  empty segments: {rep['empty_segments']}", flush=True)
+    for fresh in (False, True):
+        key = "graph_replay" + ("_fresh_cu" if fresh else "")
+        rep[key] = graph_replay(rule, qh, HV, D, dev, gen, fresh)
+        print(f"  {key}: {rep[key]}", flush=True)
     json.dump(rep, open(os.path.join(a.out, "fla_host.json"), "w"), indent=1)
     return 0
 
@@ -170,6 +175,61 @@ def empty_segments(rule, qh: int, HV: int, D: int, dev, gen) -> dict:
             "others_state_max_diff": (st[[0, 2]] - st2).abs().max().item(),
             "empty_state_passed_through": bool(torch.equal(st[[1, 3]], s0[[1, 3]])),
             "empty_state_max_diff_from_initial": (st[[1, 3]] - s0[[1, 3]]).abs().max().item()}
+
+
+def graph_replay(rule, qh: int, HV: int, D: int, dev, gen, fresh: bool = False) -> dict:
+    """Whether fla's variable-length call, captured once in a CUDA graph over static buffers (rows, states,
+    cu_seqlens, chunk indices), replays right for other segment lengths of the same rows, segment count and chunk
+    count (a chunk index past its segment's end pads the count): each replay against an eager call on fresh
+    tensors. A stale replay means fla derived something from cu_seqlens at capture and kept it by the tensor's
+    identity (fla's tensor_cache), so the graph holds no kernel for it: the second prerequisite for prefill graphs
+    (docs/PERF.md, the twenty-eighth and thirty-seventh sessions). Reported, not asserted. `fresh`: the capture
+    takes cu_seqlens and the chunk indices in tensors the warm-up did not see (so such a cache misses in the
+    capture, which then records the kernels that derive from them)."""
+    R, N, NT = 192, 3, 4
+    layouts = {"A (capture)": [100, 60, 32], "B": [64, 0, 128], "C": [192, 0, 0], "D": [1, 127, 64]}
+
+    def r(*shape, dt=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=gen).to(dt)
+    q, k, v = r(1, R, qh, D), r(1, R, qh, D), r(1, R, HV, D)
+    g, beta = -torch.rand(1, R, HV, device=dev, generator=gen), r(1, R, HV).sigmoid()
+    s0 = (r(N, HV, D, D, dt=torch.float32) * 0.1).contiguous()
+
+    def lay(lens, pad):
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        ch = [[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))]
+        ch += [[N - 1, 1000]] * ((NT - len(ch)) if pad else 0)   # past the segment's end: every row masked
+        return torch.tensor(cu, device=dev), torch.tensor(ch, device=dev).view(-1, 2)
+    cu, chunks = lay(layouts["A (capture)"], True)
+    out: dict = {}
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                rule.chunk_varlen(q, k, v, g, beta, s0, cu, chunks)
+        torch.cuda.current_stream().wait_stream(side)
+        if fresh:
+            cu, chunks = cu.clone(), chunks.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g, s_g = rule.chunk_varlen(q, k, v, g, beta, s0, cu, chunks)
+    except Exception as e:  # noqa: BLE001 - the answer is that it cannot be captured
+        return {"captured": False, "error": f"{type(e).__name__}: {e}"[:300]}
+    out["captured"] = True
+    for name, lens in layouts.items():
+        c2, ch2 = lay(lens, True)
+        cu.copy_(c2)
+        chunks.copy_(ch2)
+        graph.replay()
+        ce, che = lay(lens, False)
+        o_e, s_e = rule.chunk_varlen(q.clone(), k.clone(), v.clone(), g.clone(), beta.clone(), s0.clone(), ce, che)
+        torch.cuda.synchronize()
+        out[name] = {"lens": lens, "output_max_diff": (o_g.float() - o_e.float()).abs().max().item(),
+                     "state_max_diff": (s_g - s_e).abs().max().item()}
+    return out
 
 
 if __name__ == "__main__":
