@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 import ray
 from ray.experimental import internal_kv
@@ -304,8 +305,8 @@ class Supervisor:
 def await_ready(sup, timeout: float, check, ask, pause: float) -> None:
     """wait_ready's loop, for Supervisor and RemoteSupervisor `sup` (its `ready`, `failure` and `stopping`): wait
     until `sup` is ready, raise its failure, `check()` (raises what ends the wait at once), then `ask(seconds left)`
-    the stages: True, and they serve. A StageFailed from the ask is a failure not detected yet: asked again after
-    `pause` until the deadline, when it is raised."""
+    the stages: True, and they serve. A StageFailed from the ask, or a False, is a failure not detected yet: asked
+    again after `pause` until the deadline, when it is raised."""
     deadline = time.monotonic() + timeout
     while True:
         if not sup.ready.wait(max(deadline - time.monotonic(), 0)):
@@ -319,6 +320,9 @@ def await_ready(sup, timeout: float, check, ask, pause: float) -> None:
         except StageFailed:
             if time.monotonic() >= deadline:
                 raise
+        if time.monotonic() >= deadline:    # (a stage that answers but does not serve, the failure not yet seen)
+            raise sup.failure or StageFailed(f"the deployment did not recover within {timeout:g} s: a stage's loop "
+                                             f"is not running")
         sup.stopping.wait(pause)
 
 
@@ -346,7 +350,9 @@ class RemoteSupervisor:
         self.failure: StageFailed | None = None
         self.stopping = threading.Event()
         self._unreachable_since: float | None = None     # the launch's cluster unreachable since (_launch_gone)
-        self.thread = threading.Thread(target=self._run, name="memra-remote-supervisor", daemon=True)
+        # (the thread holds this by a weak reference: a connected handle let go, and this with it, ends it)
+        self.thread = threading.Thread(target=RemoteSupervisor._follow, args=(weakref.ref(self), self.stopping),
+                                       name="memra-remote-supervisor", daemon=True)
         st = self._read()
         if st is not None:      # where the launcher stands now
             self.generation, self.recovered = st["generation"], st["recovered"]
@@ -372,18 +378,31 @@ class RemoteSupervisor:
             return None
         return json.loads(raw) if raw else None
 
-    def _run(self) -> None:
+    @staticmethod
+    def _follow(ref, stopping: threading.Event) -> None:
+        """The thread: a round every POLL_S while the RemoteSupervisor `ref` names lives (no strong reference to it,
+        or to its handle, is held across the wait)."""
         checked = time.monotonic()
-        while not self.stopping.wait(self.POLL_S):
-            if not ray.is_initialized():    # this process left the cluster (ray.shutdown()): nothing held will be
-                self.failure = self.failure or StageFailed(    # replayed, and any Ray call from here would start a
-                    f"the deployment {self.dep.placement.name!r} cannot be reached: this process is no longer "
-                    f"connected to its Ray cluster (ray.shutdown())")        # new local cluster (auto-init)
-                for c in list(self.dep._clients):
-                    c.on_recovery_failed(self.failure)
-                self.ready.set()
+        while not stopping.wait(RemoteSupervisor.POLL_S):
+            sup = ref()
+            if sup is None:
                 return
-            checked = self._round(checked)
+            checked = sup._step(checked)
+            del sup
+            if checked is None:
+                return
+
+    def _step(self, checked: float) -> float | None:
+        """One round (_round); None: this thread ends."""
+        if not ray.is_initialized():    # this process left the cluster (ray.shutdown()): nothing held will be
+            self.failure = self.failure or StageFailed(    # replayed, and any Ray call from here would start a
+                f"the deployment {self.dep.placement.name!r} cannot be reached: this process is no longer "
+                f"connected to its Ray cluster (ray.shutdown())")        # new local cluster (auto-init)
+            for c in list(self.dep._clients):
+                c.on_recovery_failed(self.failure)
+            self.ready.set()
+            return None
+        return self._round(checked)
 
     def _round(self, checked: float) -> float:
         """One read of the launcher's record: what it changed, told to this handle's clients; returns when the held
@@ -391,7 +410,10 @@ class RemoteSupervisor:
         the wait, it kept a client nobody references alive, and its intake mailbox with it.)"""
         st = self._read()
         clients = list(self.dep._clients)
-        if self.failure is None and any(c._held for c in clients) and time.monotonic() - checked >= 1.0:
+        # while requests are held or a recovery runs, is the launch still there? (its launcher shut down mid-
+        # recovery publishes nothing more, and its teardown deletes the record: nothing else would say so)
+        if self.failure is None and (not self.ready.is_set() or any(c._held for c in clients)) and \
+                time.monotonic() - checked >= 1.0:
             checked = time.monotonic()
             if self._launch_gone():
                 return checked
@@ -417,8 +439,9 @@ class RemoteSupervisor:
         return checked
 
     def _launch_gone(self) -> bool:
-        """Requests are held for a replay: if the launch this handle connected to is gone (its launching process shut
-        it down, and with it the recovery record), nothing will replay them: they and later calls fail."""
+        """Requests are held for a replay, or a recovery runs: if the launch this handle connected to is gone (its
+        launching process shut it down, and with it the recovery record), nothing will replay them or end the
+        recovery: they and later calls fail."""
         from .deployment import _named_pg_id
         try:
             if _named_pg_id(self.dep.placement.name) == self.dep._pg_id:
@@ -439,17 +462,18 @@ class RemoteSupervisor:
         return True
 
     def wait_ready(self, timeout: float) -> None:
-        """Return once the launcher's supervisor says the deployment serves and its stages answer here; a failure
-        it has not detected yet is waited out, as Supervisor.wait_ready does (a stage that does not answer is asked
-        again, after the record's next read, until the recovery has run or the time is up)."""
+        """Return once the launcher's supervisor says the deployment serves and its stages serve (health) here; a
+        failure it has not detected yet is waited out, as Supervisor.wait_ready does (a stage that does not answer,
+        or whose loop ended, is asked again after the record's next read, until the recovery has run or the time
+        is up)."""
         beat = self.dep.placement.timeouts.heartbeat_s
 
         def check():
             self.dep._require_up("wait_ready")     # (shut down, or its launch gone: refresh_actors found it)
             self.dep.refresh_actors()
 
-        def ask(left):
-            _get([a.ping.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
-                 "wait_ready")
-            return True
+        def ask(left):      # (health, as the launcher's: a stage whose loop ended still answers a ping)
+            h = _get([a.health.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
+                     "wait_ready")
+            return all(x["alive"] for x in h)
         await_ready(self, timeout, check, ask, self.POLL_S)

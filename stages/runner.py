@@ -361,15 +361,14 @@ class StageRunner(ImagesMixin, RecoveryMixin):
 
     def begin_unload(self, name: str) -> int:
         """Intake: withdraw a loaded adapter's name (no new request selects it) and mark it unloading; its slot.
-        Requests held by their clients for a replay still use their adapter: while a stage loss has ended requests
-        here and no recovery has run, the unload is refused (StageFailed), and just after a recovery it waits up to
-        REPLAY_GRACE_S for the replays (a held request's adapter was unloaded under it: its replay was refused)."""
-        if self.lost is not None:
-            raise StageFailed(f"adapter {name!r} cannot be unloaded now: {self.lost[1]}, and the deployment has not "
-                              f"recovered yet (requests held for a replay may still use it); retry once "
-                              f"dep.wait_ready() returns", stage=self.lost[0])
+        With `recover: replay`, requests held by their clients for a replay still use their adapter: while a stage
+        loss has ended requests here and no recovery has run, the unload is refused (StageFailed; adapter_users
+        refuses too, for a loss after this), and just after a recovery it waits up to REPLAY_GRACE_S for the
+        replays (a held request's adapter was unloaded under it: its replay was refused)."""
+        self._refuse_unload_while_lost(repr(name))
         if self.resumed_at is not None and self.placement.recover == "replay":
             time.sleep(max(0.0, self.resumed_at + self.REPLAY_GRACE_S - time.monotonic()))
+            self._refuse_unload_while_lost(repr(name))      # (a stage lost during the wait)
         with self._registry_lock:
             e = self.adapter_registry.get(name)
             if e is None:
@@ -381,6 +380,12 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             slot = e[0]
         self._keep_registry()
         return slot
+
+    def _refuse_unload_while_lost(self, what: str) -> None:
+        if self.lost is not None and self.placement.recover == "replay":
+            raise StageFailed(f"adapter {what} cannot be unloaded now: {self.lost[1]}, and the deployment has not "
+                              f"recovered yet (requests held for a replay may still use it); retry once "
+                              f"dep.wait_ready() returns", stage=self.lost[0])
 
     def abort_unload(self, name: str) -> None:
         """Intake: an unload that did not happen (requests still use the adapter): loaded and published again."""
@@ -461,6 +466,9 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             queued = [item[1] for item in [*self.inbox.queue, self.inbox.taken] if item and item[0] == "req"]
         with sch.mu:
             waiting, active = list(sch.waiting), list(sch.active.values())
+        # a stage lost since begin_unload ended requests that their clients hold for a replay, uncounted here: the
+        # unload is refused (after the snapshot: fail_lost marks the loss before it empties the scheduler)
+        self._refuse_unload_while_lost(f"in slot {slot}")
         return n + sum(r.adapter == slot for r in queued) + sum(r.adapter == slot for r in waiting) + \
             sum(q.req.adapter == slot for q in active)
 

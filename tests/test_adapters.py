@@ -278,13 +278,15 @@ def test_pool_refusals():
 def test_an_unload_waits_for_the_replays_a_recovery_brings_and_is_refused_before_it():
     """begin_unload: while a stage loss has ended requests at the intake (clients hold them for a replay) it refuses
     with StageFailed naming the stage, the name left loaded; after a recovery with recover: replay it waits until
-    REPLAY_GRACE_S past the loop's restart (the replays' submits count the adapter's users); with recover: error,
-    nothing is replayed and it does not wait."""
+    REPLAY_GRACE_S past the loop's restart (the replays' submits count the adapter's users), and refuses if a stage
+    is lost meanwhile; adapter_users refuses for a loss after it; with recover: error, nothing is replayed: it
+    neither waits nor refuses."""
     import threading
     import time
     import types
     from memra_pp.errors import StageFailed
-    from memra_pp.stages.runner import StageRunner
+    from memra_pp.scheduler import Scheduler
+    from memra_pp.stages.runner import Inbox, StageRunner
     r = StageRunner.__new__(StageRunner)
     r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2), recover="replay")
     r.adapter_registry, r._registry_lock, r._registry_kv = {}, threading.Lock(), None
@@ -301,9 +303,31 @@ def test_an_unload_waits_for_the_replays_a_recovery_brings_and_is_refused_before
     assert r.begin_unload("a") == 0
     assert time.monotonic() - t0 >= StageRunner.REPLAY_GRACE_S - 0.05 and r.adapter_names == {}
     r.abort_unload("a")
-    r.placement.recover, r.resumed_at = "error", time.monotonic()
+    # a stage lost during the wait (a replay breaks a stage again): refused after it, as before it
+    r.resumed_at, out = time.monotonic(), {}
+
+    def unload():
+        try:
+            out["r"] = r.begin_unload("a")
+        except StageFailed as e:
+            out["r"] = e
+    th = threading.Thread(target=unload)
+    th.start()
+    time.sleep(0.3)
+    r.lost = (2, "stage 2 is lost: it did not answer")
+    th.join(5)
+    assert isinstance(out["r"], StageFailed) and out["r"].stage == 2 and r.adapter_names == {"a": 0}, out
+    # ... and a loss after begin_unload: adapter_users (the deployment's next ask) refuses
+    r.scheduler = Scheduler(max_batch=2, microbatches=1, prefill_chunk=16, max_context=64)
+    r._submitting, r._pending, r._pending_lock, r.inbox = {}, {}, threading.Lock(), Inbox()
+    with pytest.raises(StageFailed, match=r"^adapter in slot 0 cannot be unloaded now: stage 2 is lost"):
+        r.adapter_users(0)
+    r.lost = None
+    assert r.adapter_users(0) == 0
+    # recover: error holds nothing for a replay: no wait, and no refusal while a loss is unrecovered
+    r.placement.recover, r.resumed_at, r.lost = "error", time.monotonic(), (1, "stage 1 is lost")
     t0 = time.monotonic()
-    assert r.begin_unload("a") == 0 and time.monotonic() - t0 < 0.5
+    assert r.begin_unload("a") == 0 and time.monotonic() - t0 < 0.5 and r.adapter_users(0) == 0
 
 
 def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
