@@ -44,10 +44,14 @@ class ReplayMixin:
         with no token delivered in between: then it fails, saying so."""
         with self._lock:
             tracks = [t for t in self._tracks.values() if intake is None or t.intake in (None, intake)]
+            rids = [t.rid for t in tracks]      # (a replay goes under a new rid)
             if self._replays():
                 tracks = [t for t in tracks if not self._hold_or_give_up(t)]
             for t in tracks:
                 self._tracks.pop(t.rid, None)
+        if intake is None:      # the intake may have survived the loss and have a submit still to take: one that
+            for rid in rids:    # reached it after the halt ran to its budget, unread, beside its own replay
+                self._abort(rid)
         for t in tracks:
             self._fail(t, e)
 

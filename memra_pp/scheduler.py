@@ -61,6 +61,15 @@ class Scheduler:
         self.kv_waits = 0                         # requests that waited for pages at the head (stats, tests)
         self._kv_blocked: Request | None = None
 
+    COUNTS = ("held_back", "cut", "dropped", "pipelined", "aborted", "kv_waits")     # the stats counters
+
+    def carry_counts(self, old: "Scheduler") -> "Scheduler":
+        """This scheduler (a halt's fresh one) goes on counting from where `old` stopped: the intake's stats
+        counters, like the stage's KV growths, count over the process, not since its last recovery."""
+        for k in self.COUNTS:
+            setattr(self, k, getattr(old, k))
+        return self
+
     def add(self, r: Request) -> None:
         self.validate(r)
         with self.mu:

@@ -64,7 +64,8 @@ class RecoveryMixin:
                     evs.extend(item)
             self.inbox.taken = None             # (every one taken has failed)
             self.mail.post(evs)
-            self.scheduler = Scheduler.for_placement(sc, len(self.plan.stages), self.plan.microbatches)
+            self.scheduler = Scheduler.for_placement(sc, len(self.plan.stages), self.plan.microbatches).carry_counts(
+                self.scheduler)
         g = self.model.graphs
         capture = None if g is None else g.capture
         # the old graphs hold the old cache (grown to its budget) and their memory pool: both go before the new

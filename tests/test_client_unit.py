@@ -177,7 +177,7 @@ def test_a_lost_intake_takes_only_its_own_requests(monkeypatch):
     replay here); one already submitted to its replacement (a connect()ed handle looked the new actor up) goes on.
     Without the actor, a supervisor's report takes every request."""
     from memra_pp.errors import StageFailed
-    c, _ = _client(monkeypatch)
+    c, log = _client(monkeypatch)
     try:
         # (gen 1: the pump's replay, which takes held requests of a generation below `recovered`, leaves them)
         old, new = _Track("r-old", {}, lambda item: None, intake="dead", gen=1), \
@@ -186,8 +186,12 @@ def test_a_lost_intake_takes_only_its_own_requests(monkeypatch):
             c._tracks.update({"r-old": old, "r-new": new})
         c.on_stage_failed(StageFailed("stage 0 failed", stage=0), intake="dead")
         assert list(c._tracks) == ["r-new"] and c._held == [old]
-        c.on_stage_failed(StageFailed("stage 0 failed", stage=0))
+        assert not [a for a in log if a[0] == "abort"], "a dead intake's requests need no abort"
+        c.on_stage_failed(StageFailed("stage 1 failed", stage=1))
         assert not c._tracks and c._held == [old, new]
+        # the intake may have survived, with r-new's submit still to reach it: it is aborted there (its replay
+        # goes under a new rid), so it does not run beside its replay with nobody reading it
+        assert [a[1] for a in log if a[0] == "abort"] == ["r-new"], log
     finally:
         c.close()
 

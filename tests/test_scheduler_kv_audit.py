@@ -446,6 +446,20 @@ def test_max_new_tokens_zero_and_requests_at_exactly_max_context():
     assert s.kv_used == 0 and sorted(s.free_slots) == [0, 1]
 
 
+def test_a_halts_fresh_scheduler_keeps_the_stats_counters():
+    """A halt replaces the intake's scheduler (recovery.halt): its stats counters go on from the old one's, as the
+    runner's aborted_early does (the helper's review: stats "aborted" had dropped back to the early aborts alone)."""
+    old = Scheduler(max_batch=2, microbatches=1, prefill_chunk=16, max_context=64)
+    old.add(req(0))
+    old.next_microbatch()
+    old.abort("r0")
+    for i, k in enumerate(Scheduler.COUNTS):
+        setattr(old, k, getattr(old, k) + i)
+    new = Scheduler(max_batch=2, microbatches=1, prefill_chunk=16, max_context=64).carry_counts(old)
+    assert {k: getattr(new, k) for k in Scheduler.COUNTS} == {k: getattr(old, k) for k in Scheduler.COUNTS}
+    assert new.aborted >= 1 and not new.active and not new.inflight and new.kv_used == 0
+
+
 def test_max_new_tokens_zero_needs_no_slot_and_no_page():
     """A request for 0 new tokens is never prefilled: a prompt beyond the KV budget (within max_context) is
     accepted, and it ends while every slot is taken; a head that waits for pages still holds it back (in order)."""
