@@ -314,15 +314,17 @@ def await_ready(sup, timeout: float, check, ask, pause: float) -> None:
         if sup.failure is not None:
             raise sup.failure
         check()
+        serving = None
         try:
-            if ask(deadline - time.monotonic()) and sup.ready.is_set():
+            serving = ask(deadline - time.monotonic())
+            if serving and sup.ready.is_set():
                 return
         except StageFailed:
             if time.monotonic() >= deadline:
                 raise
         if time.monotonic() >= deadline:    # (a stage that answers but does not serve, the failure not yet seen)
-            raise sup.failure or StageFailed(f"the deployment did not recover within {timeout:g} s: a stage's loop "
-                                             f"is not running")
+            raise sup.failure or StageFailed(f"the deployment did not recover within {timeout:g} s" +
+                                             (": a stage's loop is not running" if serving is False else ""))
         sup.stopping.wait(pause)
 
 

@@ -103,6 +103,7 @@ def test_a_connected_wait_ready_waits_while_a_stage_loop_is_dead_as_the_launcher
     th.start()
     th.join(5)
     assert isinstance(out.get("r"), StageFailed), out
+    assert str(out["r"]) == "the deployment did not recover within 0.6 s: a stage's loop is not running"
 
 
 def test_a_connected_handle_let_go_does_not_keep_its_remote_supervisor_thread(monkeypatch):
