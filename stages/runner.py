@@ -367,7 +367,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         replays (a held request's adapter was unloaded under it: its replay was refused)."""
         self._refuse_unload_while_lost(repr(name))
         if self.resumed_at is not None and self.placement.recover == "replay":
-            time.sleep(max(0.0, self.resumed_at + self.REPLAY_GRACE_S - time.monotonic()))
+            while time.monotonic() < self.resumed_at + self.REPLAY_GRACE_S:
+                time.sleep(self.resumed_at + self.REPLAY_GRACE_S - time.monotonic())    # (again after another)
             self._refuse_unload_while_lost(repr(name))      # (a stage lost during the wait)
         with self._registry_lock:
             e = self.adapter_registry.get(name)
@@ -381,11 +382,20 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self._keep_registry()
         return slot
 
-    def _refuse_unload_while_lost(self, what: str) -> None:
-        if self.lost is not None and self.placement.recover == "replay":
+    def _refuse_unload_while_lost(self, what: str, counting: bool = False) -> None:
+        """recover: replay: StageFailed while a stage loss has ended requests here that no recovery has replayed;
+        `counting` (adapter_users): also for REPLAY_GRACE_S after a recovery (one that ran after begin_unload's
+        wait: its replays may not be here to be counted yet)."""
+        if (self.lost is None and (not counting or self.resumed_at is None)) or self.placement.recover != "replay":
+            return
+        if self.lost is not None:
             raise StageFailed(f"adapter {what} cannot be unloaded now: {self.lost[1]}, and the deployment has not "
                               f"recovered yet (requests held for a replay may still use it); retry once "
                               f"dep.wait_ready() returns", stage=self.lost[0])
+        if counting and self.resumed_at is not None and time.monotonic() < self.resumed_at + self.REPLAY_GRACE_S:
+            raise StageFailed(f"adapter {what} cannot be unloaded now: the deployment recovered from a stage loss "
+                              f"while it was being unloaded, and the requests that loss cut are being replayed (they "
+                              f"may still use it); retry the unload")
 
     def abort_unload(self, name: str) -> None:
         """Intake: an unload that did not happen (requests still use the adapter): loaded and published again."""
@@ -468,7 +478,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             waiting, active = list(sch.waiting), list(sch.active.values())
         # a stage lost since begin_unload ended requests that their clients hold for a replay, uncounted here: the
         # unload is refused (after the snapshot: fail_lost marks the loss before it empties the scheduler)
-        self._refuse_unload_while_lost(f"in slot {slot}")
+        self._refuse_unload_while_lost(f"in slot {slot}", counting=True)
         return n + sum(r.adapter == slot for r in queued) + sum(r.adapter == slot for r in waiting) + \
             sum(q.req.adapter == slot for q in active)
 
