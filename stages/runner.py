@@ -368,7 +368,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self._refuse_unload_while_lost(repr(name))
         if self.resumed_at is not None and self.placement.recover == "replay":
             while time.monotonic() < self.resumed_at + self.REPLAY_GRACE_S:
-                time.sleep(self.resumed_at + self.REPLAY_GRACE_S - time.monotonic())    # (again after another)
+                time.sleep(max(0.0, self.resumed_at + self.REPLAY_GRACE_S - time.monotonic()))  # (again after another)
             self._refuse_unload_while_lost(repr(name))      # (a stage lost during the wait)
         with self._registry_lock:
             e = self.adapter_registry.get(name)
