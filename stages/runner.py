@@ -279,9 +279,9 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 if r.rid in self._aborts:       # its client let it go before this submit got here (the abort
                     self.aborted_early += 1     # found nothing in the scheduler: counted here, once)
                     return
-                if ip is not None:
+                if ip is not None and r.max_new_tokens > 0:
                     self._queue_images(r, ip)
-                else:
+                else:       # (0 new tokens: its images checked, it ends at admission unprefilled: no tower work)
                     self.inbox.put(("req", r))
         finally:
             if slot >= 0:

@@ -187,3 +187,15 @@ def test_an_abort_that_overtakes_its_submit_is_counted_once(runner):
     assert r.aborted_early == 1
     assert inbox(r, 2) == [("abort", "z"), ("abort", "z")]     # the scheduler's abort finds nothing: counts 0
     assert r.scheduler.abort("z") == [] and r.scheduler.aborted == 0
+
+
+def test_an_image_request_for_0_new_tokens_is_checked_but_runs_no_tower(runner):
+    """max_new_tokens 0 ends at admission, never prefilled: its images are checked (planned) at submit, and it goes
+    to the scheduler at once, without the tower's work."""
+    r, gate, seen, _ = runner
+    q = req("z")
+    q["max_new_tokens"] = 0
+    r.submit(q)
+    [(kind, got)] = inbox(r, 1)
+    assert kind == "req" and got.rid == "z" and got.max_new_tokens == 0
+    assert seen == [] and not r._pending
