@@ -60,17 +60,11 @@ class Supervisor:
     def wait_ready(self, timeout: float) -> None:
         """Return once every stage answers and no recovery is pending; a failure not detected yet is waited out
         (the next heartbeat finds it and the recovery runs). StageFailed if that does not happen in time."""
-        beat = self.dep.placement.timeouts.heartbeat_s
-
         def check():
             if self.stopping.is_set():      # (its stages answer no more: this looped, without a pause, to the end)
                 raise StageFailed("wait_ready: the deployment was shut down while this waited")
-
-        def ask(left):
-            h = _get([a.health.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
-                     "wait_ready")
-            return all(x["alive"] for x in h)
-        await_ready(self, timeout, check, ask, min(beat, 0.2))
+        await_ready(self, timeout, check, lambda left: stages_serve(self.dep, left),
+                    min(self.dep.placement.timeouts.heartbeat_s, 0.2))
 
     # -- detection ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -302,6 +296,14 @@ class Supervisor:
             return None
 
 
+def stages_serve(dep, left: float) -> bool:
+    """wait_ready's ask: does every stage of `dep` serve (its health: it answers, and its loop runs)? Waits up to
+    `left` s (at least 0.1, at most MISSED_BEATS heartbeats)."""
+    beat = dep.placement.timeouts.heartbeat_s
+    h = _get([a.health.remote() for a in list(dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1), "wait_ready")
+    return all(x["alive"] for x in h)
+
+
 def await_ready(sup, timeout: float, check, ask, pause: float) -> None:
     """wait_ready's loop, for Supervisor and RemoteSupervisor `sup` (its `ready`, `failure` and `stopping`): wait
     until `sup` is ready, raise its failure, `check()` (raises what ends the wait at once), then `ask(seconds left)`
@@ -389,13 +391,15 @@ class RemoteSupervisor:
             sup = ref()
             if sup is None:
                 return
-            checked = sup._step(checked)
+            checked = sup._round(checked)
             del sup
             if checked is None:
                 return
 
-    def _step(self, checked: float) -> float | None:
-        """One round (_round); None: this thread ends."""
+    def _round(self, checked: float) -> float | None:
+        """One read of the launcher's record: what it changed, told to this handle's clients; returns when the held
+        requests' launch was last checked (None: the thread ends). (A method, so that its list of clients dies with
+        each round: kept across the wait, it kept a client nobody references alive, and its intake mailbox with it.)"""
         if not ray.is_initialized():    # this process left the cluster (ray.shutdown()): nothing held will be
             self.failure = self.failure or StageFailed(    # replayed, and any Ray call from here would start a
                 f"the deployment {self.dep.placement.name!r} cannot be reached: this process is no longer "
@@ -404,12 +408,6 @@ class RemoteSupervisor:
                 c.on_recovery_failed(self.failure)
             self.ready.set()
             return None
-        return self._round(checked)
-
-    def _round(self, checked: float) -> float:
-        """One read of the launcher's record: what it changed, told to this handle's clients; returns when the held
-        requests' launch was last checked. (A method, so that its list of clients dies with each round: kept across
-        the wait, it kept a client nobody references alive, and its intake mailbox with it.)"""
         st = self._read()
         clients = list(self.dep._clients)
         # while requests are held or a recovery runs, is the launch still there? (its launcher shut down mid-
@@ -468,14 +466,8 @@ class RemoteSupervisor:
         failure it has not detected yet is waited out, as Supervisor.wait_ready does (a stage that does not answer,
         or whose loop ended, is asked again after the record's next read, until the recovery has run or the time
         is up)."""
-        beat = self.dep.placement.timeouts.heartbeat_s
-
         def check():
             self.dep._require_up("wait_ready")     # (shut down, or its launch gone: refresh_actors found it)
             self.dep.refresh_actors()
-
-        def ask(left):      # (health, as the launcher's: a stage whose loop ended still answers a ping)
-            h = _get([a.health.remote() for a in list(self.dep.actors)], max(min(left, beat * MISSED_BEATS), 0.1),
-                     "wait_ready")
-            return all(x["alive"] for x in h)
-        await_ready(self, timeout, check, ask, self.POLL_S)
+        # (health, as the launcher's: a stage whose loop ended still answers a ping)
+        await_ready(self, timeout, check, lambda left: stages_serve(self.dep, left), self.POLL_S)

@@ -367,8 +367,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         replays (a held request's adapter was unloaded under it: its replay was refused)."""
         self._refuse_unload_while_lost(repr(name))
         if self.resumed_at is not None and self.placement.recover == "replay":
-            while time.monotonic() < self.resumed_at + self.REPLAY_GRACE_S:
-                time.sleep(max(0.0, self.resumed_at + self.REPLAY_GRACE_S - time.monotonic()))  # (again after another)
+            while (left := self._grace_left()) > 0:    # (again, should another recovery come during the wait)
+                time.sleep(left)
             self._refuse_unload_while_lost(repr(name))      # (a stage lost during the wait)
         with self._registry_lock:
             e = self.adapter_registry.get(name)
@@ -386,16 +386,19 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         """recover: replay: StageFailed while a stage loss has ended requests here that no recovery has replayed;
         `counting` (adapter_users): also for REPLAY_GRACE_S after a recovery (one that ran after begin_unload's
         wait: its replays may not be here to be counted yet)."""
-        if (self.lost is None and (not counting or self.resumed_at is None)) or self.placement.recover != "replay":
-            return
         if self.lost is not None:
-            raise StageFailed(f"adapter {what} cannot be unloaded now: {self.lost[1]}, and the deployment has not "
-                              f"recovered yet (requests held for a replay may still use it); retry once "
-                              f"dep.wait_ready() returns", stage=self.lost[0])
-        if counting and self.resumed_at is not None and time.monotonic() < self.resumed_at + self.REPLAY_GRACE_S:
+            if self.placement.recover == "replay":
+                raise StageFailed(f"adapter {what} cannot be unloaded now: {self.lost[1]}, and the deployment has not "
+                                  f"recovered yet (requests held for a replay may still use it); retry once "
+                                  f"dep.wait_ready() returns", stage=self.lost[0])
+        elif counting and self._grace_left() > 0 and self.placement.recover == "replay":
             raise StageFailed(f"adapter {what} cannot be unloaded now: the deployment recovered from a stage loss "
                               f"while it was being unloaded, and the requests that loss cut are being replayed (they "
                               f"may still use it); retry the unload")
+
+    def _grace_left(self) -> float:
+        """Seconds of REPLAY_GRACE_S left after the last recovery's start (0: none, or its replays are in)."""
+        return 0.0 if self.resumed_at is None else max(0.0, self.resumed_at + self.REPLAY_GRACE_S - time.monotonic())
 
     def abort_unload(self, name: str) -> None:
         """Intake: an unload that did not happen (requests still use the adapter): loaded and published again."""
