@@ -147,24 +147,36 @@ def main() -> int:
     return 0
 
 
+def rule_inputs(R: int, N: int, qh: int, HV: int, D: int, dev, gen) -> tuple:
+    """Random q, k, v [1, R, heads, D], g, beta [1, R, HV] and states [N, HV, D, D] (float32) for the rule."""
+    def r(*shape, dt=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=gen).to(dt)
+    q, k, v = r(1, R, qh, D), r(1, R, qh, D), r(1, R, HV, D)
+    g, beta = -torch.rand(1, R, HV, device=dev, generator=gen), r(1, R, HV).sigmoid()
+    return q, k, v, g, beta, (r(N, HV, D, D, dt=torch.float32) * 0.1).contiguous()
+
+
+def segments(lens: list[int], dev, pad_chunks: int = 0) -> tuple:
+    """fla's cu_seqlens and chunk indices (segment, chunk) of 64-token chunks for segments of `lens`; up to
+    `pad_chunks` chunks, with indices past the last segment's end (every row masked) as padding."""
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    ch = [[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))]
+    ch += [[len(lens) - 1, 1000]] * max(pad_chunks - len(ch), 0)
+    return torch.tensor(cu, device=dev), torch.tensor(ch, device=dev).view(-1, 2)
+
+
 def empty_segments(rule, qh: int, HV: int, D: int, dev, gen) -> dict:
     """Whether fla's variable-length call takes empty segments (cu_seqlens repeating an offset; no chunk of theirs
     in the chunk indices), as padding to a graph's segment bucket would need (docs/PERF.md, the twenty-eighth
     session): the other segments' outputs and states as without them, and an empty segment's final state its
     initial one (passed through) or something else (reported, not asserted: what the next design must know)."""
     lens = [70, 0, 33, 0]
-    R, N = sum(lens), len(lens)
-
-    def r(*shape, dt=torch.bfloat16):
-        return torch.randn(*shape, device=dev, generator=gen).to(dt)
-    q, k, v = r(1, R, qh, D), r(1, R, qh, D), r(1, R, HV, D)
-    g, beta = -torch.rand(1, R, HV, device=dev, generator=gen), r(1, R, HV).sigmoid()
-    s0 = r(N, HV, D, D, dt=torch.float32) * 0.1
+    q, k, v, g, beta, s0 = rule_inputs(sum(lens), len(lens), qh, HV, D, dev, gen)
 
     def call(ls, states):
-        cu = torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], device=dev)
-        chunks = torch.tensor([[i, j] for i, n in enumerate(ls) for j in range(-(-n // 64))], device=dev)
-        return rule.chunk_varlen(q, k, v, g, beta, states, cu, chunks)
+        return rule.chunk_varlen(q, k, v, g, beta, states, *segments(ls, dev))
     try:
         o, st = call(lens, s0)
         o2, st2 = call([70, 33], s0[[0, 2]])
@@ -188,20 +200,10 @@ def graph_replay(rule, qh: int, HV: int, D: int, dev, gen, fresh: bool = False) 
     capture, which then records the kernels that derive from them)."""
     R, N, NT = 192, 3, 4
     layouts = {"A (capture)": [100, 60, 32], "B": [64, 0, 128], "C": [192, 0, 0], "D": [1, 127, 64]}
-
-    def r(*shape, dt=torch.bfloat16):
-        return torch.randn(*shape, device=dev, generator=gen).to(dt)
-    q, k, v = r(1, R, qh, D), r(1, R, qh, D), r(1, R, HV, D)
-    g, beta = -torch.rand(1, R, HV, device=dev, generator=gen), r(1, R, HV).sigmoid()
-    s0 = (r(N, HV, D, D, dt=torch.float32) * 0.1).contiguous()
+    q, k, v, g, beta, s0 = rule_inputs(R, N, qh, HV, D, dev, gen)
 
     def lay(lens, pad):
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        ch = [[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))]
-        ch += [[N - 1, 1000]] * ((NT - len(ch)) if pad else 0)   # past the segment's end: every row masked
-        return torch.tensor(cu, device=dev), torch.tensor(ch, device=dev).view(-1, 2)
+        return segments(lens, dev, NT if pad else 0)
     cu, chunks = lay(layouts["A (capture)"], True)
     out: dict = {}
     try:
