@@ -24,6 +24,8 @@ SWITCHES = {
     "MEMRA_PP_PREFILL_VARLEN": (True, "on the merged path, a prefill step's Gated DeltaNet segments, and its fresh "
                                       "segments' attention, as one variable-length call each (kernels/prefill.py; "
                                       "GPU only; 0: one call per group of equal lengths)"),
+    "MEMRA_PP_PREFILL_GRAPHS": (True, "prompt steps through piecewise CUDA graphs per token bucket (the mixers' "
+                                      "cores eager between them: model/prefill_graphs.py; GPU only)"),
     "MEMRA_PP_GC_FREEZE": (True, "each stage collects its heap once and freezes it when it starts serving (as vLLM "
                                  "does), so no full collection walks the libraries' objects mid-run (a ~160 ms "
                                  "stall of the whole pipeline on the CPU stages measured)"),
@@ -38,6 +40,7 @@ TARGETS = {
     "MEMRA_PP_SDPA_CUDNN": ("memra_pp.model.attention", "SDPA_CUDNN"),
     "MEMRA_PP_PREFILL_MERGED": ("memra_pp.kernels.prefill", "MERGED"),
     "MEMRA_PP_PREFILL_VARLEN": ("memra_pp.kernels.prefill", "VARLEN"),
+    "MEMRA_PP_PREFILL_GRAPHS": ("memra_pp.model.prefill_graphs", "ENABLED"),
     "MEMRA_PP_GC_FREEZE": ("memra_pp.stages.runner", "GC_FREEZE"),
 }
 

@@ -188,6 +188,18 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                       f"{self.model.graphs.buckets[-1]}) captured in {time.monotonic() - t1:.1f} s", flush=True)
             elif self.model.graphs_failed:
                 print(f"stage {index} ({sp.device}): {self.model.graphs_failed}; decoding eagerly", flush=True)
+            from ..model import prefill_graphs
+            if prefill_graphs.ENABLED:     # a step's rows: a microbatch's prompt tokens and its decode rows
+                self.model.set_prefill_graphs(True, sc.prefill_chunk + sc.max_batch)
+                t1 = time.monotonic()
+                n = self.model.capture_prefill_graphs()
+                if n:
+                    print(f"stage {index} ({sp.device}): prefill graphs for {n} token buckets (up to "
+                          f"{self.model.pgraphs.buckets[-1]} rows) captured in {time.monotonic() - t1:.1f} s",
+                          flush=True)
+                elif self.model.pgraphs_failed:
+                    print(f"stage {index} ({sp.device}): {self.model.pgraphs_failed}; prompt steps run eagerly",
+                          flush=True)
         self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.tensors())
         self.load_s = time.monotonic() - t0
         info = self.relink(run_dir, transport)
@@ -537,6 +549,9 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         st["switches"] = dict(self.switches)      # the MEMRA_PP_* modes this stage was set up with
         g = self.model.graphs
         st["decode_graphs"] = g.stats() if g is not None else {"off": self.model.graphs_failed or "eager"}
+        g = getattr(self.model, "pgraphs", None)
+        st["prefill_graphs"] = g.stats() if g is not None else {"off": getattr(self.model, "pgraphs_failed", None)
+                                                                or "eager"}
         st["weights_bytes"] = self.weights_bytes
         st["gc_frozen"] = self.gc_frozen
         st["cache_bytes"] = self.cache.nbytes()

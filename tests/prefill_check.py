@@ -2,7 +2,8 @@
 kernel, the conv writing q, k and v as contiguous tensors, a group's rows as a slice where they are consecutive)
 through the Triton kernels (Triton's CPU interpreter, float32), against the eager step through the torch ops: same
 greedy tokens, logprobs within 5e-4, for a chunked prefill whose steps are one group of every row, and groups
-consecutive (a slice) and scattered (gathered); and steps mixing decode rows with prompt chunks. Run under
+consecutive (a slice) and scattered (gathered); and steps mixing decode rows with prompt chunks, then the same
+through the prefill graphs' pieces (uncaptured, padded), and two padded steps of the MoE's fused kernels. Run under
 TRITON_INTERPRET=1 (tests/test_decode_graphs.py does); prints the counters."""
 import sys
 from pathlib import Path
@@ -106,4 +107,42 @@ d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, st
 assert d < 5e-4, d
 assert ran["single_rows"] > 0 and ran["gdn_single_rows"] > 0 and ran["merged"] > 0, ran
 print("mixed ok", ran, f"logprob diff {d:.1e}")
+# the same mixed steps through the prefill graphs' pieces (model/prefill_graphs.py, uncaptured: the row-wise parts
+# on static buffers padded to a token bucket, the cores eager on the real rows) and the Triton kernels: what the eager
+# torch steps decode
+from memra_pp.kernels import fused_moe  # noqa: E402
+from memra_pp.model import prefill_graphs  # noqa: E402
+prefill_graphs.TOKEN_BUCKETS = (8, 16, 32)     # the interpreter's time grows with the rows: small buckets
+eager, pieces = pipelines("dense", [(0, 3), (3, 8)])
+fd.USE_TRITON = False
+te, le = mixed_greedy(eager, mixed, arrive, NEW, 8)
+fd.USE_TRITON = True
+for st in pieces.stages:
+    st.set_prefill_graphs(True, 32, capture=False)
+tk, lk = mixed_greedy(pieces, mixed, arrive, NEW, 8)
+assert tk == te, (tk, te)
+d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, strict=True))
+replays = [st.pgraphs.replays for st in pieces.stages]
+assert d < 5e-4 and all(r > 0 for r in replays), (d, replays)
+print("pieces dense ok", {"replays": replays[0]}, f"logprob diff {d:.1e}")
+# the MoE's fused routing and experts with padding rows (the interpreter's grouped GEMM takes seconds a call: two
+# steps of the first stage's two layers, not a greedy run): 14 rows padded to 16 (the per-pair kernels, as eager),
+# then 25 rows padded to 48 (eager: 50 pairs, the per-pair kernels; padded: 96, the grouped GEMM), against the eager
+# torch steps, hidden states out
+prefill_graphs.TOKEN_BUCKETS = (16, 48)
+eager, pieces = pipelines("moe", [(0, 2), (2, 8)])
+(se, ce), (sp, cp) = (eager.stages[0], eager.caches[0]), (pieces.stages[0], pieces.caches[0])
+sp.set_prefill_graphs(True, 48, capture=False)
+moe0 = dict(fused_moe.CALLS)
+d = 0.0
+for slots, starts, counts in (([0, 1], [0, 0], [9, 5]), ([0, 1, 2], [9, 5, 0], [4, 1, 20])):
+    b = StepBatch(slots, starts, counts, StepBatch.text_positions(starts, counts), [True] * len(slots))
+    ids = torch.tensor([3 + (5 * i) % 60 for i in range(sum(counts))])
+    fd.USE_TRITON = False
+    ref = se(b, se.embed_ids(ids), ce)
+    fd.USE_TRITON = True
+    d = max(d, (sp(b, sp.embed_ids(ids), cp) - ref).abs().max().item())
+moe = {k: v - moe0.get(k, 0) for k, v in fused_moe.CALLS.items() if v - moe0.get(k, 0)}
+assert d < 1e-4 and sp.pgraphs.replays == 2 and moe.get("small") and moe.get("grouped"), (d, moe)
+print("pieces moe ok", moe, f"logit diff {d:.1e}")
 print("prefill ok")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from ..switches import initial
 from .batch import h2d
 from .config import TextConfig
-from .layers import Param
+from .layers import Param, project
 
 
 class Rope:
@@ -77,7 +77,7 @@ class GatedAttention(Param):
                              len_chunks=ANY_KV)
         return linear(o, self.o_proj_weight)
 
-    def project(self, x_TH, cos, sin, lora=None):
+    def project(self, x_TH, cos, sin, lora=None, out=None):
         """q [T, nh, D], gate [T, nh*D], k, v [T, nkv, D] (k normed and rotated, as cached). The q / k norms with
         their rotary embedding are one kernel each on CUDA (kernels/fused_decode.add_rms_norm, reading q's heads in
         place in the projection), the torch ops of rms_norm and apply_rope elsewhere."""
@@ -86,7 +86,7 @@ class GatedAttention(Param):
         c = self.cfg
         T, D = x_TH.shape[0], c.head_dim
         if pf.merged(x_TH, lora):   # one GEMM for q|gate, k, v (views of it), as the decode graphs' projection
-            P = F.linear(x_TH, self.qkv)
+            P = project(x_TH, self.qkv, out)       # (out: a prefill graph's buffer)
             nq, nkv = c.num_attention_heads * 2 * D, c.num_key_value_heads * D
             qg, k, v = P[:, :nq], P[:, nq:nq + nkv], P[:, nq + nkv:]
         else:

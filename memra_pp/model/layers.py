@@ -21,6 +21,11 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
     return (y * F.silu(z.float())).to(dt)
 
 
+def project(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (F.linear), written into `out` [T, N] when given (a prefill graph's buffer)."""
+    return F.linear(x, w) if out is None else torch.mm(x, w.t(), out=out)
+
+
 class Param(nn.Module):
     """Holds named tensors loaded from a WeightSource (no init: weights are always assigned)."""
 

@@ -8,7 +8,7 @@ from .cache import StageCache
 from .config import TextConfig
 from .gdn import (causal_conv_step, chunk_gated_delta_rule, chunk_gated_delta_rule_varlen, gdn_gates,
                   recurrent_gated_delta_rule)
-from .layers import Param, gated_rms_norm
+from .layers import Param, gated_rms_norm, project
 
 
 CALLS = {"single_rows": 0}     # one-token segments of steps with prompts, through the decode kernels (law 3)
@@ -53,31 +53,52 @@ class GatedDeltaNet(Param):
         continuing segments (a mixed step's decode rows) take the decode step's kernels, states in place."""
         if b.decode_only():
             return self.decode(x_TH, b.index_tensors(x_TH.device)[0], cache, lora)
-        from memra_pp.kernels import fused_decode as fd, prefill as pf
+        pre = self.pre(x_TH, lora)
+        return self.post(self.core(pre, b, cache, lora), pre, lora)
+
+    def pre(self, x_TH: torch.Tensor, lora=None, out=None) -> tuple:
+        """A prompt step's row-wise start (a prefill graph's piece captures it, model/prefill_graphs.py): the input
+        projections (u [T, C], z [T, nv, dv], the raw b and a) and the gates g, beta. `out`: where the merged
+        projection goes (a prefill graph's buffer, shared by its layers)."""
+        from memra_pp.kernels import prefill as pf
+        c = self.cfg
+        nv, dv = c.linear_num_value_heads, c.linear_value_head_dim
+        T, C, Z = x_TH.shape[0], c.conv_dim, nv * dv
+        if pf.merged(x_TH, lora):       # one GEMM for q|k|v, z, b, a (their views), as the decode graphs' projection
+            P = project(x_TH, self.in_proj, out)
+            u, z, b_, a_ = P[:, :C], P[:, C:C + Z], P[:, C + Z:C + Z + nv], P[:, C + Z + nv:]
+        else:
+            u, z, b_, a_ = (self.lin(x_TH, f"in_proj_{p}", lora) for p in ("qkv", "z", "b", "a"))   # u: [T, C]
+        return (u, z.view(T, nv, dv), b_, a_, *gdn_gates(b_, a_, self.A_log, self.dt_bias))
+
+    def post(self, out: torch.Tensor, pre: tuple, lora=None) -> torch.Tensor:
+        """The row-wise end: the gated norm of core()'s output by z, then out_proj."""
+        from memra_pp.kernels import fused_decode as fd
+        return self.lin(fd.gated_rms_norm(out.contiguous(), pre[1], self.norm_weight, self.cfg.rms_norm_eps),
+                        "out_proj", lora)
+
+    def core(self, pre: tuple, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
+        """What crosses rows and reads the cache (run eagerly between a prefill graph's pieces): the conv and the
+        chunked rule over the step's segments, states read and written at their slots -> out [T, nv, dv]."""
+        from memra_pp.kernels import prefill as pf
         from memra_pp.kernels.gdn_decode import conv_step, gdn_decode_fused
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim
-        T, C, Z = x_TH.shape[0], c.conv_dim, nv * dv
-        merged = pf.merged(x_TH, lora, count=True)
-        if merged:      # one GEMM for q|k|v, z, b, a (their views), as the decode graphs' projection
-            P = torch.nn.functional.linear(x_TH, self.in_proj)
-            u, z, b_, a_ = P[:, :C], P[:, C:C + Z], P[:, C + Z:C + Z + nv], P[:, C + Z + nv:]
-        else:
-            u, z, b_, a_ = (self.lin(x_TH, f"in_proj_{p}", lora) for p in ("qkv", "z", "b", "a"))   # u: [T, C]
-        z = z.view(T, nv, dv)
-        g, beta = gdn_gates(b_, a_, self.A_log, self.dt_bias)
+        u, z, b_, a_, g, beta = pre
+        T = u.shape[0]
+        merged = pf.merged(u, lora, count=True)
         w = self.conv1d_weight[:, 0, :]
         conv, rec = cache.conv[self.layer], cache.rec[self.layer]
         seg = None
-        if self.varlen(merged, x_TH.device):    # every prompt segment in one call: one group, as far as the output
-            single, srows, sslots, _ = b.single_rows(x_TH.device)          # goes (no groups made)
-            seg = pf.segments(b, x_TH.device, w.shape[1]) if len(single) < len(b.slots) else None
+        if self.varlen(merged, u.device):    # every prompt segment in one call: one group, as far as the output
+            single, srows, sslots, _ = b.single_rows(u.device)          # goes (no groups made)
+            seg = pf.segments(b, u.device, w.shape[1]) if len(single) < len(b.slots) else None
             groups = [(seg.idx, seg.rows, seg.slots, seg.span)] if seg is not None else []
         else:
-            groups, (single, srows, sslots, _) = pf.row_groups(b, "length", x_TH.device)
+            groups, (single, srows, sslots, _) = pf.row_groups(b, "length", u.device)
         out = None if pf.whole(groups, T, merged) else \
-            torch.empty(T, nv, dv, dtype=x_TH.dtype, device=x_TH.device)        # None: the one group's o is out
+            torch.empty(T, nv, dv, dtype=z.dtype, device=u.device)        # None: the one group's o is out
         if single:      # the decode step's kernels: conv and recurrent states read and written in place at their
             # slots (a group would gather and scatter each sequence's 2-3 MB recurrent state a layer: three times
             # the state traffic of the kernel alone); gates from the raw b and a rows, in the kernel. gdn_decode
@@ -98,7 +119,7 @@ class GatedDeltaNet(Param):
             o, rec[slots] = self._chunk_varlen(q, k, v.view(1, R, nv, dv), g[sel].view(1, R, nv),
                                                beta[sel].view(1, R, nv), s0, seg)
             if out is None:
-                out = o.view(T, nv, dv).to(x_TH.dtype)
+                out = o.view(T, nv, dv).to(z.dtype)
             else:
                 out[sel] = o.view(R, nv, dv).to(out.dtype)
             groups = []
@@ -119,11 +140,10 @@ class GatedDeltaNet(Param):
             o, rec[slots] = fn(q, k, v.reshape(G, n, nv, dv), g[sel].reshape(G, n, nv),
                            beta[sel].reshape(G, n, nv), s0)
             if out is None:
-                out = o.reshape(T, nv, dv).to(x_TH.dtype)
+                out = o.reshape(T, nv, dv).to(z.dtype)
             else:
                 out[sel] = o.reshape(G * n, nv, dv).to(out.dtype)
-        o = fd.gated_rms_norm(out.contiguous(), z, self.norm_weight, c.rms_norm_eps)
-        return self.lin(o, "out_proj", lora)
+        return out
 
     def decode(self, x_BH: torch.Tensor, slots_B: torch.Tensor, cache: StageCache, lora=None) -> torch.Tensor:
         """One new token per sequence, states read and written at their cache slots; free of host syncs and of

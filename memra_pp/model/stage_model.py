@@ -36,8 +36,25 @@ class Layer(nn.Module):
             slots, pos = b.index_tensors(h_TH.device)
             return self.decode(h_TH, slots, pos, max(b.starts) + 1, cache, cos, sin, lora)
         from memra_pp.kernels.fused_decode import add_rms_norm     # one kernel a norm on CUDA; the torch ops elsewhere
-        x = add_rms_norm(h_TH, None, self.ln1, self.eps)[1]
-        m = self._attention(x, b, cache, cos, sin, lora) if self.full else self.mixer(x, b, cache, lora)
+        pre = self.mix_pre(add_rms_norm(h_TH, None, self.ln1, self.eps)[1], cos, sin, lora)
+        return self.rest(h_TH, self.mix_core(pre, b, cache, lora), pre, lora)
+
+    # A prompt step's layer in three parts, so that a prefill graph (model/prefill_graphs.py) captures the row-wise
+    # ones and runs only the mixer's core eagerly: mix_pre (the input norm is the caller's), mix_core, rest.
+    def mix_pre(self, x_TH, cos, sin, lora=None, out=None) -> tuple:
+        """The mixer's input projections (the attention's q and k normed and rotated, the Gated DeltaNet's gates);
+        `out`: where the merged projection goes."""
+        return self.mixer.project(x_TH, cos, sin, lora, out) if self.full else self.mixer.pre(x_TH, lora, out)
+
+    def mix_core(self, pre: tuple, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
+        """What crosses rows and reads or writes the cache: the attention (gated) or the conv and chunked rule."""
+        return self._attention(pre, b, cache, lora) if self.full else self.mixer.core(pre, b, cache, lora)
+
+    def rest(self, h_TH, o, pre: tuple, lora=None) -> torch.Tensor:
+        """From the mixer core's output o: its output projection (the Gated DeltaNet's gated norm first), the
+        residual add with the FFN's norm, the FFN and its residual add -> the layer's output."""
+        from memra_pp.kernels.fused_decode import add_rms_norm
+        m = self.mixer.lin(o, "o_proj", lora) if self.full else self.mixer.post(o, pre, lora)
         h_TH, x = add_rms_norm(h_TH, m, self.ln2, self.eps)         # h + m, and its norm
         return h_TH + self.ffn(x, lora)
 
@@ -75,20 +92,19 @@ class Layer(nn.Module):
         o = decode_attention(q, gate, kp, vp, cache.table, slots_B, lens, S)
         return linear(o, self.mixer.o_proj_weight) if lora is None else self.mixer.lin(o, "o_proj", lora)
 
-    def _attention(self, x_TH, b: StepBatch, cache: StageCache, cos, sin, lora=None):
-        """A step with prompt segments: every new key and value into its page, then each group of segments with
-        the same (start, length) in one batched attention over their pages, gathered; the step's one-token
-        continuing segments (a mixed step's decode rows) in one paged decode attention call, gated there; then the
-        output gate and o_proj."""
+    def _attention(self, pre: tuple, b: StepBatch, cache: StageCache, lora=None):
+        """A step with prompt segments, from its projections (q, gate, k, v): every new key and value into its
+        page, then each group of segments with the same (start, length) in one batched attention over their pages,
+        gathered; the step's one-token continuing segments (a mixed step's decode rows) in one paged decode
+        attention call, gated there; then the output gate (o_proj is the caller's)."""
         from memra_pp.kernels import prefill as pf
         from memra_pp.kernels.paged_attention import decode_attention, kv_write
-        at: GatedAttention = self.mixer
-        q, gate, k, v = at.project(x_TH, cos, sin, lora)
+        q, gate, k, v = pre
         kp, vp = cache.k[self.i], cache.v[self.i]
-        kv_write(k, v, kp, vp, cache.table, *b.token_index(x_TH.device))     # every new token into its page
-        T, merged = q.shape[0], pf.merged(x_TH, lora, count=True)
-        groups, (single, srows, sslots, slens) = pf.row_groups(b, "start", x_TH.device)
-        fresh = pf.fresh_segments(b, x_TH.device, q.dtype) if merged else None      # (VARLEN: one call for all)
+        kv_write(k, v, kp, vp, cache.table, *b.token_index(q.device))     # every new token into its page
+        T, merged = q.shape[0], pf.merged(q, lora, count=True)
+        groups, (single, srows, sslots, slens) = pf.row_groups(b, "start", q.device)
+        fresh = pf.fresh_segments(b, q.device, q.dtype) if merged else None      # (VARLEN: one call for all)
         if fresh is not None:   # the fresh segments leave the groups: one group of their own, as far as o goes
             groups = [g for g in groups if b.starts[g[0][0]] != 0]
         whole = pf.whole(([(None, fresh.rows, None, fresh.span)] if fresh is not None else []) + groups, T, merged)
@@ -121,7 +137,7 @@ class Layer(nn.Module):
             CALLS["single_rows"] += len(single)
             y[srows] = decode_attention(q[srows], gate[srows], kp, vp, cache.table, sslots, slens,  # (one kernel
                                         max(b.starts[i] for i in single) + 1, max_splits=1)  # binary: warmed up)
-        return at.lin(y, "o_proj", lora)
+        return y
 
 
 # one-token segments of steps with prompts, attended in one decode call; fresh groups attended over their own rows
@@ -142,6 +158,8 @@ class StageModel(nn.Module):
         self.dtype, self.device, self.rope = None, None, None
         self.graphs = None          # DecodeGraphs once enabled (CUDA)
         self.graphs_failed = None   # why capture failed, if it did (the stage then decodes eagerly)
+        self.pgraphs = None         # PrefillGraphs once enabled (CUDA)
+        self.pgraphs_failed = None  # why their capture failed, if it did (prompt steps then run eagerly)
 
     def load(self, src, dtype=torch.float32, device="cpu", progress=None) -> "StageModel":
         """Read exactly the tensors this slice owns from a WeightSource."""
@@ -221,6 +239,30 @@ class StageModel(nn.Module):
             self._decode_eagerly(e)
             return 0
 
+    def set_prefill_graphs(self, on: bool, max_tokens: int, capture: bool = True) -> None:
+        """Prompt steps of up to max_tokens rows without adapters through piecewise CUDA graphs (prefill_graphs.py:
+        the row-wise parts of every layer captured per token bucket, the mixers' cores eager between them), or
+        eagerly. They read no cache, so they outlive a cache's replacement. `capture=False`: the same pieces on the
+        same static buffers, uncaptured (CPU tests)."""
+        from .prefill_graphs import PrefillGraphs
+        self.pgraphs = PrefillGraphs(self, max_tokens, capture=capture) if on else None
+
+    def capture_prefill_graphs(self) -> int:
+        """Capture every token bucket's pieces now; how many buckets. A failure leaves prompt steps eager."""
+        if self.pgraphs is None:
+            return 0
+        from .decode_graphs import CaptureFailed
+        try:
+            return self.pgraphs.capture_all()
+        except CaptureFailed as e:
+            self._prefill_eagerly(e)
+            return 0
+
+    def _prefill_eagerly(self, e: Exception) -> None:
+        import warnings
+        warnings.warn(f"layers [{self.start}, {self.end}): {e}; prompt steps run eagerly")
+        self.pgraphs_failed, self.pgraphs = str(e), None
+
     def _decode_eagerly(self, e: Exception) -> None:
         import warnings
         warnings.warn(f"layers [{self.start}, {self.end}): {e}; decoding eagerly")
@@ -266,6 +308,19 @@ class StageModel(nn.Module):
             cache.lens[slot] = start + n
         return out
 
+    def _layers(self, b: StepBatch, h: torch.Tensor, cache: StageCache, cos, sin, step) -> torch.Tensor:
+        """The layers of a step the decode graphs do not take: a prompt step through the prefill graphs where they
+        take it, else eagerly."""
+        if step is None and self.pgraphs is not None and self.pgraphs.takes(b, h.shape[0]):
+            from .decode_graphs import CaptureFailed
+            try:
+                return self.pgraphs.run(b, h, cache, cos, sin)
+            except CaptureFailed as e:      # (before any core ran: the cache is as it was)
+                self._prefill_eagerly(e)
+        for layer in self.layers:
+            h = layer(h, b, cache, cos, sin, None if step is None else step.layer(layer.i))
+        return h
+
     def _step(self, b: StepBatch, h: torch.Tensor, cache: StageCache, lora, token_overlay) -> torch.Tensor:
         """The step's compute: a decode graph when one takes the batch, else the eager layers."""
         if self.graphs is not None and self.graphs.takes(b):
@@ -276,8 +331,7 @@ class StageModel(nn.Module):
                 self._decode_eagerly(e)
         cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
         step = None if lora is None else lora.step(b)
-        for layer in self.layers:
-            h = layer(h, b, cache, cos, sin, None if step is None else step.layer(layer.i))
+        h = self._layers(b, h, cache, cos, sin, step)
         if not self.primary:
             return h
         rows = b.sample_rows()
