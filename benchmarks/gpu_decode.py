@@ -111,7 +111,8 @@ def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: in
             r.update(n_stages=n, devices=devices, model=model, microbatches=microbatches,
                      memory=[{k: s.get(k) for k in ("weights_bytes", "cache_bytes", "device_allocated_bytes",
                                                          "kv_mapped_bytes")}
-                             for s in st], decode_graphs=[s.get("decode_graphs") for s in st])
+                             for s in st], decode_graphs=[s.get("decode_graphs") for s in st],
+                     prefill_graphs=[s.get("prefill_graphs") for s in st])
             out.append(r)
             print(f"  {n} stage(s) (microbatches {microbatches}), {c} concurrent: {r['tokens_per_s']:.1f} tokens/s "
                   f"end to end, steady decode {r['decode_tokens_per_s']:.1f} tokens/s, "
@@ -194,6 +195,10 @@ def main() -> int:
     ap.add_argument("--gc-freeze", choices=("off", "on", "both"), default="on",
                     help="MEMRA_PP_GC_FREEZE in the stage processes: on (the default), each freezes its heap at its "
                          "start, so no full collection stalls the pipeline mid-run; both: without, then with")
+    ap.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="on",
+                    help="MEMRA_PP_PREFILL_GRAPHS in the stage processes: on (the default), prompt steps through "
+                         "piecewise CUDA graphs (model/prefill_graphs.py); off: eager layers; both: without, then "
+                         "with")
     ap.add_argument("--prefill-varlen", choices=("off", "on", "both"), default="on",
                     help="MEMRA_PP_PREFILL_VARLEN in the stage processes: on (the default), a prefill step's Gated "
                          "DeltaNet segments as one variable-length call (kernels/prefill.VARLEN); off: by groups of "
@@ -269,8 +274,9 @@ def main() -> int:
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
             pcs = pipeline_chunks if len(devices) > 1 else pipeline_chunks[:1]   # one stage: never cut
-            for gcf, any_kv, in_place, merged, cudnn, varlen, pc, chunk, pd, cs in [
-                    (g, k, p, m, cu, v, pc, ch, pd, cs) for g in sides[a.gc_freeze] for k in sides[a.any_kv]
+            for pgr, gcf, any_kv, in_place, merged, cudnn, varlen, pc, chunk, pd, cs in [
+                    (pg, g, k, p, m, cu, v, pc, ch, pd, cs) for pg in sides[a.prefill_graphs]
+                    for g in sides[a.gc_freeze] for k in sides[a.any_kv]
                     for p in sides[a.kv_in_place]
                     for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn] for v in sides[a.prefill_varlen]
                     for pc in pcs for ch in chunks for pd in decodings if pd == "off" or pd <= ch
@@ -282,6 +288,9 @@ def main() -> int:
                 os.environ["MEMRA_PP_SDPA_CUDNN"] = "1" if cudnn else "0"
                 os.environ["MEMRA_PP_PREFILL_VARLEN"] = "1" if varlen else "0"
                 os.environ["MEMRA_PP_GC_FREEZE"] = "1" if gcf else "0"
+                os.environ["MEMRA_PP_PREFILL_GRAPHS"] = "1" if pgr else "0"
+                if a.prefill_graphs == "both":
+                    print(f"  prompt steps through prefill graphs: {pgr}", flush=True)
                 if a.gc_freeze == "both":
                     print(f"  stages freeze their heaps at start: {gcf}", flush=True)
                 if a.prefill_varlen == "both":
@@ -307,7 +316,7 @@ def main() -> int:
                 for r in rep["runs"][n0:]:
                     r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
                     r["prefill_varlen"], r["pipeline_chunks"], r["prefill_chunk"] = varlen, pc, chunk
-                    r["prefill_chunk_decoding"], r["gc_freeze"] = pd, gcf
+                    r["prefill_chunk_decoding"], r["gc_freeze"], r["prefill_graphs"] = pd, gcf, pgr
                 save()
     if not a.hf_first:
         hf()
@@ -368,6 +377,7 @@ def plot(rep: dict, path: str) -> None:
                                        + (", cuDNN SDPA" if r.get("sdpa_cudnn") else "")
                                        + (", varlen prefill" if r.get("prefill_varlen") else "")
                                        + (", heap not frozen" if r.get("gc_freeze") is False else "")
+                                       + (", eager prefill" if r.get("prefill_graphs") is False else "")
                                        + (f", prefill_chunk {r['prefill_chunk']}" if len(chunks) > 1 else "")
                                        + (f" ({r.get('prefill_chunk_decoding')} while decoding)" if len(pds) > 1
                                           else "")

@@ -169,6 +169,7 @@ def set_mode(mode: str, defaults, text) -> None:
 
 
 def main() -> int:
+    global PGRAPHS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="preset:qwen3.5-27b")
@@ -189,6 +190,9 @@ def main() -> int:
                     "(varlen: MEMRA_PP_PREFILL_VARLEN), interleaved")
     ap.add_argument("--profile-first", action="store_true", help="profile each prefill shape's first step (host "
                     "and device, sorted by host time: where a new shape's one-time cost goes) before timing it")
+    ap.add_argument("--prefill-graphs", action="store_true", help="time each prefill step eagerly (kernels) and "
+                    "through the prefill graphs (graphs: model/prefill_graphs.py, captured once for every token "
+                    "bucket up to the largest step), interleaved")
     ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step as the "
                     "twenty-third session left it (s23: without the merged projections, contiguous conv parts and "
                     "row slices) and with its norms and conv as the torch ops (torch), interleaved")
@@ -284,6 +288,22 @@ def main() -> int:
             plot_critical(rep["rows"], os.path.join(a.out, "critical_path.png"))
         except ImportError as e:       # matplotlib is the test extra's: the JSON has every figure
             print(f"no critical_path.png: {e}", flush=True)
+        model.set_prefill_graphs(False, 0)
+        if a.prefill_graphs and shapes:     # every bucket up to the largest step, captured once, before any is timed
+            most = max(sum(spread_lengths(B, n, spread)) + D for B, n, D, spread in shapes)
+            torch.cuda.synchronize()
+            t, m0 = time.perf_counter(), torch.cuda.memory_allocated()
+            from memra_pp.model import prefill_graphs
+            prefill_graphs.MAX_ROWS = max(prefill_graphs.MAX_ROWS, most)    # every shape asked for, past the cap
+            model.set_prefill_graphs(True, most)
+            nb = model.capture_prefill_graphs()
+            PGRAPHS, model.pgraphs = model.pgraphs, None
+            cap = {"buckets": nb, "s": time.perf_counter() - t, "bytes": torch.cuda.memory_allocated() - m0,
+                   "failed": model.pgraphs_failed}
+            rep.setdefault("prefill_graphs_capture", {})[mode] = cap
+            print(f"  prefill graphs: {nb} buckets up to {most} rows captured in {cap['s']:.1f} s, "
+                  f"{cap['bytes'] / 2**30:.2f} GiB allocated{'; FAILED ' + cap['failed'] if cap['failed'] else ''}",
+                  flush=True)
         for B, n, D, spread in shapes:  # prefill: B fresh prompts of about n tokens as one step, D decode rows
             b = prefill_batch(B, n, D, a.ctx, spread)       # after them (slots B ..)
             lens = b.counts[:B]
@@ -292,6 +312,7 @@ def main() -> int:
             name = f"{B} x {n}{sp} ({sum(lens)} tokens)" + (f" + {D} decode rows at {a.ctx}" if D else "")
             tag = f"{mode}-{B}x{n}{sp}" + (f"+{D}" if D else "")           # the shape's profile files
             ways = (("groups", "varlen") if a.prefill_varlen else ("kernels",)) + \
+                (("graphs",) if a.prefill_graphs and PGRAPHS is not None else ()) + \
                 (("s23", "torch") if a.prefill_torch else ())
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             # the profiled ways: the first, or both of --prefill-varlen's (their files named by way)
@@ -351,6 +372,9 @@ def main() -> int:
     return 0
 
 
+PGRAPHS = None      # --prefill-graphs: the mode's captured PrefillGraphs, lent to the model for the "graphs" way
+
+
 @contextlib.contextmanager
 def torch_prefill(way: str, model):
     """The prefill as it was: "s23" as the twenty-third session left it (kernels/prefill.MERGED off: a GEMM per
@@ -361,6 +385,13 @@ def torch_prefill(way: str, model):
     graphs are not affected (they replay what was captured). "groups" and "varlen": as it is, with the Gated
     DeltaNet's segments by groups of equal lengths, or as one variable-length call (kernels/prefill.VARLEN)."""
     from memra_pp.kernels import fused_decode as fd, prefill as pf
+    if way == "graphs":         # as "kernels", through the prefill graphs
+        model.pgraphs = PGRAPHS
+        try:
+            yield
+        finally:
+            model.pgraphs = None
+        return
     if way in ("kernels", "groups", "varlen"):
         varlen = pf.VARLEN
         pf.VARLEN = {"kernels": varlen, "groups": False, "varlen": True}[way]

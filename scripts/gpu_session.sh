@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep pgraphstep pgraphe2e mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -87,6 +87,17 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
               --model ${E2E_MODEL:-preset:qwen3.5-27b} --layouts 0 --concurrency ${E2E_C:-64} --prompt-len 512 \
               --prompt-spread 0.5 --new 256 --prefill-chunk ${CHUNKS:-4096} --prefill-chunk-decoding ${PDS:-off,1024} \
               --gc-freeze ${GCF:-on} ;;
+    # prompt steps eagerly (kernels) and through the prefill graphs (graphs), interleaved, on the 35B-A3B (host-bound
+    # prompt steps) then the 27B; PGS_SHAPES / PGS_MODELS pick others
+    pgraphstep) for m in ${PGS_MODELS:-preset:qwen3.5-35b-a3b preset:qwen3.5-27b}; do
+                  phase "pgraph-step-${m#preset:qwen3.5-}" ${PGS_S:-240} python3 -u benchmarks/gpu_engine_step.py \
+                    --out "$OUT/pgraph-${m#preset:qwen3.5-}" --model $m --batches 1 --modes graph --iters 3 --ctx 600 \
+                    --prefill ${PGS_SHAPES:-1x1024,1x4096,8x512~0.5,8x512~0.5+56} --prefill-graphs ; done ;;
+    # end to end with and without the prefill graphs (one deployment each), the prompt budget off and at 1,024
+    pgraphe2e) phase gpu-decode-pgraphs 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/pgraphs" \
+              --model ${E2E_MODEL:-preset:qwen3.5-35b-a3b} --layouts 0 --concurrency ${E2E_C:-64} --prompt-len 512 \
+              --prompt-spread 0.5 --new 256 --prefill-chunk ${CHUNKS:-4096} --prefill-chunk-decoding ${PDS:-off} \
+              --prefill-graphs both ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
     # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and
