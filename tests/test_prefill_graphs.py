@@ -105,3 +105,26 @@ def test_steps_past_the_row_cap_run_eagerly(monkeypatch):
     b, ids = step([0], [0], [300], [True], [5 + i % 90 for i in range(300)])
     assert not g.takes(b, 300)
     assert run_both(eager, pieces, b, ids) < 1e-4 and g.replays == 0
+
+
+def test_a_failed_capture_leaves_prompt_steps_eager(monkeypatch):
+    """A bucket whose capture fails (raised before any core ran) drops the prefill graphs with a warning naming
+    why; that step and the later ones run eagerly and compute what the eager layers compute; at load, the same."""
+    from memra_pp.model.decode_graphs import CaptureFailed
+
+    def no_room(self, nb):
+        raise CaptureFailed(f"prefill graph capture ({nb} rows) failed: RuntimeError: no room")
+    eager, pieces = pipelines("moe", [(0, 4), (4, 8)])
+    monkeypatch.setattr(pg.PrefillGraphs, "_build", no_room)
+    b, ids = step([0, 1], [0, 0], [40, 57], [False, True], [5 + i % 90 for i in range(97)])
+    with pytest.warns(UserWarning, match="no room; prompt steps run eagerly"):
+        assert run_both(eager, pieces, b, ids) < 1e-4
+    for s in pieces.stages:
+        assert s.pgraphs is None and "(128 rows)" in s.pgraphs_failed and "no room" in s.pgraphs_failed
+    b, ids = step([0, 1], [40, 57], [1, 1], [True, True], [7, 8])
+    assert run_both(eager, pieces, b, ids) < 1e-4
+    s = pieces.stages[0]
+    s.set_prefill_graphs(True, 300, capture=False)
+    with pytest.warns(UserWarning, match="no room"):
+        assert s.capture_prefill_graphs() == 0
+    assert s.pgraphs is None and "no room" in s.pgraphs_failed

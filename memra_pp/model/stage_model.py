@@ -230,14 +230,7 @@ class StageModel(nn.Module):
     def capture_decode_graphs(self) -> int:
         """Capture every batch bucket's decode graph now (DecodeGraphs.capture_all); how many. A capture that fails
         leaves the stage decoding eagerly, as one that fails on first use does."""
-        if self.graphs is None:
-            return 0
-        from .decode_graphs import CaptureFailed
-        try:
-            return self.graphs.capture_all()
-        except CaptureFailed as e:
-            self._decode_eagerly(e)
-            return 0
+        return self._capture_all("graphs")
 
     def set_prefill_graphs(self, on: bool, max_tokens: int, capture: bool = True) -> None:
         """Prompt steps of up to max_tokens rows without adapters through piecewise CUDA graphs (prefill_graphs.py:
@@ -249,24 +242,27 @@ class StageModel(nn.Module):
 
     def capture_prefill_graphs(self) -> int:
         """Capture every token bucket's pieces now; how many buckets. A failure leaves prompt steps eager."""
-        if self.pgraphs is None:
-            return 0
+        return self._capture_all("pgraphs")
+
+    def _capture_all(self, attr: str) -> int:
         from .decode_graphs import CaptureFailed
+        g = getattr(self, attr)
+        if g is None:
+            return 0
         try:
-            return self.pgraphs.capture_all()
+            return g.capture_all()
         except CaptureFailed as e:
-            self._prefill_eagerly(e)
+            self._eagerly(attr, e)
             return 0
 
-    def _prefill_eagerly(self, e: Exception) -> None:
+    def _eagerly(self, attr: str, e: Exception) -> None:
+        """Graphs whose capture failed (attr "graphs": the decode graphs, "pgraphs": the prefill graphs) are
+        dropped, and why kept in attr + "_failed"; those steps run eagerly from then on."""
         import warnings
-        warnings.warn(f"layers [{self.start}, {self.end}): {e}; prompt steps run eagerly")
-        self.pgraphs_failed, self.pgraphs = str(e), None
-
-    def _decode_eagerly(self, e: Exception) -> None:
-        import warnings
-        warnings.warn(f"layers [{self.start}, {self.end}): {e}; decoding eagerly")
-        self.graphs_failed, self.graphs = str(e), None
+        warnings.warn(f"layers [{self.start}, {self.end}): {e}; "
+                      + ("decoding eagerly" if attr == "graphs" else "prompt steps run eagerly"))
+        setattr(self, attr + "_failed", str(e))
+        setattr(self, attr, None)
 
     def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache, out=None) -> torch.Tensor:
         """The decode step a CUDA graph captures: hidden in, hidden (or float32 logits on the primary) out, written
@@ -316,7 +312,7 @@ class StageModel(nn.Module):
             try:
                 return self.pgraphs.run(b, h, cache, cos, sin)
             except CaptureFailed as e:      # (before any core ran: the cache is as it was)
-                self._prefill_eagerly(e)
+                self._eagerly("pgraphs", e)
         for layer in self.layers:
             h = layer(h, b, cache, cos, sin, None if step is None else step.layer(layer.i))
         return h
@@ -328,7 +324,7 @@ class StageModel(nn.Module):
             try:
                 return self.graphs.run(b, h)
             except CaptureFailed as e:
-                self._decode_eagerly(e)
+                self._eagerly("graphs", e)
         cos, sin = self.rope.cos_sin(b.pos_3T, self.dtype)
         step = None if lora is None else lora.step(b)
         h = self._layers(b, h, cache, cos, sin, step)
