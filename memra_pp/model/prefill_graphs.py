@@ -151,7 +151,8 @@ class PrefillGraphs:
                     graphs.append(None)
         except Exception as e:
             del self.pres[nb]
-            torch.cuda.synchronize()
+            if self.capture:
+                torch.cuda.synchronize()
             raise CaptureFailed(f"prefill graph capture ({nb} rows) failed: {type(e).__name__}: {e}") from e
         self.graphs[nb], self.out[nb] = graphs, h
 
