@@ -38,6 +38,11 @@ def run(path, devices, transport="auto"):
         for s in st:            # load, none while decoding (these prompts never grow the KV pools)
             g = s["decode_graphs"]
             assert g["captures"] == len(g["graphs"]) == 4 and len({kv for _, kv in g["graphs"]}) == 1, g
+    from memra_pp.model import prefill_graphs
+    if prefill_graphs.ENABLED:  # the prompt steps (48 prompt rows + 8 decode rows at most: the 128-row bucket,
+        for s in st:            # captured at load) through the prefill graphs
+            g = s["prefill_graphs"]
+            assert g["buckets"] == [128] and g["captures"] == 1 and g["replays"] > 0, g
     return toks, st
 
 
