@@ -233,9 +233,9 @@ class StageModel(nn.Module):
         return self._capture_all("graphs")
 
     def set_prefill_graphs(self, on: bool, max_tokens: int, capture: bool = True) -> None:
-        """Prompt steps of up to max_tokens rows without adapters through piecewise CUDA graphs (prefill_graphs.py:
-        the row-wise parts of every layer captured per token bucket, the mixers' cores eager between them), or
-        eagerly. They read no cache, so they outlive a cache's replacement. `capture=False`: the same pieces on the
+        """Prompt steps of up to max_tokens rows (at most prefill_graphs.MAX_ROWS) without adapters through
+        piecewise CUDA graphs (prefill_graphs.py: the row-wise parts of every layer captured per token bucket, the
+        mixers' cores eager between them), or eagerly. They read no cache, so they outlive a cache's replacement. `capture=False`: the same pieces on the
         same static buffers, uncaptured (CPU tests)."""
         from .prefill_graphs import PrefillGraphs
         self.pgraphs = PrefillGraphs(self, max_tokens, capture=capture) if on else None
@@ -318,7 +318,8 @@ class StageModel(nn.Module):
         return h
 
     def _step(self, b: StepBatch, h: torch.Tensor, cache: StageCache, lora, token_overlay) -> torch.Tensor:
-        """The step's compute: a decode graph when one takes the batch, else the eager layers."""
+        """The step's compute: a decode graph when one takes the batch, else the layers (_layers: the prefill
+        graphs' pieces where they take it)."""
         if self.graphs is not None and self.graphs.takes(b):
             from .decode_graphs import CaptureFailed
             try:
