@@ -235,8 +235,8 @@ class StageModel(nn.Module):
     def set_prefill_graphs(self, on: bool, max_tokens: int, capture: bool = True) -> None:
         """Prompt steps of up to max_tokens rows (at most prefill_graphs.MAX_ROWS) without adapters through
         piecewise CUDA graphs (prefill_graphs.py: the row-wise parts of every layer captured per token bucket, the
-        mixers' cores eager between them), or eagerly. They read no cache, so they outlive a cache's replacement. `capture=False`: the same pieces on the
-        same static buffers, uncaptured (CPU tests)."""
+        mixers' cores eager between them), or eagerly. They read no cache, so they outlive a cache's replacement.
+        `capture=False`: the same pieces on the same static buffers, uncaptured (CPU tests)."""
         from .prefill_graphs import PrefillGraphs
         self.pgraphs = PrefillGraphs(self, max_tokens, capture=capture) if on else None
 
