@@ -146,15 +146,22 @@ class DecodeGraphs:
             raise CaptureFailed(f"decode graph capture (batch {nb}, kv {S}) failed: {type(e).__name__}: {e}") from e
 
     def _capture_cuda(self, nb: int, S: int):
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            self._step(nb, S)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            self._step(nb, S)       # writes self.out[:nb]
-        torch.cuda.synchronize()
-        return g
+        return capture(lambda: self._step(nb, S), self.pool)[0]      # (the step writes self.out[:nb])
+
+
+def capture(fn, pool):
+    """fn() run once on a side stream (kernels compile, cuBLAS picks its algorithms), then captured into a CUDA
+    graph in `pool` -> (the graph, what the captured run returned). Capture errors are thread-local: a stage's
+    transport threads keep using CUDA meanwhile. Shared with the prefill graphs (prefill_graphs.py)."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    torch.cuda.synchronize()
+    return g, out

@@ -22,7 +22,7 @@ import torch
 
 from ..switches import initial
 from .batch import StepBatch
-from .decode_graphs import CaptureFailed, bucket
+from .decode_graphs import CaptureFailed, bucket, capture
 
 # Token buckets: a step of T rows pads to the smallest >= T. Padding rows cost device time in the row-wise pieces
 # (one H100, 35B-A3B: a mixed step of 4,152 rows padded to 5,120 took 108 ms against 97 eager, where at 1,024 rows
@@ -157,16 +157,7 @@ class PrefillGraphs:
         self.graphs[nb], self.out[nb] = graphs, h
 
     def _capture_cuda(self, nb: int, j: int, h: torch.Tensor):
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            self._piece(nb, j, h)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._piece(nb, j, h)
-        g.replay()
+        g, out = capture(lambda: self._piece(nb, j, h), self.pool)
+        g.replay()          # (its outputs hold numbers for the next piece's warm-up)
         torch.cuda.synchronize()
         return g, out
