@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest_models import hf_reference, tiny_checkpoint
+import threads
 from memra_pp.adapters import load_peft_adapter, token_overlay_set
 from memra_pp.engine import Engine
 from memra_pp.errors import ConfigError, InputError
@@ -304,15 +305,8 @@ def test_an_unload_waits_for_the_replays_a_recovery_brings_and_is_refused_before
     assert time.monotonic() - t0 >= StageRunner.REPLAY_GRACE_S - 0.05 and r.adapter_names == {}
     r.abort_unload("a")
     # a stage lost during the wait (a replay breaks a stage again): refused after it, as before it
-    r.resumed_at, out = time.monotonic(), {}
-
-    def unload():
-        try:
-            out["r"] = r.begin_unload("a")
-        except StageFailed as e:
-            out["r"] = e
-    th = threading.Thread(target=unload)
-    th.start()
+    r.resumed_at = time.monotonic()
+    th, out = threads.start(r.begin_unload, "a")
     time.sleep(0.3)
     r.lost = (2, "stage 2 is lost: it did not answer")
     th.join(5)

@@ -1,11 +1,12 @@
 """RemoteSupervisor, a connect()ed handle's view of the launcher's supervisor, in-process (no Ray): an idle
 handle learns its launch was shut down mid-recovery, wait_ready asks health as the launcher's does, and a handle let go
 does not keep its thread."""
-import threading
 import time
 import types
 
 import pytest
+
+import threads
 
 from memra_pp.errors import StageFailed
 
@@ -91,16 +92,7 @@ def test_a_connected_wait_ready_waits_while_a_stage_loop_is_dead_as_the_launcher
                                                                  timeouts=types.SimpleNamespace(heartbeat_s=0.2)),
                                  _require_up=lambda what: None, refresh_actors=lambda: True)
     rs = RemoteSupervisor(cdep)
-    out = {}
-
-    def wait():
-        try:
-            rs.wait_ready(0.6)
-            out["r"] = "returned"
-        except Exception as e:  # noqa: BLE001
-            out["r"] = e
-    th = threading.Thread(target=wait, daemon=True)
-    th.start()
+    th, out = threads.start(rs.wait_ready, 0.6)
     th.join(5)
     assert isinstance(out.get("r"), StageFailed), out
     assert str(out["r"]) == "the deployment did not recover within 0.6 s: a stage's loop is not running"

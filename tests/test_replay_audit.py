@@ -1,10 +1,10 @@
 """A request held by its client for a replay (recover: replay) still uses its adapter: an unload during the recovery
 must not take it away (the replay was refused: "unknown adapter")."""
 import re
-import threading
 import time
 
 import memra_pp
+import threads
 from conftest_models import tiny_checkpoint
 from memra_pp.errors import StageFailed
 from test_reliability import Stream, config, kill
@@ -42,16 +42,7 @@ def test_an_unload_racing_a_connected_handles_replay_is_refused(ray_cluster):
         while dep.supervisor.ready.is_set() and time.monotonic() < deadline:
             time.sleep(0.005)
         assert not dep.supervisor.ready.is_set(), "the launcher must be recovering"
-        out = {}
-
-        def unload():
-            try:
-                dep.unload_adapter("a")
-                out["r"] = "unloaded"
-            except Exception as e:  # noqa: BLE001
-                out["r"] = e
-        th = threading.Thread(target=unload, daemon=True)
-        th.start()
+        th, out = threads.start(dep.unload_adapter, "a")
         s.join(90)
         th.join(60)
         assert s.error is None, f"the held request was lost to an unload it would have refused: {s.error}"
