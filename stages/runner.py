@@ -549,9 +549,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         st["switches"] = dict(self.switches)      # the MEMRA_PP_* modes this stage was set up with
         g = self.model.graphs
         st["decode_graphs"] = g.stats() if g is not None else {"off": self.model.graphs_failed or "eager"}
-        g = getattr(self.model, "pgraphs", None)
-        st["prefill_graphs"] = g.stats() if g is not None else {"off": getattr(self.model, "pgraphs_failed", None)
-                                                                or "eager"}
+        g = self.model.pgraphs
+        st["prefill_graphs"] = g.stats() if g is not None else {"off": self.model.pgraphs_failed or "eager"}
         st["weights_bytes"] = self.weights_bytes
         st["gc_frozen"] = self.gc_frozen
         st["cache_bytes"] = self.cache.nbytes()
