@@ -60,8 +60,7 @@ class PrefillGraphs:
             kind = layer.full
             if kind in self.P:
                 continue
-            w = layer.mixer.qkv if layer.full else layer.mixer.in_proj
-            self.P[kind] = torch.zeros(n, w.shape[0], dtype=dt, device=dev)
+            self.P[kind] = torch.zeros(n, layer.mixer.w_in.shape[0], dtype=dt, device=dev)
             pre = layer.mix_pre(x1, cos, cos, out=self.P[kind][:1])
             self.pre[kind] = [None if self._in_P(kind, t) else
                               torch.zeros(n, *t.shape[1:], dtype=t.dtype, device=dev) for t in pre]
