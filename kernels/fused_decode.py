@@ -168,13 +168,14 @@ def l2norm_ref(x, eps: float = 1e-6):
 L2_ROWS = 16     # rows a program (4 warps): one tile for every token count, so nothing tunes or compiles per step
 
 
-def l2norm(x, eps: float = 1e-6):
-    """x [..., D] (contiguous) -> each row over its L2 norm, as l2norm_ref rounds."""
-    if not _triton(x) or not x.is_contiguous() or x.numel() == 0:
-        return l2norm_ref(x, eps)
+def l2norm(x, eps: float = 1e-6, out=None):
+    """x [..., D] (contiguous) -> each row over its L2 norm, as l2norm_ref rounds; written into `out` (contiguous,
+    x's shape) where given."""
+    if not _triton(x) or not x.is_contiguous() or x.numel() == 0 or (out is not None and not out.is_contiguous()):
+        return l2norm_ref(x, eps) if out is None else out.copy_(l2norm_ref(x, eps))
     D = x.shape[-1]
     R = x.numel() // D
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     _l2norm_kernel[(triton.cdiv(R, L2_ROWS),)](x, out, eps, R, D=D, BD=triton.next_power_of_2(D), BT=L2_ROWS,
                                                 num_warps=4)
     return out

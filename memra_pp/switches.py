@@ -26,6 +26,10 @@ SWITCHES = {
                                       "GPU only; 0: one call per group of equal lengths)"),
     "MEMRA_PP_PREFILL_GRAPHS": (True, "prompt steps through piecewise CUDA graphs per token bucket (the mixers' "
                                       "cores eager between them: model/prefill_graphs.py; GPU only)"),
+    "MEMRA_PP_RULE_GRAPHS": (False, "inside the prefill graphs, fla's chunked Gated DeltaNet rule through CUDA graphs "
+                                    "per row and segment bucket (model/prefill_graphs.RuleGraphs; GPU only): a "
+                                    "quarter of its host time for a fifth more device time, off where the host keeps "
+                                    "up (docs/PERF.md, thirty-ninth session)"),
     "MEMRA_PP_GC_FREEZE": (True, "each stage collects its heap once and freezes it when it starts serving (as vLLM "
                                  "does), so no full collection walks the libraries' objects mid-run (a ~160 ms "
                                  "stall of the whole pipeline on the CPU stages measured)"),
@@ -41,6 +45,7 @@ TARGETS = {
     "MEMRA_PP_PREFILL_MERGED": ("memra_pp.kernels.prefill", "MERGED"),
     "MEMRA_PP_PREFILL_VARLEN": ("memra_pp.kernels.prefill", "VARLEN"),
     "MEMRA_PP_PREFILL_GRAPHS": ("memra_pp.model.prefill_graphs", "ENABLED"),
+    "MEMRA_PP_RULE_GRAPHS": ("memra_pp.model.prefill_graphs", "RULE_GRAPHS"),
     "MEMRA_PP_GC_FREEZE": ("memra_pp.stages.runner", "GC_FREEZE"),
 }
 

@@ -125,6 +125,27 @@ d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, st
 replays = [st.pgraphs.replays for st in pieces.stages]
 assert d < 5e-4 and all(r > 0 for r in replays), (d, replays)
 print("pieces dense ok", {"replays": replays[0]}, f"logprob diff {d:.1e}")
+# and with the rule graphs (prefill_graphs.RuleGraphs, uncaptured): the Gated DeltaNet's chunked rule on layouts
+# padded to row and segment buckets, through the torch double of fla's call, which checks every layout it is given
+# (tests/padded_rule.py); q and k normalised by the l2norm kernel into the graphs' buffers. Steps of 3 segments or
+# more call the rule eagerly (declined)
+from padded_rule import PaddedRule  # noqa: E402
+prefill_graphs.RULE_ROW_BUCKETS, prefill_graphs.SEGMENT_BUCKETS = (16, 32), (2, 3)
+prefill_graphs.RULE_GRAPHS = True       # (off by default: MEMRA_PP_RULE_GRAPHS)
+_, pieces = pipelines("dense", [(0, 3), (3, 8)])
+rule = PaddedRule()
+for st in pieces.stages:
+    for layer in st.layers:
+        if not layer.full:
+            layer.mixer.rule = rule
+    st.set_prefill_graphs(True, 32, capture=False)
+tk, lk = mixed_greedy(pieces, mixed, arrive, NEW, 8)
+assert tk == te, (tk, te)
+d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, strict=True))
+rs = [st.pgraphs.stats()["rule"] for st in pieces.stages]
+assert d < 5e-4 and all(r["replays"] > 0 and r["declined"] > 0 for r in rs), (d, rs)
+assert any(pad for _, pad in rule.layouts) and any(0 in lens for lens, _ in rule.layouts), rule.layouts
+print("rule graphs ok", rs[0], f"logprob diff {d:.1e}")
 # the MoE's fused routing and experts with padding rows (the interpreter's grouped GEMM takes seconds a call: two
 # steps of the first stage's two layers, not a greedy run): 14 rows padded to 16 (the per-pair kernels, as eager),
 # then 25 rows padded to 48 (eager: 50 pairs, the per-pair kernels; padded: 96, the grouped GEMM), against the eager

@@ -17,8 +17,8 @@ def cuda():
     return torch.device("cuda:0")
 
 
-def pipe(src, splits, dtype, cuda, graphs=None):
-    p = LocalPipeline(src, splits, dtype=dtype, device=cuda, max_seqs=6)
+def pipe(src, splits, dtype, cuda, graphs=None, max_seqs=6):
+    p = LocalPipeline(src, splits, dtype=dtype, device=cuda, max_seqs=max_seqs)
     if graphs is not None:
         for s in p.stages:
             s.set_prefill_graphs(True, 300, capture=graphs)
@@ -67,6 +67,7 @@ def test_captured_pieces(cuda, kind, splits):
     for s in g.stages:
         st = s.pgraphs.stats()
         assert st["replays"] == 3 and st["buckets"] == [128, 256] and st["captures"] == 2, st
+        assert st["rule"] is None, st       # (the rule graphs are off by default: MEMRA_PP_RULE_GRAPHS)
 
 
 EXACT = [  # the steps above with rows that fill their buckets (no padding): 128, 256, 128 rows
@@ -100,3 +101,38 @@ def test_moe_padded_float32(cuda, monkeypatch):
     worst = max((a - b).abs().max().item() for a, b in zip(cap, eag, strict=True))
     print(f"moe float32: captured vs eager logits, worst {worst:.2e}")
     assert worst < 1e-3 and g.stages[0].gdn_backend == "torch"
+
+
+RULE_STEPS = [  # 2 segments (2 + 1 empty -> bucket 4); 9 (-> 16); 16 (more than the buckets hold: fla eagerly); then
+    # continuing chunks beside decode rows and a new prompt of 250 rows (283 rows of segments: row bucket 512)
+    ([0, 1], [0, 0], [40, 57], [False, True]),
+    (list(range(2, 11)), [0] * 9, [10 + 2 * i for i in range(9)], [True] * 9),
+    (list(range(11, 27)), [0] * 16, [5 + i for i in range(16)], [True] * 16),
+    ([0, 1, *range(2, 11), 27], [40, 57, *(10 + 2 * i for i in range(9)), 0], [33, 1, *[1] * 9, 250], [True] * 12),
+]
+
+
+@pytest.mark.parametrize("kind,splits", [("dense", [(0, 3), (3, 8)]), ("moe", [(0, 5), (5, 8)])])
+def test_rule_graphs_bit_equal(cuda, kind, splits, monkeypatch):
+    """fla's rule replayed from the rule graphs (padded rows, empty segments, padding chunks) against fla called
+    eagerly on the same steps, both inside captured prefill graphs: logits and every recurrent and conv state bit
+    for bit, bf16. Then the counters: which calls replayed and which the buckets declined."""
+    from memra_pp.model import prefill_graphs as pg
+    _, path = tiny_checkpoint(kind, False)
+    src = SafetensorsSource(path)
+    monkeypatch.setattr(pg, "RULE_GRAPHS", True)
+    on = pipe(src, splits, torch.bfloat16, cuda, graphs=True, max_seqs=32)
+    monkeypatch.setattr(pg, "RULE_GRAPHS", False)
+    off = pipe(src, splits, torch.bfloat16, cuda, graphs=True, max_seqs=32)
+    assert all(s.pgraphs.rules is None for s in off.stages)
+    a, b = run_steps(on, cuda, RULE_STEPS), run_steps(off, cuda, RULE_STEPS)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y), (x - y).abs().max()
+    for c_on, c_off in zip(on.caches, off.caches, strict=True):
+        for i in c_on.rec:
+            assert torch.equal(c_on.rec[i], c_off.rec[i]) and torch.equal(c_on.conv[i], c_off.conv[i]), i
+    for s in on.stages:
+        st, gdn = s.pgraphs.stats(), sum(not L.full for L in s.layers)
+        n = len(s.pgraphs.rules.rows) * len(pg.SEGMENT_BUCKETS)     # every row and segment bucket, at capture
+        assert st["rule"]["captures"] == n and st["rule_failed"] is None, st
+        assert st["rule"]["replays"] == 3 * gdn and st["rule"]["declined"] == gdn, st

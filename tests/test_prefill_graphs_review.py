@@ -163,7 +163,8 @@ def test_stats_without_and_with_pieces():
     """stats() before any step, and a model without prefill graphs (the runner's stats read pgraphs_failed)."""
     eager, pieces = pipelines("dense", [(0, 8)])
     assert eager.stages[0].pgraphs is None and eager.stages[0].pgraphs_failed is None
-    assert pieces.stages[0].pgraphs.stats() == {"captures": 0, "replays": 0, "buckets": []}
+    assert pieces.stages[0].pgraphs.stats() == {"captures": 0, "replays": 0, "buckets": [], "rule": None,
+                                                "rule_failed": None}     # (no rule graphs without fla)
     pieces.stages[0].set_prefill_graphs(False, 300)
     assert pieces.stages[0].pgraphs is None
 

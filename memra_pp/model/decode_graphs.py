@@ -149,15 +149,16 @@ class DecodeGraphs:
         return capture(lambda: self._step(nb, S), self.pool)[0]      # (the step writes self.out[:nb])
 
 
-def capture(fn, pool):
+def capture(fn, pool, warm=None):
     """fn() run once on a side stream (kernels compile, cuBLAS picks its algorithms), then captured into a CUDA
     graph in `pool` -> (the graph, what the captured run returned). Capture errors are thread-local: a stage's
-    transport threads keep using CUDA meanwhile. Shared with the prefill graphs (prefill_graphs.py)."""
+    transport threads keep using CUDA meanwhile. Shared with the prefill graphs (prefill_graphs.py). `warm`: what
+    runs on the side stream instead of fn (a call on other tensors, where fn's must reach the capture unseen)."""
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), torch.inference_mode():
-        fn()
+        (warm or fn)()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

@@ -140,12 +140,15 @@ class FlaRule:
                            use_qk_l2norm_in_kernel=False)
         return o, s.float()
 
-    def chunk_varlen(self, q, k, v, g, beta, state, cu, chunks):
+    def chunk_varlen(self, q, k, v, g, beta, state, cu, chunks, normed: bool = False):
         """chunk over packed segments: q, k, v, g, beta [1, R, ...] hold segment s at rows cu[s]:cu[s + 1], states
         [N, ...] (fla's cu_seqlens; chunks: its chunk_indices, (segment, chunk) of every 64-token chunk, made on the
-        host with the step's other indices, so that fla computes none from cu on the device: that waits for it)."""
+        host with the step's other indices, so that fla computes none from cu on the device: that waits for it).
+        `normed`: q and k are l2-normalised already (the rule graphs normalise the real rows into their buffers)."""
         from memra_pp.kernels.fused_decode import l2norm
-        o, s = self._chunk(l2norm(q.contiguous()), l2norm(k.contiguous()), v, g=g.float(), beta=beta,
+        if not normed:
+            q, k = l2norm(q.contiguous()), l2norm(k.contiguous())
+        o, s = self._chunk(q, k, v, g=g.float(), beta=beta,
                            initial_state=state.float().contiguous(), output_final_state=True,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=cu, chunk_indices=chunks)
         return o, s.float()

@@ -13,10 +13,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _prep(q, k, v, g, beta):
-    """fp32, l2-normalised q/k, q scaled by dk^-1/2, heads moved before time: [B, Hv, T, d]."""
-    q = l2norm(q.float()) * q.shape[-1] ** -0.5
-    k = l2norm(k.float())
+def _prep(q, k, v, g, beta, normed: bool = False):
+    """fp32, l2-normalised q/k (normed: they are already), q scaled by dk^-1/2, heads moved before time:
+    [B, Hv, T, d]."""
+    q, k = (q.float(), k.float()) if normed else (l2norm(q.float()), l2norm(k.float()))
+    q = q * q.shape[-1] ** -0.5
     return (q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2),
             g.float().transpose(1, 2), beta.float().transpose(1, 2))
 
@@ -35,13 +36,14 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return torch.stack(outs, 1), S
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
-    """Chunked (WY / UT-transform) form, state carried across chunks; same result as the recurrence.
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, normed: bool = False):
+    """Chunked (WY / UT-transform) form, state carried across chunks; same result as the recurrence. `normed`: q
+    and k come l2-normalised (fla_rule.FlaRule.chunk_varlen's contract).
 
     Within a chunk with cumulative log-decay G: U = T(beta V) - T(beta e^G K) S0 with T = (I + L)^-1,
     L[t,s] = beta_t e^(G_t - G_s) k_t.k_s (s < t); O = e^G Q S0 + (Q K^T * D) U; S' = e^G_C S0 + (K e^(G_C-G))^T U.
     """
-    q, k, v, g, beta = _prep(q, k, v, g, beta)
+    q, k, v, g, beta = _prep(q, k, v, g, beta, normed)
     B, Hh, T, dk = k.shape
     pad = (-T) % chunk
     if pad:

@@ -77,9 +77,10 @@ class GatedDeltaNet(Param):
         return self.lin(fd.gated_rms_norm(out.contiguous(), pre[1], self.norm_weight, self.cfg.rms_norm_eps),
                         "out_proj", lora)
 
-    def core(self, pre: tuple, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
+    def core(self, pre: tuple, b: StepBatch, cache: StageCache, lora=None, rules=None) -> torch.Tensor:
         """What crosses rows and reads the cache (run eagerly between a prefill graph's pieces): the conv and the
-        chunked rule over the step's segments, states read and written at their slots -> out [T, nv, dv]."""
+        chunked rule over the step's segments, states read and written at their slots -> out [T, nv, dv].
+        `rules`: the prefill graphs' RuleGraphs, which replay the rule's variable-length call where they take it."""
         from memra_pp.kernels import prefill as pf
         from memra_pp.kernels.gdn_decode import conv_step, gdn_decode_fused
         c = self.cfg
@@ -115,9 +116,14 @@ class GatedDeltaNet(Param):
             q, k = q.view(1, R, nk, dk), k.view(1, R, nk, dk)
             if not getattr(self.rule, "gva", False):
                 q, k = q.repeat_interleave(r, 2), k.repeat_interleave(r, 2)
-            s0 = rec.new_zeros(len(seg.lens), *rec.shape[1:]) if seg.fresh else rec[slots]   # (fresh: none read)
-            o, rec[slots] = self._chunk_varlen(q, k, v.view(1, R, nv, dv), g[sel].view(1, R, nv),
-                                               beta[sel].view(1, R, nv), s0, seg)
+            v, gs, bs = v.view(1, R, nv, dv), g[sel].view(1, R, nv), beta[sel].view(1, R, nv)
+            if rules is not None and rules.takes(R, len(seg.lens)):     # (o: a view of the graphs' buffer)
+                o, rec[slots] = rules.run(q, k, v, gs, bs, rec, None if seg.fresh else slots, seg)
+            else:
+                if rules is not None:
+                    rules.declined += 1
+                s0 = rec.new_zeros(len(seg.lens), *rec.shape[1:]) if seg.fresh else rec[slots]  # (fresh: none read)
+                o, rec[slots] = self._chunk_varlen(q, k, v, gs, bs, s0, seg)
             if out is None:
                 out = o.view(T, nv, dv).to(z.dtype)
             else:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..switches import initial
-from .batch import StepBatch
+from .batch import StepBatch, aligned_parts
 from .decode_graphs import CaptureFailed, bucket, capture
 
 # Token buckets: a step of T rows pads to the smallest >= T. Padding rows cost device time in the row-wise pieces
@@ -73,12 +73,21 @@ class PrefillGraphs:
         self.out: dict[int, torch.Tensor] = {}  # bucket -> the last piece's output
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = self.captures = 0
+        # fla's chunked rule through graphs of its own (RuleGraphs), where the cores call it (the Gated DeltaNet's
+        # variable-length path) and the switch is on
+        from memra_pp.kernels import prefill as pf
+        gdn = next((L.mixer for L in model.layers if not L.full), None)
+        self.rules = RuleGraphs(gdn.rule, model.mc.text, max_tokens, dt, dev, capture) \
+            if RULE_GRAPHS and pf.MERGED and gdn is not None and gdn.rule is not None and gdn.varlen(True, dev) \
+            else None
+        self.rules_failed = None    # why the rule graphs' capture failed, if it did (the cores then call it eagerly)
 
     def _in_P(self, kind, t: torch.Tensor) -> bool:
         return t.untyped_storage().data_ptr() == self.P[kind].untyped_storage().data_ptr()
 
     def stats(self) -> dict:
-        return {"captures": self.captures, "replays": self.replays, "buckets": sorted(self.graphs)}
+        return {"captures": self.captures, "replays": self.replays, "buckets": sorted(self.graphs),
+                "rule": None if self.rules is None else self.rules.stats(), "rule_failed": self.rules_failed}
 
     def takes(self, b: StepBatch, T: int) -> bool:
         return not b.decode_only() and not b.uses_adapters() and T <= self.buckets[-1]
@@ -90,7 +99,20 @@ class PrefillGraphs:
             if nb not in self.graphs:
                 self._build(nb)
                 n += 1
+        self._capture_rules()
         return n
+
+    def _capture_rules(self) -> None:
+        """The rule graphs' every bucket, before any core runs; a failed capture leaves the cores calling the rule
+        eagerly (said once in a warning and in rules_failed), the pieces' graphs as they are."""
+        if self.rules is None or self.rules.ready():
+            return
+        try:
+            self.rules.capture_all()
+        except CaptureFailed as e:
+            import warnings
+            warnings.warn(f"{e}; fla's rule runs eagerly in prompt steps")
+            self.rules, self.rules_failed = None, str(e)
 
     def run(self, b: StepBatch, h_TH: torch.Tensor, cache, cos, sin) -> torch.Tensor:
         """The step's layers: h [T, H] in, h out (a new tensor)."""
@@ -98,6 +120,7 @@ class PrefillGraphs:
         nb = bucket(T, self.buckets)
         if nb not in self.graphs:
             self._build(nb)             # raises CaptureFailed: the stage goes on eagerly
+        self._capture_rules()           # (captured at load: here only where capture_all was not called)
         graphs, pres = self.graphs[nb], self.pres[nb]
         self.h[:T].copy_(h_TH)
         self.cos[:T].copy_(cos)
@@ -106,7 +129,7 @@ class PrefillGraphs:
         for j in range(len(self.model.layers) + 1):
             if j:       # layer j - 1's core, eagerly on the real rows, into its static output buffer
                 L = self.model.layers[j - 1]
-                o = L.mix_core(tuple(t[:T] for t in pres[j - 1]), b, cache)
+                o = L.mix_core(tuple(t[:T] for t in pres[j - 1]), b, cache, rules=self.rules)
                 self.o[L.full][:T].copy_(o.view(self.o[L.full][:T].shape))
             if graphs[j] is not None:
                 graphs[j].replay()
@@ -160,3 +183,172 @@ class PrefillGraphs:
         g.replay()          # (its outputs hold numbers for the next piece's warm-up)
         torch.cuda.synchronize()
         return g, out
+
+
+# The rule graphs' buckets: a step's R rows of prompt segments pad to the smallest row bucket >= R, its N segments
+# plus one trailing empty segment (the owner of the padding chunks) to the smallest segment bucket >= N + 1. Larger
+# steps (more rows than the prefill graphs take, or 16 segments or more) call the rule eagerly.
+# Fine buckets: every padding row costs the graph's output copy and every empty segment its state passed through and
+# copied (2-3 MB each at 35B-A3B / 27B dimensions); with buckets of 256 rows and powers of two segments a replay cost
+# 20-28% more device time than the eager call (one H100, docs/PERF.md thirty-ninth session). A capture is ~3 ms.
+RULE_ROW_BUCKETS = tuple(range(128, 2048 + 1, 128))
+SEGMENT_BUCKETS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
+# MEMRA_PP_RULE_GRAPHS=1: the prefill graphs' Gated DeltaNet cores replay fla's rule from the rule graphs; off by
+# default (switches.py): on one H100 a replay took 210-330 us of host time a layer against 710-960 eagerly, but
+# 20-28% more device time (the copies into and out of the static buffers, the padding), and end to end (35B-A3B,
+# 64 concurrent) the two were within 1% of each other: the host kept up. Where it does not (the thirty-seventh session
+# measured 1.9 ms of host time a call on another H100), the switch takes three quarters of it off each layer
+RULE_GRAPHS = initial("MEMRA_PP_RULE_GRAPHS")
+
+
+class RuleGraphs:
+    """fla's chunked gated delta rule over a prompt step's segments through CUDA graphs: the rule's variable-length
+    call costs about 1 ms of host time a layer (8 Triton launches, autotuner lookups; docs/PERF.md, thirty-seventh
+    session), most of a host-bound prompt step's time once the prefill graphs replay the rest. The rule holds no
+    weights, so one graph per (row bucket nb, segment bucket S) serves every Gated DeltaNet layer of a stage.
+
+    A step of R rows in N segments: the real rows' q and k are l2-normalised into static buffers (the rule then
+    normalises none), v, g and beta copied in, the segments' states gathered into the first N of S; the graph
+    replays over nb rows and S segments, and writes its output and final states into static buffers. Padding:
+    - segments N..S-1 are empty (fla's cu_seqlens repeats R): fla passes an empty segment's state through, and no
+      state of theirs is read back;
+    - the chunk indices hold the real (segment, chunk) pairs, then (S - 1, 0), a chunk of the last, empty segment:
+      its programs mask every row (thirty-seventh session: empty segments and padded chunk indices replay
+      bit-equal), and its index into fla's per-chunk states stays below the padded chunk count nb / 64 + S;
+    - rows R..nb belong to no segment: no kernel reads or writes them but the row-wise l2norm of stale rows.
+    fla derives chunk offsets from cu_seqlens and caches them by the tensor's identity: each graph's cu_seqlens and
+    chunk indices are tensors made for its capture (its warm-up runs on copies), so the capture records those
+    kernels (a warm-up tensor's cached offsets would replay stale).
+
+    Outputs (the core's output rows, the states) live in static buffers: the graphs' pool then holds one graph's
+    temporaries, not every graph's outputs. The output is a view valid until the next replay (the prefill graphs
+    copy it into their own buffer at once). `capture=False`: the same padded calls uncaptured (CPU tests)."""
+
+    def __init__(self, rule, cfg, max_rows: int, dtype, device, capture: bool = True):
+        self.rule, self.capture = rule, capture
+        nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+            cfg.linear_value_head_dim
+        qh = nk if getattr(rule, "gva", False) else nv
+        top = bucket(max_rows, RULE_ROW_BUCKETS) or max_rows
+        self.rows = tuple(b for b in RULE_ROW_BUCKETS if b < top) + (top,)
+        n, S = top, SEGMENT_BUCKETS[-1]
+
+        def z(*shape, dt=dtype):
+            return torch.zeros(*shape, dtype=dt, device=device)
+        self.q, self.k, self.v = z(1, n, qh, dk), z(1, n, qh, dk), z(1, n, nv, dv)
+        self.g, self.beta = z(1, n, nv, dt=torch.float32), z(1, n, nv)
+        self.s0, self.s = z(S, nv, dk, dv, dt=torch.float32), z(S, nv, dk, dv, dt=torch.float32)
+        self.o = z(1, n, nv, dv)
+        self.device = torch.device(device)
+        self.meta: dict[tuple, tuple] = {}      # (nb, S) -> the (cu_seqlens, chunk indices) its graph reads
+        self.holds: dict[tuple, object] = {}    # (nb, S) -> the Segments whose layout meta holds now
+        self.graphs: dict[tuple, object] = {}   # (nb, S) -> its graph (None uncaptured)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = self.captures = 0
+        self.declined = 0       # calls the cores made eagerly instead (more rows or segments than the buckets)
+
+    def keys(self) -> list[tuple]:
+        return [(nb, S) for nb in self.rows for S in SEGMENT_BUCKETS]
+
+    def ready(self) -> bool:
+        """Every bucket's graph is built (run builds none: a capture inside a step would come after its first
+        cores had written the cache)."""
+        return len(self.graphs) == len(self.rows) * len(SEGMENT_BUCKETS)
+
+    def stats(self) -> dict:
+        return {"captures": self.captures, "replays": self.replays, "declined": self.declined}
+
+    def takes(self, R: int, N: int) -> bool:
+        return R <= self.rows[-1] and N < SEGMENT_BUCKETS[-1]
+
+    def capture_all(self) -> int:
+        """Every (row, segment) bucket's graph now, largest first; how many. Raises CaptureFailed."""
+        todo = [key for key in reversed(self.keys()) if key not in self.graphs]
+        for key in todo:
+            self._build(key)
+        return len(todo)
+
+    def run(self, q, k, v, g, beta, rec, slots, seg) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule over seg's segments of q, k, v, g, beta [1, R, ...] (raw q and k), initial states rec[slots]
+        (slots None: all zero, fresh prompts) -> (o [1, R, nv, dv], final states [N, ...]), both views of static
+        buffers valid until the next replay."""
+        from memra_pp.kernels.fused_decode import l2norm
+        R, N = q.shape[1], len(seg.lens)
+        assert slots is None or slots.numel() == N, (slots.shape, N)    # (index_select would resize a short out)
+        key = (bucket(R, self.rows), bucket(N + 1, SEGMENT_BUCKETS))
+        if self.holds.get(key) is not seg:
+            cu, chunks = self._layout(seg, *key)
+            self.meta[key][0].copy_(cu)
+            self.meta[key][1].copy_(chunks)
+            self.holds[key] = seg
+        l2norm(q.contiguous(), out=self.q[:, :R])
+        l2norm(k.contiguous(), out=self.k[:, :R])
+        self.v[:, :R].copy_(v)
+        self.g[:, :R].copy_(g)
+        self.beta[:, :R].copy_(beta)
+        if slots is None:
+            self.s0[:N].zero_()
+        else:
+            torch.index_select(rec, 0, slots, out=self.s0[:N])
+        graph = self.graphs[key]
+        if graph is not None:
+            graph.replay()
+        else:
+            self._call(*key, *self.meta[key])
+        self.replays += 1
+        return self.o[:, :R], self.s[:N]
+
+    def _layout(self, seg, nb: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """seg's cu_seqlens [S + 1] and chunk indices [nb / 64 + S, 2], padded as the class says (one host-to-device
+        copy a step and bucket, kept on the Segments)."""
+        from memra_pp.kernels.prefill import FLA_CHUNK
+        got = seg.__dict__.setdefault("_rule_layout", {})
+        if (nb, S) not in got:
+            R, NT = sum(seg.lens), self._chunk_count(nb, S)
+            cu = [0]
+            for n in seg.lens:
+                cu.append(cu[-1] + n)
+            cu += [R] * (S + 1 - len(cu))
+            ch = [x for s, n in enumerate(seg.lens) for j in range(-(-n // FLA_CHUNK)) for x in (s, j)]
+            assert len(ch) // 2 <= NT, (seg.lens, nb, S)
+            ch += [S - 1, 0] * (NT - len(ch) // 2)
+            cu_t, ch_t = aligned_parts([cu, ch], self.device)
+            got[(nb, S)] = (cu_t, ch_t.view(NT, 2))
+        return got[(nb, S)]
+
+    @staticmethod
+    def _chunk_count(nb: int, S: int) -> int:
+        """Chunk indices a graph holds: R <= nb rows in N <= S - 1 segments have at most nb / 64 + N chunks."""
+        from memra_pp.kernels.prefill import FLA_CHUNK
+        return -(-nb // FLA_CHUNK) + S
+
+    def _call(self, nb: int, S: int, cu, chunks) -> None:
+        """The padded call over the static buffers (what a graph captures); outputs into the static ones."""
+        o, s = self.rule.chunk_varlen(self.q[:, :nb], self.k[:, :nb], self.v[:, :nb], self.g[:, :nb],
+                                      self.beta[:, :nb], self.s0[:S], cu, chunks, normed=True)
+        self.o[:, :nb].copy_(o)
+        self.s[:S].copy_(s)
+
+    def _build(self, key: tuple) -> None:
+        """The key's graph, captured over fresh cu_seqlens / chunk index tensors after a warm-up on copies of them
+        (a layout of one segment holding every row); replayed once. Uncaptured: the tensors only."""
+        from memra_pp.kernels.prefill import FLA_CHUNK
+        nb, S = key
+        NT = self._chunk_count(nb, S)
+        n1 = -(-nb // FLA_CHUNK)
+        warm = (torch.tensor([0] + [nb] * S, device=self.device),
+                torch.tensor([[0, j] for j in range(n1)] + [[S - 1, 0]] * (NT - n1), device=self.device).view(NT, 2))
+        self.captures += 1
+        if not self.capture:
+            self.meta[key], self.graphs[key] = warm, None
+            return
+        meta = tuple(t.clone() for t in warm)
+        try:
+            g, _ = capture(lambda: self._call(nb, S, *meta), self.pool, warm=lambda: self._call(nb, S, *warm))
+            g.replay()
+            torch.cuda.synchronize()
+        except Exception as e:
+            torch.cuda.synchronize()
+            raise CaptureFailed(f"rule graph capture ({nb} rows, {S} segments) failed: {type(e).__name__}: {e}") \
+                from e
+        self.meta[key], self.graphs[key] = meta, g

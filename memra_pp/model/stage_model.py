@@ -46,9 +46,10 @@ class Layer(nn.Module):
         `out`: where the merged projection goes."""
         return self.mixer.project(x_TH, cos, sin, lora, out) if self.full else self.mixer.pre(x_TH, lora, out)
 
-    def mix_core(self, pre: tuple, b: StepBatch, cache: StageCache, lora=None) -> torch.Tensor:
-        """What crosses rows and reads or writes the cache: the attention (gated) or the conv and chunked rule."""
-        return self._attention(pre, b, cache, lora) if self.full else self.mixer.core(pre, b, cache, lora)
+    def mix_core(self, pre: tuple, b: StepBatch, cache: StageCache, lora=None, rules=None) -> torch.Tensor:
+        """What crosses rows and reads or writes the cache: the attention (gated) or the conv and chunked rule
+        (`rules`: the prefill graphs' RuleGraphs, for the rule's variable-length call)."""
+        return self._attention(pre, b, cache, lora) if self.full else self.mixer.core(pre, b, cache, lora, rules)
 
     def rest(self, h_TH, o, pre: tuple, lora=None) -> torch.Tensor:
         """From the mixer core's output o: its output projection (the Gated DeltaNet's gated norm first), the
