@@ -5,7 +5,10 @@ and device time per layer for one prefill step's worth of segments, the ways the
 - groups: prompts of spread lengths (n x [1-S, 1+S], gpu_engine_step.spread_lengths) one batched call per group of
   equal lengths, as GatedDeltaNet.forward does without MEMRA_PP_PREFILL_VARLEN (every length differs: B calls);
 - varlen: the same prompts as one variable-length call (FlaRule.chunk_varlen, the chunk indices made on the host);
-- varlen-equal: the equal prompts as one variable-length call.
+- varlen-equal: the equal prompts as one variable-length call;
+- graphs: the same prompts through the rule graphs (model/prefill_graphs.RuleGraphs: the call replayed from a CUDA
+  graph per row and segment bucket, inputs copied into its static buffers), where the step fits their buckets; the
+  report gives their capture time and memory.
 
 With the conv (kernels/prefill.conv_prefill per group against conv_varlen) in each way too; a group's rows a slice
 where consecutive, as the engine takes them. Host time is the enqueue time of `--iters` calls without a sync (the
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import time
+import types
 
 import torch
 
@@ -66,6 +70,21 @@ def main() -> int:
     def r(*s, dt=torch.bfloat16):
         return torch.randn(*s, device=dev, generator=gen).to(dt)
 
+    rg = None
+    if not a.checks_only:       # the rule graphs for every bucket up to the prefill graphs' row cap
+        from memra_pp.model import prefill_graphs
+        torch.cuda.synchronize()
+        m0, r0, t0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), time.perf_counter()
+        dims = types.SimpleNamespace(**{k: t[k] for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                                          "linear_key_head_dim", "linear_value_head_dim")})
+        rg = prefill_graphs.RuleGraphs(rule, dims, prefill_graphs.MAX_ROWS, torch.bfloat16, dev)
+        n = rg.capture_all()
+        torch.cuda.synchronize()
+        rep["rule_graphs"] = {"graphs": n, "capture_s": time.perf_counter() - t0,
+                              "allocated_bytes": torch.cuda.memory_allocated() - m0,
+                              "reserved_bytes": torch.cuda.memory_reserved() - r0}
+        print(f"  rule graphs: {rep['rule_graphs']}", flush=True)
+
     for spec in ([] if a.checks_only else a.prompts.split(",")):
         B, n, _, spread = prefill_shape(spec)
         for label, lens in ((("spread", spread_lengths(B, n, spread)),) if spread else ()) + (("equal", [n] * B),):
@@ -88,8 +107,13 @@ def main() -> int:
             def one_call():
                 pf.conv_varlen(u, seg, w, c0, (qh * D, qh * D, HV * D))
                 rule.chunk_varlen(q, k, v, g, beta, s0, seg.cu, seg.chunks)
+            def graphs():       # as one_call, the rule replayed (fresh prompts: zero states, none read)
+                pf.conv_varlen(u, seg, w, c0, (qh * D, qh * D, HV * D))
+                rg.run(q, k, v, g, beta, s0, None, seg)
             ways = {"groups" if label == "spread" else "equal": by_groups,
                     "varlen" if label == "spread" else "varlen-equal": one_call}
+            if rg is not None and rg.takes(R, B):
+                ways["graphs" if label == "spread" else "graphs-equal"] = graphs
             for way, fn in ways.items():
                 for _ in range(3):
                     fn()

@@ -199,6 +199,10 @@ def main() -> int:
                     help="MEMRA_PP_PREFILL_GRAPHS in the stage processes: on (the default), prompt steps through "
                          "piecewise CUDA graphs (model/prefill_graphs.py); off: eager layers; both: without, then "
                          "with")
+    ap.add_argument("--rule-graphs", choices=("off", "on", "both"), default="off",
+                    help="MEMRA_PP_RULE_GRAPHS in the stage processes: on, inside the prefill graphs fla's chunked "
+                         "rule replays from CUDA graphs of its own (prefill_graphs.RuleGraphs); off (the default): "
+                         "called eagerly; both: without, then with")
     ap.add_argument("--prefill-varlen", choices=("off", "on", "both"), default="on",
                     help="MEMRA_PP_PREFILL_VARLEN in the stage processes: on (the default), a prefill step's Gated "
                          "DeltaNet segments as one variable-length call (kernels/prefill.VARLEN); off: by groups of "
@@ -274,8 +278,9 @@ def main() -> int:
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
             sides = {"off": [False], "on": [True], "both": [False, True]}
             pcs = pipeline_chunks if len(devices) > 1 else pipeline_chunks[:1]   # one stage: never cut
-            for pgr, gcf, any_kv, in_place, merged, cudnn, varlen, pc, chunk, pd, cs in [
-                    (pg, g, k, p, m, cu, v, pc, ch, pd, cs) for pg in sides[a.prefill_graphs]
+            for pgr, rgr, gcf, any_kv, in_place, merged, cudnn, varlen, pc, chunk, pd, cs in [
+                    (pg, rg, g, k, p, m, cu, v, pc, ch, pd, cs) for pg in sides[a.prefill_graphs]
+                    for rg in sides[a.rule_graphs]
                     for g in sides[a.gc_freeze] for k in sides[a.any_kv]
                     for p in sides[a.kv_in_place]
                     for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn] for v in sides[a.prefill_varlen]
@@ -289,8 +294,11 @@ def main() -> int:
                 os.environ["MEMRA_PP_PREFILL_VARLEN"] = "1" if varlen else "0"
                 os.environ["MEMRA_PP_GC_FREEZE"] = "1" if gcf else "0"
                 os.environ["MEMRA_PP_PREFILL_GRAPHS"] = "1" if pgr else "0"
+                os.environ["MEMRA_PP_RULE_GRAPHS"] = "1" if rgr else "0"
                 if a.prefill_graphs == "both":
                     print(f"  prompt steps through prefill graphs: {pgr}", flush=True)
+                if a.rule_graphs == "both":
+                    print(f"  fla's rule through the rule graphs: {rgr}", flush=True)
                 if a.gc_freeze == "both":
                     print(f"  stages freeze their heaps at start: {gcf}", flush=True)
                 if a.prefill_varlen == "both":
@@ -317,6 +325,7 @@ def main() -> int:
                     r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
                     r["prefill_varlen"], r["pipeline_chunks"], r["prefill_chunk"] = varlen, pc, chunk
                     r["prefill_chunk_decoding"], r["gc_freeze"], r["prefill_graphs"] = pd, gcf, pgr
+                    r["rule_graphs"] = rgr
                 save()
     if not a.hf_first:
         hf()
@@ -378,6 +387,8 @@ def plot(rep: dict, path: str) -> None:
                                        + (", varlen prefill" if r.get("prefill_varlen") else "")
                                        + (", heap not frozen" if r.get("gc_freeze") is False else "")
                                        + (", eager prefill" if r.get("prefill_graphs") is False else "")
+                                       + (", fla's rule eager" if r.get("prefill_graphs") and r.get("rule_graphs")
+                                          is False else "")
                                        + (f", prefill_chunk {r['prefill_chunk']}" if len(chunks) > 1 else "")
                                        + (f" ({r.get('prefill_chunk_decoding')} while decoding)" if len(pds) > 1
                                           else "")

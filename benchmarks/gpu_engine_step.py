@@ -192,7 +192,8 @@ def main() -> int:
                     "and device, sorted by host time: where a new shape's one-time cost goes) before timing it")
     ap.add_argument("--prefill-graphs", action="store_true", help="time each prefill step eagerly (kernels) and "
                     "through the prefill graphs (graphs: model/prefill_graphs.py, captured once for every token "
-                    "bucket up to the largest step), interleaved")
+                    "bucket up to the largest step; graphs-norule: the same with fla's rule called eagerly, where "
+                    "the rule graphs are on), interleaved")
     ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step as the "
                     "twenty-third session left it (s23: without the merged projections, contiguous conv parts and "
                     "row slices) and with its norms and conv as the torch ops (torch), interleaved")
@@ -299,10 +300,13 @@ def main() -> int:
             nb = model.capture_prefill_graphs()
             PGRAPHS, model.pgraphs = model.pgraphs, None
             cap = {"buckets": nb, "s": time.perf_counter() - t, "bytes": torch.cuda.memory_allocated() - m0,
-                   "failed": model.pgraphs_failed}
+                   "failed": model.pgraphs_failed,
+                   "rule": PGRAPHS.stats()["rule"] if PGRAPHS is not None else None,
+                   "rule_failed": PGRAPHS.rules_failed if PGRAPHS is not None else None}
             rep.setdefault("prefill_graphs_capture", {})[mode] = cap
             print(f"  prefill graphs: {nb} buckets up to {most} rows captured in {cap['s']:.1f} s, "
-                  f"{cap['bytes'] / 2**30:.2f} GiB allocated{'; FAILED ' + cap['failed'] if cap['failed'] else ''}",
+                  f"{cap['bytes'] / 2**30:.2f} GiB allocated{'; FAILED ' + cap['failed'] if cap['failed'] else ''}"
+                  f"; rule graphs {cap['rule']}{'; FAILED ' + cap['rule_failed'] if cap['rule_failed'] else ''}",
                   flush=True)
         for B, n, D, spread in shapes:  # prefill: B fresh prompts of about n tokens as one step, D decode rows
             b = prefill_batch(B, n, D, a.ctx, spread)       # after them (slots B ..)
@@ -313,6 +317,7 @@ def main() -> int:
             tag = f"{mode}-{B}x{n}{sp}" + (f"+{D}" if D else "")           # the shape's profile files
             ways = (("groups", "varlen") if a.prefill_varlen else ("kernels",)) + \
                 (("graphs",) if a.prefill_graphs and PGRAPHS is not None else ()) + \
+                (("graphs-norule",) if a.prefill_graphs and PGRAPHS is not None and PGRAPHS.rules else ()) + \
                 (("s23", "torch") if a.prefill_torch else ())
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             # the profiled ways: the first, or both of --prefill-varlen's (their files named by way)
@@ -385,12 +390,14 @@ def torch_prefill(way: str, model):
     graphs are not affected (they replay what was captured). "groups" and "varlen": as it is, with the Gated
     DeltaNet's segments by groups of equal lengths, or as one variable-length call (kernels/prefill.VARLEN)."""
     from memra_pp.kernels import fused_decode as fd, prefill as pf
-    if way == "graphs":         # as "kernels", through the prefill graphs
-        model.pgraphs = PGRAPHS
+    if way in ("graphs", "graphs-norule"):   # as "kernels", through the prefill graphs; "graphs-norule": with fla's
+        model.pgraphs, rules = PGRAPHS, PGRAPHS.rules   # rule called eagerly between them (no RuleGraphs)
+        if way == "graphs-norule":
+            PGRAPHS.rules = None
         try:
             yield
         finally:
-            model.pgraphs = None
+            model.pgraphs, PGRAPHS.rules = None, rules
         return
     if way in ("kernels", "groups", "varlen"):
         varlen = pf.VARLEN

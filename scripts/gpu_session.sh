@@ -97,7 +97,7 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
     pgraphe2e) phase gpu-decode-pgraphs 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/pgraphs" \
               --model ${E2E_MODEL:-preset:qwen3.5-35b-a3b} --layouts 0 --concurrency ${E2E_C:-64} --prompt-len 512 \
               --prompt-spread 0.5 --new 256 --prefill-chunk ${CHUNKS:-4096} --prefill-chunk-decoding ${PDS:-off} \
-              --prefill-graphs both ;;
+              --prefill-graphs ${PGE_GRAPHS:-both} --rule-graphs ${PGE_RULES:-off} ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
     # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and
