@@ -205,11 +205,12 @@ def test_prefill_merged_path_in_the_interpreter():
     DeltaNet segments as one variable-length call, then by groups of equal lengths), and steps mixing
     decode rows (one decode-attention kernel call) with prompt chunks, must decode what the eager torch steps decode;
     the counters prove each row path ran (tests/prefill_check.py). Then the prefill graphs' pieces, uncaptured, with
-    their padding rows: the mixed steps, and two steps of the MoE through its fused kernels."""
+    their padding rows: the mixed steps, the same with the rule graphs, and two steps of the MoE through its fused
+    kernels."""
     (code, out, err), = interp.results("prefill")
     assert code == 0 and "prefill ok" in out, out + err[-3000:]
     ran = [ast.literal_eval(line[line.index("{"):line.index("}") + 1]) for line in out.splitlines()
-           if " ok {" in line and not line.startswith("pieces")]
+           if " ok {" in line and not line.startswith(("pieces", "rule graphs"))]
     # the chunked prefill (variable-length, then by groups), the whole prompts (variable-length), the mixed steps
     assert len(ran) == 4, out
     # the mixed steps through the prefill graphs' pieces (uncaptured), and the MoE's padded steps through both of
@@ -217,6 +218,11 @@ def test_prefill_merged_path_in_the_interpreter():
     pieces = {line.split()[1]: ast.literal_eval(line[line.index("{"):line.index("}") + 1])
               for line in out.splitlines() if line.startswith("pieces ")}
     assert pieces["dense"]["replays"] > 0 and pieces["moe"]["small"] > 0 and pieces["moe"]["grouped"] > 0, out
+    # and the mixed steps with the rule graphs (uncaptured, over the torch double of fla's call): replayed, and
+    # declined where a step had more segments than their buckets hold
+    rule = [ast.literal_eval(line[line.index("{"):line.index("}") + 1]) for line in out.splitlines()
+            if line.startswith("rule graphs ok")]
+    assert len(rule) == 1 and rule[0]["replays"] > 0 and rule[0]["declined"] > 0, out
     assert all(ran[0][k] > 0 for k in ("merged", "conv_varlen", "rows_whole", "rows_slice", "rows_gather")), ran
     assert ran[1]["conv_prefill"] > 0 and ran[1]["conv_varlen"] == 0 and ran[3]["single_rows"] > 0, ran
     # whole prompts of two lengths: one attention call a full-attention layer, every row in one call (no gather)
