@@ -39,3 +39,16 @@ class PaddedRule:
         self.calls += 1
         self.layouts.append((lens, len(pad)))
         return o, states
+
+
+def attach(stages, max_tokens: int) -> PaddedRule:
+    """One PaddedRule as the rule of every Gated DeltaNet layer of `stages`, then their prefill graphs uncaptured up
+    to max_tokens rows (with rule graphs where prefill_graphs.RULE_GRAPHS is on). The stages share the rule: its
+    `layouts` interleave their calls."""
+    rule = PaddedRule()
+    for s in stages:
+        for layer in s.layers:
+            if not layer.full:
+                layer.mixer.rule = rule
+        s.set_prefill_graphs(True, max_tokens, capture=False)
+    return rule

@@ -129,16 +129,11 @@ print("pieces dense ok", {"replays": replays[0]}, f"logprob diff {d:.1e}")
 # padded to row and segment buckets, through the torch double of fla's call, which checks every layout it is given
 # (tests/padded_rule.py); q and k normalised by the l2norm kernel into the graphs' buffers. Steps of 3 segments or
 # more call the rule eagerly (declined)
-from padded_rule import PaddedRule  # noqa: E402
+from padded_rule import attach  # noqa: E402
 prefill_graphs.RULE_ROW_BUCKETS, prefill_graphs.SEGMENT_BUCKETS = (16, 32), (2, 3)
 prefill_graphs.RULE_GRAPHS = True       # (off by default: MEMRA_PP_RULE_GRAPHS)
 _, pieces = pipelines("dense", [(0, 3), (3, 8)])
-rule = PaddedRule()
-for st in pieces.stages:
-    for layer in st.layers:
-        if not layer.full:
-            layer.mixer.rule = rule
-    st.set_prefill_graphs(True, 32, capture=False)
+rule = attach(pieces.stages, 32)
 tk, lk = mixed_greedy(pieces, mixed, arrive, NEW, 8)
 assert tk == te, (tk, te)
 d = max(abs(a - b) for x, y in zip(le, lk, strict=True) for a, b in zip(x, y, strict=True))

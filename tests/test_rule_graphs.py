@@ -13,7 +13,7 @@ from memra_pp.model.batch import StepBatch
 from memra_pp.model.config import TextConfig
 from memra_pp.model.decode_graphs import CaptureFailed
 from memra_pp.model.gdn import chunk_gated_delta_rule_varlen
-from padded_rule import PaddedRule
+from padded_rule import PaddedRule, attach
 
 CFG = TextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                  head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -98,24 +98,19 @@ def test_a_layout_is_set_once_a_step():
     assert written == [[30, 50], [50, 30], [30, 50]]
 
 
-def pipelines(rule_steps=True, monkeypatch=None):
-    """The tiny dense model eagerly, and through uncaptured prefill graphs whose Gated DeltaNet layers call the
-    padded torch rule (through rule graphs, switched on here, or with rule_steps False eagerly); both on the merged,
+def pipelines(monkeypatch, kind="dense", max_tokens=300, max_seqs=24, on=True):
+    """The tiny model (two stages) eagerly, and through uncaptured prefill graphs whose Gated DeltaNet layers call the
+    padded torch rule (through rule graphs, switched on here, or with on False eagerly); both on the merged,
     variable-length path (pf.merged forced on the CPU: _merged_on_cpu)."""
-    monkeypatch.setattr(pg, "RULE_GRAPHS", rule_steps)
     from conftest_models import tiny_checkpoint
     from memra_pp.model.local import LocalPipeline
     from memra_pp.model.weights import SafetensorsSource
-    _, path = tiny_checkpoint("dense", False)
+    monkeypatch.setattr(pg, "RULE_GRAPHS", on)
+    _, path = tiny_checkpoint(kind, False)
     src = SafetensorsSource(path)
-    eager, pieces = (LocalPipeline(src, [(0, 4), (4, 8)], max_seqs=20) for _ in range(2))
-    rule = PaddedRule()
-    for s in pieces.stages:
-        for L in s.layers:
-            if not L.full:
-                L.mixer.rule = rule
-        s.set_prefill_graphs(True, 300, capture=False)
-        assert (s.pgraphs.rules is not None) == rule_steps
+    eager, pieces = (LocalPipeline(src, [(0, 4), (4, 8)], max_seqs=max_seqs) for _ in range(2))
+    rule = attach(pieces.stages, max_tokens)
+    assert all((s.pgraphs.rules is not None) == on for s in pieces.stages)
     return eager, pieces, rule
 
 
@@ -135,7 +130,7 @@ def test_prompt_steps_through_rule_graphs_equal_eager(monkeypatch):
     """Fresh prompts (2 segments), continuing chunks beside a decode row and new prompts (3 segments: replayed), then
     16 one-token-longer prompts (16 segments: the rule called eagerly, declined): logits and the recurrent states
     as the eager layers'."""
-    eager, pieces, rule = pipelines(True, monkeypatch)
+    eager, pieces, rule = pipelines(monkeypatch)
     steps = [([0, 1], [0, 0], [40, 57]), ([0, 1, 2, 3], [40, 57, 0, 0], [33, 1, 100, 9]),
              (list(range(4, 20)), [0] * 16, [3 + i for i in range(16)])]
     with _merged_on_cpu():
@@ -156,7 +151,7 @@ def test_prompt_steps_through_rule_graphs_equal_eager(monkeypatch):
 def test_a_failed_capture_leaves_the_rule_eager(monkeypatch):
     """A rule graph that fails to capture leaves the pieces' graphs as they are and the cores calling the rule
     eagerly; said in a warning and in stats."""
-    _, pieces, _ = pipelines(True, monkeypatch)
+    _, pieces, _ = pipelines(monkeypatch)
     p = pieces.stages[0].pgraphs
 
     def boom(self):
@@ -170,5 +165,5 @@ def test_a_failed_capture_leaves_the_rule_eager(monkeypatch):
 def test_no_rule_graphs_without_the_switch(monkeypatch):
     """Off (the default), the prefill graphs make none: the cores call the rule eagerly."""
     assert pg.RULE_GRAPHS is False
-    _, pieces, _ = pipelines(False, monkeypatch)
+    _, pieces, _ = pipelines(monkeypatch, on=False)
     assert all(s.pgraphs.rules is None for s in pieces.stages)
