@@ -143,6 +143,8 @@ def main() -> int:
                     torch.cuda.synchronize()
                 kernels = sum(getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
                               for e in prof.key_averages()) / a.iters
+                open(os.path.join(a.out, f"kernels-{spec.replace('~', 's')}-{way}.txt"), "w").write(  # by kernel
+                    f"{a.iters} calls\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
                 row = {"prompts": spec, "lens": lens, "way": way, "calls": len(groups) if "groups" in way or
                        way == "equal" else 1, "host_us": host, "device_us": device, "kernels_us": kernels}
                 rep["rows"].append(row)
