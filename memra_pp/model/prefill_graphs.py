@@ -15,7 +15,10 @@ Every piece's outputs that a later piece or a core reads live in static buffers 
 projection is written there by the GEMM itself; the rest is copied in), so the memory the graphs hold does not grow
 with the layer count. All buckets' graphs share one memory pool, captured largest first, as the decode graphs'.
 With `capture=False` the same pieces run uncaptured on the static buffers (the CPU tests check the padding and
-the buffers that way)."""
+the buffers that way).
+
+Between the pieces, the Gated DeltaNet cores can replay fla's chunked rule from graphs of their own (RuleGraphs,
+below; MEMRA_PP_RULE_GRAPHS, off by default)."""
 from __future__ import annotations
 
 import torch
@@ -188,9 +191,8 @@ class PrefillGraphs:
 # The rule graphs' buckets: a step's R rows of prompt segments pad to the smallest row bucket >= R, its N segments
 # plus one trailing empty segment (the owner of the padding chunks) to the smallest segment bucket >= N + 1. Larger
 # steps (more rows than the prefill graphs take, or 16 segments or more) call the rule eagerly.
-# Fine buckets: every padding row costs the graph's output copy and every empty segment its state passed through and
-# copied (2-3 MB each at 35B-A3B / 27B dimensions); with buckets of 256 rows and powers of two segments a replay cost
-# 20-28% more device time than the eager call (one H100, docs/PERF.md thirty-ninth session). A capture is ~3 ms.
+# Fine buckets: every padding row costs the graph's output copy, and every empty segment its state passed through and
+# copied (2-3 MB each at 35B-A3B / 27B dimensions). A capture is ~3 ms (144 graphs in 0.5 s at load).
 RULE_ROW_BUCKETS = tuple(range(128, 2048 + 1, 128))
 SEGMENT_BUCKETS = (2, 3, 4, 5, 6, 8, 10, 12, 16)
 # MEMRA_PP_RULE_GRAPHS=1: the prefill graphs' Gated DeltaNet cores replay fla's rule from the rule graphs; off by
@@ -213,8 +215,8 @@ class RuleGraphs:
     - segments N..S-1 are empty (fla's cu_seqlens repeats R): fla passes an empty segment's state through, and no
       state of theirs is read back;
     - the chunk indices hold the real (segment, chunk) pairs, then (S - 1, 0), a chunk of the last, empty segment:
-      its programs mask every row (thirty-seventh session: empty segments and padded chunk indices replay
-      bit-equal), and its index into fla's per-chunk states stays below the padded chunk count nb / 64 + S;
+      its programs return at once (the segment has no rows), and its index into fla's per-chunk states stays below
+      the padded chunk count nb / 64 + S;
     - rows R..nb belong to no segment: no kernel reads or writes them but the row-wise l2norm of stale rows.
     fla derives chunk offsets from cu_seqlens and caches them by the tensor's identity: each graph's cu_seqlens and
     chunk indices are tensors made for its capture (its warm-up runs on copies), so the capture records those
