@@ -107,6 +107,7 @@ def main() -> int:
             def one_call():
                 pf.conv_varlen(u, seg, w, c0, (qh * D, qh * D, HV * D))
                 rule.chunk_varlen(q, k, v, g, beta, s0, seg.cu, seg.chunks)
+
             def graphs():       # as one_call, the rule replayed (fresh prompts: zero states, none read)
                 pf.conv_varlen(u, seg, w, c0, (qh * D, qh * D, HV * D))
                 rg.run(q, k, v, g, beta, s0, None, seg)
