@@ -93,7 +93,8 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
                   phase "pgraph-step-${m#preset:qwen3.5-}" ${PGS_S:-240} python3 -u benchmarks/gpu_engine_step.py \
                     --out "$OUT/pgraph-${m#preset:qwen3.5-}" --model $m --batches 1 --modes graph --iters 3 --ctx 600 \
                     --prefill ${PGS_SHAPES:-1x1024,1x4096,8x512~0.5,8x512~0.5+56} --prefill-graphs ; done ;;
-    # end to end with and without the prefill graphs (one deployment each), the prompt budget off and at 1,024
+    # end to end with and without the prefill graphs (one deployment each; PGE_GRAPHS=on|off|both), fla's rule through
+    # the rule graphs or eager (PGE_RULES=off|on|both), the prompt budget PDS (off, or e.g. 1024)
     pgraphe2e) phase gpu-decode-pgraphs 560 python3 -u benchmarks/gpu_decode.py --out "$OUT/pgraphs" \
               --model ${E2E_MODEL:-preset:qwen3.5-35b-a3b} --layouts 0 --concurrency ${E2E_C:-64} --prompt-len 512 \
               --prompt-spread 0.5 --new 256 --prefill-chunk ${CHUNKS:-4096} --prefill-chunk-decoding ${PDS:-off} \
