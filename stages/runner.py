@@ -194,9 +194,11 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                 t1 = time.monotonic()
                 n = self.model.capture_prefill_graphs()
                 if n:
+                    pg = self.model.pgraphs
+                    rules = (f", fla's rule in {len(pg.rules.graphs)} graphs of its own" if pg.rules is not None
+                             else f" (fla's rule eager: {pg.rules_failed})" if pg.rules_failed else "")
                     print(f"stage {index} ({sp.device}): prefill graphs for {n} token buckets (up to "
-                          f"{self.model.pgraphs.buckets[-1]} rows) captured in {time.monotonic() - t1:.1f} s",
-                          flush=True)
+                          f"{pg.buckets[-1]} rows){rules} captured in {time.monotonic() - t1:.1f} s", flush=True)
                 elif self.model.pgraphs_failed:
                     print(f"stage {index} ({sp.device}): {self.model.pgraphs_failed}; prompt steps run eagerly",
                           flush=True)
