@@ -12,10 +12,12 @@ from memra_pp.model.gdn import chunk_gated_delta_rule
 
 
 class PaddedRule:
+    """gva: q and k keep their own (fewer) heads, as fla takes them where it has grouped value heads (FlaRule.gva);
+    the double repeats them to the value heads for the torch rule, as repeat_interleave maps them."""
     name = "padded-torch"
-    gva = False         # q and k repeated to the value heads, as the torch rule takes them
 
-    def __init__(self):
+    def __init__(self, gva: bool = False):
+        self.gva = gva
         self.calls = 0
         self.layouts = []       # (lens, padding chunks) of each call
 
@@ -29,6 +31,10 @@ class PaddedRule:
         assert ch[:len(real)] == real, (ch, real)
         pad = ch[len(real):]
         assert not pad or (lens[-1] == 0 and all(c == [N - 1, 0] for c in pad)), (lens, pad)
+        if q.shape[2] != v.shape[2]:
+            assert self.gva and v.shape[2] % q.shape[2] == 0, (q.shape, v.shape)
+            r = v.shape[2] // q.shape[2]
+            q, k = q.repeat_interleave(r, 2), k.repeat_interleave(r, 2)
         o = torch.zeros_like(v)
         states = state.clone().float()
         for s, n in enumerate(lens):
@@ -41,11 +47,11 @@ class PaddedRule:
         return o, states
 
 
-def attach(stages, max_tokens: int) -> PaddedRule:
+def attach(stages, max_tokens: int, gva: bool = False) -> PaddedRule:
     """One PaddedRule as the rule of every Gated DeltaNet layer of `stages`, then their prefill graphs uncaptured up
     to max_tokens rows (with rule graphs where prefill_graphs.RULE_GRAPHS is on). The stages share the rule: its
     `layouts` interleave their calls."""
-    rule = PaddedRule()
+    rule = PaddedRule(gva)
     for s in stages:
         for layer in s.layers:
             if not layer.full:

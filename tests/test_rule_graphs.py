@@ -98,7 +98,7 @@ def test_a_layout_is_set_once_a_step():
     assert written == [[30, 50], [50, 30], [30, 50]]
 
 
-def pipelines(monkeypatch, kind="dense", max_tokens=300, max_seqs=24, on=True):
+def pipelines(monkeypatch, kind="dense", max_tokens=300, max_seqs=24, on=True, gva=False):
     """The tiny model (two stages) eagerly, and through uncaptured prefill graphs whose Gated DeltaNet layers call the
     padded torch rule (through rule graphs, switched on here, or with on False eagerly); both on the merged,
     variable-length path (pf.merged forced on the CPU: _merged_on_cpu)."""
@@ -109,7 +109,7 @@ def pipelines(monkeypatch, kind="dense", max_tokens=300, max_seqs=24, on=True):
     _, path = tiny_checkpoint(kind, False)
     src = SafetensorsSource(path)
     eager, pieces = (LocalPipeline(src, [(0, 4), (4, 8)], max_seqs=max_seqs) for _ in range(2))
-    rule = attach(pieces.stages, max_tokens)
+    rule = attach(pieces.stages, max_tokens, gva)
     assert all((s.pgraphs.rules is not None) == on for s in pieces.stages)
     return eager, pieces, rule
 
@@ -126,11 +126,15 @@ class _merged_on_cpu:
         pf.merged = self.real
 
 
-def test_prompt_steps_through_rule_graphs_equal_eager(monkeypatch):
+@pytest.mark.parametrize("gva", [False, True])
+def test_prompt_steps_through_rule_graphs_equal_eager(monkeypatch, gva):
     """Fresh prompts (2 segments), continuing chunks beside a decode row and new prompts (3 segments: replayed), then
     16 one-token-longer prompts (16 segments: the rule called eagerly, declined): logits and the recurrent states
-    as the eager layers'."""
-    eager, pieces, rule = pipelines(monkeypatch)
+    as the eager layers'. gva: q and k with the key heads only (fla's grouped value heads), in the rule graphs'
+    buffers too."""
+    eager, pieces, rule = pipelines(monkeypatch, gva=gva)
+    t = pieces.stages[0].mc.text
+    assert pieces.stages[0].pgraphs.rules.q.shape[2] == (t.linear_num_key_heads if gva else t.linear_num_value_heads)
     steps = [([0, 1], [0, 0], [40, 57]), ([0, 1, 2, 3], [40, 57, 0, 0], [33, 1, 100, 9]),
              (list(range(4, 20)), [0] * 16, [3 + i for i in range(16)])]
     with _merged_on_cpu():
