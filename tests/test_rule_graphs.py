@@ -40,12 +40,13 @@ def test_padded_layout():
     assert not rg.takes(2049, 1) and not rg.takes(100, 16)
     b = batch([3, 0, 5, 1, 2, 4], [0, 9, 0, 4, 7, 0], [2, 1, 70, 5, 33, 1])
     seg = pf.segments(b, "cpu", 4)
-    assert seg.lens == [2, 70, 5, 33, 1], seg.lens        # (slot 6's one token continues: a decode row)
+    assert seg.lens == [2, 70, 5, 33, 1], seg.lens        # (slot 0's one token continues: a decode row)
     cu, ch = rg._layout(seg, 128, 6)
     assert cu.tolist() == [0, 2, 72, 77, 110, 111, 111]
     assert ch.tolist() == [[0, 0], [1, 0], [1, 1], [2, 0], [3, 0], [4, 0]] + [[5, 0]] * 2
     assert rg._layout(seg, 128, 6) is not None and len(seg.__dict__["_rule_layout"]) == 1     # kept on the step
-    # the most chunks a bucket can need: 2048 rows in 15 segments of 1 + 14 x 146 (each a partial last chunk)
+    # near the most chunks a bucket can need: 2048 rows in 15 segments, 4 rows then 14 of 146 (each ending in a
+    # partial chunk): 1 + 14 x 3 = 43 real chunks of 48, the last padding chunk segment 15's (empty)
     lens = [2048 - 14 * 146] + [146] * 14
     seg = pf.segments(batch(list(range(15)), [0] * 15, lens), "cpu", 4)
     cu, ch = rg._layout(seg, 2048, 16)
