@@ -8,6 +8,7 @@ device_map over several, and the copy bandwidth that sets the memory floor. Writ
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -84,6 +85,36 @@ def step_bytes(mc, c: int, ctx: int) -> dict:
 
 def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
     return c / (step_bytes(mc, c, ctx)["total"] / bw)
+
+
+# The MEMRA_PP_* switches a run sets in the stage processes (the stages take them from the driver's environment,
+# Deployment._make_actor): each an off|on|both argument, its switch, what a "both" run prints, in the runs' order.
+# A run's JSON row records each by the argument's name
+SWITCH_ARGS = (
+    ("prefill_graphs", "MEMRA_PP_PREFILL_GRAPHS", "prompt steps through prefill graphs"),
+    ("rule_graphs", "MEMRA_PP_RULE_GRAPHS", "fla's rule through the rule graphs"),
+    ("gc_freeze", "MEMRA_PP_GC_FREEZE", "stages freeze their heaps at start"),
+    ("any_kv", "MEMRA_PP_ANY_KV_GRAPHS", "one decode graph per batch bucket (any KV length)"),
+    ("kv_in_place", "MEMRA_PP_KV_IN_PLACE", "KV pools grow in place"),
+    ("prefill_merged", "MEMRA_PP_PREFILL_MERGED", "prefill merged path"),
+    ("sdpa_cudnn", "MEMRA_PP_SDPA_CUDNN", "SDPA's own backend choice, cuDNN included"),
+    ("prefill_varlen", "MEMRA_PP_PREFILL_VARLEN", "prefill's Gated DeltaNet segments as one variable-length call"),
+)
+
+
+def switch_sides(a) -> list[dict]:
+    """Every combination the switch arguments ask for ({argument: on}), off before on, the first argument outermost."""
+    sides = {"off": [False], "on": [True], "both": [False, True]}
+    names = [n for n, _, _ in SWITCH_ARGS]
+    return [dict(zip(names, on)) for on in itertools.product(*(sides[getattr(a, n)] for n in names))]
+
+
+def set_switches(a, sw: dict) -> None:
+    """One combination into the driver's environment (the stages read it there), each "both" switch's side said."""
+    for name, env, label in SWITCH_ARGS:
+        os.environ[env] = "1" if sw[name] else "0"
+        if getattr(a, name) == "both":
+            print(f"  {label}: {sw[name]}", flush=True)
 
 
 def run_memra(model: str, devices: list, concurrencies, prompt_len: int, new: int, microbatches,
@@ -276,41 +307,12 @@ def main() -> int:
         if max(devices) < torch.cuda.device_count():
             # --deploy-each: one deployment per concurrency (max_batch = it), so a level that does not fit (its
             # recurrent state alone is 151 MB per sequence at 27B) fails alone: saturation = the highest that ran
-            sides = {"off": [False], "on": [True], "both": [False, True]}
             pcs = pipeline_chunks if len(devices) > 1 else pipeline_chunks[:1]   # one stage: never cut
-            for pgr, rgr, gcf, any_kv, in_place, merged, cudnn, varlen, pc, chunk, pd, cs in [
-                    (pg, rg, g, k, p, m, cu, v, pc, ch, pd, cs) for pg in sides[a.prefill_graphs]
-                    for rg in sides[a.rule_graphs]
-                    for g in sides[a.gc_freeze] for k in sides[a.any_kv]
-                    for p in sides[a.kv_in_place]
-                    for m in sides[a.prefill_merged] for cu in sides[a.sdpa_cudnn] for v in sides[a.prefill_varlen]
+            for sw, pc, chunk, pd, cs in [
+                    (sw, pc, ch, pd, cs) for sw in switch_sides(a)
                     for pc in pcs for ch in chunks for pd in decodings if pd == "off" or pd <= ch
                     for cs in ([[c] for c in conc] if a.deploy_each else [conc])]:
-                # the stages take MEMRA_PP_* variables from the driver (Deployment._make_actor)
-                os.environ["MEMRA_PP_ANY_KV_GRAPHS"] = "1" if any_kv else "0"
-                os.environ["MEMRA_PP_KV_IN_PLACE"] = "1" if in_place else "0"
-                os.environ["MEMRA_PP_PREFILL_MERGED"] = "1" if merged else "0"
-                os.environ["MEMRA_PP_SDPA_CUDNN"] = "1" if cudnn else "0"
-                os.environ["MEMRA_PP_PREFILL_VARLEN"] = "1" if varlen else "0"
-                os.environ["MEMRA_PP_GC_FREEZE"] = "1" if gcf else "0"
-                os.environ["MEMRA_PP_PREFILL_GRAPHS"] = "1" if pgr else "0"
-                os.environ["MEMRA_PP_RULE_GRAPHS"] = "1" if rgr else "0"
-                if a.prefill_graphs == "both":
-                    print(f"  prompt steps through prefill graphs: {pgr}", flush=True)
-                if a.rule_graphs == "both":
-                    print(f"  fla's rule through the rule graphs: {rgr}", flush=True)
-                if a.gc_freeze == "both":
-                    print(f"  stages freeze their heaps at start: {gcf}", flush=True)
-                if a.prefill_varlen == "both":
-                    print(f"  prefill's Gated DeltaNet segments as one variable-length call: {varlen}", flush=True)
-                if a.sdpa_cudnn == "both":
-                    print(f"  SDPA's own backend choice, cuDNN included: {cudnn}", flush=True)
-                if a.prefill_merged == "both":
-                    print(f"  prefill merged path: {merged}", flush=True)
-                if a.any_kv == "both":
-                    print(f"  one decode graph per batch bucket (any KV length): {any_kv}", flush=True)
-                if a.kv_in_place == "both":
-                    print(f"  KV pools grow in place: {in_place}", flush=True)
+                set_switches(a, sw)
                 if len(chunks) > 1 or len(decodings) > 1:
                     print(f"  prefill_chunk {chunk}, prefill_chunk_decoding {pd}", flush=True)
                 n0 = len(rep["runs"])
@@ -319,13 +321,11 @@ def main() -> int:
                               chunk=chunk, spread=a.prompt_spread, pipeline_chunks=pc, chunk_decoding=pd)
                 except Exception as e:  # noqa: BLE001 - record it and go on
                     print(f"  layout {devices}, concurrency {cs} failed: {type(e).__name__}: {e}", flush=True)
-                    rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs, "any_kv": any_kv,
+                    rep.setdefault("failed", []).append({"devices": devices, "concurrency": cs, **sw,
                                                          "error": f"{type(e).__name__}: {e}"})
                 for r in rep["runs"][n0:]:
-                    r["any_kv"], r["prefill_merged"], r["sdpa_cudnn"] = any_kv, merged, cudnn
-                    r["prefill_varlen"], r["pipeline_chunks"], r["prefill_chunk"] = varlen, pc, chunk
-                    r["prefill_chunk_decoding"], r["gc_freeze"], r["prefill_graphs"] = pd, gcf, pgr
-                    r["rule_graphs"] = rgr
+                    r.update(sw)
+                    r["pipeline_chunks"], r["prefill_chunk"], r["prefill_chunk_decoding"] = pc, chunk, pd
                 save()
     if not a.hf_first:
         hf()

@@ -1,6 +1,7 @@
 """benchmarks/hf_baseline.py (gpu_decode.py's transformers baselines) on CPU with the tiny Qwen3.5 text config: the
 device-map split, the meta-built model and the rows run_hf records (the GPU numbers come from
 scripts/gpu_session.sh); gpu_engine_step.py's modes."""
+import os
 import sys
 import types
 from pathlib import Path
@@ -420,3 +421,29 @@ def test_prefill_host_counts_the_launches_of_each_way(tmp_path):
     assert rows[(equal, "groups")]["rule_calls"] == rows[(equal, "varlen")]["rule_calls"] == gdn
     assert rows[(spread, "varlen")]["triton_launches"] < rows[(spread, "groups")]["triton_launches"]
     assert all(len(x["step_ms"]) == 2 for x in rows.values())
+
+
+def test_switch_arguments_name_known_switches_and_combine(monkeypatch, capsys):
+    """gpu_decode's off|on|both switch arguments: each an option of its command line and a known MEMRA_PP_* switch;
+    their combinations off before on, the first argument outermost; each combination set in the environment the
+    stages read, the sides of "both" arguments said."""
+    import argparse
+    from memra_pp import switches
+    monkeypatch.setattr(sys, "argv", ["gpu_decode.py", "--help"])
+    with pytest.raises(SystemExit):
+        gpu_decode.main()
+    help_text = capsys.readouterr().out
+    for name, env, _ in gpu_decode.SWITCH_ARGS:
+        assert f"--{name.replace('_', '-')}" in help_text and env in switches.SWITCHES, name
+        monkeypatch.setenv(env, "1")        # (restored after the test)
+    a = argparse.Namespace(**{n: "on" for n, _, _ in gpu_decode.SWITCH_ARGS})
+    a.prefill_graphs, a.rule_graphs, a.any_kv = "both", "both", "off"
+    combos = gpu_decode.switch_sides(a)
+    assert [(c["prefill_graphs"], c["rule_graphs"]) for c in combos] == [(False, False), (False, True),
+                                                                         (True, False), (True, True)]
+    assert all(not c["any_kv"] and c["kv_in_place"] for c in combos)
+    gpu_decode.set_switches(a, combos[1])
+    assert os.environ["MEMRA_PP_PREFILL_GRAPHS"] == "0" and os.environ["MEMRA_PP_RULE_GRAPHS"] == "1"
+    assert os.environ["MEMRA_PP_ANY_KV_GRAPHS"] == "0" and os.environ["MEMRA_PP_KV_IN_PLACE"] == "1"
+    said = capsys.readouterr().out.splitlines()
+    assert said == ["  prompt steps through prefill graphs: False", "  fla's rule through the rule graphs: True"]
