@@ -88,30 +88,42 @@ def step_floor_tokens_per_s(mc, bw: float, c: int, ctx: int) -> float:
 
 
 # The MEMRA_PP_* switches a run sets in the stage processes (the stages take them from the driver's environment,
-# Deployment._make_actor): each an off|on|both argument, its switch, what a "both" run prints, in the runs' order.
-# A run's JSON row records each by the argument's name
+# Deployment._make_actor): each an off|on|both argument (its default the runtime's, switches.SWITCHES), its switch,
+# what a "both" run prints, what on means (its help), in the runs' order. A run's JSON row records each by the
+# argument's name
 SWITCH_ARGS = (
-    ("prefill_graphs", "MEMRA_PP_PREFILL_GRAPHS", "prompt steps through prefill graphs"),
-    ("rule_graphs", "MEMRA_PP_RULE_GRAPHS", "fla's rule through the rule graphs"),
-    ("gc_freeze", "MEMRA_PP_GC_FREEZE", "stages freeze their heaps at start"),
-    ("any_kv", "MEMRA_PP_ANY_KV_GRAPHS", "one decode graph per batch bucket (any KV length)"),
-    ("kv_in_place", "MEMRA_PP_KV_IN_PLACE", "KV pools grow in place"),
-    ("prefill_merged", "MEMRA_PP_PREFILL_MERGED", "prefill merged path"),
-    ("sdpa_cudnn", "MEMRA_PP_SDPA_CUDNN", "SDPA's own backend choice, cuDNN included"),
-    ("prefill_varlen", "MEMRA_PP_PREFILL_VARLEN", "prefill's Gated DeltaNet segments as one variable-length call"),
+    ("prefill_graphs", "MEMRA_PP_PREFILL_GRAPHS", "prompt steps through prefill graphs",
+     "prompt steps through piecewise CUDA graphs (model/prefill_graphs.py; off: eager layers)"),
+    ("rule_graphs", "MEMRA_PP_RULE_GRAPHS", "fla's rule through the rule graphs",
+     "inside the prefill graphs fla's chunked rule replays from CUDA graphs of its own (prefill_graphs.RuleGraphs; "
+     "off: called eagerly)"),
+    ("gc_freeze", "MEMRA_PP_GC_FREEZE", "stages freeze their heaps at start",
+     "each stage freezes its heap at its start, so no full collection stalls the pipeline mid-run"),
+    ("any_kv", "MEMRA_PP_ANY_KV_GRAPHS", "one decode graph per batch bucket (any KV length)",
+     "one decode graph per batch bucket over every KV length (decode_graphs.ANY_KV; off: a graph per KV-length "
+     "bucket)"),
+    ("kv_in_place", "MEMRA_PP_KV_IN_PLACE", "KV pools grow in place",
+     "KV pools grow in place (model/cache.py IN_PLACE; off: a growth copies the pools and drops the decode graphs)"),
+    ("prefill_merged", "MEMRA_PP_PREFILL_MERGED", "prefill merged path",
+     "the prefill's merged path (kernels/prefill.MERGED)"),
+    ("sdpa_cudnn", "MEMRA_PP_SDPA_CUDNN", "SDPA's own backend choice, cuDNN included",
+     "SDPA picks its backend itself, cuDNN included (it plans each new shape)"),
+    ("prefill_varlen", "MEMRA_PP_PREFILL_VARLEN", "prefill's Gated DeltaNet segments as one variable-length call",
+     "a prefill step's Gated DeltaNet segments as one variable-length call (kernels/prefill.VARLEN; off: by groups "
+     "of equal lengths)"),
 )
 
 
 def switch_sides(a) -> list[dict]:
     """Every combination the switch arguments ask for ({argument: on}), off before on, the first argument outermost."""
     sides = {"off": [False], "on": [True], "both": [False, True]}
-    names = [n for n, _, _ in SWITCH_ARGS]
+    names = [n for n, *_ in SWITCH_ARGS]
     return [dict(zip(names, on)) for on in itertools.product(*(sides[getattr(a, n)] for n in names))]
 
 
 def set_switches(a, sw: dict) -> None:
     """One combination into the driver's environment (the stages read it there), each "both" switch's side said."""
-    for name, env, label in SWITCH_ARGS:
+    for name, env, label, _ in SWITCH_ARGS:
         os.environ[env] = "1" if sw[name] else "0"
         if getattr(a, name) == "both":
             print(f"  {label}: {sw[name]}", flush=True)
@@ -206,38 +218,15 @@ def main() -> int:
     ap.add_argument("--hf-device-map", default="", help="also transformers' generate with the model spread over "
                     "these GPUs (e.g. 0,1) as device_map=\"auto\" places it: the naive pipeline")
     ap.add_argument("--hf-first", action="store_true", help="run transformers before memra_pp")
-    ap.add_argument("--kv-in-place", choices=("off", "on", "both"), default="on",
-                    help="KV pools grow in place (model/cache.py IN_PLACE, the default; off: MEMRA_PP_KV_IN_PLACE=0 "
-                         "in the stage processes, a growth copies the pools and drops the decode graphs); both: one "
-                         "deployment each, side by side")
-    ap.add_argument("--any-kv", choices=("off", "on", "both"), default="on",
-                    help="one decode graph per batch bucket over every KV length (decode_graphs.ANY_KV, the "
-                         "default; off: MEMRA_PP_ANY_KV_GRAPHS=0 in the stage processes, a graph per KV-length "
-                         "bucket); both: each layout without, then with")
     ap.add_argument("--prompt-spread", type=float, default=0.0,
                     help="prompt lengths drawn evenly from prompt-len x [1 - s, 1 + s] (memra_pp only): as traffic "
                          "has them, every mix of lengths a new prefill shape")
-    ap.add_argument("--sdpa-cudnn", choices=("off", "on", "both"), default="off",
-                    help="MEMRA_PP_SDPA_CUDNN in the stage processes: on, SDPA picks its backend itself, cuDNN "
-                         "included (it plans each new shape); both: each layout without, then with")
-    ap.add_argument("--prefill-merged", choices=("off", "on", "both"), default="on",
-                    help="the prefill's merged path (kernels/prefill.MERGED, the default; off: "
-                         "MEMRA_PP_PREFILL_MERGED=0 in the stage processes); both: each layout without, then with")
-    ap.add_argument("--gc-freeze", choices=("off", "on", "both"), default="on",
-                    help="MEMRA_PP_GC_FREEZE in the stage processes: on (the default), each freezes its heap at its "
-                         "start, so no full collection stalls the pipeline mid-run; both: without, then with")
-    ap.add_argument("--prefill-graphs", choices=("off", "on", "both"), default="on",
-                    help="MEMRA_PP_PREFILL_GRAPHS in the stage processes: on (the default), prompt steps through "
-                         "piecewise CUDA graphs (model/prefill_graphs.py); off: eager layers; both: without, then "
-                         "with")
-    ap.add_argument("--rule-graphs", choices=("off", "on", "both"), default="off",
-                    help="MEMRA_PP_RULE_GRAPHS in the stage processes: on, inside the prefill graphs fla's chunked "
-                         "rule replays from CUDA graphs of its own (prefill_graphs.RuleGraphs); off (the default): "
-                         "called eagerly; both: without, then with")
-    ap.add_argument("--prefill-varlen", choices=("off", "on", "both"), default="on",
-                    help="MEMRA_PP_PREFILL_VARLEN in the stage processes: on (the default), a prefill step's Gated "
-                         "DeltaNet segments as one variable-length call (kernels/prefill.VARLEN); off: by groups of "
-                         "equal lengths; both: without, then with")
+    from memra_pp import switches
+    for name, env, _, on in SWITCH_ARGS:
+        default = "on" if switches.SWITCHES[env][0] else "off"
+        ap.add_argument(f"--{name.replace('_', '-')}", choices=("off", "on", "both"), default=default,
+                        help=f"{env} in the stage processes: on, {on}; both: one deployment without, then one "
+                             f"with (default {default}, as the runtime)")
     a = ap.parse_args()
     if a.hf_concurrency and not (a.hf or a.hf_device_map):
         ap.error("--hf-concurrency names transformers' concurrencies: give --hf or --hf-device-map too")

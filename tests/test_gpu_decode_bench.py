@@ -433,10 +433,21 @@ def test_switch_arguments_name_known_switches_and_combine(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         gpu_decode.main()
     help_text = capsys.readouterr().out
-    for name, env, _ in gpu_decode.SWITCH_ARGS:
+    for name, env, *_ in gpu_decode.SWITCH_ARGS:
         assert f"--{name.replace('_', '-')}" in help_text and env in switches.SWITCHES, name
         monkeypatch.setenv(env, "1")        # (restored after the test)
-    a = argparse.Namespace(**{n: "on" for n, _, _ in gpu_decode.SWITCH_ARGS})
+    # each argument's default is the runtime's: no argument sets a switch the run did not ask for
+    class Parsed(Exception):
+        pass
+
+    def parse(self, *args):         # main's parser, stopped where it has parsed a plain command line
+        raise Parsed(self.parse_known_args(["--out", "x"])[0])
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+    with pytest.raises(Parsed) as got:
+        gpu_decode.main()
+    for name, env, *_ in gpu_decode.SWITCH_ARGS:
+        assert getattr(got.value.args[0], name) == ("on" if switches.SWITCHES[env][0] else "off"), name
+    a = argparse.Namespace(**{n: "on" for n, *_ in gpu_decode.SWITCH_ARGS})
     a.prefill_graphs, a.rule_graphs, a.any_kv = "both", "both", "off"
     combos = gpu_decode.switch_sides(a)
     assert [(c["prefill_graphs"], c["rule_graphs"]) for c in combos] == [(False, False), (False, True),
