@@ -172,3 +172,30 @@ def test_no_rule_graphs_without_the_switch(monkeypatch):
     assert pg.RULE_GRAPHS is False
     _, pieces, _ = pipelines(monkeypatch, on=False)
     assert all(s.pgraphs.rules is None for s in pieces.stages)
+
+
+def test_a_whole_prompt_step_output_is_written_in_place(monkeypatch):
+    """The rule graphs' output buffer is the prefill graphs' Gated DeltaNet output buffer: a step of prompt rows only
+    hands the prefill graphs a view of it (their copy skipped), a step with a decode row its own tensor (copied);
+    logits as eager both ways."""
+    eager, pieces, _ = pipelines(monkeypatch)
+    seen = []
+    for s in pieces.stages:
+        p = s.pgraphs
+        assert p.rules.o.untyped_storage().data_ptr() == p.o[False].untyped_storage().data_ptr()
+        for L in s.layers:
+            if not L.full:
+                inner = L.mix_core
+
+                def core(*a, _inner=inner, _p=p, **kw):
+                    o = _inner(*a, **kw)
+                    seen.append(o.data_ptr() == _p.o[False].data_ptr())
+                    return o
+                L.mix_core = core
+    gdn = sum(not L.full for s in pieces.stages for L in s.layers)
+    with _merged_on_cpu():
+        for slots, starts, counts in (([0, 1], [0, 0], [40, 57]), ([0, 1, 2], [40, 57, 0], [1, 1, 100])):
+            b = batch(slots, starts, counts)
+            ids = torch.tensor([5 + (7 * i) % 90 for i in range(sum(counts))])
+            assert (eager.step(b, ids) - pieces.step(b, ids)).abs().max() < 1e-4
+    assert seen == [True] * gdn + [False] * gdn

@@ -80,7 +80,7 @@ class PrefillGraphs:
         # variable-length path) and the switch is on
         from memra_pp.kernels import prefill as pf
         gdn = next((L.mixer for L in model.layers if not L.full), None)
-        self.rules = RuleGraphs(gdn.rule, model.mc.text, max_tokens, dt, dev, capture) \
+        self.rules = RuleGraphs(gdn.rule, model.mc.text, max_tokens, dt, dev, capture, out=self.o[False]) \
             if RULE_GRAPHS and pf.MERGED and gdn is not None and gdn.rule is not None and gdn.varlen(True, dev) \
             else None
         self.rules_failed = None    # why the rule graphs' capture failed, if it did (the cores then call it eagerly)
@@ -133,7 +133,9 @@ class PrefillGraphs:
             if j:       # layer j - 1's core, eagerly on the real rows, into its static output buffer
                 L = self.model.layers[j - 1]
                 o = L.mix_core(tuple(t[:T] for t in pres[j - 1]), b, cache, rules=self.rules)
-                self.o[L.full][:T].copy_(o.view(self.o[L.full][:T].shape))
+                dst = self.o[L.full][:T]
+                if o.data_ptr() != dst.data_ptr():      # (the rule graphs write a whole step's output in place)
+                    dst.copy_(o.view(dst.shape))
             if graphs[j] is not None:
                 graphs[j].replay()
             else:
@@ -223,10 +225,12 @@ class RuleGraphs:
     kernels (a warm-up tensor's cached offsets would replay stale).
 
     Outputs (the core's output rows, the states) live in static buffers: the graphs' pool then holds one graph's
-    temporaries, not every graph's outputs. The output is a view valid until the next replay (the prefill graphs
-    copy it into their own buffer at once). `capture=False`: the same padded calls uncaptured (CPU tests)."""
+    temporaries, not every graph's outputs. The output is a view valid until the next replay. `out` (the prefill
+    graphs' Gated DeltaNet output buffer [>= nb rows, nv, dv]) holds it there: a step whose rows are all prompt
+    rows then needs no copy of it (a step with decode rows copies it into its own output at once).
+    `capture=False`: the same padded calls uncaptured (CPU tests)."""
 
-    def __init__(self, rule, cfg, max_rows: int, dtype, device, capture: bool = True):
+    def __init__(self, rule, cfg, max_rows: int, dtype, device, capture: bool = True, out=None):
         self.rule, self.capture = rule, capture
         nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
             cfg.linear_value_head_dim
@@ -240,7 +244,8 @@ class RuleGraphs:
         self.q, self.k, self.v = z(1, n, qh, dk), z(1, n, qh, dk), z(1, n, nv, dv)
         self.g, self.beta = z(1, n, nv, dt=torch.float32), z(1, n, nv)
         self.s0, self.s = z(S, nv, dk, dv, dt=torch.float32), z(S, nv, dk, dv, dt=torch.float32)
-        self.o = z(1, n, nv, dv)
+        self.o = z(1, n, nv, dv) if out is None else out[:n][None]
+        assert self.o.shape == (1, n, nv, dv), (tuple(out.shape), n)
         self.device = torch.device(device)
         self.meta: dict[tuple, tuple] = {}      # (nb, S) -> the (cu_seqlens, chunk indices) its graph reads
         self.holds: dict[tuple, object] = {}    # (nb, S) -> the Segments whose layout meta holds now
