@@ -8,7 +8,10 @@ and device time per layer for one prefill step's worth of segments, the ways the
 - varlen-equal: the equal prompts as one variable-length call;
 - graphs: the same prompts through the rule graphs (model/prefill_graphs.RuleGraphs: the call replayed from a CUDA
   graph per row and segment bucket, inputs copied into its static buffers), where the step fits their buckets; the
-  report gives their capture time and memory.
+  report gives their capture time and memory;
+- padded: the rule graphs' same padded call over their static buffers, eagerly (no replay): where graphs' kernels
+  take longer than varlen's, whether the padding or the replay costs it. The report ends with the configs fla's
+  autotuned kernels chose, per key (`autotune`), since a kernel tuned at another shape first keeps that config.
 
 With the conv (kernels/prefill.conv_prefill per group against conv_varlen) in each way too; a group's rows a slice
 where consecutive, as the engine takes them. Host time is the enqueue time of `--iters` calls without a sync (the
@@ -41,6 +44,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cprofile", action="store_true", help="cProfile each way's calls (host side)")
     ap.add_argument("--checks-only", action="store_true", help="only the empty-segment and graph-replay checks")
+    ap.add_argument("--kkt-probe", action="store_true", help="fla's fused kkt-solve kernel alone, eagerly, on fresh "
+                    "inputs and on the rule graphs' static buffers, with the exact layout, the rule graphs' padded one "
+                    "and one with chunks past the segment's end (not yet run on a GPU)")
     a = ap.parse_args()
     from memra_pp import switches
     switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
@@ -85,6 +91,10 @@ def main() -> int:
                               "reserved_bytes": torch.cuda.memory_reserved() - r0}
         print(f"  rule graphs: {rep['rule_graphs']}", flush=True)
 
+    if a.kkt_probe and rg is not None:
+        rep["kkt_probe"] = kkt_probe(rg, qh, HV, D, dev, gen)
+        for row in rep["kkt_probe"]:
+            print(f"  kkt probe: {row}", flush=True)
     for spec in ([] if a.checks_only else a.prompts.split(",")):
         B, n, _, spread = prefill_shape(spec)
         for label, lens in ((("spread", spread_lengths(B, n, spread)),) if spread else ()) + (("equal", [n] * B),):
@@ -111,10 +121,19 @@ def main() -> int:
             def graphs():       # as one_call, the rule replayed (fresh prompts: zero states, none read)
                 pf.conv_varlen(u, seg, w, c0, (qh * D, qh * D, HV * D))
                 rg.run(q, k, v, g, beta, s0, None, seg)
+
+            def padded():       # as graphs, the same padded call eagerly (RuleGraphs.run calls it where no graph)
+                key = (prefill_graphs.bucket(R, rg.rows), prefill_graphs.bucket(B + 1, prefill_graphs.SEGMENT_BUCKETS))
+                held, rg.graphs[key] = rg.graphs[key], None
+                try:
+                    graphs()
+                finally:
+                    rg.graphs[key] = held
             ways = {"groups" if label == "spread" else "equal": by_groups,
                     "varlen" if label == "spread" else "varlen-equal": one_call}
             if rg is not None and rg.takes(R, B):
                 ways["graphs" if label == "spread" else "graphs-equal"] = graphs
+                ways["padded" if label == "spread" else "padded-equal"] = padded
             for way, fn in ways.items():
                 for _ in range(3):
                     fn()
@@ -170,8 +189,82 @@ def main() -> int:
         key = "graph_replay" + ("_fresh_cu" if fresh else "")
         rep[key] = graph_replay(rule, qh, HV, D, dev, gen, fresh)
         print(f"  {key}: {rep[key]}", flush=True)
+    rep["autotune"] = autotuned()
+    for name, got in rep["autotune"].items():
+        print(f"  autotuned {name}: {got}", flush=True)
     json.dump(rep, open(os.path.join(a.out, "fla_host.json"), "w"), indent=1)
     return 0
+
+
+def kkt_probe(rg, qh: int, HV: int, D: int, dev, gen, R: int = 1024, iters: int = 20) -> list[dict]:
+    """fla's fused kkt-solve (chunk_gated_delta_rule_fwd_intra, whose first kernel it is) on R rows of one segment,
+    eagerly, its kernels' mean times (profiler): inputs fresh tensors or the rule graphs' static buffers (or fresh
+    tensors sliced from buffers of twice the rows), the layout exact, padded as the rule graphs pad it (one
+    trailing empty segment, two filler chunks of it) or with two chunks past the segment's end instead. The
+    thirty-ninth session saw the kernel 65% slower in the rule graphs; the fortieth the same in their padded call
+    run eagerly."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from torch.profiler import ProfilerActivity, profile
+
+    def r(*shape, dt=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=gen).to(dt)
+    k = torch.nn.functional.normalize(r(1, R, qh, D).float(), dim=-1).to(torch.bfloat16)
+    v, beta = r(1, R, HV, D), r(1, R, HV).sigmoid()
+    g = -torch.rand(1, R, HV, device=dev, generator=gen)
+    n1 = R // 64
+    exact = (torch.tensor([0, R], device=dev), torch.tensor([[0, j] for j in range(n1)], device=dev))
+    padded = (torch.tensor([0, R, R], device=dev), torch.tensor([[0, j] for j in range(n1)] + [[1, 0]] * 2,
+                                                                 device=dev))
+    # the same two programs more, as chunks past the one segment's end (no empty segment)
+    overrun = (exact[0], torch.tensor([[0, j] for j in range(n1 + 2)], device=dev))
+    rg.k[:, :R].copy_(k)
+    rg.v[:, :R].copy_(v)
+    rg.g[:, :R].copy_(g)
+    rg.beta[:, :R].copy_(beta)
+    static = (rg.k[:, :R], rg.v[:, :R], rg.g[:, :R], rg.beta[:, :R])
+
+    def big(x):
+        b = torch.empty(x.shape[0], 2 * R, *x.shape[2:], dtype=x.dtype, device=dev)
+        b[:, :R] = x
+        return b[:, :R]
+    inputs = {"fresh": (k, v, g, beta), "static": static, "sliced": tuple(big(x) for x in (k, v, g, beta))}
+    rows = []
+    for name, (k_, v_, g_, b_) in inputs.items():
+        for lay, (cu, ch) in (("exact", exact), ("padded", padded), ("overrun", overrun)):
+            gc = chunk_local_cumsum(g_, chunk_size=64, cu_seqlens=cu, chunk_indices=ch)
+
+            def call():
+                chunk_gated_delta_rule_fwd_intra(k_, v_, gc, b_, cu_seqlens=cu, chunk_size=64, chunk_indices=ch)
+            for _ in range(3):
+                call()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    call()
+                torch.cuda.synchronize()
+            t = {}
+            for e in prof.key_averages():
+                us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / iters
+                if us:
+                    t[e.key] = round(us, 2)
+            rows.append({"inputs": name, "layout": lay, "kernels_us": t})
+    return rows
+
+
+def autotuned() -> dict:
+    """{kernel: {key: config}} of every fla autotuner that has tuned something in this process."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+    out = {}
+    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("fla.") and m is not None]:
+        for name, obj in list(vars(mod).items()):
+            while obj is not None and not isinstance(obj, Autotuner) and hasattr(obj, "fn"):
+                obj = obj.fn        # under heuristics
+            if isinstance(obj, Autotuner) and obj.cache:
+                out[name] = {str(k): str(v) for k, v in obj.cache.items()}
+    return out
 
 
 def rule_inputs(R: int, N: int, qh: int, HV: int, D: int, dev, gen) -> tuple:

@@ -1,0 +1,83 @@
+"""benchmarks/fla_host.py's kkt probe and autotune report on the CPU, fla replaced by recording stand-ins (the probe
+runs only on a GPU, where device time is scarce: its plumbing is checked here): every input set and layout it
+names, the layouts as it says (exact, the rule graphs' padding, chunks past the end), inputs of R rows equal in
+content across the sets, the static set the rule graphs' buffers."""
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+
+import fla_host  # noqa: E402
+from memra_pp.model import prefill_graphs as pg  # noqa: E402
+from test_rule_graphs import CFG  # noqa: E402
+
+KKT = "chunk_gated_delta_rule_fwd_kkt_solve_kernel"
+
+
+def test_kkt_probe_inputs_and_layouts(monkeypatch):
+    calls = []
+
+    def intra(k, v, g, beta, cu_seqlens=None, chunk_size=64, chunk_indices=None):
+        calls.append((k, v, g, beta, cu_seqlens.tolist(), chunk_indices.tolist()))
+
+    def cumsum(g, chunk_size, cu_seqlens=None, chunk_indices=None):
+        return g.cumsum(1)
+    chunk_fwd = types.ModuleType("fla.ops.gated_delta_rule.chunk_fwd")
+    chunk_fwd.chunk_gated_delta_rule_fwd_intra = intra
+    utils = types.ModuleType("fla.ops.utils")
+    utils.chunk_local_cumsum = cumsum
+    for name, mod in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                      ("fla.ops.gated_delta_rule", types.ModuleType("fla.ops.gated_delta_rule")),
+                      ("fla.ops.gated_delta_rule.chunk_fwd", chunk_fwd), ("fla.ops.utils", utils)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+
+    class Profile:      # (no CUDA activity to profile on the CPU): one kernel's total over the profiled calls
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return [types.SimpleNamespace(key=KKT, self_device_time_total=40.0),
+                    types.SimpleNamespace(key="idle", self_device_time_total=0.0)]
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    rg = pg.RuleGraphs(None, CFG, 512, torch.float32, "cpu", capture=False)
+    R, qh, HV, D = 256, 4, 4, 8
+    rows = fla_host.kkt_probe(rg, qh, HV, D, "cpu", torch.Generator().manual_seed(0), R=R, iters=2)
+    assert [(r["inputs"], r["layout"]) for r in rows] == [(i, lay) for i in ("fresh", "static", "sliced")
+                                                          for lay in ("exact", "padded", "overrun")]
+    assert len(calls) == 9 * (3 + 2)        # warm-up and profiled calls of each
+    assert all(r["kernels_us"] == {KKT: 20.0} for r in rows)   # 40 us / 2 calls
+    per = [calls[i * 5] for i in range(9)]
+    chunks = [[0, j] for j in range(R // 64)]
+    assert [c[4:] for c in per[:3]] == [([0, R], chunks), ([0, R, R], chunks + [[1, 0]] * 2),
+                                        ([0, R], chunks + [[0, R // 64], [0, R // 64 + 1]])]
+    fresh, static, sliced = per[0], per[3], per[6]
+    for c in (fresh, static, sliced):
+        assert c[0].shape == (1, R, qh, D) and c[1].shape == (1, R, HV, D) and c[3].shape == (1, R, HV)
+    for j in range(4):
+        assert torch.equal(fresh[j].float(), static[j].float()) and torch.equal(fresh[j].float(), sliced[j].float())
+    assert static[0].data_ptr() == rg.k.data_ptr() and static[1].data_ptr() == rg.v.data_ptr()
+    assert sliced[0].untyped_storage().nbytes() == 2 * fresh[0].untyped_storage().nbytes()
+
+
+def test_autotuned_reports_tuned_kernels_under_wrappers(monkeypatch):
+    """autotuned() finds an fla module's Autotuner under a heuristics-like wrapper and skips untuned ones."""
+    from triton.runtime.autotuner import Autotuner
+
+    class Tuned(Autotuner):
+        def __init__(self, cache):
+            self.cache = cache
+    mod = types.ModuleType("fla.ops.fake")
+    mod.kernel = types.SimpleNamespace(fn=Tuned({(16, "torch.bfloat16"): "BK: 64, num_warps: 2"}))
+    mod.untuned = Tuned({})
+    monkeypatch.setitem(sys.modules, "fla.ops.fake", mod)
+    assert fla_host.autotuned() == {"kernel": {"(16, 'torch.bfloat16')": "BK: 64, num_warps: 2"}}
