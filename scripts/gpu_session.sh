@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep pgraphstep pgraphe2e mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep pgraphstep pgraphe2e kkt mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -99,6 +99,9 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
               --model ${E2E_MODEL:-preset:qwen3.5-35b-a3b} --layouts 0 --concurrency ${E2E_C:-64} --prompt-len 512 \
               --prompt-spread 0.5 --new 256 --prefill-chunk ${CHUNKS:-4096} --prefill-chunk-decoding ${PDS:-off} \
               --prefill-graphs ${PGE_GRAPHS:-both} --rule-graphs ${PGE_RULES:-off} ;;
+    # fla's kkt-solve kernel alone over fresh inputs and the rule graphs' buffers, exact and padded layouts (why the
+    # rule graphs' padded call takes ~13 us more of it a layer: docs/PERF.md, fortieth session), then every way
+    kkt) phase kkt-probe 200 python3 -u benchmarks/fla_host.py --out "$OUT/kkt" --prompts 1x1024,8x256~0.5 --kkt-probe ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
     # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and
