@@ -213,9 +213,9 @@ def kkt_probe(rg, qh: int, HV: int, D: int, dev, gen, R: int = 1024, iters: int 
     v, beta = r(1, R, HV, D), r(1, R, HV).sigmoid()
     g = -torch.rand(1, R, HV, device=dev, generator=gen)
     n1 = R // 64
-    exact = (torch.tensor([0, R], device=dev), torch.tensor([[0, j] for j in range(n1)], device=dev))
-    padded = (torch.tensor([0, R, R], device=dev), torch.tensor([[0, j] for j in range(n1)] + [[1, 0]] * 2,
-                                                                 device=dev))
+    exact = segments([R], dev)
+    cu, ch = rg.padded([R], R, 2)       # the rule graphs' own padding for R rows in their smallest segment bucket
+    padded = (torch.tensor(cu, device=dev), torch.tensor(ch, device=dev).view(-1, 2))
     # the same two programs more, as chunks past the one segment's end (no empty segment)
     overrun = (exact[0], torch.tensor([[0, j] for j in range(n1 + 2)], device=dev))
     rg.k[:, :R].copy_(k)

@@ -98,6 +98,11 @@ def _packed_rows(b, idx: list[int]) -> tuple[list[int], slice | None]:
     return rows, (slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None)
 
 
+def chunk_pairs(lens: list[int], size: int) -> list[int]:
+    """(segment, chunk) of every `size`-row chunk of segments of `lens`, flat (fla's chunk indices at FLA_CHUNK)."""
+    return [x for s, n in enumerate(lens) for j in range(-(-n // size)) for x in (s, j)]
+
+
 def segments(b, device, K: int) -> Segments:
     """The step's Segments (b: a StepBatch with prompt segments; K: the conv's kernel width), made once per step."""
     cache = b.__dict__.setdefault("_segments", {})
@@ -109,14 +114,11 @@ def segments(b, device, K: int) -> Segments:
     lens = [b.counts[i] for i in idx]
     rows, span = _packed_rows(b, idx)
     cu = [0, *itertools.accumulate(lens)]
-
-    def pieces(size):
-        return [x for s, n in enumerate(lens) for j in range(-(-n // size)) for x in (s, j)]
     # a segment's input at position p = n - (K - 1) + j: its row for p >= 0, else the state's column K - 1 + p
     tail = [rows[cu[s] + p] if p >= 0 else -1 - (K - 1 + p)
             for s, n in enumerate(lens) for p in range(n - (K - 1), n)]
-    parts = aligned_parts([rows, [b.slots[i] for i in idx], cu, pieces(FLA_CHUNK), pieces(CONV_TILE[0]), tail],
-                          device)
+    parts = aligned_parts([rows, [b.slots[i] for i in idx], cu, chunk_pairs(lens, FLA_CHUNK),
+                           chunk_pairs(lens, CONV_TILE[0]), tail], device)
     seg = Segments(idx, lens, parts[0], parts[1], span, parts[2], parts[3].view(-1, 2), parts[4].view(-1, 2),
                    parts[5].view(len(lens), K - 1), min(lens) < K - 1, all(b.starts[i] == 0 for i in idx))
     cache[key] = seg

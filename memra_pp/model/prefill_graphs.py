@@ -21,6 +21,8 @@ Between the pieces, the Gated DeltaNet cores can replay fla's chunked rule from 
 below; MEMRA_PP_RULE_GRAPHS, off by default)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..switches import initial
@@ -308,20 +310,22 @@ class RuleGraphs:
     def _layout(self, seg, nb: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         """seg's cu_seqlens [S + 1] and chunk indices [nb / 64 + S, 2], padded as the class says (one host-to-device
         copy a step and bucket, kept on the Segments)."""
-        from memra_pp.kernels.prefill import FLA_CHUNK
         got = seg.__dict__.setdefault("_rule_layout", {})
         if (nb, S) not in got:
-            R, NT = sum(seg.lens), self._chunk_count(nb, S)
-            cu = [0]
-            for n in seg.lens:
-                cu.append(cu[-1] + n)
-            cu += [R] * (S + 1 - len(cu))
-            ch = [x for s, n in enumerate(seg.lens) for j in range(-(-n // FLA_CHUNK)) for x in (s, j)]
-            assert len(ch) // 2 <= NT, (seg.lens, nb, S)
-            ch += [S - 1, 0] * (NT - len(ch) // 2)
-            cu_t, ch_t = aligned_parts([cu, ch], self.device)
-            got[(nb, S)] = (cu_t, ch_t.view(NT, 2))
+            cu_t, ch_t = aligned_parts(self.padded(seg.lens, nb, S), self.device)
+            got[(nb, S)] = (cu_t, ch_t.view(-1, 2))
         return got[(nb, S)]
+
+    def padded(self, lens: list[int], nb: int, S: int) -> tuple[list[int], list[int]]:
+        """cu_seqlens [S + 1] and flat chunk indices [2 (nb / 64 + S)] of segments of `lens` (at most nb rows, fewer
+        than S segments) padded as the class says."""
+        from memra_pp.kernels.prefill import FLA_CHUNK, chunk_pairs
+        NT = self._chunk_count(nb, S)
+        cu = [0, *itertools.accumulate(lens)]
+        cu += [cu[-1]] * (S + 1 - len(cu))
+        ch = chunk_pairs(lens, FLA_CHUNK)
+        assert len(ch) // 2 <= NT, (lens, nb, S)
+        return cu, ch + [S - 1, 0] * (NT - len(ch) // 2)
 
     @staticmethod
     def _chunk_count(nb: int, S: int) -> int:
@@ -339,12 +343,9 @@ class RuleGraphs:
     def _build(self, key: tuple) -> None:
         """The key's graph, captured over fresh cu_seqlens / chunk index tensors after a warm-up on copies of them
         (a layout of one segment holding every row); replayed once. Uncaptured: the tensors only."""
-        from memra_pp.kernels.prefill import FLA_CHUNK
         nb, S = key
-        NT = self._chunk_count(nb, S)
-        n1 = -(-nb // FLA_CHUNK)
-        warm = (torch.tensor([0] + [nb] * S, device=self.device),
-                torch.tensor([[0, j] for j in range(n1)] + [[S - 1, 0]] * (NT - n1), device=self.device).view(NT, 2))
+        cu, ch = self.padded([nb], nb, S)
+        warm = (torch.tensor(cu, device=self.device), torch.tensor(ch, device=self.device).view(-1, 2))
         self.captures += 1
         if not self.capture:
             self.meta[key], self.graphs[key] = warm, None
