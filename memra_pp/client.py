@@ -11,7 +11,6 @@ import collections
 import contextlib
 import logging
 import numbers
-import pickle
 import queue
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Iterator
 import ray
 
 from .client_replay import ReplayMixin, _Track
-from .errors import InputError, RequestTimeout, StageFailed
+from .errors import InputError, MemraError, RequestTimeout, StageFailed
 from .placement.schema import MAX_TIMEOUT_S
 from .request import REQUEST_DEFAULTS, Result, StreamEvent, _error, _scalar, _token_ids, flag, request_dict
 from .supervisor import is_stage_lost
@@ -395,15 +394,11 @@ class Client(ReplayMixin):
         from .rayutil import get
         intake = self._intake
         tr.intake = intake._actor_id
+        ref = self._remote_submit(intake, req)
         try:
-            ref = intake.submit.remote(req)
-        except (TypeError, ValueError, pickle.PicklingError) as e:   # Ray pickles the request here: a value
-            # nothing could send (a lock, a file)
-            raise InputError(f"the request holds a value that cannot be sent to the intake: "
-                             f"{str(e).splitlines()[0]}") from None
-        try:
-            get(ref, step_s, "submit", timeout_error=RequestTimeout)   # (a live intake that did not take it in
-            #                                                            time: _submit aborts it, not a loss)
+            # (a live intake that did not take it in time: _submit aborts it, not a loss; one that raised, or could
+            # not read the request, refused it: InputError, not a loss either)
+            get(ref, step_s, "submit", timeout_error=RequestTimeout, refused=InputError)
         except StageFailed as e:
             if type(e) is not StageFailed or e.stage is not None or not self.dep.refresh_actors() or \
                     self._intake._actor_id == intake._actor_id:
@@ -411,7 +406,20 @@ class Client(ReplayMixin):
                     raise StageFailed(f"submit: {self.dep._gone}") from None
                 raise
             tr.intake = self._intake._actor_id
-            get(self._intake.submit.remote(req), step_s, "submit")
+            get(self._remote_submit(self._intake, req), step_s, "submit", refused=InputError)
+
+    @staticmethod
+    def _remote_submit(intake, req: dict):
+        """intake.submit.remote(req): Ray pickles the request here, and whatever a value of it raises doing so (a
+        lock, a file, an object whose own pickling fails) is the request's fault: InputError."""
+        try:
+            return intake.submit.remote(req)
+        except (ray.exceptions.RayError, MemraError):
+            raise
+        except Exception as e:      # (pickle.PicklingError among them)
+            text = str(e).strip().splitlines()
+            raise InputError(f"the request holds a value that cannot be sent to the intake: {type(e).__name__}: "
+                             f"{text[0] if text else ''}") from None
 
     def _drop(self, tr: _Track) -> None:
         with self._lock:

@@ -29,8 +29,9 @@ def as_image_input(x) -> ImageInput:
         pv = x["pixel_values"]
         try:    # the grid as given (not int(): 4.7 is no grid size, True no count): validate refuses it by name
             return ImageInput(pv if isinstance(pv, (torch.Tensor, np.ndarray)) else np.asarray(pv), x["grid_thw"])
-        except (TypeError, ValueError) as e:
-            raise InputError(f"an image's pixel_values / grid_thw do not form an ImageInput: {e}") from None
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InputError(f"an image's pixel_values / grid_thw do not form an ImageInput: {type(e).__name__}: "
+                             f"{e}") from None
     raise InputError(f"an image must be a memra_pp.ImageInput (pixel_values, grid_thw), got {type(x).__name__}")
 
 

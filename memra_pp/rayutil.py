@@ -16,10 +16,13 @@ from .errors import ConfigError, MemraError, StageFailed
 from .shm import proc_stat
 
 
-def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error: type = StageFailed):
+def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error: type = StageFailed,
+        refused: type = StageFailed):
     """ray.get of `refs` within `timeout`: our own errors as they were raised, anything else StageFailed naming
     `what` (and `stage`, the index of the stage whose actor answers, where its death is that stage's loss; an actor
-    Ray cannot reach for now is not lost); no answer in time raises `timeout_error`."""
+    Ray cannot reach for now is not lost); no answer in time raises `timeout_error`. `refused`: what a live actor's
+    other task errors become (its call raised, or it could not read the call's arguments): a call's own input
+    (a request's submit) is refused there, and no stage was lost."""
     end = time.monotonic() + timeout
     try:
         return ray.get(refs, timeout=timeout)
@@ -27,16 +30,28 @@ def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error
         raise timeout_error(f"{what}: no answer within {timeout:g} s") from None
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
         _drain(refs, end)
-        raise _ours(e, what, stage) from None
+        raise _ours(e, what, stage, refused) from None
 
 
-def _ours(e: Exception, what: str, stage: int | None) -> Exception:
+def _ours(e: Exception, what: str, stage: int | None, refused: type = StageFailed) -> Exception:
     if isinstance(e, ray.exceptions.RayTaskError):
         cause = getattr(e, "cause", None)
-        return cause if isinstance(cause, MemraError) else StageFailed(f"{what}: {e}")
+        if isinstance(cause, MemraError):
+            return cause
+        if refused is StageFailed:
+            return StageFailed(f"{what}: {e}")
+        if isinstance(cause, ray.exceptions.RaySystemError):    # the actor could not unpickle the arguments
+            inner = cause.args[0] if cause.args and isinstance(cause.args[0], BaseException) else cause
+            return refused(f"{what}: the actor could not read the call's arguments: {_first_line(inner)}")
+        return refused(f"{what}: the actor refused the call: {_first_line(cause if cause is not None else e)}")
     if isinstance(e, getattr(ray.exceptions, "ActorUnavailableError", ())):
         return StageFailed(f"{what}: a stage actor is unreachable for now ({e})")
     return StageFailed(f"{what}: a stage actor died ({e})", stage=stage)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def proc_identity() -> dict:

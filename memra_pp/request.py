@@ -2,6 +2,7 @@
 ints, the Result and StreamEvent a caller gets back, and an intake's error turned back into its memra_pp type."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 import operator
@@ -47,20 +48,20 @@ def _token_ids(value) -> list[int] | str | None:
     try:    # a set's or a dict's order is not the caller's: refused, not read in some order
         items = None if isinstance(value, (str, bytes, bytearray, set, frozenset, dict)) else \
             value.tolist() if hasattr(value, "tolist") else list(value)
-    except TypeError:
+    except (TypeError, RuntimeError):       # (a meta or sparse tensor has no list of values)
         return None
     if not isinstance(items, list):
         return None
     out = []
     for t in items:
-        if hasattr(t, "ndim") and getattr(t, "ndim", 1) == 0:     # a 0-d tensor or array: its scalar
-            t = t.item()
         try:
+            if hasattr(t, "ndim") and getattr(t, "ndim", 1) == 0:     # a 0-d tensor or array: its scalar
+                t = t.item()
             if isinstance(t, bool):
                 raise TypeError
-            out.append(operator.index(t))
-        except TypeError:
-            return f"{t!r} ({type(t).__name__})"
+            out.append(int(operator.index(t)))     # (an int subclass as a plain int: what a stage can unpickle)
+        except (TypeError, RuntimeError):
+            return f"{t!r:.60} ({type(t).__name__})"
     return out
 
 
@@ -69,7 +70,8 @@ def flag(name: str, value) -> bool:
     if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
         return bool(value)
     if getattr(value, "ndim", None) == 0 and str(getattr(value, "dtype", "")) in ("torch.bool", "bool"):
-        return bool(value.item())         # a 0-d torch (or numpy) bool
+        with contextlib.suppress(RuntimeError):     # (a meta tensor has no value: refused below)
+            return bool(value.item())         # a 0-d torch (or numpy) bool
     raise InputError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
@@ -100,6 +102,7 @@ def request_dict(kw: dict, **fixed) -> dict:
     req = dict(REQUEST_DEFAULTS, **kw, **fixed)
     for k in SAMPLING_KEYS:     # (a 0-d tensor was refused as "temperature must be a finite number, got tensor(0.7)")
         req[k] = _scalar(req[k])
+    _check_sampling(req)
     if req["stop_token_ids"] is not None:
         stops = _token_ids(req["stop_token_ids"])
         if stops is None or isinstance(stops, str):
@@ -115,5 +118,38 @@ def request_dict(kw: dict, **fixed) -> dict:
                 type(images).__name__ == "ImageInput":
             raise InputError(f"images is a list of memra_pp.ImageInput, got {type(images).__name__}")
         if images := list(images):
-            req["images"] = images
+            req["images"] = [sendable_image(x) for x in images]
     return req
+
+
+def _check_sampling(req: dict) -> None:
+    """The intake's own check of the sampling parameters, here too: a value of no number type is refused by name
+    before Ray is asked to send it (one only this process can unpickle would fail in the intake unnamed)."""
+    from .model.sampling import SamplingParams
+    try:
+        SamplingParams(*(req[k] for k in SAMPLING_KEYS)).validate()
+    except (TypeError, ValueError, ArithmeticError) as e:
+        if isinstance(e, MemraError):
+            raise
+        raise InputError(f"bad sampling parameters in the request: {type(e).__name__}: {e}") from None
+
+
+# the pixel dtypes an image travels in (float8 would not unpickle in a stage, and no tower runs in it)
+PIXEL_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
+
+
+def sendable_image(x):
+    """One image as the client sends it: an ImageInput (a processor's dict made one; anything else, or a malformed
+    dict: InputError, before a stage is asked to unpickle it), with pixels of a floating dtype the stages read (the
+    intake checks the rest)."""
+    from .multimodal import as_image_input
+    x = as_image_input(x)
+    g = x.grid_thw
+    if not isinstance(g, tuple) or not all(isinstance(v, int) for v in g):
+        raise InputError(f"ImageInput.grid_thw must be 3 positive ints (t, h, w), got {g!r:.80}")
+    if any(type(v) not in (int, bool) for v in g):      # an int subclass as a plain int (bools: refused there)
+        x = dataclasses.replace(x, grid_thw=tuple(v if isinstance(v, bool) else int(v) for v in g))
+    pv = x.pixel_values
+    if hasattr(pv, "is_floating_point") and pv.is_floating_point() and str(pv.dtype) not in PIXEL_DTYPES:
+        raise InputError(f"ImageInput.pixel_values must be float16, bfloat16, float32 or float64, got {pv.dtype}")
+    return x

@@ -28,7 +28,7 @@ class ImagesMixin:
         """Everything an image request can be refused for before the tower runs: raises InputError."""
         try:
             ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES, generated=r.step0)
-        except (TypeError, ValueError, AttributeError, IndexError) as e:
+        except (TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
             if isinstance(e, MemraError):
                 raise
             raise InputError(f"malformed images: {type(e).__name__}: {e}") from None

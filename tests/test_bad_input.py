@@ -24,9 +24,22 @@ FIXTURES = "/work/shared/fixtures/qwen35-tiny/dense_text-s404"
 IMG, VS, VE, V, CTX = 300, 302, 303, 320, 64
 
 
-def image(grid=(1, 4, 6), fill=None, width=96, device=None, sparse=False):
+class NotImportableThere:
+    """Pickled by reference to this test module, which a stage process cannot import."""
+
+
+class PicklingFails:
+    def __reduce__(self):
+        raise RuntimeError("this object refuses to be pickled")
+
+
+class MyInt(int):
+    pass
+
+
+def image(grid=(1, 4, 6), fill=None, width=96, device=None, sparse=False, dtype=torch.float32):
     t, h, w = grid
-    pv = torch.randn(t * h * w, width, generator=torch.Generator().manual_seed(0))
+    pv = torch.randn(t * h * w, width, generator=torch.Generator().manual_seed(0)).to(dtype)
     if fill is not None:
         pv[3, 5] = fill
     if device is not None:
@@ -114,8 +127,34 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     "logprobs 'no'": (dict(logprobs="no"), InputError, "logprobs must be True or False, got 'no' (str)"),
     "adapter a lock": (dict(adapter=threading.Lock()), InputError,
                        "adapter must be a loaded adapter's name (a string) or None, got <unlocked _thread.lock"),
-    "a value Ray cannot send": (dict(images=[threading.Lock()]), InputError,
-                                "the request holds a value that cannot be sent to the intake"),
+    "a value Ray cannot send": (dict(images=[memra_pp.ImageInput(threading.Lock(), (1, 4, 6))]), InputError,
+                                "the request holds a value that cannot be sent to the intake: TypeError"),
+    # values a stage process cannot unpickle or read: refused in the client by name (they failed in the intake
+    # as a lost stage 0 with recover: error, and made a replay deployment's client hold the request until its
+    # timeout: a RayTaskError of a live intake read as the intake's loss)
+    "image not an ImageInput": (dict(prompt=[5, VS, IMG, VE], images=[threading.Lock()]), InputError,
+                                "an image must be a memra_pp.ImageInput (pixel_values, grid_thw), got lock"),
+    "image of a class the stages cannot import": (dict(prompt=[5, VS, IMG, VE], images=[NotImportableThere()]),
+                                                  InputError, "an image must be a memra_pp.ImageInput"),
+    "float8 pixels": (dict(prompt=[5, VS, IMG, VE], images=[image(dtype=torch.float8_e4m3fn)]), InputError,
+                      "pixel_values must be float16, bfloat16, float32 or float64, got torch.float8_e4m3fn"),
+    "dict image, meta grid": (dict(prompt=[5, VS, IMG, VE], images=[dict(
+        pixel_values=torch.zeros(24, 96), grid_thw=torch.tensor([1, 4, 6], device="meta"))]), InputError,
+        "ImageInput.grid_thw must be 3 positive ints (t, h, w), got tensor(..., device='meta'"),
+    "dict image, sparse grid": (dict(prompt=[5, VS, IMG, VE], images=[dict(
+        pixel_values=torch.zeros(24, 96), grid_thw=torch.tensor([1, 4, 6]).to_sparse())]), InputError,
+        "ImageInput.grid_thw must be 3 positive ints"),
+    "image whose pickling raises": (dict(prompt=[5, VS, IMG, VE], images=[memra_pp.ImageInput(PicklingFails(),
+                                                                                                (1, 4, 6))]),
+                                    InputError, "cannot be sent to the intake: RuntimeError: this object refuses"),
+    "temperature of a class the stages cannot import": (dict(temperature=NotImportableThere()), InputError,
+                                                         "temperature must be a finite number, got <"),
+    "meta prompt": (dict(prompt=torch.tensor([5, 17], device="meta")), InputError,
+                    "a prompt is a string or a list of token ids, got Tensor"),
+    "sparse stop ids": (dict(stop_token_ids=torch.tensor([5]).to_sparse()), InputError,
+                        "stop_token_ids is a list of token ids"),
+    "meta ignore_eos": (dict(ignore_eos=torch.tensor(True, device="meta")), InputError,
+                        "ignore_eos must be True or False"),
     "lone surrogate text": (dict(prompt="\ud800abc"), InputError,
                             "a text prompt must be valid Unicode: surrogates not allowed at character 0"),
     "meta pixels": (dict(prompt=[5, VS, IMG, VE], images=[image(device="meta")]), InputError,
@@ -138,6 +177,76 @@ def test_bad_request(dep, case):
         dep.client().generate(prompt, **{"max_new_tokens": 4, **kw})
     assert msg in str(ei.value), str(ei.value)
     serves(dep)
+
+
+def test_values_only_this_process_can_unpickle_are_sent_as_plain_ones(dep):
+    """Token ids and grid sizes of an int subclass (this test module's, which no stage can import) travel as plain
+    ints, and a flipped numpy image (negative strides) is taken as a copy: all served as their plain forms are."""
+    import numpy as np
+    c = dep.client()
+    assert c.generate([MyInt(5), 17, 42], max_new_tokens=4, stop_token_ids=[MyInt(7)]).token_ids == \
+        hf_reference("dense", False, (5, 17, 42), 4)[0]
+    pv = np.random.default_rng(0).standard_normal((24, 96), dtype=np.float32)
+    flipped = memra_pp.ImageInput(np.flip(pv, 0), (1, 4, 6))
+    assert flipped.pixel_values.is_contiguous() and torch.equal(flipped.pixel_values, torch.from_numpy(pv[::-1].copy()))
+    prompt = [5, VS] + [IMG] * 6 + [VE, 7]
+    got = c.generate(prompt, max_new_tokens=3, images=[flipped]).token_ids
+    want = c.generate(prompt, max_new_tokens=3, images=[memra_pp.ImageInput(pv[::-1].copy(), (MyInt(1), 4, 6))])
+    assert got == want.token_ids
+
+
+def test_a_live_actors_task_error_is_refused_not_a_lost_stage(ray_cluster):
+    """rayutil.get's `refused`: a live actor whose call raised (not one of ours), or which could not unpickle the
+    call's arguments, refused the call: the submit path's InputError; by default still StageFailed (no stage)."""
+    from memra_pp.rayutil import get
+
+    class Refuser:      # (local: pickled by value, so the actor's process needs no import of this module)
+        def fail(self, x):
+            raise NotImplementedError("boom\nsecond line")
+
+        def take(self, x):
+            return 1
+    a = ray.remote(num_cpus=0.05)(Refuser).remote()
+    try:
+        with pytest.raises(InputError, match=r"^submit: the actor refused the call: NotImplementedError: boom$"):
+            get(a.fail.remote(1), 30, "submit", refused=InputError)
+        f8 = torch.zeros(2, dtype=torch.float8_e4m3fn)      # (torch cannot unpickle this in another process)
+        with pytest.raises(InputError, match=r"^submit: the actor could not read the call's arguments: "):
+            get(a.take.remote(f8), 30, "submit", refused=InputError)
+        with pytest.raises(StageFailed) as ei:
+            get(a.fail.remote(1), 30, "call")
+        assert type(ei.value) is StageFailed and ei.value.stage is None and "boom" in str(ei.value)
+        assert get(a.take.remote(1), 30, "submit", refused=InputError) == 1
+    finally:
+        ray.kill(a)
+
+
+@pytest.mark.parametrize("recover", ["error", "replay"])
+def test_a_request_the_intake_cannot_read_is_refused_at_once(ray_cluster, monkeypatch, recover):
+    """A request that passes the client's checks and still cannot be read in the intake (here: a value slipped in
+    after them) is refused with InputError at once. It used to be taken for the intake's loss: StageFailed with
+    recover: error, and with replay the client held it for a recovery that never came, until its timeout."""
+    import memra_pp.client as client_mod
+    _, path = tiny_checkpoint("dense", False)
+    real = client_mod.request_dict
+
+    def slipped(kw, **fixed):
+        req = real(kw, **fixed)
+        if req["prompt"] == [9, 9, 9]:
+            req["temperature"] = NotImportableThere()
+        return req
+    with memra_pp.launch({"name": f"unread-{recover}", "model": {"path": str(path)}, "recover": recover,
+                          "timeouts": {"heartbeat_s": 0.5}, "stages": [{"device": "cpu", "num_cpus": 0.1}] * 2,
+                          "scheduler": {"max_batch": 4, "max_context": CTX}}) as d:
+        monkeypatch.setattr(client_mod, "request_dict", slipped)
+        c = d.client()
+        t0 = time.monotonic()
+        with pytest.raises(InputError, match="submit: the actor could not read the call's arguments: "
+                                             "ModuleNotFoundError: No module named 'test_bad_input'"):
+            c.generate([9, 9, 9], max_new_tokens=2, timeout=60)
+        assert time.monotonic() - t0 < 10, "refused at once, not held until the timeout"
+        assert d.supervisor.generation == 0 and not d.supervisor.log, "no stage was taken for lost"
+        assert c.generate([5, 17, 42], max_new_tokens=4).token_ids == hf_reference("dense", False, (5, 17, 42), 4)[0]
 
 
 def test_run_dir_is_private(dep):

@@ -25,13 +25,18 @@ class ImageInput:
         # array (return_tensors="np"). Anything else stays as given, for validate_image_input to refuse by name.
         g = self.grid_thw
         if isinstance(g, (torch.Tensor, np.ndarray)):
-            g = g.tolist()
+            try:
+                g = g.tolist()
+            except RuntimeError:    # a meta or sparse tensor: kept as given, refused by name
+                pass
         if isinstance(g, (list, tuple)):
             object.__setattr__(self, "grid_thw", tuple(_grid_entry(v) for v in g))
         pv = self.pixel_values
         if isinstance(pv, np.ndarray) and pv.dtype.kind in "biufc":
             pv = pv.astype(pv.dtype.newbyteorder("="), copy=False)
-            object.__setattr__(self, "pixel_values", torch.from_numpy(pv if pv.flags.writeable else pv.copy()))
+            if not pv.flags.writeable or any(st < 0 for st in pv.strides):   # (a flipped image: np.flip, [::-1])
+                pv = np.array(pv, order="C")
+            object.__setattr__(self, "pixel_values", torch.from_numpy(pv))
 
     def __reduce__(self):
         """Across processes (a Ray call) only this image's own pixels travel, from host memory: a tensor pickles
@@ -235,6 +240,8 @@ def validate_image_input(ii: ImageInput, vcfg: VisionConfig, max_patches: int = 
     if not isinstance(pv, torch.Tensor) or not pv.is_floating_point():
         raise InputError(f"ImageInput.pixel_values must be a floating torch.Tensor, got "
                          f"{getattr(pv, 'dtype', type(pv).__name__)}")
+    if pv.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise InputError(f"ImageInput.pixel_values must be float16, bfloat16, float32 or float64, got {pv.dtype}")
     if pv.layout != torch.strided or pv.device.type == "meta":
         raise InputError(f"ImageInput.pixel_values must be a dense tensor with its values (layout strided, not "
                          f"meta), got layout {pv.layout} on {pv.device}")
