@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
-from .errors import MemraError, StageFailed
+from .errors import InputError, MemraError, StageFailed
 from .rayutil import get
 
 
@@ -128,7 +128,7 @@ class ReplayMixin:
         except MemraError:
             for t, ref in zip(go, refs):    # (all answered or waited out by now: each one's own outcome)
                 try:
-                    get(ref, 0, "replay")
+                    get(ref, 0, "replay", refused=InputError)   # (a live intake's task error: its refusal)
                 except StageFailed as e:    # the new intake gone or silent: a stage failure (held or failed below)
                     lost = e
                 except MemraError as e:     # refused by the intake: this request ends, typed

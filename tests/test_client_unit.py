@@ -452,3 +452,31 @@ def test_a_wait_left_by_a_closed_event_loop_leaves_no_unawaited_get():
         run()
         gc.collect()
     assert not [x for x in w if "never awaited" in str(x.message)], [str(x.message) for x in w]
+
+
+def test_a_replay_the_new_intake_cannot_take_ends_typed_and_is_not_held_again(monkeypatch):
+    """A held request whose replay the new, live intake answers with a task error (its submit raised something
+    not ours, or it could not unpickle the request) ends with that refusal as an InputError: it was taken for the
+    new intake's loss, and the request held again for a recovery no failure would bring."""
+    import ray
+    c, log = _client(monkeypatch)
+    got = []
+
+    def get(refs, timeout=None):
+        raise ray.exceptions.RayTaskError("submit", "Traceback (most recent call last): ...",
+                                          NotImplementedError("boom"))
+    try:
+        t = _Track("h", {"prompt": [5], "max_new_tokens": 8}, got.append, gen=0)     # (recovered is 1)
+        with c._lock:
+            c._held.append(t)
+        monkeypatch.setattr(client_mod.ray, "get", get)
+        c._replay_if_recovered()
+        # (the abort after it: a request no longer tracked is let go at the intake, which never took this one)
+        assert [e[0] for e in log] == ["submit", "abort"] and log[0][1]["step0"] == 0, log
+        assert not c._held and t.rid not in c._tracks
+        [(toks, lps, finish, err)] = got
+        assert finish == "error" and err[0] == "InputError", got
+        assert err[1] == ("the request was replayed after a stage failure and the new intake refused it: replay: the "
+                          "actor refused the call: NotImplementedError: boom"), err
+    finally:
+        c.close()
