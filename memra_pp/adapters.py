@@ -135,6 +135,33 @@ def _config_rank(cfg: dict, full_name: str) -> tuple[float, str]:
     return cfg["r"], "r"
 
 
+def _names_module(spec, full_name: str) -> bool:
+    """PEFT's rule for target_modules / exclude_modules: a string is a regex the whole name matches; a list names
+    modules by the name or its last dotted parts."""
+    if isinstance(spec, str):
+        return re.fullmatch(spec, full_name) is not None
+    return any(full_name == k or full_name.endswith("." + k) for k in spec if isinstance(k, str))
+
+
+def _untargeted(cfg: dict, full_name: str, layer: int) -> str | None:
+    """Why adapter_config.json does not target module `full_name` (of layer `layer`), or None where it does, as
+    PEFT decides which modules it wraps: its weights for a module it does not wrap are dropped silently, so an
+    adapter whose weights and config disagree is refused rather than served with tokens PEFT would not give."""
+    tm = cfg.get("target_modules")
+    if tm is None or tm == "all-linear" or not isinstance(tm, (str, list)):     # (PEFT resolves these itself)
+        return None
+    if not _names_module(tm, full_name):
+        return f"target_modules is {tm!r}"
+    ex = cfg.get("exclude_modules")
+    if isinstance(ex, (str, list)) and _names_module(ex, full_name):
+        return f"exclude_modules is {ex!r}"
+    lt = cfg.get("layers_to_transform")
+    if not isinstance(tm, str) and lt not in (None, []):    # (PEFT reads it only for a list of targets)
+        if layer not in (lt if isinstance(lt, list) else [lt]):
+            return f"layers_to_transform is {lt!r}"
+    return None
+
+
 def _tti_targets(cfg: dict, where: str) -> set[str]:
     """The modules trainable_token_indices names token ids for (embed_tokens, lm_head); refuses any other."""
     tti = cfg.get("trainable_token_indices")
@@ -203,7 +230,11 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int, name: str 
     """Read a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors) for `model_config`; `name`:
     the adapter's (what errors name), else the directory's."""
     d = Path(str(path)).expanduser()
-    if not d.is_dir():
+    try:
+        is_dir = d.is_dir()
+    except OSError as e:        # (a name too long for the file system, ...)
+        raise ConfigError(f"adapter path {str(path)[:200]!r} cannot be read: {e.strerror or e}") from None
+    if not is_dir:
         # the stages read the path, each from its own working directory, not the caller's
         rel = "" if d.is_absolute() else f" (a relative path, read from {os.getcwd()!r}; pass an absolute path)"
         raise ConfigError(f"adapter path {str(path)!r} is not a directory{rel}")
@@ -259,6 +290,11 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int, name: str 
         if r < 1 or a.shape != (r, inp) or b.shape != (out, r):
             raise ConfigError(f"{where}: {module} has lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}; the model "
                               f"needs (r, {inp}) and ({out}, r), r >= 1")
+        why = _untargeted(cfg, names[module], int(module.split(".")[1]))
+        if why is not None:
+            raise ConfigError(f"{where}: adapter_model.safetensors holds LoRA weights for {names[module]} but "
+                              f"adapter_config.json's {why}: PEFT would not apply them (the weights and their config "
+                              f"disagree)")
         want, src = _config_rank(cfg, names[module])
         if r != want:
             raise ConfigError(f"{where}: {module} has rank {r} (lora_A {tuple(a.shape)}) but adapter_config.json's "

@@ -271,6 +271,12 @@ class Deployment:
         if not ray.is_initialized():
             attach(address, namespace)
             owns = True
+        elif ray.get_runtime_context().namespace != namespace:
+            # (the handle finds its stages by name in this process's namespace: it looked in the wrong one, and
+            # found another namespace's deployment of that name, or named the wrong namespace in its refusal)
+            raise ConfigError(f"connect({name!r}, namespace={namespace!r}): this process is attached to Ray in "
+                              f"namespace {ray.get_runtime_context().namespace!r}; a process's handles all use "
+                              f"one namespace (connect from a process attached to {namespace!r})")
         deadline = time.monotonic() + cls.CONNECT_WAIT_S
         while True:
             try:
@@ -397,16 +403,21 @@ class Deployment:
                 or name != name.strip():
             raise InputError(f"an adapter's name is 1 to {MAX_ADAPTER_NAME} printable characters without leading or "
                              f"trailing spaces (it is shown in logs and errors), got {_clip(name)}")
-        if not isinstance(path, (str, os.PathLike)):
-            raise InputError(f"adapter {name!r}: its path is a str or os.PathLike, got {_clip(path)}")
+        name = str(name)    # (a str subclass, an application's StrEnum member: the stages could not unpickle it)
+        fs = os.fspath(path) if isinstance(path, os.PathLike) else path
+        if not isinstance(fs, str):     # (bytes, or a path-like giving bytes)
+            raise InputError(f"adapter {name!r}: its path is a str or os.PathLike of a str, got {_clip(path)}")
         # absolute here: each stage reads the path from its own working directory, not the caller's
-        path = str(Path(path).expanduser().absolute())
+        path = str(Path(fs).expanduser().absolute())
         t = self.placement.timeouts.ready_s
         with self._between_recoveries(f"load_adapter({name!r})"):
             self.refresh_actors()       # a connect()ed handle: the stages as they are now (after any restart)
-            slot = _get(self.actors[0].reserve_adapter.remote(name, path), t, "reserve an adapter slot")
+            slot = _get(self.actors[0].reserve_adapter.remote(name, path), t, "reserve an adapter slot",
+                        refused=ConfigError)
             try:
-                _get([a.load_adapter.remote(name, path, slot) for a in self.actors], t, f"load adapter {name!r}")
+                # (a live stage that raised something not ours refused this adapter: ConfigError, no stage lost)
+                _get([a.load_adapter.remote(name, path, slot) for a in self.actors], t, f"load adapter {name!r}",
+                     refused=ConfigError)
                 _get(self.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
             except BaseException:
                 try:
@@ -452,6 +463,7 @@ class Deployment:
         self._require_up("unload_adapter")
         if not isinstance(name, str):
             raise InputError(f"unknown adapter {name!r}: an adapter's name is a string")
+        name = str(name)    # (a str subclass: as load_adapter)
         t = self.placement.timeouts.ready_s
         with self._between_recoveries(f"unload_adapter({name!r})"):
             self.refresh_actors()       # a connect()ed handle: the stages as they are now (after any restart)
@@ -512,6 +524,8 @@ class Deployment:
         """Per stage counters; `timeline`: also each stage's most recent microbatch spans, [kind, tokens, start,
         end] on the node's CLOCK_MONOTONIC (time.monotonic) seconds, device time on a GPU (stages/timeline.py)."""
         self._require_up("stats")
+        from .request import flag       # ("no" is truthy: it reset the counters)
+        reset, timeline = flag("stats: reset", reset), flag("stats: timeline", timeline)
         try:
             st = _get([a.stats.remote(reset, timeline) for a in self.actors], self.placement.timeouts.step_s,
                       "stats")

@@ -65,7 +65,7 @@ def test_adapter_refusals_keep_serving(ray_cluster, monkeypatch):
         for bad in ("a\nb", "x" * 129, " a", "", 7):
             with pytest.raises(InputError, match="an adapter's name is 1 to 128 printable characters"):
                 dep.load_adapter(bad, adapter("dense", False, "B")[1])
-        with pytest.raises(InputError, match="adapter 'b': its path is a str or os.PathLike, got None"):
+        with pytest.raises(InputError, match="adapter 'b': its path is a str or os.PathLike of a str, got None"):
             dep.load_adapter("b", None)
         # a relative path is the caller's (each stage would have read it from its own working directory)
         d = adapter("dense", False, "B")[1]
