@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--kkt-probe", action="store_true", help="fla's fused kkt-solve kernel alone, eagerly, on fresh "
                     "inputs and on the rule graphs' static buffers, with the exact layout, the rule graphs' padded one "
                     "and one with chunks past the segment's end (not yet run on a GPU)")
+    ap.add_argument("--kkt-grid", action="store_true", help="fla's fused kkt-solve kernel alone over one segment "
+                    "with chunk programs added past its end, in front, or as real chunks of longer segments: does "
+                    "the rule graphs' 65%% come from the grid's size or from programs that do nothing?")
     a = ap.parse_args()
     from memra_pp import switches
     switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
@@ -91,6 +94,11 @@ def main() -> int:
                               "reserved_bytes": torch.cuda.memory_reserved() - r0}
         print(f"  rule graphs: {rep['rule_graphs']}", flush=True)
 
+    if a.kkt_grid:
+        rep["kkt_grid"] = kkt_grid(qh, HV, D, dev, gen)
+        for row in rep["kkt_grid"]:
+            print(f"  kkt grid: {row['layout']:<28} {row['programs']:3d} chunk programs: kkt-solve "
+                  f"{row['kernels_us'].get(KKT_KERNEL, float('nan')):6.2f} us", flush=True)
     if a.kkt_probe and rg is not None:
         rep["kkt_probe"] = kkt_probe(rg, qh, HV, D, dev, gen)
         for row in rep["kkt_probe"]:
@@ -205,7 +213,6 @@ def kkt_probe(rg, qh: int, HV: int, D: int, dev, gen, R: int = 1024, iters: int 
     run eagerly."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
-    from torch.profiler import ProfilerActivity, profile
 
     def r(*shape, dt=torch.bfloat16):
         return torch.randn(*shape, device=dev, generator=gen).to(dt)
@@ -234,21 +241,72 @@ def kkt_probe(rg, qh: int, HV: int, D: int, dev, gen, R: int = 1024, iters: int 
         for lay, (cu, ch) in (("exact", exact), ("padded", padded), ("overrun", overrun)):
             gc = chunk_local_cumsum(g_, chunk_size=64, cu_seqlens=cu, chunk_indices=ch)
 
-            def call():
-                chunk_gated_delta_rule_fwd_intra(k_, v_, gc, b_, cu_seqlens=cu, chunk_size=64, chunk_indices=ch)
-            for _ in range(3):
-                call()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(iters):
-                    call()
-                torch.cuda.synchronize()
-            t = {}
-            for e in prof.key_averages():
-                us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / iters
-                if us:
-                    t[e.key] = round(us, 2)
-            rows.append({"inputs": name, "layout": lay, "kernels_us": t})
+            rows.append({"inputs": name, "layout": lay, "kernels_us": kernel_times(
+                lambda: chunk_gated_delta_rule_fwd_intra(k_, v_, gc, b_, cu_seqlens=cu, chunk_size=64,
+                                                         chunk_indices=ch), iters)})
+    return rows
+
+
+KKT_KERNEL = "chunk_gated_delta_rule_fwd_kkt_solve_kernel"
+
+
+def kernel_times(call, iters: int) -> dict:
+    """{kernel: mean device us a call} of call() (profiler), after three warm-up calls."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    t = {}
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)) / iters
+        if us:
+            t[e.key] = round(us, 2)
+    return t
+
+
+def kkt_grid_layouts(n1: int = 16) -> list[tuple[str, int, list[int], list[list[int]]]]:
+    """(label, rows, cu_seqlens, chunk indices) of one segment: n1 real chunks exactly; then 1, 2 and n1 chunk
+    programs past its end (they return at once), 2 of them in front; the real chunks twice (2 n1 programs that
+    all work); and real segments of n1 + 1, n1 + 2 and 2 n1 chunks (the same grids, every program working)."""
+    def real(n):
+        return [[0, j] for j in range(n)]
+
+    def past(lo, n):
+        return [[0, j] for j in range(lo, lo + n)]
+    R = 64 * n1
+    return [("exact", R, [0, R], real(n1)),
+            ("1 past the end", R, [0, R], real(n1) + past(n1, 1)),
+            ("2 past the end", R, [0, R], real(n1) + past(n1, 2)),
+            ("2 in front", R, [0, R], past(n1, 2) + real(n1)),
+            (f"{n1} past the end", R, [0, R], real(n1) + past(n1, n1)),
+            ("the real chunks twice", R, [0, R], real(n1) * 2),
+            (f"exact, {n1 + 1} chunks", R + 64, [0, R + 64], real(n1 + 1)),
+            (f"exact, {n1 + 2} chunks", R + 128, [0, R + 128], real(n1 + 2)),
+            (f"exact, {2 * n1} chunks", 2 * R, [0, 2 * R], real(2 * n1))]
+
+
+def kkt_grid(qh: int, HV: int, D: int, dev, gen, n1: int = 16, iters: int = 20) -> list[dict]:
+    """fla's fused kkt-solve (chunk_gated_delta_rule_fwd_intra) over kkt_grid_layouts, on fresh inputs: whether
+    chunk programs that return at once cost what working ones do (the grid's size: waves) or more."""
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+
+    def r(*shape, dt=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=gen).to(dt)
+    rows = []
+    for label, R, cu, ch in kkt_grid_layouts(n1):
+        k = torch.nn.functional.normalize(r(1, R, qh, D).float(), dim=-1).to(torch.bfloat16)
+        v, beta = r(1, R, HV, D), r(1, R, HV).sigmoid()
+        g = -torch.rand(1, R, HV, device=dev, generator=gen)
+        cu_t, ch_t = torch.tensor(cu, device=dev), torch.tensor(ch, device=dev).view(-1, 2)
+        gc = chunk_local_cumsum(g, chunk_size=64, cu_seqlens=cu_t, chunk_indices=ch_t)
+        rows.append({"layout": label, "rows": R, "programs": len(ch), "kernels_us": kernel_times(
+            lambda: chunk_gated_delta_rule_fwd_intra(k, v, gc, beta, cu_seqlens=cu_t, chunk_size=64,
+                                                     chunk_indices=ch_t), iters)})
     return rows
 
 

@@ -101,7 +101,7 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
               --prefill-graphs ${PGE_GRAPHS:-both} --rule-graphs ${PGE_RULES:-off} ;;
     # fla's kkt-solve kernel alone over fresh inputs and the rule graphs' buffers, exact and padded layouts (why the
     # rule graphs' padded call takes ~13 us more of it a layer: docs/PERF.md, fortieth session), then every way
-    kkt) phase kkt-probe 200 python3 -u benchmarks/fla_host.py --out "$OUT/kkt" --prompts 1x1024,8x256~0.5 --kkt-probe ;;
+    kkt) phase kkt-probe 200 python3 -u benchmarks/fla_host.py --out "$OUT/kkt" --prompts 1x1024,8x256~0.5 --kkt-probe --kkt-grid ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with
     # its phases stamped, then in the step both ways, interleaved (BLOCK_CONFIGS / BLOCK_MODES: other tiles and

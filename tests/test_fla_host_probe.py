@@ -17,7 +17,8 @@ from test_rule_graphs import CFG  # noqa: E402
 KKT = "chunk_gated_delta_rule_fwd_kkt_solve_kernel"
 
 
-def test_kkt_probe_inputs_and_layouts(monkeypatch):
+def _stand_in_fla(monkeypatch) -> list:
+    """fla's intra call and cumsum, the profiler and CUDA's synchronize replaced: the calls' arguments, recorded."""
     calls = []
 
     def intra(k, v, g, beta, cu_seqlens=None, chunk_size=64, chunk_indices=None):
@@ -49,6 +50,11 @@ def test_kkt_probe_inputs_and_layouts(monkeypatch):
             return [types.SimpleNamespace(key=KKT, self_device_time_total=40.0),
                     types.SimpleNamespace(key="idle", self_device_time_total=0.0)]
     monkeypatch.setattr(torch.profiler, "profile", Profile)
+    return calls
+
+
+def test_kkt_probe_inputs_and_layouts(monkeypatch):
+    calls = _stand_in_fla(monkeypatch)
     rg = pg.RuleGraphs(None, CFG, 512, torch.float32, "cpu", capture=False)
     R, qh, HV, D = 256, 4, 4, 8
     rows = fla_host.kkt_probe(rg, qh, HV, D, "cpu", torch.Generator().manual_seed(0), R=R, iters=2)
@@ -81,3 +87,22 @@ def test_autotuned_reports_tuned_kernels_under_wrappers(monkeypatch):
     mod.untuned = Tuned({})
     monkeypatch.setitem(sys.modules, "fla.ops.fake", mod)
     assert fla_host.autotuned() == {"kernel": {"(16, 'torch.bfloat16')": "BK: 64, num_warps: 2"}}
+
+
+def test_kkt_grid_layouts(monkeypatch):
+    """--kkt-grid: one segment's chunk programs exact, with programs past its end or in front (which return at
+    once), the real ones twice, and longer real segments whose grids match those sizes."""
+    calls = _stand_in_fla(monkeypatch)
+    rows = fla_host.kkt_grid(4, 4, 8, "cpu", torch.Generator().manual_seed(0), n1=4, iters=2)
+    real = [[0, j] for j in range(4)]
+    want = [("exact", 256, real), ("1 past the end", 256, real + [[0, 4]]),
+            ("2 past the end", 256, real + [[0, 4], [0, 5]]), ("2 in front", 256, [[0, 4], [0, 5]] + real),
+            ("4 past the end", 256, real + [[0, j] for j in range(4, 8)]), ("the real chunks twice", 256, real * 2),
+            ("exact, 5 chunks", 320, [[0, j] for j in range(5)]), ("exact, 6 chunks", 384, [[0, j] for j in range(6)]),
+            ("exact, 8 chunks", 512, [[0, j] for j in range(8)])]
+    assert [(r["layout"], r["rows"], r["programs"]) for r in rows] == [(w[0], w[1], len(w[2])) for w in want]
+    per = [calls[i * 5] for i in range(len(want))]      # (3 warm-up and 2 profiled calls each)
+    assert len(calls) == 5 * len(want)
+    for (label, R, ch), c in zip(want, per):
+        assert c[0].shape == (1, R, 4, 8) and c[4] == [0, R] and c[5] == ch, label
+    assert all(r["kernels_us"] == {KKT: 20.0} for r in rows) and fla_host.KKT_KERNEL == KKT
