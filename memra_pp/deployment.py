@@ -403,7 +403,8 @@ class Deployment:
                 or name != name.strip():
             raise InputError(f"an adapter's name is 1 to {MAX_ADAPTER_NAME} printable characters without leading or "
                              f"trailing spaces (it is shown in logs and errors), got {_clip(name)}")
-        name = str(name)    # (a str subclass, an application's StrEnum member: the stages could not unpickle it)
+        name = str.__str__(name)    # (a str subclass's own string, a (str, Enum) member's value: what a stage
+        #                            can unpickle; str() of a (str, Enum) member is its "Cls.NAME")
         fs = os.fspath(path) if isinstance(path, os.PathLike) else path
         if not isinstance(fs, str):     # (bytes, or a path-like giving bytes)
             raise InputError(f"adapter {name!r}: its path is a str or os.PathLike of a str, got {_clip(path)}")
@@ -463,7 +464,7 @@ class Deployment:
         self._require_up("unload_adapter")
         if not isinstance(name, str):
             raise InputError(f"unknown adapter {name!r}: an adapter's name is a string")
-        name = str(name)    # (a str subclass: as load_adapter)
+        name = str.__str__(name)    # (a str subclass: as load_adapter)
         t = self.placement.timeouts.ready_s
         with self._between_recoveries(f"unload_adapter({name!r})"):
             self.refresh_actors()       # a connect()ed handle: the stages as they are now (after any restart)

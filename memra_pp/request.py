@@ -113,7 +113,7 @@ def request_dict(kw: dict, **fixed) -> dict:
         raise InputError(f"adapter must be a loaded adapter's name (a string) or None, got {req['adapter']!r:.60} "
                          f"({type(req['adapter']).__name__})")
     if req["adapter"] is not None:
-        req["adapter"] = str(req["adapter"])    # (a str subclass, a StrEnum member: what a stage can unpickle)
+        req["adapter"] = str.__str__(req["adapter"])    # (a str subclass's string: what a stage can unpickle)
     images = req.pop("images")
     if images is not None:
         if isinstance(images, (str, bytes)) or not hasattr(images, "__iter__") or \
