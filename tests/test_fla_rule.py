@@ -125,3 +125,22 @@ def test_grouped_value_heads_are_used_only_where_they_equal_repeated_ones(monkey
         again._chunk = again._rec = _fake_fla(None)     # would raise if asked: the finding comes from the cache
         again.warm_up(4, dk, 8, torch.float32, torch.device("cpu"), k_heads=2)
         assert again.gva is expect, name
+
+
+def test_pin_cuts_an_autotuner_to_its_one_matching_config():
+    """_pin: the autotuner keeps only its own config with BK 64 and 1 warp (fla's kkt-solve: the warm-up's one-chunk
+    tuning picked 2 or 4 warps, up to 1.9x slower over a real step's grid) and forgets what it tuned; a kernel with
+    no such config, or several, or no autotuner, is left as it was."""
+    import triton
+    configs = [triton.Config({"BK": bk}, num_warps=w) for bk in (32, 64) for w in (1, 2, 4)]
+    tuner = _Tuner(configs)
+    tuner.cache[(16, 32)] = configs[5]          # tuned before the pin: BK 64, 4 warps
+    assert fla_rule._pin(types.SimpleNamespace(fn=tuner), fla_rule.KKT_SOLVE_CONFIG)
+    assert tuner.configs == [configs[3]] and tuner.configs[0].kwargs == {"BK": 64} and \
+        tuner.configs[0].num_warps == 1 and tuner.cache == {}
+    assert tuner.run(7) is configs[3]           # every key now: the pinned config, nothing tuned
+    other = _Tuner([triton.Config({"BK": 32}, num_warps=2)])
+    assert not fla_rule._pin(other, fla_rule.KKT_SOLVE_CONFIG) and len(other.configs) == 1
+    twice = _Tuner([triton.Config({"BK": 64}, num_warps=1, num_stages=s) for s in (2, 3)])
+    assert not fla_rule._pin(twice, fla_rule.KKT_SOLVE_CONFIG) and len(twice.configs) == 2
+    assert not fla_rule._pin(None, fla_rule.KKT_SOLVE_CONFIG)

@@ -14,6 +14,9 @@ def test_chunk_calls_of_new_shapes_tune_nothing_and_match_torch():
     from memra_pp.model.gdn import chunk_gated_delta_rule
     assert fla_rule.available(), "the GPU path needs flash-linear-attention"
     rule = fla_rule.FlaRule()
+    from fla.ops.gated_delta_rule import chunk_fwd      # the fused kkt-solve kernel: pinned (fla_rule._pin)
+    [cfg] = fla_rule._autotuner(chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel).configs
+    assert cfg.kwargs.get("BK") == 64 and cfg.num_warps == 1, cfg
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def call(G, n, H=32, D=128):

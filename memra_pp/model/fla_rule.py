@@ -71,6 +71,11 @@ class FlaRule:
         from fla.ops.utils import cumsum
         self._chunk, self._rec = chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         _tune_once(cumsum.chunk_local_cumsum_scalar_kernel)
+        try:
+            from fla.ops.gated_delta_rule import chunk_fwd
+        except ImportError:     # (an fla without the fused kkt-solve kernel: nothing to pin)
+            chunk_fwd = None
+        _pin(getattr(chunk_fwd, "chunk_gated_delta_rule_fwd_kkt_solve_kernel", None), KKT_SOLVE_CONFIG)
 
     def warm_up(self, heads: int, dk: int, dv: int, dtype, device, k_heads: int | None = None) -> None:
         """Tune and compile fla's kernels for these dimensions now (a stage load), not in the first request's
@@ -174,6 +179,31 @@ def _autotuner(kernel):
     while kernel is not None and not isinstance(kernel, Autotuner):
         kernel = getattr(kernel, "fn", None)
     return kernel
+
+
+# fla's fused kkt-solve kernel, pinned to one of its own autotuner's configs. The warm-up tunes it on one chunk (a
+# grid of one program a head), where its choice is a toss-up; over a real step's grid the choices differ by up to 2x
+# (`benchmarks/fla_host.py --kkt-configs`, 35B-A3B dimensions, one H100, forty-first session, us for 16 / 16 + 2 idle
+# / 18 / 32 chunk programs a head): BK 64 with 1 warp 19.4 / 21.5 / 21.9 / 24.6, with 2 warps 20.7 / 33.2 / 34.7 /
+# 40.8, with 4 warps 37.7 / 37.9 / 52.6 / 77.1. Processes had tuned 2 warps (the rule graphs' padded calls then paid
+# 13 us a layer for two idle programs a head) and 4 (every call 1.9x the pinned one's time).
+KKT_SOLVE_CONFIG = {"BK": 64, "num_warps": 1}
+
+
+def _pin(kernel, want: dict) -> bool:
+    """Cut the kernel's autotuner to its own config matching `want` (kwargs and num_warps), if it has exactly one:
+    then no tuning picks another. False (nothing changed) where it has none, or several, or no autotuner."""
+    tuner = _autotuner(kernel)
+    if tuner is None:
+        return False
+    hits = [c for c in tuner.configs if all((c.num_warps if k == "num_warps" else c.kwargs.get(k)) == v
+                                            for k, v in want.items())]
+    if len(hits) != 1:
+        return False
+    tuner._memra_all = getattr(tuner, "_memra_all", None) or list(tuner.configs)   # (benchmarks try each)
+    tuner.configs = hits
+    tuner.cache.clear()     # (a key tuned before the pin would keep its old choice)
+    return True
 
 
 def _tune_once(kernel) -> None:
