@@ -50,7 +50,16 @@ def main() -> int:
     ap.add_argument("--kkt-grid", action="store_true", help="fla's fused kkt-solve kernel alone over one segment "
                     "with chunk programs added past its end, in front, or as real chunks of longer segments: does "
                     "the rule graphs' 65%% come from the grid's size or from programs that do nothing?")
+    ap.add_argument("--kkt-configs", action="store_true", help="--kkt-grid's layouts (a subset) once per config "
+                    "of the kkt-solve kernel's autotuner, each pinned: what the autotuner's choice costs")
+    ap.add_argument("--kkt-plot-from", metavar="JSON", help="only draw DIR/kkt_configs.png from a report's "
+                    "kkt_configs (no GPU needed)")
     a = ap.parse_args()
+    if a.kkt_plot_from:
+        os.makedirs(a.out, exist_ok=True)
+        print(plot_kkt_configs(json.load(open(a.kkt_plot_from))["kkt_configs"], os.path.join(a.out,
+                                                                                          "kkt_configs.png")))
+        return 0
     from memra_pp import switches
     switches.check_environment()   # strict: a typo in a MEMRA_PP_* switch must not run the default
     assert torch.cuda.is_available(), "fla_host.py times the GPU path: it needs a CUDA GPU"
@@ -99,6 +108,12 @@ def main() -> int:
         for row in rep["kkt_grid"]:
             print(f"  kkt grid: {row['layout']:<28} {row['programs']:3d} chunk programs: kkt-solve "
                   f"{row['kernels_us'].get(KKT_KERNEL, float('nan')):6.2f} us", flush=True)
+    if a.kkt_configs:
+        rep["kkt_configs"] = kkt_configs(qh, HV, D, dev, gen)
+        plot_kkt_configs(rep["kkt_configs"], os.path.join(a.out, "kkt_configs.png"))
+        for row in rep["kkt_configs"]:
+            print(f"  kkt config {row['config']:<28} {row['layout']:<22} {row['programs']:3d} programs: "
+                  f"kkt-solve {row['kernels_us'].get(KKT_KERNEL, float('nan')):6.2f} us", flush=True)
     if a.kkt_probe and rg is not None:
         rep["kkt_probe"] = kkt_probe(rg, qh, HV, D, dev, gen)
         for row in rep["kkt_probe"]:
@@ -289,7 +304,50 @@ def kkt_grid_layouts(n1: int = 16) -> list[tuple[str, int, list[int], list[list[
             (f"exact, {2 * n1} chunks", 2 * R, [0, 2 * R], real(2 * n1))]
 
 
-def kkt_grid(qh: int, HV: int, D: int, dev, gen, n1: int = 16, iters: int = 20) -> list[dict]:
+def kkt_configs(qh: int, HV: int, D: int, dev, gen, n1: int = 16, iters: int = 20) -> list[dict]:
+    """kkt_grid over a few layouts (exact, 2 past the end, 2 and n1 more real chunks) once per config of the
+    kkt-solve kernel's autotuner, pinned (its configs cut to that one, its cache emptied); the autotuner left as it
+    was after."""
+    from fla.ops.gated_delta_rule import chunk_fwd
+    from memra_pp.model.fla_rule import _autotuner
+    tuner = _autotuner(chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel)
+    configs, cache = list(tuner.configs), dict(tuner.cache)     # (all of fla's, where fla_rule pinned one)
+    keep = ("exact", "2 past the end", f"exact, {n1 + 2} chunks", f"exact, {2 * n1} chunks")
+    rows = []
+    try:
+        for cfg in getattr(tuner, "_memra_all", None) or configs:
+            tuner.configs, tuner.cache = [cfg], {}
+            for row in kkt_grid(qh, HV, D, dev, gen, n1, iters, only=keep):
+                rows.append({"config": str(cfg).split(", num_ctas")[0], **row})
+    finally:
+        tuner.configs, tuner.cache = configs, cache
+    return rows
+
+
+def plot_kkt_configs(rows: list[dict], path: str) -> str:
+    """kkt-solve's time against its layout, one line per pinned config (kkt_configs' rows); the path written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        got = {r["layout"]: r["kernels_us"].get(KKT_KERNEL) for r in rows if r["config"] == cfg}
+        ax.plot(range(len(layouts)), [got.get(lay) for lay in layouts], marker="o", label=cfg)
+    ax.set_xticks(range(len(layouts)))
+    ax.set_xticklabels([f"{lay}\n({next(r['programs'] for r in rows if r['layout'] == lay)} programs a head)"
+                        for lay in layouts], fontsize=8)
+    ax.set_ylabel("kkt-solve kernel, us")
+    ax.set_ylim(bottom=0)
+    ax.set_title("fla's fused kkt-solve, one segment of 1,024 rows, each autotuner config pinned", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def kkt_grid(qh: int, HV: int, D: int, dev, gen, n1: int = 16, iters: int = 20, only=None) -> list[dict]:
     """fla's fused kkt-solve (chunk_gated_delta_rule_fwd_intra) over kkt_grid_layouts, on fresh inputs: whether
     chunk programs that return at once cost what working ones do (the grid's size: waves) or more."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
@@ -299,6 +357,8 @@ def kkt_grid(qh: int, HV: int, D: int, dev, gen, n1: int = 16, iters: int = 20) 
         return torch.randn(*shape, device=dev, generator=gen).to(dt)
     rows = []
     for label, R, cu, ch in kkt_grid_layouts(n1):
+        if only is not None and label not in only:
+            continue
         k = torch.nn.functional.normalize(r(1, R, qh, D).float(), dim=-1).to(torch.bfloat16)
         v, beta = r(1, R, HV, D), r(1, R, HV).sigmoid()
         g = -torch.rand(1, R, HV, device=dev, generator=gen)

@@ -106,3 +106,34 @@ def test_kkt_grid_layouts(monkeypatch):
     for (label, R, ch), c in zip(want, per):
         assert c[0].shape == (1, R, 4, 8) and c[4] == [0, R] and c[5] == ch, label
     assert all(r["kernels_us"] == {KKT: 20.0} for r in rows) and fla_host.KKT_KERNEL == KKT
+
+
+def test_kkt_configs_pins_each_config_then_restores_the_tuner(monkeypatch, tmp_path):
+    """--kkt-configs: every config of the kkt-solve kernel's autotuner (all of fla's, where fla_rule pinned one)
+    pinned in turn over four layouts, the tuner as it was after; the plot drawn from the rows."""
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    class Tuner(Autotuner):
+        def __init__(self, configs):
+            self.configs, self.cache = configs, {}
+    calls = _stand_in_fla(monkeypatch)
+    every = [triton.Config({"BK": bk}, num_warps=w) for bk in (32, 64) for w in (1, 2, 4)]
+    tuner = Tuner([every[3]])
+    tuner._memra_all, tuner.cache = every, {"k": every[3]}
+    seen = []
+    kernel = types.SimpleNamespace(fn=tuner)
+    monkeypatch.setattr(sys.modules["fla.ops.gated_delta_rule.chunk_fwd"],
+                        "chunk_gated_delta_rule_fwd_kkt_solve_kernel", kernel, raising=False)
+    real = fla_host.kkt_grid
+
+    def grid(*a, **kw):
+        seen.append(list(tuner.configs))
+        return real(*a, **kw)
+    monkeypatch.setattr(fla_host, "kkt_grid", grid)
+    rows = fla_host.kkt_configs(4, 4, 8, "cpu", torch.Generator().manual_seed(0), n1=4, iters=2)
+    assert seen == [[c] for c in every]
+    assert [r["layout"] for r in rows[:4]] == ["exact", "2 past the end", "exact, 6 chunks", "exact, 8 chunks"]
+    assert len(rows) == 24 and len(calls) == 24 * 5 and rows[0]["config"] == "BK: 32, num_warps: 1"
+    assert tuner.configs == [every[3]] and tuner.cache == {"k": every[3]}
+    assert Path(fla_host.plot_kkt_configs(rows, str(tmp_path / "k.png"))).stat().st_size > 10_000
