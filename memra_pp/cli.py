@@ -323,6 +323,8 @@ def main(argv=None) -> int:
                 return 2
     if args.cmd in LAUNCHING:
         parent = os.environ.pop(_PARENT, None)
+        if parent is not None and not parent.isdigit():     # not one _in_own_session set: a stray variable
+            parent = None
         if parent is None and argv is None:     # the program itself (not main called in-process): a session
             return _in_own_session(sys.argv[1:])
         if parent is not None and os.getppid() != int(parent):      # it ended before PR_SET_PDEATHSIG was set

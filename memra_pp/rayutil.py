@@ -175,11 +175,39 @@ def _require_listening(address: str, timeout: float = 5.0) -> str | None:
         return None
     host = m.group(1).strip("[]")
     try:
-        socket.create_connection((host, int(m.group(2))), timeout=timeout).close()
+        conn = socket.create_connection((host, int(m.group(2))), timeout=timeout)
     except OSError as e:
         raise ConfigError(f"ray.address {address!r}: nothing accepts a connection there ({e}); give the address "
                           f"`memra-pp launch` printed, or `auto` on the launcher's host") from None
+    with conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true") and not _answers_http2(conn, timeout):
+            # (an HTTP server, the dashboard's port, a listener that never answers: ray.init waited there for
+            # minutes, printing its retries)
+            raise ConfigError(f"ray.address {address!r}: something accepts connections there but does not answer "
+                              f"as a Ray cluster's GCS (gRPC) does; give the address `memra-pp launch` printed (the "
+                              f"GCS port, 6379 by default, not the dashboard's), or `auto` on the launcher's host")
     return host
+
+
+# HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS) answers with a SETTINGS
+# frame of its own (RFC 9113 3.4)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _answers_http2(conn: socket.socket, timeout: float) -> bool:
+    """Does the peer answer HTTP/2's preface with a SETTINGS frame (type 4) within `timeout`?"""
+    try:
+        conn.settimeout(timeout)
+        conn.sendall(_H2_PREFACE)
+        head = b""
+        while len(head) < 9:
+            got = conn.recv(9 - len(head))
+            if not got:
+                return False
+            head += got
+    except OSError:
+        return False
+    return head[3] == 4
 
 
 def _this_host(host: str) -> bool:

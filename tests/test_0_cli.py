@@ -102,6 +102,40 @@ def test_generate_refuses_bad_ids_and_a_dead_address_at_once(capsys):
         assert not ray.is_initialized()
 
 
+def test_an_address_that_accepts_but_is_no_ray_cluster_is_refused_at_once(capsys, monkeypatch):
+    """An address where something listens but no Ray GCS answers (an HTTP server: the dashboard's port given by
+    mistake; a listener that never answers) is a ConfigError within the probe's seconds: ray.init retried there for
+    over 120 s, printing Ray's warnings. A stray MEMRA_SESSION_PARENT (not a pid) is ignored, not a traceback."""
+    import http.server
+    import socket
+    import threading
+    import ray
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+    http_srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http_srv.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)                            # accepts (the kernel's backlog), never answers
+    try:
+        for port in (http_srv.server_address[1], silent.getsockname()[1]):
+            t0 = time.monotonic()
+            assert main(["status", "tiny-cpu", "--address", f"127.0.0.1:{port}"]) == 2
+            err = capsys.readouterr().err
+            assert f"ConfigError: ray.address '127.0.0.1:{port}': something accepts connections there but does " \
+                   f"not answer as a Ray cluster's GCS (gRPC) does" in err, err
+            assert time.monotonic() - t0 < 12 and not ray.is_initialized()
+    finally:
+        http_srv.shutdown()
+        http_srv.server_close()
+        silent.close()
+    monkeypatch.setenv("MEMRA_SESSION_PARENT", "abc")
+    assert main(["bench", "cluster_configs/tiny-cpu.yaml", "--concurrency", "0"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_commands_refuse_bad_arguments_before_launching(tmp_path, capsys):
     """demo and bench check their numbers and output paths before launching anything (they used to launch, then
     fail with a traceback); make-tiny's refusals are one typed line naming --overwrite, and its --json is JSON."""
