@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--checks-only", action="store_true", help="only the empty-segment and graph-replay checks")
     ap.add_argument("--kkt-probe", action="store_true", help="fla's fused kkt-solve kernel alone, eagerly, on fresh "
                     "inputs and on the rule graphs' static buffers, with the exact layout, the rule graphs' padded one "
-                    "and one with chunks past the segment's end (not yet run on a GPU)")
+                    "and one with chunks past the segment's end")
     ap.add_argument("--kkt-grid", action="store_true", help="fla's fused kkt-solve kernel alone over one segment "
                     "with chunk programs added past its end, in front, or as real chunks of longer segments: does "
                     "the rule graphs' 65%% come from the grid's size or from programs that do nothing?")

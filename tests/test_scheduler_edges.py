@@ -376,11 +376,20 @@ def _simulate(seed, microbatches, pieces, chunk, chunk_decoding, kv_pages, one_s
     pending = None          # one stage: (mb, tokens) launched, tokens unread
 
     def post(evs):
-        for e in evs:
-            r = results.setdefault(e.rid, {"tokens": [], "finish": None})
-            assert r["finish"] is None, ("event after the end", e, r)
-            r["tokens"] += e.tokens
-            r["finish"] = e.finish
+        _post(results, evs)
+
+    def finish(pending):
+        """One stage: the launched microbatch's tokens read, its continuation (if the scheduler has no other work)
+        launched first, as the engine's look-ahead does; the continuation now pending, or None."""
+        mb, toks = pending
+        nxt = None
+        if not sch.has_ready_work():
+            cont = sch.continue_microbatch(mb)
+            if cont is not None:
+                nxt = (cont, pipe.launch(cont, toks))
+        pipe.queue = [q for q in pipe.queue if q[0] is not mb]
+        post(sch.on_tokens(mb.mb, toks, [0.0] * len(toks)))
+        return nxt
 
     for step in range(3000):
         a = rnd.random()
@@ -405,14 +414,7 @@ def _simulate(seed, microbatches, pieces, chunk, chunk_decoding, kv_pages, one_s
                 post(sch.abort(rid))
         elif one_stage:
             if pending is not None:
-                mb, toks = pending
-                pending = None
-                if not sch.has_ready_work():
-                    cont = sch.continue_microbatch(mb)
-                    if cont is not None:
-                        pending = (cont, pipe.launch(cont, toks))
-                pipe.queue = [q for q in pipe.queue if q[0] is not mb]
-                post(sch.on_tokens(mb.mb, toks, [0.0] * len(toks)))
+                pending = finish(pending)
             else:
                 mb, evs = sch.next_microbatch()
                 post(evs)
@@ -430,14 +432,7 @@ def _simulate(seed, microbatches, pieces, chunk, chunk_decoding, kv_pages, one_s
     # drain
     for _ in range(100000):
         if one_stage and pending is not None:
-            mb, toks = pending
-            pending = None
-            if not sch.has_ready_work():
-                cont = sch.continue_microbatch(mb)
-                if cont is not None:
-                    pending = (cont, pipe.launch(cont, toks))
-            pipe.queue = [q for q in pipe.queue if q[0] is not mb]
-            post(sch.on_tokens(mb.mb, toks, [0.0] * len(toks)))
+            pending = finish(pending)
             continue
         mb, evs = sch.next_microbatch()
         post(evs)
@@ -463,6 +458,15 @@ def _simulate(seed, microbatches, pieces, chunk, chunk_decoding, kv_pages, one_s
         want = _FakePipeline.alone(prompt, new, stops)
         assert r["tokens"] == want, (rid, r, want)
         assert r["finish"] == ("stop" if want and want[-1] in stops else "length"), (rid, r, want)
+
+
+def _post(results: dict, evs) -> None:
+    """A simulated run's events into results {rid: {tokens, finish}}; an event after a request's end fails."""
+    for e in evs:
+        r = results.setdefault(e.rid, {"tokens": [], "finish": None})
+        assert r["finish"] is None, ("event after the end", e, r)
+        r["tokens"] += e.tokens
+        r["finish"] = e.finish
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -500,11 +504,7 @@ def _simulate_failures(seed, microbatches, pieces, chunk, chunk_decoding, kv_pag
     n_req = 0
 
     def post(evs):
-        for e in evs:
-            r = results.setdefault(e.rid, {"tokens": [], "finish": None})
-            assert r["finish"] is None, ("event after the end", e, r)
-            r["tokens"] += e.tokens
-            r["finish"] = e.finish
+        _post(results, evs)
 
     def complete():
         mb = queue.pop(0)
