@@ -219,6 +219,16 @@ def main() -> int:
     return 0
 
 
+def kkt_inputs(R: int, qh: int, HV: int, D: int, dev, gen) -> tuple:
+    """Random inputs of fla's intra call over R rows: k [1, R, qh, D] l2-normalised, v [1, R, HV, D] (bf16), g
+    [1, R, HV] (float32, negative), beta [1, R, HV] (bf16, in (0, 1))."""
+    def r(*shape, dt=torch.bfloat16):
+        return torch.randn(*shape, device=dev, generator=gen).to(dt)
+    k = torch.nn.functional.normalize(r(1, R, qh, D).float(), dim=-1).to(torch.bfloat16)
+    v, beta = r(1, R, HV, D), r(1, R, HV).sigmoid()
+    return k, v, -torch.rand(1, R, HV, device=dev, generator=gen), beta
+
+
 def kkt_probe(rg, qh: int, HV: int, D: int, dev, gen, R: int = 1024, iters: int = 20) -> list[dict]:
     """fla's fused kkt-solve (chunk_gated_delta_rule_fwd_intra, whose first kernel it is) on R rows of one segment,
     eagerly, its kernels' mean times (profiler): inputs fresh tensors or the rule graphs' static buffers (or fresh
@@ -228,12 +238,7 @@ def kkt_probe(rg, qh: int, HV: int, D: int, dev, gen, R: int = 1024, iters: int 
     run eagerly."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
-
-    def r(*shape, dt=torch.bfloat16):
-        return torch.randn(*shape, device=dev, generator=gen).to(dt)
-    k = torch.nn.functional.normalize(r(1, R, qh, D).float(), dim=-1).to(torch.bfloat16)
-    v, beta = r(1, R, HV, D), r(1, R, HV).sigmoid()
-    g = -torch.rand(1, R, HV, device=dev, generator=gen)
+    k, v, g, beta = kkt_inputs(R, qh, HV, D, dev, gen)
     n1 = R // 64
     exact = segments([R], dev)
     cu, ch = rg.padded([R], R, 2)       # the rule graphs' own padding for R rows in their smallest segment bucket
@@ -352,16 +357,11 @@ def kkt_grid(qh: int, HV: int, D: int, dev, gen, n1: int = 16, iters: int = 20, 
     chunk programs that return at once cost what working ones do (the grid's size: waves) or more."""
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
-
-    def r(*shape, dt=torch.bfloat16):
-        return torch.randn(*shape, device=dev, generator=gen).to(dt)
     rows = []
     for label, R, cu, ch in kkt_grid_layouts(n1):
         if only is not None and label not in only:
             continue
-        k = torch.nn.functional.normalize(r(1, R, qh, D).float(), dim=-1).to(torch.bfloat16)
-        v, beta = r(1, R, HV, D), r(1, R, HV).sigmoid()
-        g = -torch.rand(1, R, HV, device=dev, generator=gen)
+        k, v, g, beta = kkt_inputs(R, qh, HV, D, dev, gen)
         cu_t, ch_t = torch.tensor(cu, device=dev), torch.tensor(ch, device=dev).view(-1, 2)
         gc = chunk_local_cumsum(g, chunk_size=64, cu_seqlens=cu_t, chunk_indices=ch_t)
         rows.append({"layout": label, "rows": R, "programs": len(ch), "kernels_us": kernel_times(

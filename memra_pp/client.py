@@ -417,9 +417,9 @@ class Client(ReplayMixin):
         except (ray.exceptions.RayError, MemraError):
             raise
         except Exception as e:      # (pickle.PicklingError among them)
-            text = str(e).strip().splitlines()
-            raise InputError(f"the request holds a value that cannot be sent to the intake: {type(e).__name__}: "
-                             f"{text[0] if text else ''}") from None
+            from .rayutil import first_line
+            raise InputError(f"the request holds a value that cannot be sent to the intake: {first_line(e)}") \
+                from None
 
     def _drop(self, tr: _Track) -> None:
         with self._lock:

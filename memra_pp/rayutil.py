@@ -42,14 +42,14 @@ def _ours(e: Exception, what: str, stage: int | None, refused: type = StageFaile
             return StageFailed(f"{what}: {e}")
         if isinstance(cause, ray.exceptions.RaySystemError):    # the actor could not unpickle the arguments
             inner = cause.args[0] if cause.args and isinstance(cause.args[0], BaseException) else cause
-            return refused(f"{what}: the actor could not read the call's arguments: {_first_line(inner)}")
-        return refused(f"{what}: the actor refused the call: {_first_line(cause if cause is not None else e)}")
+            return refused(f"{what}: the actor could not read the call's arguments: {first_line(inner)}")
+        return refused(f"{what}: the actor refused the call: {first_line(cause if cause is not None else e)}")
     if isinstance(e, getattr(ray.exceptions, "ActorUnavailableError", ())):
         return StageFailed(f"{what}: a stage actor is unreachable for now ({e})")
     return StageFailed(f"{what}: a stage actor died ({e})", stage=stage)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
 

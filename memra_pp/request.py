@@ -102,7 +102,7 @@ def request_dict(kw: dict, **fixed) -> dict:
     req = dict(REQUEST_DEFAULTS, **kw, **fixed)
     for k in SAMPLING_KEYS:     # (a 0-d tensor was refused as "temperature must be a finite number, got tensor(0.7)")
         req[k] = _scalar(req[k])
-    _check_sampling(req)
+    sampling_params(req)        # (the intake's check, here too: see sampling_params)
     if req["stop_token_ids"] is not None:
         stops = _token_ids(req["stop_token_ids"])
         if stops is None or isinstance(stops, str):
@@ -124,34 +124,29 @@ def request_dict(kw: dict, **fixed) -> dict:
     return req
 
 
-def _check_sampling(req: dict) -> None:
-    """The intake's own check of the sampling parameters, here too: a value of no number type is refused by name
-    before Ray is asked to send it (one only this process can unpickle would fail in the intake unnamed)."""
+def sampling_params(req: dict):
+    """A request's sampling parameters (absent ones: the defaults), checked and normalised (SamplingParams.validate);
+    a value of a wrong kind is InputError naming it. The intake's check; the client makes it too, so that a value of
+    no number type is refused by name before Ray is asked to send it (one only the caller can unpickle would fail
+    in the intake unnamed)."""
     from .model.sampling import SamplingParams
     try:
-        SamplingParams(*(req[k] for k in SAMPLING_KEYS)).validate()
+        return SamplingParams(*(req.get(k, REQUEST_DEFAULTS[k]) for k in SAMPLING_KEYS)).validate()
     except (TypeError, ValueError, ArithmeticError) as e:
         if isinstance(e, MemraError):
             raise
         raise InputError(f"bad sampling parameters in the request: {type(e).__name__}: {e}") from None
 
 
-# the pixel dtypes an image travels in (float8 would not unpickle in a stage, and no tower runs in it)
-PIXEL_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
-
-
 def sendable_image(x):
     """One image as the client sends it: an ImageInput (a processor's dict made one; anything else, or a malformed
-    dict: InputError, before a stage is asked to unpickle it), with pixels of a floating dtype the stages read (the
-    intake checks the rest)."""
+    dict: InputError, before a stage is asked to unpickle it), its grid and its pixels' dtype checked as the intake
+    checks them (the intake checks the rest)."""
+    from .model.image import check_grid, check_pixel_dtype
     from .multimodal import as_image_input
     x = as_image_input(x)
-    g = x.grid_thw
-    if not isinstance(g, tuple) or not all(isinstance(v, int) for v in g):
-        raise InputError(f"ImageInput.grid_thw must be 3 positive ints (t, h, w), got {g!r:.80}")
-    if any(type(v) not in (int, bool) for v in g):      # an int subclass as a plain int (bools: refused there)
-        x = dataclasses.replace(x, grid_thw=tuple(v if isinstance(v, bool) else int(v) for v in g))
+    check_grid(x.grid_thw)
     pv = x.pixel_values
-    if hasattr(pv, "is_floating_point") and pv.is_floating_point() and str(pv.dtype) not in PIXEL_DTYPES:
-        raise InputError(f"ImageInput.pixel_values must be float16, bfloat16, float32 or float64, got {pv.dtype}")
+    if hasattr(pv, "is_floating_point") and pv.is_floating_point():
+        check_pixel_dtype(pv)
     return x

@@ -24,7 +24,7 @@ from ..placement.schema import load_placement
 from ..overlay import resolve_overlay_publish
 from ..scheduler import Event, Request, Scheduler
 from ..switches import initial
-from ..model.sampling import SamplingParams
+from ..request import sampling_params
 from .events import Mailboxes
 from .intake_loop import IntakeLoop
 from .loops import StageLoop
@@ -265,9 +265,8 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < V]
         if bad:
             raise InputError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        params = sampling_params(req)
         try:   # a value of the wrong type is bad input too, never a crash of the submit call
-            params = SamplingParams(req.get("temperature", 0.0), req.get("top_k", 0), req.get("top_p", 1.0),
-                                    req.get("min_p", 0.0), req.get("seed")).validate()
             stop = stop_ids(req.get("stop_token_ids"), req.get("ignore_eos", False), self.mc.eos_token_ids, V)
             new = req["max_new_tokens"]
             if isinstance(new, bool) or not isinstance(new, int):

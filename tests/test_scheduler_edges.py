@@ -364,8 +364,6 @@ def _simulate(seed, microbatches, pieces, chunk, chunk_decoding, kv_pages, one_s
     import random
 
     from memra_pp.errors import InputError
-    from memra_pp.model.sampling import SamplingParams
-    from memra_pp.sched_types import Request
     from memra_pp.scheduler import Scheduler
     rnd = random.Random(seed)
     sch = Scheduler(4, microbatches, chunk, 400, pieces, chunk_decoding)
@@ -394,13 +392,9 @@ def _simulate(seed, microbatches, pieces, chunk, chunk_decoding, kv_pages, one_s
     for step in range(3000):
         a = rnd.random()
         if a < 0.08 and n_req < 40:
-            n = rnd.choice([1, 2, chunk, chunk + 1, 2 * chunk + 1, rnd.randint(1, 120)])
-            prompt = [rnd.randrange(_FakePipeline.V) for _ in range(n)]
-            new = rnd.choice([0, 1, 2, rnd.randint(1, 40)])
-            stops = frozenset(rnd.sample(range(_FakePipeline.V), 3)) if rnd.random() < 0.3 else frozenset()
-            rid = f"r{n_req}"
+            r = _random_request(rnd, chunk, f"r{n_req}", stops=True)
+            rid, prompt, new, stops = r.rid, r.prompt, r.max_new_tokens, r.stop_ids
             n_req += 1
-            r = Request(rid, "c", prompt, new, SamplingParams(0.0, 0, 1.0, 0.0, None), stops)
             try:
                 sch.add(r)
             except InputError:       # can never fit the KV pages: refused at once, as the runner's submit does
@@ -460,6 +454,18 @@ def _simulate(seed, microbatches, pieces, chunk, chunk_decoding, kv_pages, one_s
         assert r["finish"] == ("stop" if want and want[-1] in stops else "length"), (rid, r, want)
 
 
+def _random_request(rnd, chunk: int, rid: str, stops: bool):
+    """A simulated run's request: a prompt of 1, 2, about a chunk or random length, 0 to 40 new tokens, three stop
+    ids 30% of the time where `stops`."""
+    from memra_pp.model.sampling import SamplingParams
+    from memra_pp.sched_types import Request
+    n = rnd.choice([1, 2, chunk, chunk + 1, 2 * chunk + 1, rnd.randint(1, 120)])
+    prompt = [rnd.randrange(_FakePipeline.V) for _ in range(n)]
+    new = rnd.choice([0, 1, 2, rnd.randint(1, 40)])
+    stop = frozenset(rnd.sample(range(_FakePipeline.V), 3)) if stops and rnd.random() < 0.3 else frozenset()
+    return Request(rid, "c", prompt, new, SamplingParams(0.0, 0, 1.0, 0.0, None), stop)
+
+
 def _post(results: dict, evs) -> None:
     """A simulated run's events into results {rid: {tokens, finish}}; an event after a request's end fails."""
     for e in evs:
@@ -492,8 +498,6 @@ def _simulate_failures(seed, microbatches, pieces, chunk, chunk_decoding, kv_pag
     import random
 
     from memra_pp.errors import InputError
-    from memra_pp.model.sampling import SamplingParams
-    from memra_pp.sched_types import Request
     from memra_pp.scheduler import Scheduler
     rnd = random.Random(seed)
     sch = Scheduler(4, microbatches, chunk, 400, pieces, chunk_decoding)
@@ -533,12 +537,9 @@ def _simulate_failures(seed, microbatches, pieces, chunk, chunk_decoding, kv_pag
     for step in range(4000):
         a = rnd.random()
         if a < 0.08 and n_req < 40:
-            n = rnd.choice([1, 2, chunk, chunk + 1, 2 * chunk + 1, rnd.randint(1, 120)])
-            prompt = [rnd.randrange(_FakePipeline.V) for _ in range(n)]
-            new = rnd.choice([0, 1, 2, rnd.randint(1, 40)])
-            rid = f"r{n_req}"
+            r = _random_request(rnd, chunk, f"r{n_req}", stops=False)
+            rid, prompt, new = r.rid, r.prompt, r.max_new_tokens
             n_req += 1
-            r = Request(rid, "c", prompt, new, SamplingParams(0.0, 0, 1.0, 0.0, None), frozenset())
             try:
                 sch.add(r)
             except InputError:

@@ -51,8 +51,9 @@ class ImageInput:
 
 
 def _grid_entry(v):
-    """An integer numpy scalar or 0-d integer tensor as a Python int (bools are not sizes: kept, then refused)."""
-    if isinstance(v, np.integer):
+    """An integer numpy scalar, 0-d integer tensor or int subclass (an IntEnum: a stage may not be able to unpickle
+    it) as a Python int (bools are not sizes: kept, then refused)."""
+    if isinstance(v, np.integer) or (isinstance(v, int) and type(v) not in (int, bool)):
         return int(v)
     if isinstance(v, torch.Tensor) and v.ndim == 0 and v.device.type != "meta" and \
             not (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool):
@@ -224,13 +225,27 @@ def preprocess_video(frames: Sequence | np.ndarray, vcfg: VisionConfig, max_patc
     return ImageInput(torch.from_numpy(np.ascontiguousarray(_patchify(x, p, m, T))), (gt, h // p, w // p))
 
 
-def validate_image_input(ii: ImageInput, vcfg: VisionConfig, max_patches: int = DEFAULT_MAX_PATCHES) -> ImageInput:
-    """Refuse (InputError) an ImageInput the tower cannot take: bad grid, over budget, wrong shape, NaN/inf."""
-    g = ii.grid_thw
+def check_grid(g) -> tuple[int, int, int]:
+    """An ImageInput's grid_thw as its sizes (t, h, w); InputError if it is not 3 positive ints."""
     if (not isinstance(g, tuple) or len(g) != 3
             or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in g)):
         raise InputError(f"ImageInput.grid_thw must be 3 positive ints (t, h, w), got {g!r}")
-    t, h, w = (int(v) for v in g)
+    return tuple(int(v) for v in g)
+
+
+# the pixel dtypes an image is taken in (float8 would not unpickle in a stage, and no tower runs in it)
+PIXEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_pixel_dtype(pv: torch.Tensor) -> None:
+    if pv.dtype not in PIXEL_DTYPES:
+        raise InputError(f"ImageInput.pixel_values must be float16, bfloat16, float32 or float64, got {pv.dtype}")
+
+
+def validate_image_input(ii: ImageInput, vcfg: VisionConfig, max_patches: int = DEFAULT_MAX_PATCHES) -> ImageInput:
+    """Refuse (InputError) an ImageInput the tower cannot take: bad grid, over budget, wrong shape, NaN/inf."""
+    g = ii.grid_thw
+    t, h, w = check_grid(g)
     m = vcfg.spatial_merge_size
     if h % m or w % m:
         raise InputError(f"ImageInput.grid_thw {g}: h and w must be multiples of spatial_merge_size {m}")
@@ -240,8 +255,7 @@ def validate_image_input(ii: ImageInput, vcfg: VisionConfig, max_patches: int = 
     if not isinstance(pv, torch.Tensor) or not pv.is_floating_point():
         raise InputError(f"ImageInput.pixel_values must be a floating torch.Tensor, got "
                          f"{getattr(pv, 'dtype', type(pv).__name__)}")
-    if pv.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise InputError(f"ImageInput.pixel_values must be float16, bfloat16, float32 or float64, got {pv.dtype}")
+    check_pixel_dtype(pv)
     if pv.layout != torch.strided or pv.device.type == "meta":
         raise InputError(f"ImageInput.pixel_values must be a dense tensor with its values (layout strided, not "
                          f"meta), got layout {pv.layout} on {pv.device}")
