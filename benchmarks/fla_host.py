@@ -23,6 +23,10 @@ way's host time goes in Python (the twenty-sixth session's profile had fla's chu
 in the MoE's prefill step, ~30 ms a step).
 
     python -u benchmarks/fla_host.py --out DIR [--model preset:qwen3.5-35b-a3b] [--prompts 8x512~0.5] [--cprofile]
+
+--chunk-configs 1x1024,1x4096,8x256,16x128 (with --checks-only to skip the rest): each tuned kernel of the chunked
+rule with each config of its autotuner pinned in turn, over those segment layouts; a summary of the config in use
+against the fastest, and DIR/chunk_configs.png (docs/PERF.md, forty-second session).
 """
 from __future__ import annotations
 
@@ -54,6 +58,10 @@ def main() -> int:
                     "of the kkt-solve kernel's autotuner, each pinned: what the autotuner's choice costs")
     ap.add_argument("--kkt-plot-from", metavar="JSON", help="only draw DIR/kkt_configs.png from a report's "
                     "kkt_configs (no GPU needed)")
+    ap.add_argument("--chunk-configs", metavar="LAYOUTS", help="every tuned kernel of fla's chunked rule, each "
+                    "config of its autotuner pinned in turn (the others as this process tuned them), timed in the "
+                    "variable-length call over segment layouts BxN (comma-separated, e.g. 1x1024,1x4096,8x256): "
+                    "what each autotuner's choice, made on the warm-up's one chunk, costs at a step's sizes")
     a = ap.parse_args()
     if a.kkt_plot_from:
         os.makedirs(a.out, exist_ok=True)
@@ -114,6 +122,11 @@ def main() -> int:
         for row in rep["kkt_configs"]:
             print(f"  kkt config {row['config']:<28} {row['layout']:<22} {row['programs']:3d} programs: "
                   f"kkt-solve {row['kernels_us'].get(KKT_KERNEL, float('nan')):6.2f} us", flush=True)
+    if a.chunk_configs:
+        rep["chunk_configs"] = chunk_configs(rule, qh, HV, D, dev, gen, chunk_layouts(a.chunk_configs), a.iters)
+        plot_chunk_configs(rep["chunk_configs"], os.path.join(a.out, "chunk_configs.png"), a.model)
+        for line in chunk_config_summary(rep["chunk_configs"]):
+            print("  " + line, flush=True)
     if a.kkt_probe and rg is not None:
         rep["kkt_probe"] = kkt_probe(rg, qh, HV, D, dev, gen)
         for row in rep["kkt_probe"]:
@@ -346,6 +359,116 @@ def plot_kkt_configs(rows: list[dict], path: str) -> str:
     ax.set_ylim(bottom=0)
     ax.set_title("fla's fused kkt-solve, one segment of 1,024 rows, each autotuner config pinned", fontsize=9)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+CHUNK_KERNELS = (("fla.ops.gated_delta_rule.chunk_fwd", KKT_KERNEL),
+                 ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel"),
+                 ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"),
+                 ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o"))
+
+
+def chunk_layouts(spec: str) -> list[tuple[str, list[int]]]:
+    """'1x1024,8x256' -> [('1x1024', [1024]), ('8x256', [256] * 8)]: B segments of N rows each."""
+    out = []
+    for part in spec.split(","):
+        b, n = part.strip().split("x")
+        out.append((part.strip(), [int(n)] * int(b)))
+    return out
+
+
+def config_label(cfg) -> str:
+    """A Triton config as 'BV 64, 4 warps, 3 stages'."""
+    kw = "".join(f"{k} {v}, " for k, v in cfg.kwargs.items())
+    return f"{kw}{cfg.num_warps} warps, {cfg.num_stages} stages"
+
+
+def chunk_configs(rule, qh: int, HV: int, D: int, dev, gen, layouts, iters: int = 20) -> list[dict]:
+    """For each autotuned kernel of fla's chunked rule (CHUNK_KERNELS), each config of its autotuner pinned in turn
+    (cut to that one, its cache emptied; every other kernel as this process tuned or pinned it): that kernel's device
+    time in rule.chunk_varlen over each layout's segments (fresh random inputs, zero-free states). Rows: kernel,
+    config, layout, us (None where the config failed: error), in_use (the config this process's variable-length
+    call runs: its autotuner's pick from the warm-up, or fla_rule's pin). Each autotuner is left as it was."""
+    import importlib
+
+    from memra_pp.model.fla_rule import _autotuner
+    inputs = {}
+    for label, lens in layouts:
+        q, k, v, g, beta, s0 = rule_inputs(sum(lens), len(lens), qh, HV, D, dev, gen)
+        inputs[label] = (q, k, v, g, beta, s0, *segments(lens, dev))
+    rows = []
+    rule.chunk_varlen(*next(iter(inputs.values())))     # (each autotuner's best_config: what this call runs)
+    for mod, name in CHUNK_KERNELS:
+        try:
+            tuner = _autotuner(getattr(importlib.import_module(mod), name, None))
+        except ImportError:
+            tuner = None
+        if tuner is None:
+            continue
+        configs, cache = list(tuner.configs), dict(tuner.cache)
+        used = config_label(tuner.best_config) if getattr(tuner, "best_config", None) is not None else None
+        try:
+            for cfg in getattr(tuner, "_memra_all", None) or configs:
+                tuner.configs, tuner.cache = [cfg], {}
+                in_use = config_label(cfg) == used
+                for label, args in inputs.items():
+                    row = {"kernel": name, "config": config_label(cfg), "layout": label, "in_use": in_use}
+                    try:
+                        row["us"] = kernel_times(lambda args=args: rule.chunk_varlen(*args), iters).get(name)
+                    except Exception as e:  # noqa: BLE001 - a config this GPU cannot run (shared memory)
+                        row["us"], row["error"] = None, f"{type(e).__name__}: {e}"[:200]
+                    rows.append(row)
+        finally:
+            tuner.configs, tuner.cache = configs, cache
+    return rows
+
+
+def chunk_config_summary(rows: list[dict]) -> list[str]:
+    """Per kernel and layout: the config in use and its time, the fastest config and its time; then per layout the
+    kernels' sum in use against the sum of the fastest (what pinning each to its fastest there would save)."""
+    lines, tot = [], {}
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        for layout in dict.fromkeys(r["layout"] for r in rows):
+            got = [r for r in rows if r["kernel"] == kernel and r["layout"] == layout and r["us"] is not None]
+            if not got:
+                continue
+            best = min(got, key=lambda r: r["us"])
+            use = next((r for r in got if r["in_use"]), None)
+            t = tot.setdefault(layout, [0.0, 0.0])
+            t[0] += use["us"] if use else float("nan")
+            t[1] += best["us"]
+            lines.append(f"{kernel:<48} {layout:<8} in use {use['us'] if use else float('nan'):8.2f} us "
+                         f"({use['config'] if use else 'none tuned'}); fastest {best['us']:8.2f} us ({best['config']})")
+    for layout, (u, b) in tot.items():
+        lines.append(f"chunk kernels {layout:<8} in use {u:8.2f} us a layer, each at its fastest {b:8.2f} us "
+                     f"({u / b:.2f}x)")
+    return lines
+
+
+def plot_chunk_configs(rows: list[dict], path: str, title: str = "") -> str:
+    """One panel per kernel: its time at each layout, one line per config, the one in use drawn thick; the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    kernels = list(dict.fromkeys(r["kernel"] for r in rows))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, axes = plt.subplots(1, max(len(kernels), 1), figsize=(4.2 * max(len(kernels), 1), 4.2), squeeze=False)
+    for ax, kernel in zip(axes[0], kernels):
+        for cfg in dict.fromkeys(r["config"] for r in rows if r["kernel"] == kernel):
+            got = {r["layout"]: r for r in rows if r["kernel"] == kernel and r["config"] == cfg}
+            use = any(r["in_use"] for r in got.values())
+            ax.plot(range(len(layouts)), [got[lay]["us"] if lay in got else None for lay in layouts], marker="o",
+                    lw=3 if use else 1, label=cfg + (" (in use)" if use else ""))
+        ax.set_xticks(range(len(layouts)))
+        ax.set_xticklabels(layouts, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(kernel.replace("chunk_gated_delta_rule_", ""), fontsize=8)
+        ax.set_ylabel("kernel, us a call")
+        ax.legend(fontsize=5)
+    fig.suptitle(f"fla's chunked rule, each autotuner config pinned: {title}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep pgraphstep pgraphe2e kkt mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep pgraphstep pgraphe2e kkt chunkcfg mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -101,6 +101,11 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
               --prefill-graphs ${PGE_GRAPHS:-both} --rule-graphs ${PGE_RULES:-off} ;;
     # fla's kkt-solve kernel alone over fresh inputs and the rule graphs' buffers, exact and padded layouts (why the
     # rule graphs' padded call takes ~13 us more of it a layer: docs/PERF.md, fortieth session), then every way
+    # every tuned kernel of fla's chunked rule, each config pinned in turn, over a step's segment layouts, both models
+    chunkcfg) for m in ${CC_MODELS:-preset:qwen3.5-35b-a3b preset:qwen3.5-27b}; do
+                phase "chunk-configs-${m#preset:qwen3.5-}" ${CC_S:-240} python3 -u benchmarks/fla_host.py \
+                  --out "$OUT/chunkcfg-${m#preset:qwen3.5-}" --model $m --checks-only \
+                  --chunk-configs ${CC_LAYOUTS:-1x1024,1x4096,8x256,16x128} ; done ;;
     kkt) phase kkt-probe 200 python3 -u benchmarks/fla_host.py --out "$OUT/kkt" --prompts 1x1024,8x256~0.5 --kkt-probe --kkt-grid ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with

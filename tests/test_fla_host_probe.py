@@ -137,3 +137,87 @@ def test_kkt_configs_pins_each_config_then_restores_the_tuner(monkeypatch, tmp_p
     assert len(rows) == 24 and len(calls) == 24 * 5 and rows[0]["config"] == "BK: 32, num_warps: 1"
     assert tuner.configs == [every[3]] and tuner.cache == {"k": every[3]}
     assert Path(fla_host.plot_kkt_configs(rows, str(tmp_path / "k.png"))).stat().st_size > 10_000
+
+
+def test_chunk_configs_pins_each_kernels_configs_in_turn(monkeypatch, tmp_path):
+    """--chunk-configs: each tuned kernel of the chunked rule, each of its autotuner's configs pinned in turn (the
+    other kernels left as tuned), timed in the variable-length call over every layout's segments; the config the
+    process runs marked; a config that fails recorded, not fatal; every tuner as it was after; the summary's in-use
+    and fastest sums; the plot."""
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    class Tuner(Autotuner):
+        def __init__(self, configs):
+            self.configs, self.cache = configs, {}
+    names = [name for _, name in fla_host.CHUNK_KERNELS]
+    tuners = {}
+    for mod, name in fla_host.CHUNK_KERNELS:
+        every = [triton.Config({"BV": bv}, num_warps=w, num_stages=3) for bv in (32, 64) for w in (2, 4)]
+        t = tuners[name] = Tuner(list(every))
+        t.cache = {"key": every[1]}         # the warm-up's pick: BV 32, 4 warps
+        m = types.ModuleType(mod)
+        setattr(m, name, types.SimpleNamespace(fn=t))
+        monkeypatch.setitem(sys.modules, mod, m)
+    for parent in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.common"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+
+    class Rule:
+        def chunk_varlen(self, q, k, v, g, beta, state, cu, chunks):
+            for t in tuners.values():     # (Triton's: the config a call ran)
+                t.best_config = t.configs[0] if len(t.configs) == 1 else t.cache["key"]
+            if all(len(t.configs) > 1 for n, t in tuners.items() if n != names[3]):
+                return      # (the call before the sweep)
+            # one kernel pinned at a time, the others as tuned (the last as fla_rule pinned it)
+            swept = [n for n, t in tuners.items() if len(t.configs) == 1 and n != names[3]] or [names[3]]
+            [name] = swept
+            [cfg] = tuners[name].configs
+            if name == names[2] and cfg.kwargs["BV"] == 64 and cfg.num_warps == 4:
+                raise RuntimeError("out of resources: shared memory")
+            calls.append((name, cfg.kwargs["BV"], cfg.num_warps, tuple(q.shape), cu.tolist(), chunks.tolist(),
+                          tuple(state.shape)))
+
+    class Profile:      # the pinned kernel takes BV + 10 x warps us a call (the others 1)
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            got = []
+            for n, t in tuners.items():
+                c = t.configs[0] if len(t.configs) == 1 else None
+                us = c.kwargs["BV"] + 10 * c.num_warps if c is not None else 1
+                got.append(types.SimpleNamespace(key=n, self_device_time_total=us * 2.0))
+            return got
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    layouts = fla_host.chunk_layouts("1x128,2x64")
+    assert layouts == [("1x128", [128]), ("2x64", [64, 64])]
+    last = tuners[names[3]]         # pinned as fla_rule pins: cut to one config, run but not cached
+    last._memra_all, last.configs, last.cache = list(last.configs), [last.configs[2]], {}
+    rows = fla_host.chunk_configs(Rule(), 4, 4, 8, "cpu", torch.Generator().manual_seed(0), layouts, iters=2)
+    assert len(rows) == 4 * 4 * 2
+    assert [r["config"] for r in rows if r["kernel"] == names[3] and r["in_use"]] == ["BV 64, 2 warps, 3 stages"] * 2
+    assert [r["kernel"] for r in rows[::8]] == names
+    assert rows[0]["config"] == "BV 32, 2 warps, 3 stages" and rows[0]["us"] == 52.0
+    assert [r["in_use"] for r in rows[:8]] == [False, False, True, True, False, False, False, False]
+    failed = [r for r in rows if r["us"] is None]
+    assert [(r["kernel"], r["config"]) for r in failed] == [(names[2], "BV 64, 4 warps, 3 stages")] * 2
+    assert "shared memory" in failed[0]["error"]
+    first = [c for c in calls if c[0] == names[0] and c[1] == 32 and c[2] == 2]
+    assert len(first) == 2 * 5         # 3 warm-up and 2 profiled calls a layout
+    assert {(c[3], tuple(map(tuple, c[5])), tuple(c[4])) for c in first} == {
+        ((1, 128, 4, 8), ((0, 0), (0, 1)), (0, 128)), ((1, 128, 4, 8), ((0, 0), (1, 0)), (0, 64, 128))}
+    assert all(len(t.configs) == 4 and list(t.cache) == ["key"] for t in list(tuners.values())[:3])
+    assert len(tuners[names[3]].configs) == 1 and tuners[names[3]].cache == {}
+    lines = fla_host.chunk_config_summary(rows)
+    assert lines[0].startswith(names[0]) and "in use    72.00 us (BV 32, 4 warps, 3 stages)" in lines[0]
+    assert "fastest    52.00 us (BV 32, 2 warps, 3 stages)" in lines[0]
+    assert lines[-1].endswith("in use   300.00 us a layer, each at its fastest   208.00 us (1.44x)")
+    assert Path(fla_host.plot_chunk_configs(rows, str(tmp_path / "c.png"), "test")).stat().st_size > 10_000

@@ -144,3 +144,40 @@ def test_pin_cuts_an_autotuner_to_its_one_matching_config():
     twice = _Tuner([triton.Config({"BK": 64}, num_warps=1, num_stages=s) for s in (2, 3)])
     assert not fla_rule._pin(twice, fla_rule.KKT_SOLVE_CONFIG) and len(twice.configs) == 2
     assert not fla_rule._pin(None, fla_rule.KKT_SOLVE_CONFIG)
+
+
+def test_making_the_rule_pins_fla_kernels_where_they_exist(monkeypatch):
+    """FlaRule() pins each of PINS where its fla has the kernel: kkt-solve to BK 64 with 1 warp, chunk_h to BV 64
+    with 4 warps and 4 stages (one of its 12 configs, matched by num_stages too); an fla without chunk_h's module
+    makes the rule all the same."""
+    import triton
+    kkt = _Tuner([triton.Config({"BK": bk}, num_warps=w) for bk in (32, 64) for w in (1, 2, 4)])
+    chunk_h = _Tuner([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
+                      for w in (2, 4) for s in (2, 3, 4) for bv in (32, 64)])
+    chunk_h.cache["k"] = chunk_h.configs[0]         # tuned before: forgotten
+    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.utils",
+                                             "fla.ops.utils.cumsum", "fla.ops.gated_delta_rule.chunk_fwd",
+                                             "fla.ops.common", "fla.ops.common.chunk_delta_h")}
+    mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = "chunk"
+    mods["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = "recurrent"
+    mods["fla.ops.utils"].cumsum = mods["fla.ops.utils.cumsum"]
+    mods["fla.ops.utils.cumsum"].chunk_local_cumsum_scalar_kernel = _Tuner(["a"])
+    mods["fla.ops.gated_delta_rule.chunk_fwd"].chunk_gated_delta_rule_fwd_kkt_solve_kernel = \
+        types.SimpleNamespace(fn=kkt)
+    mods["fla.ops.common.chunk_delta_h"].chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = \
+        types.SimpleNamespace(fn=types.SimpleNamespace(fn=chunk_h))       # (under two heuristics wrappers)
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    rule = fla_rule.FlaRule()
+    assert rule._chunk == "chunk" and rule._rec == "recurrent"
+    [k] = kkt.configs
+    assert (k.kwargs, k.num_warps) == ({"BK": 64}, 1) and len(kkt._memra_all) == 6
+    [h] = chunk_h.configs
+    assert (h.kwargs, h.num_warps, h.num_stages) == ({"BV": 64}, 4, 4) and len(chunk_h._memra_all) == 12
+    assert chunk_h.cache == {} and chunk_h.run(5) is h
+    monkeypatch.delitem(sys.modules, "fla.ops.common.chunk_delta_h")
+    monkeypatch.setattr(sys.modules["fla.ops.common"], "__path__", [], raising=False)
+    assert fla_rule._kernel(*fla_rule.PINS[1][:2]) is None
+    fla_rule.FlaRule()          # (no chunk_h module: nothing pinned there, no failure)

@@ -17,6 +17,9 @@ def test_chunk_calls_of_new_shapes_tune_nothing_and_match_torch():
     from fla.ops.gated_delta_rule import chunk_fwd      # the fused kkt-solve kernel: pinned (fla_rule._pin)
     [cfg] = fla_rule._autotuner(chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel).configs
     assert cfg.kwargs.get("BK") == 64 and cfg.num_warps == 1, cfg
+    from fla.ops.common import chunk_delta_h            # chunk_h: pinned too
+    [cfg] = fla_rule._autotuner(chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64).configs
+    assert (cfg.kwargs.get("BV"), cfg.num_warps, cfg.num_stages) == (64, 4, 4), cfg
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def call(G, n, H=32, D=128):

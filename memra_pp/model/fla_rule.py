@@ -16,6 +16,7 @@ process (stage stats report it: a timed run that tunes nothing has the same coun
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import sys
@@ -71,11 +72,8 @@ class FlaRule:
         from fla.ops.utils import cumsum
         self._chunk, self._rec = chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         _tune_once(cumsum.chunk_local_cumsum_scalar_kernel)
-        try:
-            from fla.ops.gated_delta_rule import chunk_fwd
-        except ImportError:     # (an fla without the fused kkt-solve kernel: nothing to pin)
-            chunk_fwd = None
-        _pin(getattr(chunk_fwd, "chunk_gated_delta_rule_fwd_kkt_solve_kernel", None), KKT_SOLVE_CONFIG)
+        for mod, kernel, want in PINS:
+            _pin(_kernel(mod, kernel), want)
 
     def warm_up(self, heads: int, dk: int, dv: int, dtype, device, k_heads: int | None = None) -> None:
         """Tune and compile fla's kernels for these dimensions now (a stage load), not in the first request's
@@ -188,22 +186,51 @@ def _autotuner(kernel):
 # 40.8, with 4 warps 37.7 / 37.9 / 52.6 / 77.1. Processes had tuned 2 warps (the rule graphs' padded calls then paid
 # 13 us a layer for two idle programs a head) and 4 (every call 1.9x the pinned one's time).
 KKT_SOLVE_CONFIG = {"BK": 64, "num_warps": 1}
+# fla's chunk_h carries the state across a segment's chunks: one program per BV value columns of a head and segment,
+# each looping over its segment's chunks. The warm-up tunes it on one chunk too, and no one config of its 12 is fastest
+# at every layout of a step (`fla_host.py --chunk-configs 1x1024,1x4096,8x256,16x128`, one H100, forty-second
+# session, us a call, 35B-A3B with 32 value heads / 27B with 48):
+#   BV 64, 4 warps, 4 stages (pinned): 29.7 / 104.2 / 54.1 / 72.5 and 31.4 / 107.4 / 79.5 / 106.1
+#   BV 32, 4 warps, 4 stages:          23.4 / 80.4 / 71.7 / 97.6 and 45.9 / 158.0 / 106.3 / 144.0
+#   BV 64, 4 warps, 2 stages:          35.6 / 155.0 / 47.0 / 60.0 and 44.1 / 173.8 / 69.2 / 87.2
+#   BV 32, 2 warps, 2 stages (the 27B's processes had tuned it): 41.0 / 159.7 / 74.4 / 90.8 for the 27B
+# The pin is within 1.22-1.30x of the fastest at each point and has the least sum for both models; the worst configs
+# take 3-4x the fastest. (One config a call by its grid against the SMs would take the fastest at all eight points;
+# each of its configs would then need compiling at load: docs/PERF.md, forty-second session.)
+CHUNK_H_CONFIG = {"BV": 64, "num_warps": 4, "num_stages": 4}
+# (module, kernel, config) pinned when FlaRule is made
+PINS = (("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel", KKT_SOLVE_CONFIG),
+        ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", CHUNK_H_CONFIG))
+
+
+def _kernel(module: str, name: str):
+    """fla's kernel object `name` in `module`, or None where this fla has no such module or kernel."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
 
 
 def _pin(kernel, want: dict) -> bool:
-    """Cut the kernel's autotuner to its own config matching `want` (kwargs and num_warps), if it has exactly one:
-    then no tuning picks another. False (nothing changed) where it has none, or several, or no autotuner."""
+    """Cut the kernel's autotuner to its own config matching `want` (kwargs, num_warps, num_stages), if it has
+    exactly one: then no tuning picks another. False (nothing changed) where it has none, or several, or no
+    autotuner."""
     tuner = _autotuner(kernel)
     if tuner is None:
         return False
-    hits = [c for c in tuner.configs if all((c.num_warps if k == "num_warps" else c.kwargs.get(k)) == v
-                                            for k, v in want.items())]
+    hits = _matching(tuner.configs, want)
     if len(hits) != 1:
         return False
     tuner._memra_all = getattr(tuner, "_memra_all", None) or list(tuner.configs)   # (benchmarks try each)
     tuner.configs = hits
     tuner.cache.clear()     # (a key tuned before the pin would keep its old choice)
     return True
+
+
+def _matching(configs: list, want: dict) -> list:
+    """The configs matching `want` (kwargs, num_warps, num_stages)."""
+    return [c for c in configs if all((getattr(c, k) if k in ("num_warps", "num_stages") else c.kwargs.get(k)) == v
+                                      for k, v in want.items())]
 
 
 def _tune_once(kernel) -> None:
