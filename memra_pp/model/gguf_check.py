@@ -7,6 +7,8 @@ and every tensor's bytes lie aligned inside the file and apart from the others'.
 from __future__ import annotations
 
 import mmap
+import os
+import stat
 import struct
 from pathlib import Path
 
@@ -47,7 +49,10 @@ def gguf_field(reader, path: Path, key: str, default=KeyError, missing: str = ""
 
 
 def check_gguf_metadata(path: Path) -> None:
-    """Refuse a GGUF whose header or metadata claims more bytes than the file has (or an unknown value type)."""
+    """Refuse a GGUF whose header or metadata claims more bytes than the file has (or an unknown value type), and a
+    path that is no regular file (a FIFO's open would wait for a writer forever)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ConfigError(f"{path}: not a regular file (a GGUF model is one file)")
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         if size < 24:

@@ -244,9 +244,9 @@ class GGUFSource:
         if how == "row":
             return t.reshape(1, -1)
         if how == "a_log":
-            if bool((t >= 0).any()):
+            if not bool((t < 0).all()):      # (NaN too: it is neither)
                 raise ConfigError(f"{self.path}: tensor for {name!r} (ssm_a = -exp(A_log)) has non-negative "
-                                  f"entries; the file is corrupt or not from the llama.cpp converter")
+                                  f"or NaN entries; the file is corrupt or not from the llama.cpp converter")
             return untile_v(torch.log(-t.double()).float(), nk, nv, 0)
         if how == "vrows":
             return untile_v(t, nk, nv, 0)

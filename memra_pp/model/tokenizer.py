@@ -69,11 +69,17 @@ class Tokenizer:
                         "token ids still work (or give the model directory's tokenizer.json)", f, what,
                         " / ".join(sorted(GGUF_PRE_SPLITS)))
             return None
-        tokens, types = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.token_type")
+        def listed(key: str, kind: type, what: str) -> list:
+            v = get(key)
+            if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
+                raise ConfigError(f"{f}: {key} must be an array of {what}, got {_kind_of(v)}")
+            return v
+        tokens = listed("tokenizer.ggml.tokens", str, "strings")
+        types = listed("tokenizer.ggml.token_type", int, "integers")
         if len(types) != len(tokens):
             raise ConfigError(f"{f}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
         merges = []
-        for n, m in enumerate(get("tokenizer.ggml.merges")):
+        for n, m in enumerate(listed("tokenizer.ggml.merges", str, "strings")):
             i = m.find(" ", 1)          # as llama.cpp splits: the first space past the first character
             if i < 0:
                 raise ConfigError(f"{f}: tokenizer.ggml.merges[{n}] {m!r} is not two tokens joined by a space")
@@ -81,14 +87,21 @@ class Tokenizer:
         # Unused ids stay out of the vocabulary, as they are absent from the tokenizer.json they were padded from:
         # a sampled one decodes to "" (llama.cpp's token_to_piece too), never to the filler's name "[PAD248100]".
         vocab = {t: i for i, (t, k) in enumerate(zip(tokens, types)) if k != _UNUSED}
-        tok = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        try:
+            tok = tokenizers.Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        except Exception as e:  # noqa: BLE001 - the tokenizers library's own (a merge of tokens not in the vocabulary)
+            raise ConfigError(f"{f}: tokenizer.ggml.tokens / merges do not build a BPE tokenizer ({e})") from None
         tok.normalizer = normalizers.NFC()      # as Qwen's tokenizer.json (llama.cpp itself does not normalize)
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(tokenizers.Regex(GGUF_PRE_SPLITS[pre]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
-        bos = get("tokenizer.ggml.bos_token_id", None)
-        if get("tokenizer.ggml.add_bos_token", False) and bos is not None and 0 <= bos < len(tokens):
+        bos, add_bos = get("tokenizer.ggml.bos_token_id", None), get("tokenizer.ggml.add_bos_token", False)
+        if bos is not None and (not isinstance(bos, int) or isinstance(bos, bool)):
+            raise ConfigError(f"{f}: tokenizer.ggml.bos_token_id must be an integer, got {_kind_of(bos)}")
+        if not isinstance(add_bos, bool):
+            raise ConfigError(f"{f}: tokenizer.ggml.add_bos_token must be a boolean, got {_kind_of(add_bos)}")
+        if add_bos and bos is not None and 0 <= bos < len(tokens):
             tok.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
                                                                special_tokens=[(tokens[bos], bos)])
         else:
@@ -133,6 +146,14 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens)
+
+
+def _kind_of(v) -> str:
+    """A metadata value's kind for a refusal: 'a str', 'an array of int', ..."""
+    if isinstance(v, list):
+        kinds = sorted({type(x).__name__ for x in v})
+        return f"an array of {' / '.join(kinds) or 'nothing'}"
+    return f"{type(v).__name__} {v!r}"[:80]
 
 
 def _gguf_magic(path: Path) -> bool:
