@@ -391,16 +391,27 @@ def chunk_configs(rule, qh: int, HV: int, D: int, dev, gen, layouts, iters: int 
     (cut to that one, its cache emptied; every other kernel as this process tuned or pinned it): that kernel's device
     time in rule.chunk_varlen over each layout's segments (fresh random inputs, zero-free states). Rows: kernel,
     config, layout, us (None where the config failed: error), in_use (the config this process's variable-length
-    call runs: its autotuner's pick from the warm-up, or fla_rule's pin). Each autotuner is left as it was."""
-    import importlib
-
-    from memra_pp.model.fla_rule import _autotuner
-    inputs = {}
+    call runs there: its autotuner's pick from the warm-up, fla_rule's pin, or the rule's grid pick for the layout,
+    MEMRA_PP_CHUNK_H_GRID). Each autotuner, and the rule's grid pick, are left as they were."""
+    inputs, nseg = {}, dict(layouts)
     for label, lens in layouts:
         q, k, v, g, beta, s0 = rule_inputs(sum(lens), len(lens), qh, HV, D, dev, gen)
         inputs[label] = (q, k, v, g, beta, s0, *segments(lens, dev))
     rows = []
     rule.chunk_varlen(*next(iter(inputs.values())))     # (each autotuner's best_config: what this call runs)
+    pick = getattr(rule, "_chunk_h", None)     # (fla_rule.GridPick, MEMRA_PP_CHUNK_H_GRID: off while pinning here)
+    rule._chunk_h = None
+    try:
+        _chunk_configs(rule, inputs, nseg, pick, HV, D, dev, iters, rows)
+    finally:
+        rule._chunk_h = pick
+    return rows
+
+
+def _chunk_configs(rule, inputs: dict, nseg: dict, pick, HV: int, D: int, dev, iters: int, rows: list) -> None:
+    import importlib
+
+    from memra_pp.model.fla_rule import _autotuner
     for mod, name in CHUNK_KERNELS:
         try:
             tuner = _autotuner(getattr(importlib.import_module(mod), name, None))
@@ -413,8 +424,9 @@ def chunk_configs(rule, qh: int, HV: int, D: int, dev, gen, layouts, iters: int 
         try:
             for cfg in getattr(tuner, "_memra_all", None) or configs:
                 tuner.configs, tuner.cache = [cfg], {}
-                in_use = config_label(cfg) == used
                 for label, args in inputs.items():
+                    in_use = config_label(cfg) == used if pick is None or tuner is not pick.tuner else \
+                        pick.choose(len(nseg[label]), HV, D, dev) is cfg        # (picked call by call)
                     row = {"kernel": name, "config": config_label(cfg), "layout": label, "in_use": in_use}
                     try:
                         row["us"] = kernel_times(lambda args=args: rule.chunk_varlen(*args), iters).get(name)
@@ -423,7 +435,6 @@ def chunk_configs(rule, qh: int, HV: int, D: int, dev, gen, layouts, iters: int 
                     rows.append(row)
         finally:
             tuner.configs, tuner.cache = configs, cache
-    return rows
 
 
 def chunk_config_summary(rows: list[dict]) -> list[str]:

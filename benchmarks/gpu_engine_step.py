@@ -169,7 +169,7 @@ def set_mode(mode: str, defaults, text) -> None:
 
 
 def main() -> int:
-    global PGRAPHS
+    global PGRAPHS, CHUNKH
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="preset:qwen3.5-27b")
@@ -194,6 +194,9 @@ def main() -> int:
                     "through the prefill graphs (graphs: model/prefill_graphs.py, captured once for every token "
                     "bucket up to the largest step; graphs-norule: the same with fla's rule called eagerly, where "
                     "the rule graphs are on), interleaved")
+    ap.add_argument("--chunk-h-grid", action="store_true", help="also time each prefill step (through the prefill "
+                    "graphs where --prefill-graphs) with fla's chunk_h config chosen call by call from its grid "
+                    "(model/fla_rule.GridPick, MEMRA_PP_CHUNK_H_GRID) instead of its pin, interleaved")
     ap.add_argument("--prefill-torch", action="store_true", help="also time each prefill step as the "
                     "twenty-third session left it (s23: without the merged projections, contiguous conv parts and "
                     "row slices) and with its norms and conv as the torch ops (torch), interleaved")
@@ -308,6 +311,10 @@ def main() -> int:
                   f"{cap['bytes'] / 2**30:.2f} GiB allocated{'; FAILED ' + cap['failed'] if cap['failed'] else ''}"
                   f"; rule graphs {cap['rule']}{'; FAILED ' + cap['rule_failed'] if cap['rule_failed'] else ''}",
                   flush=True)
+        if a.chunk_h_grid and shapes and CHUNKH is None:
+            CHUNKH = chunk_h_pick()
+            print(f"  chunk_h by its grid: {'GridPick ready' if CHUNKH else 'NOT AVAILABLE (no fla, or its configs)'}"
+                  + (" (its configs compile in the first interleaved step)" if CHUNKH else ""), flush=True)
         for B, n, D, spread in shapes:  # prefill: B fresh prompts of about n tokens as one step, D decode rows
             b = prefill_batch(B, n, D, a.ctx, spread)       # after them (slots B ..)
             lens = b.counts[:B]
@@ -318,6 +325,8 @@ def main() -> int:
             ways = (("groups", "varlen") if a.prefill_varlen else ("kernels",)) + \
                 (("graphs",) if a.prefill_graphs and PGRAPHS is not None else ()) + \
                 (("graphs-norule",) if a.prefill_graphs and PGRAPHS is not None and PGRAPHS.rules else ()) + \
+                ((("graphs" if a.prefill_graphs and PGRAPHS is not None else "kernels") + "-chunkh",)
+                 if CHUNKH is not None else ()) + \
                 (("s23", "torch") if a.prefill_torch else ())
             times, tuned = {w: [] for w in ways}, {w: [] for w in ways}
             # the profiled ways: the first, or both of --prefill-varlen's (their files named by way)
@@ -378,6 +387,21 @@ def main() -> int:
 
 
 PGRAPHS = None      # --prefill-graphs: the mode's captured PrefillGraphs, lent to the model for the "graphs" way
+CHUNKH = None       # --chunk-h-grid: (fla_rule.GridPick of chunk_h, its pinned configs), lent to the rules
+
+
+def chunk_h_pick():
+    """(GridPick, the pinned configs) for the "-chunkh" ways; None where this fla has no such configs. The autotuner
+    keeps its pin outside those ways. (The pick's other configs compile in its way's first step: the timings take
+    each way's fastest step.)"""
+    from memra_pp.model import fla_rule
+    tuner = fla_rule._autotuner(fla_rule._kernel(*fla_rule.PINS[1][:2]))
+    if tuner is None:
+        return None
+    pinned = list(tuner.configs)
+    pick = fla_rule.GridPick.make(tuner, fla_rule.CHUNK_H_BY_GRID, fla_rule.CHUNK_H_MANY)
+    tuner.configs = pinned
+    return None if pick is None else (pick, pinned)
 
 
 @contextlib.contextmanager
@@ -390,6 +414,20 @@ def torch_prefill(way: str, model):
     graphs are not affected (they replay what was captured). "groups" and "varlen": as it is, with the Gated
     DeltaNet's segments by groups of equal lengths, or as one variable-length call (kernels/prefill.VARLEN)."""
     from memra_pp.kernels import fused_decode as fd, prefill as pf
+    if way.endswith("-chunkh"):         # as the way before it, fla's chunk_h config chosen by its grid
+        pick, pinned = CHUNKH
+        rules = {id(r): r for r in (getattr(layer.mixer, "rule", None) for layer in model.layers) if r is not None}
+        own = {k: r._chunk_h for k, r in rules.items()}     # (a pick of their own: MEMRA_PP_CHUNK_H_GRID=1)
+        for r in rules.values():
+            r._chunk_h = pick
+        try:
+            with torch_prefill(way.removesuffix("-chunkh"), model):
+                yield
+        finally:
+            for k, r in rules.items():
+                r._chunk_h = own[k]
+            pick.tuner.configs = pinned
+        return
     if way in ("graphs", "graphs-norule"):   # as "kernels", through the prefill graphs; "graphs-norule": with fla's
         model.pgraphs, rules = PGRAPHS, PGRAPHS.rules   # rule called eagerly between them (no RuleGraphs)
         if way == "graphs-norule":

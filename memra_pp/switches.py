@@ -30,6 +30,10 @@ SWITCHES = {
                                     "per row and segment bucket (model/prefill_graphs.RuleGraphs; GPU only): a "
                                     "quarter of its host time for a fifth more device time, off where the host keeps "
                                     "up (docs/PERF.md, thirty-ninth session)"),
+    "MEMRA_PP_CHUNK_H_GRID": (False, "fla's chunk_h kernel gets its config call by call from the call's grid against "
+                                     "the SMs (model/fla_rule.GridPick; GPU only; 0: one pinned config): the "
+                                     "fastest of three measured at each layout, not yet measured in a step (docs/"
+                                     "PERF.md, forty-second session)"),
     "MEMRA_PP_GC_FREEZE": (True, "each stage collects its heap once and freezes it when it starts serving (as vLLM "
                                  "does), so no full collection walks the libraries' objects mid-run (a ~160 ms "
                                  "stall of the whole pipeline on the CPU stages measured)"),
@@ -46,6 +50,7 @@ TARGETS = {
     "MEMRA_PP_PREFILL_VARLEN": ("memra_pp.kernels.prefill", "VARLEN"),
     "MEMRA_PP_PREFILL_GRAPHS": ("memra_pp.model.prefill_graphs", "ENABLED"),
     "MEMRA_PP_RULE_GRAPHS": ("memra_pp.model.prefill_graphs", "RULE_GRAPHS"),
+    "MEMRA_PP_CHUNK_H_GRID": ("memra_pp.model.fla_rule", "CHUNK_H_GRID"),
     "MEMRA_PP_GC_FREEZE": ("memra_pp.stages.runner", "GC_FREEZE"),
 }
 

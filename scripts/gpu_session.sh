@@ -2,7 +2,7 @@
 # One device session on a lent GPU machine (run from the repo root, after `source .whl/unpack`):
 # probe, GPU tests, batteries, decode benchmarks. Every phase has a timeout; logs and JSON land in $OUT.
 # Pick phases with PHASES="probe tests battery1 battery2 battery4 host bench hfmap sat ttft2 bench4 engine kernels
-# publish prefill prefillstep pgraphstep pgraphe2e kkt chunkcfg mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
+# publish prefill prefillstep pgraphstep pgraphe2e kkt chunkcfg chunkh mixedstep e2e cudnn varlen varlen-e2e chunks budget moestep moekern moeblock l2 smem moe" (one run call is 10 minutes: split them over calls).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 phase() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T), limit ${limit}s)"; \
@@ -106,6 +106,12 @@ for phase_name in ${PHASES:-probe tests battery1 battery2 host}; do
                 phase "chunk-configs-${m#preset:qwen3.5-}" ${CC_S:-240} python3 -u benchmarks/fla_host.py \
                   --out "$OUT/chunkcfg-${m#preset:qwen3.5-}" --model $m --checks-only \
                   --chunk-configs ${CC_LAYOUTS:-1x1024,1x4096,8x256,16x128} ; done ;;
+    # prompt steps through the prefill graphs with fla's chunk_h pinned and chosen by its grid (MEMRA_PP_CHUNK_H_GRID),
+    # interleaved, both models (~3 minutes each on an H100); then the sweep with the grid pick marked in use
+    chunkh) for m in ${CH_MODELS:-preset:qwen3.5-27b preset:qwen3.5-35b-a3b}; do
+              phase "chunkh-step-${m#preset:qwen3.5-}" ${CH_S:-270} python3 -u benchmarks/gpu_engine_step.py \
+                --out "$OUT/chunkh-${m#preset:qwen3.5-}" --model $m --batches 1 --modes graph --iters 3 --ctx 600 \
+                --prefill ${CH_SHAPES:-1x1024,1x4096,16x128~0.5,8x256~0.5} --prefill-graphs --chunk-h-grid ; done ;;
     kkt) phase kkt-probe 200 python3 -u benchmarks/fla_host.py --out "$OUT/kkt" --prompts 1x1024,8x256~0.5 --kkt-probe --kkt-grid ;;
     moekern) phase moe-kernels 200 python3 -u benchmarks/moe_kernels.py --out "$OUT/moe" ;;
     # the one-row MoE block as one persistent kernel (kernels/moe_block.py): alone against its three kernels, with

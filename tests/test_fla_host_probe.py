@@ -164,12 +164,23 @@ def test_chunk_configs_pins_each_kernels_configs_in_turn(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     calls = []
 
+    class Pick:     # the rule's chunk_h grid pick: BV 32, 2 warps for one segment, BV 64, 2 warps for more
+        tuner = tuners[names[2]]
+        every = list(tuner.configs)
+
+        def choose(self, segments, heads, dv, device):
+            assert (heads, dv, device) == (4, 8, "cpu")
+            return self.every[0 if segments == 1 else 2]
+
     class Rule:
+        _chunk_h = Pick()
+
         def chunk_varlen(self, q, k, v, g, beta, state, cu, chunks):
             for t in tuners.values():     # (Triton's: the config a call ran)
                 t.best_config = t.configs[0] if len(t.configs) == 1 else t.cache["key"]
             if all(len(t.configs) > 1 for n, t in tuners.items() if n != names[3]):
                 return      # (the call before the sweep)
+            assert self._chunk_h is None        # (the grid pick off while the probe pins configs)
             # one kernel pinned at a time, the others as tuned (the last as fla_rule pinned it)
             swept = [n for n, t in tuners.items() if len(t.configs) == 1 and n != names[3]] or [names[3]]
             [name] = swept
@@ -201,8 +212,11 @@ def test_chunk_configs_pins_each_kernels_configs_in_turn(monkeypatch, tmp_path):
     assert layouts == [("1x128", [128]), ("2x64", [64, 64])]
     last = tuners[names[3]]         # pinned as fla_rule pins: cut to one config, run but not cached
     last._memra_all, last.configs, last.cache = list(last.configs), [last.configs[2]], {}
-    rows = fla_host.chunk_configs(Rule(), 4, 4, 8, "cpu", torch.Generator().manual_seed(0), layouts, iters=2)
-    assert len(rows) == 4 * 4 * 2
+    rule = Rule()
+    rows = fla_host.chunk_configs(rule, 4, 4, 8, "cpu", torch.Generator().manual_seed(0), layouts, iters=2)
+    assert len(rows) == 4 * 4 * 2 and isinstance(rule._chunk_h, Pick)
+    h = [(r["config"], r["layout"]) for r in rows if r["kernel"] == names[2] and r["in_use"]]
+    assert h == [("BV 32, 2 warps, 3 stages", "1x128"), ("BV 64, 2 warps, 3 stages", "2x64")]
     assert [r["config"] for r in rows if r["kernel"] == names[3] and r["in_use"]] == ["BV 64, 2 warps, 3 stages"] * 2
     assert [r["kernel"] for r in rows[::8]] == names
     assert rows[0]["config"] == "BV 32, 2 warps, 3 stages" and rows[0]["us"] == 52.0
@@ -219,5 +233,5 @@ def test_chunk_configs_pins_each_kernels_configs_in_turn(monkeypatch, tmp_path):
     lines = fla_host.chunk_config_summary(rows)
     assert lines[0].startswith(names[0]) and "in use    72.00 us (BV 32, 4 warps, 3 stages)" in lines[0]
     assert "fastest    52.00 us (BV 32, 2 warps, 3 stages)" in lines[0]
-    assert lines[-1].endswith("in use   300.00 us a layer, each at its fastest   208.00 us (1.44x)")
+    assert lines[-1].endswith("in use   312.00 us a layer, each at its fastest   208.00 us (1.50x)")
     assert Path(fla_host.plot_chunk_configs(rows, str(tmp_path / "c.png"), "test")).stat().st_size > 10_000

@@ -181,3 +181,81 @@ def test_making_the_rule_pins_fla_kernels_where_they_exist(monkeypatch):
     monkeypatch.setattr(sys.modules["fla.ops.common"], "__path__", [], raising=False)
     assert fla_rule._kernel(*fla_rule.PINS[1][:2]) is None
     fla_rule.FlaRule()          # (no chunk_h module: nothing pinned there, no failure)
+
+
+def test_chunk_h_picked_by_grid_where_switched_on(monkeypatch):
+    """MEMRA_PP_CHUNK_H_GRID: chunk_h's config call by call (GridPick, matched by num_stages too): BV 32 / 4 warps /
+    4 stages where segments x heads x 4 programs fit the SMs, BV 64 / 4 / 4 where x 2 do, else BV 64 / 4 / 2; the
+    eight points of the forty-second session's measurement (35B-A3B 32 value heads, 27B 48; 132 SMs), each its
+    fastest config. The warm-up compiles every one of the three (chunk and variable-length calls). An fla without
+    one of those configs keeps the pin; the switch off, the pin."""
+    import torch
+    import triton
+
+    def every_h():
+        return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for w in (2, 4) for s in (2, 3, 4)
+                for bv in (32, 64)]
+    chunk_h = _Tuner(every_h())
+    calls = []
+
+    def chunk(q, k, v, **kw):
+        calls.append((v.shape[0], kw.get("cu_seqlens") is not None, tuple(chunk_h.configs)))
+        return v, kw["initial_state"]
+
+    def recurrent(q, k, v, **kw):
+        return v, kw["initial_state"]
+    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.utils",
+                                             "fla.ops.utils.cumsum", "fla.ops.common", "fla.ops.common.chunk_delta_h")}
+    mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk
+    mods["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = recurrent
+    mods["fla.ops.utils"].cumsum = mods["fla.ops.utils.cumsum"]
+    mods["fla.ops.utils.cumsum"].chunk_local_cumsum_scalar_kernel = _Tuner(["a"])
+    h_mod = mods["fla.ops.common.chunk_delta_h"]
+    h_mod.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = types.SimpleNamespace(fn=chunk_h)
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    sms = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: sms.append(d) or types.SimpleNamespace(multi_processor_count=132))
+    import memra_pp.kernels.fused_decode as fd
+    from memra_pp.kernels import prefill as pf
+    monkeypatch.setattr(fd, "l2norm", lambda x: x)
+    monkeypatch.setattr(pf, "VARLEN", True)
+    monkeypatch.setattr(fla_rule, "_WARM", {})
+
+    def named(c):
+        return c.kwargs["BV"], c.num_warps, c.num_stages
+    monkeypatch.setattr(fla_rule, "CHUNK_H_GRID", False)
+    assert fla_rule.FlaRule()._chunk_h is None
+    assert [named(c) for c in chunk_h.configs] == [(64, 4, 4)]      # the pin
+    monkeypatch.setattr(fla_rule, "CHUNK_H_GRID", True)
+    rule = fla_rule.FlaRule()
+    pick = rule._chunk_h
+    assert pick.tuner is chunk_h and len(chunk_h._memra_all) == 12 and chunk_h.cache == {}
+    assert [named(c) for c in chunk_h.configs] == [(64, 4, 2)]
+    dev = torch.device("cuda", 0)
+    got = {(heads, n): named(pick.choose(n, heads, 128, dev)) for heads in (32, 48) for n in (1, 2, 8, 16)}
+    assert got == {(32, 1): (32, 4, 4), (32, 2): (64, 4, 4), (32, 8): (64, 4, 2), (32, 16): (64, 4, 2),
+                   (48, 1): (64, 4, 4), (48, 2): (64, 4, 2), (48, 8): (64, 4, 2), (48, 16): (64, 4, 2)}
+    assert len(sms) == 1        # (the SM count asked once a device)
+    z = torch.zeros(1, 192, 32, 128)
+    rule.chunk_varlen(z, z, z, z[..., 0], z[..., 0], torch.zeros(1, 32, 128, 128), torch.tensor([0, 192]),
+                      torch.zeros(3, 2, dtype=torch.long))
+    rule.chunk_varlen(z, z, z, z[..., 0], z[..., 0], torch.zeros(2, 32, 128, 128), torch.tensor([0, 96, 192]),
+                      torch.zeros(3, 2, dtype=torch.long), normed=True)
+    b = torch.zeros(8, 64, 32, 128)
+    rule.chunk(b, b, b, b[..., 0], b[..., 0], torch.zeros(8, 32, 128, 128))
+    assert [[named(c) for c in cs] for _, _, cs in calls] == [[(32, 4, 4)], [(64, 4, 4)], [(64, 4, 2)]]
+    calls.clear()
+    # the warm-up (grouped value heads found: q and k keep their 16 heads): each config compiled, both calls
+    rule.warm_up(32, 128, 128, torch.float32, torch.device("cpu"), k_heads=16)
+    assert rule.gva
+    compiled = {(nb, varlen, named(cs[0])) for nb, varlen, cs in calls}
+    assert {(c[1], c[2]) for c in compiled} >= {(v, cfg) for v in (False, True)
+                                                 for cfg in ((32, 4, 4), (64, 4, 4), (64, 4, 2))}
+    # an fla whose chunk_h lacks one of the picked configs: pinned as without the switch
+    short = _Tuner([c for c in every_h() if named(c) != (64, 4, 2)])
+    h_mod.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = types.SimpleNamespace(fn=short)
+    assert fla_rule.FlaRule()._chunk_h is None and [named(c) for c in short.configs] == [(64, 4, 4)]

@@ -458,3 +458,40 @@ def test_switch_arguments_name_known_switches_and_combine(monkeypatch, capsys):
     assert os.environ["MEMRA_PP_ANY_KV_GRAPHS"] == "0" and os.environ["MEMRA_PP_KV_IN_PLACE"] == "1"
     said = capsys.readouterr().out.splitlines()
     assert said == ["  prompt steps through prefill graphs: False", "  fla's rule through the rule graphs: True"]
+
+
+def test_engine_step_chunk_h_way_lends_the_grid_pick_then_restores_the_pin(monkeypatch):
+    """gpu_engine_step.py --chunk-h-grid: chunk_h_pick makes fla_rule's GridPick over the pinned autotuner and puts
+    the pin back; the "-chunkh" way lends the pick to every Gated DeltaNet rule for the step (inside the way before
+    it) and takes it back after, the autotuner pinned again: the other ways keep the pin."""
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    import gpu_engine_step as ges
+    from memra_pp.model import fla_rule
+
+    class Tuner(Autotuner):
+        def __init__(self, configs):
+            self.configs, self.cache = configs, {}
+    every = [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for w in (2, 4) for s in (2, 3, 4)
+             for bv in (32, 64)]
+    tuner = Tuner(list(every))
+    assert fla_rule._pin(tuner, fla_rule.CHUNK_H_CONFIG)
+    pinned = list(tuner.configs)
+    monkeypatch.setattr(fla_rule, "_kernel", lambda mod, name: tuner)
+    got = ges.chunk_h_pick()
+    assert got is not None and got[1] == pinned and tuner.configs == pinned
+    pick = got[0]
+    assert pick.tuner is tuner and pick.many.num_stages == 2
+    monkeypatch.setattr(ges, "CHUNKH", got)
+    rule = types.SimpleNamespace(_chunk_h="its own")
+    model = types.SimpleNamespace(layers=[types.SimpleNamespace(mixer=types.SimpleNamespace(rule=rule)),
+                                          types.SimpleNamespace(mixer=types.SimpleNamespace())])
+    from memra_pp.kernels import prefill as pf
+    varlen = pf.VARLEN
+    with ges.torch_prefill("kernels-chunkh", model):
+        assert rule._chunk_h is pick and pf.VARLEN == varlen
+        tuner.configs = [pick.many]         # (as a call would set it)
+    assert rule._chunk_h == "its own" and tuner.configs == pinned      # (MEMRA_PP_CHUNK_H_GRID=1's, put back)
+    monkeypatch.setattr(fla_rule, "_kernel", lambda mod, name: None)
+    assert ges.chunk_h_pick() is None

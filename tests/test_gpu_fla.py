@@ -17,9 +17,10 @@ def test_chunk_calls_of_new_shapes_tune_nothing_and_match_torch():
     from fla.ops.gated_delta_rule import chunk_fwd      # the fused kkt-solve kernel: pinned (fla_rule._pin)
     [cfg] = fla_rule._autotuner(chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel).configs
     assert cfg.kwargs.get("BK") == 64 and cfg.num_warps == 1, cfg
-    from fla.ops.common import chunk_delta_h            # chunk_h: pinned too
+    from fla.ops.common import chunk_delta_h            # chunk_h: pinned too (or picked by its grid)
     [cfg] = fla_rule._autotuner(chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64).configs
-    assert (cfg.kwargs.get("BV"), cfg.num_warps, cfg.num_stages) == (64, 4, 4), cfg
+    assert rule._chunk_h is not None if fla_rule.CHUNK_H_GRID else \
+        (cfg.kwargs.get("BV"), cfg.num_warps, cfg.num_stages) == (64, 4, 4), cfg
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def call(G, n, H=32, D=128):
@@ -169,3 +170,56 @@ def test_prefill_conv_compiles_nothing_in_a_request(monkeypatch):
             pf.conv_varlen(u, seg, w, state, (qk, qk, C - 2 * qk))
     torch.cuda.synchronize()
     assert binaries() == first, f"the conv compiled {binaries() - first} binaries after the warm-up"
+
+
+def test_chunk_h_grid_pick_compiles_at_warm_up_and_matches_the_pin(monkeypatch):
+    """MEMRA_PP_CHUNK_H_GRID: the load's warm-up compiles each of chunk_h's picked configs, so variable-length calls
+    of 1, 2 and 16 segments after it compile no binary; each call runs the config its grid gives; outputs and final
+    states match the pinned config's (the same arithmetic in other tiles)."""
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU (run it on the GPU machine: pytest -m gpu)"
+    from memra_pp.kernels import prefill as pf
+    from memra_pp.model import fla_rule
+    monkeypatch.setattr(pf, "VARLEN", True)
+    monkeypatch.setattr(fla_rule, "_WARM", {})         # (this process's warm-ups so far compiled the pin only)
+    monkeypatch.setattr(fla_rule, "CHUNK_H_GRID", True)
+    rule = fla_rule.FlaRule()
+    pick, dev = rule._chunk_h, torch.device("cuda")
+    assert pick is not None, "this fla has not the chunk_h configs GridPick picks from"
+    H, HV, D = 16, 32, 128
+    rule.warm_up(HV, D, D, torch.bfloat16, dev, k_heads=H)
+    qh = H if rule.gva else HV
+
+    def binaries():
+        return sum(len(c[0]) for c in pick.tuner.fn.device_caches.values())
+    first = binaries()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=gen)
+    cases, used = [], []
+    for lens in ([1024], [512, 512], [128] * 16):
+        R = sum(lens)
+        q, k, v = r(1, R, qh, D).bfloat16(), r(1, R, qh, D).bfloat16(), r(1, R, HV, D).bfloat16()
+        g, beta = -torch.rand(1, R, HV, device="cuda", generator=gen), r(1, R, HV).sigmoid().bfloat16()
+        s0 = r(len(lens), HV, D, D) * 0.1
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], device="cuda")
+        ch = torch.tensor([[i, j] for i, n in enumerate(lens) for j in range(-(-n // 64))], device="cuda")
+        args = (q, k, v, g, beta, s0, cu, ch)
+        cases.append((args, rule.chunk_varlen(*args)))
+        used.append(pick.tuner.configs[0])
+        assert used[-1] is pick.choose(len(lens), HV, D, dev)
+    torch.cuda.synchronize()
+    assert binaries() == first, "a call after the warm-up compiled chunk_h again (a request would wait for it)"
+    assert len({id(c) for c in used}) >= 2, [str(c) for c in used]      # (on 132 SMs: all three)
+    [pin] = fla_rule._matching(pick.tuner._memra_all, fla_rule.CHUNK_H_CONFIG)
+    rule._chunk_h = None
+    try:
+        for args, (o, st) in cases:
+            pick.tuner.configs = [pin]
+            o2, st2 = rule.chunk_varlen(*args)
+            assert torch.allclose(o.float(), o2.float(), atol=2e-2, rtol=2e-2)
+            assert torch.allclose(st, st2, atol=1e-3, rtol=1e-3), (st - st2).abs().max().item()
+    finally:
+        monkeypatch.setattr(fla_rule, "CHUNK_H_GRID", False)
+        fla_rule.FlaRule()          # (the pin back for the tests after)
+

@@ -15,6 +15,7 @@ Every other key fla tunes on is fixed by the model's dimensions. `tuned_keys()` 
 process (stage stats report it: a timed run that tunes nothing has the same count before and after)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
@@ -22,6 +23,8 @@ import os
 import sys
 
 import torch
+
+from memra_pp.switches import initial
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,7 @@ class FlaRule:
     heads."""
     name = "fla"
     gva = False
+    _chunk_h = None     # GridPick of fla's chunk_h (MEMRA_PP_CHUNK_H_GRID), where this fla has its configs
 
     def __init__(self):
         # fla 0.6 dispatches chunk_gated_delta_rule to other backends where installed (flash_qla, priority 3, on by
@@ -74,6 +78,8 @@ class FlaRule:
         _tune_once(cumsum.chunk_local_cumsum_scalar_kernel)
         for mod, kernel, want in PINS:
             _pin(_kernel(mod, kernel), want)
+        if CHUNK_H_GRID:        # (MEMRA_PP_CHUNK_H_GRID) chunk_h's config call by call instead of its pin
+            self._chunk_h = GridPick.make(_kernel(*PINS[1][:2]), CHUNK_H_BY_GRID, CHUNK_H_MANY)
 
     def warm_up(self, heads: int, dk: int, dv: int, dtype, device, k_heads: int | None = None) -> None:
         """Tune and compile fla's kernels for these dimensions now (a stage load), not in the first request's
@@ -102,13 +108,18 @@ class FlaRule:
             except Exception as e:  # noqa: BLE001 - an fla without grouped value heads: repeat q and k instead
                 log.info("fla takes no grouped value heads (%s: %s); q and k are repeated", type(e).__name__, e)
                 self.gva = False
-        if not self.gva:
-            run(heads)
-        if pf.VARLEN:       # the variable-length call's binaries (IS_VARLEN), one tuning of each
-            qh, cu = kh if self.gva else heads, torch.tensor([0, 40, 64], device=device)
-            self.chunk_varlen(z(1, 64, qh, dk), z(1, 64, qh, dk), z(1, 64, heads, dv),
-                              z(1, 64, heads, dt=torch.float32), z(1, 64, heads), z(2, heads, dk, dv, dt=torch.float32),
-                              cu, torch.tensor([[0, 0], [1, 0]], device=device))
+        qh = kh if self.gva else heads
+        # (with chunk_h picked call by call, each of its configs compiled now: a request meeting a new one would
+        # wait for Triton)
+        for cfg in self._chunk_h.every() if self._chunk_h is not None else [None]:
+            with self._chunk_h.forced(cfg) if cfg is not None else contextlib.nullcontext():
+                if not self.gva or cfg is not None:     # (the grouped check ran gva's calls with one config)
+                    run(qh)
+                if pf.VARLEN:       # the variable-length call's binaries (IS_VARLEN), one tuning of each
+                    self.chunk_varlen(z(1, 64, qh, dk), z(1, 64, qh, dk), z(1, 64, heads, dv),
+                                      z(1, 64, heads, dt=torch.float32), z(1, 64, heads),
+                                      z(2, heads, dk, dv, dt=torch.float32), torch.tensor([0, 40, 64], device=device),
+                                      torch.tensor([[0, 0], [1, 0]], device=device))
         _WARM[key] = self.gva
 
     def _grouped_equals_repeated(self, kh: int, heads: int, dk: int, dv: int, dtype, device) -> bool:
@@ -138,6 +149,8 @@ class FlaRule:
         # the one-tile l2norm kernel takes contiguous rows: on the merged prefill path the conv wrote q and k so
         # (contiguous() is then free); without it, grouped heads (gva) are views into the conv's output, copied here
         # (a third of the rows the repeat copied)
+        if self._chunk_h is not None:
+            self._chunk_h.set(v.shape[0], v.shape[-2], v.shape[-1], v.device)
         o, s = self._chunk(l2norm(q.contiguous()), l2norm(k.contiguous()), v, g=g.float(), beta=beta,
                            initial_state=state.float().contiguous(), output_final_state=True,
                            use_qk_l2norm_in_kernel=False)
@@ -151,6 +164,8 @@ class FlaRule:
         from memra_pp.kernels.fused_decode import l2norm
         if not normed:
             q, k = l2norm(q.contiguous()), l2norm(k.contiguous())
+        if self._chunk_h is not None:
+            self._chunk_h.set(cu.shape[0] - 1, v.shape[-2], v.shape[-1], v.device)
         o, s = self._chunk(q, k, v, g=g.float(), beta=beta,
                            initial_state=state.float().contiguous(), output_final_state=True,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=cu, chunk_indices=chunks)
@@ -198,6 +213,12 @@ KKT_SOLVE_CONFIG = {"BK": 64, "num_warps": 1}
 # take 3-4x the fastest. (One config a call by its grid against the SMs would take the fastest at all eight points;
 # each of its configs would then need compiling at load: docs/PERF.md, forty-second session.)
 CHUNK_H_CONFIG = {"BV": 64, "num_warps": 4, "num_stages": 4}
+# MEMRA_PP_CHUNK_H_GRID (off): GridPick gives chunk_h the first of CHUNK_H_BY_GRID whose grid fits one wave of the
+# SMs, else CHUNK_H_MANY: at each of the eight points above, the fastest of its configs measured. Not yet measured in a
+# step; each of the three configs is compiled at load.
+CHUNK_H_BY_GRID = ({"BV": 32, "num_warps": 4, "num_stages": 4}, {"BV": 64, "num_warps": 4, "num_stages": 4})
+CHUNK_H_MANY = {"BV": 64, "num_warps": 4, "num_stages": 2}
+CHUNK_H_GRID = initial("MEMRA_PP_CHUNK_H_GRID")
 # (module, kernel, config) pinned when FlaRule is made
 PINS = (("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel", KKT_SOLVE_CONFIG),
         ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", CHUNK_H_CONFIG))
@@ -211,6 +232,57 @@ def _kernel(module: str, name: str):
         return None
 
 
+class GridPick:
+    """A kernel's autotuner set, call by call, to one of its own configs by the call's grid: the first of
+    `by_grid` whose programs (segments x heads x value columns / BV) fit one wave of the device's SMs, else `many`.
+    `make` gives None (the autotuner left as it was) where the kernel, its autotuner or any of these configs is
+    missing."""
+
+    def __init__(self, tuner, by_grid: list, many):
+        self.tuner, self.by_grid, self.many, self._sms, self._forced = tuner, by_grid, many, {}, None
+
+    @classmethod
+    def make(cls, kernel, by_grid, many) -> GridPick | None:
+        tuner = _autotuner(kernel)
+        if tuner is None:
+            return None
+        every = list(getattr(tuner, "_memra_all", None) or tuner.configs)
+        found = [_matching(every, want) for want in (*by_grid, many)]
+        if any(len(f) != 1 for f in found):
+            return None
+        tuner._memra_all = every        # (benchmarks try each)
+        tuner.cache.clear()
+        pick = cls(tuner, [f[0] for f in found[:-1]], found[-1][0])
+        tuner.configs = [pick.many]
+        return pick
+
+    def every(self) -> list:
+        return [*self.by_grid, self.many]
+
+    def choose(self, segments: int, heads: int, dv: int, device):
+        """The config for a call over `segments` segments of `heads` heads with `dv` value columns."""
+        key = getattr(device, "index", None)
+        sms = self._sms.get(key)
+        if sms is None:
+            sms = self._sms[key] = torch.cuda.get_device_properties(device).multi_processor_count
+        for cfg in self.by_grid:
+            if segments * heads * -(-dv // cfg.kwargs["BV"]) <= sms:
+                return cfg
+        return self.many
+
+    def set(self, segments: int, heads: int, dv: int, device) -> None:
+        self.tuner.configs = [self._forced or self.choose(segments, heads, dv, device)]
+
+    @contextlib.contextmanager
+    def forced(self, cfg):
+        """Every call inside takes `cfg` (the warm-up compiles each config so)."""
+        self._forced = cfg
+        try:
+            yield
+        finally:
+            self._forced = None
+
+
 def _pin(kernel, want: dict) -> bool:
     """Cut the kernel's autotuner to its own config matching `want` (kwargs, num_warps, num_stages), if it has
     exactly one: then no tuning picks another. False (nothing changed) where it has none, or several, or no
@@ -218,10 +290,11 @@ def _pin(kernel, want: dict) -> bool:
     tuner = _autotuner(kernel)
     if tuner is None:
         return False
-    hits = _matching(tuner.configs, want)
+    every = getattr(tuner, "_memra_all", None) or list(tuner.configs)    # (a kernel pinned or picked before)
+    hits = _matching(every, want)
     if len(hits) != 1:
         return False
-    tuner._memra_all = getattr(tuner, "_memra_all", None) or list(tuner.configs)   # (benchmarks try each)
+    tuner._memra_all = every    # (benchmarks try each)
     tuner.configs = hits
     tuner.cache.clear()     # (a key tuned before the pin would keep its old choice)
     return True
