@@ -49,6 +49,35 @@ def pg_name(name: str) -> str:
     return f"memra_pp:{name}"
 
 
+def _launch_where_attached(p: Placement, detached: bool) -> None:
+    """A process already attached to Ray launches in that cluster and namespace: a placement whose `ray` section asks
+    for another (a namespace other than the default, a host:port of another cluster) or for a listen address other
+    than its node's (only a cluster launch starts takes one) is refused, not silently ignored (DESIGN law 2; connect
+    refuses so too). The
+    default namespace is not refused: a detached deployment's stages take the process's, said in a warning (its
+    names would be looked for in the default)."""
+    from .placement.schema import RaySpec
+    here, default = ray.get_runtime_context().namespace, RaySpec()
+    if p.ray.namespace != default.namespace and p.ray.namespace != here:
+        raise ConfigError(f"ray.namespace {p.ray.namespace!r}: this process is attached to Ray in namespace {here!r}, "
+                          f"where launch would name its stages; launch from a process not yet attached to Ray, or "
+                          f"attached in {p.ray.namespace!r}")
+    if p.ray.listen != default.listen and p.ray.listen != ray.util.get_node_ip_address():
+        # (the address this process's node advertises: an earlier launch's cluster, started with this listen, passes)
+        raise ConfigError(f"ray.listen {p.ray.listen!r}: only a Ray cluster that launch starts takes it, and this "
+                          f"process is attached to Ray already (its node at {ray.util.get_node_ip_address()}); drop "
+                          f"the key, or launch from a process not yet attached")
+    if p.ray.address not in ("local", "auto"):
+        from .rayutil import same_cluster
+        gcs = ray.get_runtime_context().gcs_address
+        if not same_cluster(p.ray.address, gcs):
+            raise ConfigError(f"ray.address {p.ray.address!r}: this process is attached to another Ray cluster "
+                              f"(its GCS at {gcs}); launch from a process not yet attached, or attached there")
+    if detached and p.ray.namespace != here:
+        log.warning(f"ray.namespace: this process is attached to Ray in namespace {here!r}, not the default "
+                    f"{p.ray.namespace!r}: the stages are named there (connect(name, namespace={here!r}))")
+
+
 def _named_pg(name: str):
     """The detached deployment `name`'s placement group in this namespace (None: there is none)."""
     from ray.util.placement_group import get_placement_group
@@ -133,7 +162,7 @@ class Deployment:
         tokenizer = Tokenizer.for_model(placement.model.path)
         for w in plan.warnings:
             log.warning(w)
-        owns_ray = cls._ray_up(placement)
+        owns_ray = cls._ray_up(placement, detached)
         run_dir = tempfile.mkdtemp(prefix="memra-")
         actors, pg = [], None
         try:
@@ -243,8 +272,9 @@ class Deployment:
         return out, probes
 
     @staticmethod
-    def _ray_up(p: Placement) -> bool:
+    def _ray_up(p: Placement, detached: bool = False) -> bool:
         if ray.is_initialized():
+            _launch_where_attached(p, detached)
             return False
         if p.ray.address == "local":
             need = sum(s.num_cpus for s in p.stages) + 0.5

@@ -170,7 +170,7 @@ def _require_listening(address: str, timeout: float = 5.0) -> str | None:
     """A host:port where nothing accepts a connection is refused at once: ray.init retries such an address for
     minutes (13 measured here) before it gives up. Returns the host (None for ray://, a file path...: Ray's own
     rules)."""
-    m = re.fullmatch(r"([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d+)", address)
+    m = re.fullmatch(_HOST_PORT, address)
     if m is None:
         return None
     host = m.group(1).strip("[]")
@@ -208,6 +208,28 @@ def _answers_http2(conn: socket.socket, timeout: float) -> bool:
     except OSError:
         return False
     return head[3] == 4
+
+
+_HOST_PORT = r"([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d+)"
+
+
+def same_cluster(address: str, gcs: str) -> bool:
+    """Whether a host:port `address` names the Ray cluster whose GCS is at `gcs` (host:port): the same port on the
+    same host (equal names, both this machine, or names resolving to a common address). Addresses of other forms
+    (ray://, auto) are not compared: True."""
+    m, g = re.fullmatch(_HOST_PORT, address), re.fullmatch(_HOST_PORT, gcs or "")
+    if m is None or g is None:
+        return True
+    if int(m.group(2)) != int(g.group(2)):
+        return False
+    a, b = m.group(1).strip("[]"), g.group(1).strip("[]")
+    if a == b or (_this_host(a) and _this_host(b)):
+        return True
+    try:
+        ips = [{i[4][0] for i in socket.getaddrinfo(h, None, proto=socket.IPPROTO_TCP)} for h in (a, b)]
+    except OSError:
+        return False
+    return bool(ips[0] & ips[1])
 
 
 def _this_host(host: str) -> bool:

@@ -3,6 +3,7 @@ must serve the next valid request. One 2-stage deployment is shared by the reque
 checks (YAML, checkpoints) must leave no actor and, when launch started it, no Ray cluster behind."""
 import gc
 import os
+import re
 import shutil
 import stat
 import struct
@@ -786,3 +787,35 @@ def test_a_stop_id_does_not_turn_eos_off(ray_cluster):
         r = c.generate([5, 17, 42], max_new_tokens=n, temperature=5.0, seed=seed, stop_token_ids=[other],
                        ignore_eos=True)
         assert r.token_ids == toks and r.finish_reason == "length"
+
+
+def test_a_ray_section_an_attached_process_cannot_honour_is_refused(ray_cluster, caplog):
+    """DESIGN law 2 (a conformance review found it): in a process already attached to Ray, launch dropped the
+    placement's `ray` section silently: a detached deployment's stages were named in the process's namespace, not
+    the YAML's (so connect and the CLI with that namespace could not find them), and another cluster's address was
+    ignored. Now another namespace, another cluster's address and a listen address are each a ConfigError naming
+    the key, before anything starts; this cluster's own GCS address (spelled with loopback) serves, and the default
+    namespace of a detached launch serves in the process's with a warning that says where."""
+    _, path = tiny_checkpoint("dense", False)
+    rc = ray.get_runtime_context()
+    here, port = rc.namespace, rc.gcs_address.rsplit(":", 1)[1]
+    base = {"model": {"path": str(path)}, "stages": [{"device": "cpu", "num_cpus": 0.1}],
+            "scheduler": {"max_batch": 2, "max_context": 64, "prefill_chunk": 16}}
+    for section, msg in (
+            ({"namespace": "elsewhere"}, f"ray.namespace 'elsewhere': this process is attached to Ray in namespace "
+                                         f"{here!r}"),
+            ({"address": "127.0.0.1:1"}, "ray.address '127.0.0.1:1': this process is attached to another Ray cluster"),
+            ({"listen": "10.1.2.3"}, "ray.listen '10.1.2.3': only a Ray cluster that launch starts takes it")):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            memra_pp.launch({**base, "name": "rayrefused", "ray": section}, detached=True)
+        with pytest.raises(ValueError):
+            ray.get_actor("rayrefused.stage0")
+    assert ray.is_initialized() and ray.get_runtime_context().namespace == here
+    with caplog.at_level("WARNING", logger="memra_pp.deployment"):
+        d = memra_pp.launch({**base, "name": "rayhere", "ray": {"address": f"127.0.0.1:{port}"}}, detached=True)
+    try:
+        assert f"attached to Ray in namespace {here!r}, not the default 'memra'" in caplog.text
+        ray.get_actor("rayhere.stage0")     # (named where this process is)
+        assert len(d.client().generate([5, 17, 42], max_new_tokens=3, ignore_eos=True).token_ids) == 3
+    finally:
+        d.shutdown()
