@@ -83,7 +83,9 @@ def idle_after(dep):
         check(p, 4, r)
 
 
-@pytest.mark.parametrize("name", ["small", "cut"])
+# ("small", chunk 7, was a second case: 7 s of the suite for shapes test_one_stage_async_steps_with_small_chunks and
+# test_moe_three_stages_small_chunks_staggered take, and a budget hold-back test_runtime and test_feature_combos assert)
+@pytest.mark.parametrize("name", ["cut"])
 def test_staggered_lengths_while_others_decode(deps, name):
     """A long decode runs; prompts of 1, chunk, chunk+1, 2*chunk+1 and 150 tokens arrive at staggered times,
     with max_new_tokens 0 and 1 mixed in; every one equals transformers (and the 0-token one ends at once)."""
