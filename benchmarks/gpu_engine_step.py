@@ -395,7 +395,7 @@ def chunk_h_pick():
     keeps its pin outside those ways. (The pick's other configs compile in its way's first step: the timings take
     each way's fastest step.)"""
     from memra_pp.model import fla_rule
-    tuner = fla_rule._autotuner(fla_rule._kernel(*fla_rule.PINS[1][:2]))
+    tuner = fla_rule._autotuner(fla_rule._kernel(*fla_rule.CHUNK_H))
     if tuner is None:
         return None
     pinned = list(tuner.configs)

@@ -53,9 +53,8 @@ def _launch_where_attached(p: Placement, detached: bool) -> None:
     """A process already attached to Ray launches in that cluster and namespace: a placement whose `ray` section asks
     for another (a namespace other than the default, a host:port of another cluster) or for a listen address other
     than its node's (only a cluster launch starts takes one) is refused, not silently ignored (DESIGN law 2; connect
-    refuses so too). The
-    default namespace is not refused: a detached deployment's stages take the process's, said in a warning (its
-    names would be looked for in the default)."""
+    refuses so too). The default namespace is not refused: a detached deployment's stages take the process's, said
+    in a warning (its names would be looked for in the default)."""
     from .placement.schema import RaySpec
     here, default = ray.get_runtime_context().namespace, RaySpec()
     if p.ray.namespace != default.namespace and p.ray.namespace != here:

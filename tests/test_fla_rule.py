@@ -148,16 +148,19 @@ def test_pin_cuts_an_autotuner_to_its_one_matching_config():
 
 def test_making_the_rule_pins_fla_kernels_where_they_exist(monkeypatch):
     """FlaRule() pins each of PINS where its fla has the kernel: kkt-solve to BK 64 with 1 warp, chunk_h to BV 64
-    with 4 warps and 4 stages (one of its 12 configs, matched by num_stages too); an fla without chunk_h's module
-    makes the rule all the same."""
+    with 4 warps and 4 stages (one of its 12 configs, matched by num_stages too), recompute_w_u to 4 warps and 3
+    stages (configs of no kwargs); an fla without chunk_h's module makes the rule all the same."""
     import triton
     kkt = _Tuner([triton.Config({"BK": bk}, num_warps=w) for bk in (32, 64) for w in (1, 2, 4)])
+    wu = _Tuner([triton.Config({}, num_warps=w, num_stages=s) for w in (2, 4, 8) for s in (2, 3, 4)])
     chunk_h = _Tuner([triton.Config({"BV": bv}, num_warps=w, num_stages=s)
                       for w in (2, 4) for s in (2, 3, 4) for bv in (32, 64)])
     chunk_h.cache["k"] = chunk_h.configs[0]         # tuned before: forgotten
     mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.utils",
                                              "fla.ops.utils.cumsum", "fla.ops.gated_delta_rule.chunk_fwd",
-                                             "fla.ops.common", "fla.ops.common.chunk_delta_h")}
+                                             "fla.ops.common", "fla.ops.common.chunk_delta_h",
+                                             "fla.ops.gated_delta_rule.wy_fast")}
+    mods["fla.ops.gated_delta_rule.wy_fast"].recompute_w_u_fwd_kernel = types.SimpleNamespace(fn=wu)
     mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = "chunk"
     mods["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = "recurrent"
     mods["fla.ops.utils"].cumsum = mods["fla.ops.utils.cumsum"]
@@ -177,9 +180,11 @@ def test_making_the_rule_pins_fla_kernels_where_they_exist(monkeypatch):
     [h] = chunk_h.configs
     assert (h.kwargs, h.num_warps, h.num_stages) == ({"BV": 64}, 4, 4) and len(chunk_h._memra_all) == 12
     assert chunk_h.cache == {} and chunk_h.run(5) is h
+    [w] = wu.configs
+    assert (w.kwargs, w.num_warps, w.num_stages) == ({}, 4, 3) and len(wu._memra_all) == 9
     monkeypatch.delitem(sys.modules, "fla.ops.common.chunk_delta_h")
     monkeypatch.setattr(sys.modules["fla.ops.common"], "__path__", [], raising=False)
-    assert fla_rule._kernel(*fla_rule.PINS[1][:2]) is None
+    assert fla_rule._kernel(*fla_rule.CHUNK_H) is None
     fla_rule.FlaRule()          # (no chunk_h module: nothing pinned there, no failure)
 
 

@@ -21,6 +21,9 @@ def test_chunk_calls_of_new_shapes_tune_nothing_and_match_torch():
     [cfg] = fla_rule._autotuner(chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64).configs
     assert rule._chunk_h is not None if fla_rule.CHUNK_H_GRID else \
         (cfg.kwargs.get("BV"), cfg.num_warps, cfg.num_stages) == (64, 4, 4), cfg
+    from fla.ops.gated_delta_rule import wy_fast        # recompute_w_u: pinned too
+    [cfg] = fla_rule._autotuner(wy_fast.recompute_w_u_fwd_kernel).configs
+    assert (cfg.num_warps, cfg.num_stages) == (4, 3), cfg
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def call(G, n, H=32, D=128):

@@ -79,7 +79,7 @@ class FlaRule:
         for mod, kernel, want in PINS:
             _pin(_kernel(mod, kernel), want)
         if CHUNK_H_GRID:        # (MEMRA_PP_CHUNK_H_GRID) chunk_h's config call by call instead of its pin
-            self._chunk_h = GridPick.make(_kernel(*PINS[1][:2]), CHUNK_H_BY_GRID, CHUNK_H_MANY)
+            self._chunk_h = GridPick.make(_kernel(*CHUNK_H), CHUNK_H_BY_GRID, CHUNK_H_MANY)
 
     def warm_up(self, heads: int, dk: int, dv: int, dtype, device, k_heads: int | None = None) -> None:
         """Tune and compile fla's kernels for these dimensions now (a stage load), not in the first request's
@@ -219,9 +219,16 @@ CHUNK_H_CONFIG = {"BV": 64, "num_warps": 4, "num_stages": 4}
 CHUNK_H_BY_GRID = ({"BV": 32, "num_warps": 4, "num_stages": 4}, {"BV": 64, "num_warps": 4, "num_stages": 4})
 CHUNK_H_MANY = {"BV": 64, "num_warps": 4, "num_stages": 2}
 CHUNK_H_GRID = initial("MEMRA_PP_CHUNK_H_GRID")
+# fla's recompute_w_u: its 9 configs are within 14% of each other over the same eight points; 4 warps / 3 stages
+# has the least sum for both models and is the fastest or within 0.05 us at each (35B-A3B 11.9 / 49.3 / 24.0 / 24.3
+# us, 27B 17.7 / 73.4 / 36.7 / 37.0); processes had tuned 4 warps / 4 stages for the 35B-A3B (13.1 / 52.6 / 26.1 /
+# 26.2) and 8 warps / 3 stages for the 27B (18.1 / 74.6 / 37.5 / 37.3).
+RECOMPUTE_W_U_CONFIG = {"num_warps": 4, "num_stages": 3}
+CHUNK_H = ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64")
 # (module, kernel, config) pinned when FlaRule is made
 PINS = (("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel", KKT_SOLVE_CONFIG),
-        ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64", CHUNK_H_CONFIG))
+        (*CHUNK_H, CHUNK_H_CONFIG),
+        ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel", RECOMPUTE_W_U_CONFIG))
 
 
 def _kernel(module: str, name: str):

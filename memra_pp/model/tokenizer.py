@@ -69,6 +69,7 @@ class Tokenizer:
                         "token ids still work (or give the model directory's tokenizer.json)", f, what,
                         " / ".join(sorted(GGUF_PRE_SPLITS)))
             return None
+
         def listed(key: str, kind: type, what: str) -> list:
             v = get(key)
             if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
@@ -149,7 +150,7 @@ class Tokenizer:
 
 
 def _kind_of(v) -> str:
-    """A metadata value's kind for a refusal: 'a str', 'an array of int', ..."""
+    """A metadata value's kind for a refusal: "str 'abc'", 'an array of int', 'an array of int / str'."""
     if isinstance(v, list):
         kinds = sorted({type(x).__name__ for x in v})
         return f"an array of {' / '.join(kinds) or 'nothing'}"
