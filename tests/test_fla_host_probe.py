@@ -17,6 +17,23 @@ from test_rule_graphs import CFG  # noqa: E402
 KKT = "chunk_gated_delta_rule_fwd_kkt_solve_kernel"
 
 
+def _stand_in_profiler(monkeypatch, totals) -> None:
+    """torch.profiler.profile replaced: its key_averages give each kernel of totals() (us over the profiled calls)."""
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return [types.SimpleNamespace(key=k, self_device_time_total=us) for k, us in totals().items()]
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+
+
 def _stand_in_fla(monkeypatch) -> list:
     """fla's intra call and cumsum, the profiler and CUDA's synchronize replaced: the calls' arguments, recorded."""
     calls = []
@@ -36,20 +53,8 @@ def _stand_in_fla(monkeypatch) -> list:
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
 
-    class Profile:      # (no CUDA activity to profile on the CPU): one kernel's total over the profiled calls
-        def __init__(self, activities):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def key_averages(self):
-            return [types.SimpleNamespace(key=KKT, self_device_time_total=40.0),
-                    types.SimpleNamespace(key="idle", self_device_time_total=0.0)]
-    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    # (no CUDA activity to profile on the CPU): one kernel's total over the profiled calls
+    _stand_in_profiler(monkeypatch, lambda: {KKT: 40.0, "idle": 0.0})
     return calls
 
 
@@ -190,24 +195,13 @@ def test_chunk_configs_pins_each_kernels_configs_in_turn(monkeypatch, tmp_path):
             calls.append((name, cfg.kwargs["BV"], cfg.num_warps, tuple(q.shape), cu.tolist(), chunks.tolist(),
                           tuple(state.shape)))
 
-    class Profile:      # the pinned kernel takes BV + 10 x warps us a call (the others 1)
-        def __init__(self, activities):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def key_averages(self):
-            got = []
-            for n, t in tuners.items():
-                c = t.configs[0] if len(t.configs) == 1 else None
-                us = c.kwargs["BV"] + 10 * c.num_warps if c is not None else 1
-                got.append(types.SimpleNamespace(key=n, self_device_time_total=us * 2.0))
-            return got
-    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    def totals():       # the pinned kernel takes BV + 10 x warps us a call (the others 1)
+        got = {}
+        for n, t in tuners.items():
+            c = t.configs[0] if len(t.configs) == 1 else None
+            got[n] = (c.kwargs["BV"] + 10 * c.num_warps if c is not None else 1) * 2.0
+        return got
+    _stand_in_profiler(monkeypatch, totals)
     layouts = fla_host.chunk_layouts("1x128,2x64")
     assert layouts == [("1x128", [128]), ("2x64", [64, 64])]
     last = tuners[names[3]]         # pinned as fla_rule pins: cut to one config, run but not cached

@@ -3,51 +3,13 @@ binary a request can meet, in every combination of the switches), launch's refus
 (what names this cluster passes), the GGUF type checks against what gguf's reader really returns. CPU stand-ins
 only, no Ray, no GPU."""
 import itertools
-import sys
 import types
 
 import pytest
-from triton.runtime.autotuner import Autotuner
 
 from memra_pp.errors import ConfigError
 from memra_pp.model import fla_rule
-
-
-class _Tuner(Autotuner):
-    def __init__(self, configs):       # noqa: D107 (Autotuner's own __init__ needs a JIT function)
-        self.configs, self.cache = list(configs), {}
-
-
-def _every_h():
-    import triton
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for w in (2, 4) for s in (2, 3, 4) for bv in (32, 64)]
-
-
-def _named(c):
-    return c.kwargs["BV"], c.num_warps, c.num_stages
-
-
-def _fake_fla(monkeypatch, chunk_h, calls):
-    """fla stand-in whose chunk records (segments, varlen, q heads, chunk_h's configs) per call."""
-    def chunk(q, k, v, **kw):
-        calls.append((v.shape[0] if kw.get("cu_seqlens") is None else kw["cu_seqlens"].shape[0] - 1,
-                      kw.get("cu_seqlens") is not None, q.shape[-2], tuple(chunk_h.configs)))
-        return v, kw["initial_state"]
-
-    def recurrent(q, k, v, **kw):
-        return v, kw["initial_state"]
-    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.utils",
-                                             "fla.ops.utils.cumsum", "fla.ops.common", "fla.ops.common.chunk_delta_h")}
-    mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk
-    mods["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = recurrent
-    mods["fla.ops.utils"].cumsum = mods["fla.ops.utils.cumsum"]
-    mods["fla.ops.utils.cumsum"].chunk_local_cumsum_scalar_kernel = _Tuner(["a"])
-    mods["fla.ops.common.chunk_delta_h"].chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = \
-        types.SimpleNamespace(fn=chunk_h)
-    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-        monkeypatch.delitem(sys.modules, name)
-    for name, mod in mods.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+from test_fla_rule import _Tuner, every_h as _every_h, fake_fla, named as _named
 
 
 @pytest.mark.parametrize("varlen,grid,kh,gva_ok", [
@@ -61,7 +23,7 @@ def test_warm_up_compiles_every_chunk_h_binary_a_request_can_meet(monkeypatch, v
     import memra_pp.kernels.fused_decode as fd
     from memra_pp.kernels import prefill as pf
     chunk_h, calls = _Tuner(_every_h()), []
-    _fake_fla(monkeypatch, chunk_h, calls)
+    fake_fla(monkeypatch, chunk_h, calls)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(fd, "l2norm", lambda x: x)
@@ -84,7 +46,7 @@ def test_a_second_rule_without_the_switch_restores_the_pin_and_keeps_every_confi
     """GridPick made, then a rule made with the switch off (or _pin called again): the pin is back, _memra_all still
     the 12 configs (benchmarks iterate it)."""
     chunk_h, calls = _Tuner(_every_h()), []
-    _fake_fla(monkeypatch, chunk_h, calls)
+    fake_fla(monkeypatch, chunk_h, calls)
     monkeypatch.setattr(fla_rule, "CHUNK_H_GRID", True)
     assert fla_rule.FlaRule()._chunk_h is not None
     monkeypatch.setattr(fla_rule, "CHUNK_H_GRID", False)

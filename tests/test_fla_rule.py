@@ -22,6 +22,42 @@ class _Tuner(Autotuner):
         return self.cache.get(key, self.configs[0])
 
 
+def every_h() -> list:
+    """fla 0.6's 12 chunk_h configs (BV, warps, stages), as on a Hopper GPU."""
+    import triton
+    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for w in (2, 4) for s in (2, 3, 4) for bv in (32, 64)]
+
+
+def named(c) -> tuple:
+    return c.kwargs["BV"], c.num_warps, c.num_stages
+
+
+def fake_fla(monkeypatch, chunk_h, calls: list):
+    """An fla stand-in in sys.modules with chunk_h's autotuner `chunk_h`: its chunk call records (segments, a
+    variable-length call?, q heads, chunk_h's configs) in `calls`. Returns chunk_h's module."""
+    def chunk(q, k, v, **kw):
+        cu = kw.get("cu_seqlens")
+        calls.append((v.shape[0] if cu is None else cu.shape[0] - 1, cu is not None, q.shape[-2],
+                      tuple(chunk_h.configs)))
+        return v, kw["initial_state"]
+
+    def recurrent(q, k, v, **kw):
+        return v, kw["initial_state"]
+    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.utils",
+                                             "fla.ops.utils.cumsum", "fla.ops.common", "fla.ops.common.chunk_delta_h")}
+    mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk
+    mods["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = recurrent
+    mods["fla.ops.utils"].cumsum = mods["fla.ops.utils.cumsum"]
+    mods["fla.ops.utils.cumsum"].chunk_local_cumsum_scalar_kernel = _Tuner(["a"])
+    mods["fla.ops.common.chunk_delta_h"].chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = \
+        types.SimpleNamespace(fn=chunk_h)
+    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return mods["fla.ops.common.chunk_delta_h"]
+
+
 def test_tune_once_keeps_the_first_winner_and_counts_keys(monkeypatch):
     tuner = _Tuner(["a", "b", "c"])
     wrapped = types.SimpleNamespace(fn=tuner)          # as a heuristics wrapper holds its autotuner
@@ -195,32 +231,8 @@ def test_chunk_h_picked_by_grid_where_switched_on(monkeypatch):
     fastest config. The warm-up compiles every one of the three (chunk and variable-length calls). An fla without
     one of those configs keeps the pin; the switch off, the pin."""
     import torch
-    import triton
-
-    def every_h():
-        return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for w in (2, 4) for s in (2, 3, 4)
-                for bv in (32, 64)]
-    chunk_h = _Tuner(every_h())
-    calls = []
-
-    def chunk(q, k, v, **kw):
-        calls.append((v.shape[0], kw.get("cu_seqlens") is not None, tuple(chunk_h.configs)))
-        return v, kw["initial_state"]
-
-    def recurrent(q, k, v, **kw):
-        return v, kw["initial_state"]
-    mods = {n: types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.utils",
-                                             "fla.ops.utils.cumsum", "fla.ops.common", "fla.ops.common.chunk_delta_h")}
-    mods["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk
-    mods["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = recurrent
-    mods["fla.ops.utils"].cumsum = mods["fla.ops.utils.cumsum"]
-    mods["fla.ops.utils.cumsum"].chunk_local_cumsum_scalar_kernel = _Tuner(["a"])
-    h_mod = mods["fla.ops.common.chunk_delta_h"]
-    h_mod.chunk_gated_delta_rule_fwd_kernel_h_blockdim64 = types.SimpleNamespace(fn=chunk_h)
-    for name in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
-        monkeypatch.delitem(sys.modules, name)
-    for name, mod in mods.items():
-        monkeypatch.setitem(sys.modules, name, mod)
+    chunk_h, calls = _Tuner(every_h()), []
+    h_mod = fake_fla(monkeypatch, chunk_h, calls)
     sms = []
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: sms.append(d) or types.SimpleNamespace(multi_processor_count=132))
@@ -230,8 +242,6 @@ def test_chunk_h_picked_by_grid_where_switched_on(monkeypatch):
     monkeypatch.setattr(pf, "VARLEN", True)
     monkeypatch.setattr(fla_rule, "_WARM", {})
 
-    def named(c):
-        return c.kwargs["BV"], c.num_warps, c.num_stages
     monkeypatch.setattr(fla_rule, "CHUNK_H_GRID", False)
     assert fla_rule.FlaRule()._chunk_h is None
     assert [named(c) for c in chunk_h.configs] == [(64, 4, 4)]      # the pin
@@ -252,12 +262,12 @@ def test_chunk_h_picked_by_grid_where_switched_on(monkeypatch):
                       torch.zeros(3, 2, dtype=torch.long), normed=True)
     b = torch.zeros(8, 64, 32, 128)
     rule.chunk(b, b, b, b[..., 0], b[..., 0], torch.zeros(8, 32, 128, 128))
-    assert [[named(c) for c in cs] for _, _, cs in calls] == [[(32, 4, 4)], [(64, 4, 4)], [(64, 4, 2)]]
+    assert [[named(c) for c in cs] for _, _, _, cs in calls] == [[(32, 4, 4)], [(64, 4, 4)], [(64, 4, 2)]]
     calls.clear()
     # the warm-up (grouped value heads found: q and k keep their 16 heads): each config compiled, both calls
     rule.warm_up(32, 128, 128, torch.float32, torch.device("cpu"), k_heads=16)
     assert rule.gva
-    compiled = {(nb, varlen, named(cs[0])) for nb, varlen, cs in calls}
+    compiled = {(nb, varlen, named(cs[0])) for nb, varlen, _, cs in calls}
     assert {(c[1], c[2]) for c in compiled} >= {(v, cfg) for v in (False, True)
                                                  for cfg in ((32, 4, 4), (64, 4, 4), (64, 4, 2))}
     # an fla whose chunk_h lacks one of the picked configs: pinned as without the switch
