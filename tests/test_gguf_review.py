@@ -117,13 +117,24 @@ def test_path_kinds_are_config_errors_naming_the_path(tmp_path):
         open_weights("/dev/null", "gguf")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a mode-000 file")
-def test_unreadable_file_is_a_config_error(tmp_path):
+def test_unreadable_file_is_a_config_error(tmp_path, monkeypatch):
+    """A file the OS refuses to open is a ConfigError naming it. Mode 000, and (root reads a mode-000 file, as CI
+    does) the open made to refuse it the way the OS would, so the refusal is taken under any user."""
+    import builtins
     u = tmp_path / "unread.gguf"
     u.write_bytes(_dense("q8_0").read_bytes())
     u.chmod(0)
+    real, refused = builtins.open, []
+
+    def denying(f, *a, **k):
+        if os.fspath(f) == os.fspath(u):
+            refused.append(f)
+            raise PermissionError(13, "Permission denied", os.fspath(u))
+        return real(f, *a, **k)
+    monkeypatch.setattr(builtins, "open", denying)
     with pytest.raises(ConfigError, match=r"unread\.gguf.*Permission denied"):
         open_weights(u, "auto")
+    assert refused, "the open the test refuses was never made: the refusal came from elsewhere"
 
 
 def test_a_fifo_named_gguf_does_not_hang(tmp_path):
