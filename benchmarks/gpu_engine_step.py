@@ -404,6 +404,11 @@ def chunk_h_pick():
     return None if pick is None else (pick, pinned)
 
 
+def gdn_rules(model) -> dict:
+    """{id: rule} of the model's Gated DeltaNet rules (layers may share one)."""
+    return {id(r): r for r in (getattr(layer.mixer, "rule", None) for layer in model.layers) if r is not None}
+
+
 @contextlib.contextmanager
 def torch_prefill(way: str, model):
     """The prefill as it was: "s23" as the twenty-third session left it (kernels/prefill.MERGED off: a GEMM per
@@ -416,7 +421,7 @@ def torch_prefill(way: str, model):
     from memra_pp.kernels import fused_decode as fd, prefill as pf
     if way.endswith("-chunkh"):         # as the way before it, fla's chunk_h config chosen by its grid
         pick, pinned = CHUNKH
-        rules = {id(r): r for r in (getattr(layer.mixer, "rule", None) for layer in model.layers) if r is not None}
+        rules = gdn_rules(model)
         own = {k: r._chunk_h for k, r in rules.items()}     # (a pick of their own: MEMRA_PP_CHUNK_H_GRID=1)
         for r in rules.values():
             r._chunk_h = pick
@@ -446,7 +451,7 @@ def torch_prefill(way: str, model):
             pf.VARLEN = varlen
         return
     flags, saved = (pf.MERGED, fd.GATED_MANY), (pf.conv_prefill, fd.add_rms_norm, fd.gated_rms_norm)
-    rules = {id(r): r for r in (getattr(layer.mixer, "rule", None) for layer in model.layers) if r is not None}
+    rules = gdn_rules(model)
     gva = {k: r.gva for k, r in rules.items()}
     pf.MERGED, fd.GATED_MANY = False, 1 << 62
     if way == "torch":

@@ -23,7 +23,7 @@ import ray
 from .errors import ConfigError, InputError, StageFailed
 from .rayutil import attach, get as _get, kill_actor
 from .placement.planner import Plan, make_plan
-from .placement.schema import MAX_TIMEOUT_S, Placement, load_placement
+from .placement.schema import MAX_TIMEOUT_S, Placement, RaySpec, load_placement
 from .shm import shm_names, stage_pids, unlink_shm, unlink_shm_of
 from .switches import check_environment
 
@@ -55,17 +55,16 @@ def _launch_where_attached(p: Placement, detached: bool) -> None:
     than its node's (only a cluster launch starts takes one) is refused, not silently ignored (DESIGN law 2; connect
     refuses so too). The default namespace is not refused: a detached deployment's stages take the process's, said
     in a warning (its names would be looked for in the default)."""
-    from .placement.schema import RaySpec
     here, default = ray.get_runtime_context().namespace, RaySpec()
     if p.ray.namespace != default.namespace and p.ray.namespace != here:
         raise ConfigError(f"ray.namespace {p.ray.namespace!r}: this process is attached to Ray in namespace {here!r}, "
                           f"where launch would name its stages; launch from a process not yet attached to Ray, or "
                           f"attached in {p.ray.namespace!r}")
-    if p.ray.listen != default.listen and p.ray.listen != ray.util.get_node_ip_address():
-        # (the address this process's node advertises: an earlier launch's cluster, started with this listen, passes)
+    # (the address this process's node advertises: an earlier launch's cluster, started with this listen, passes)
+    if p.ray.listen != default.listen and p.ray.listen != (node := ray.util.get_node_ip_address()):
         raise ConfigError(f"ray.listen {p.ray.listen!r}: only a Ray cluster that launch starts takes it, and this "
-                          f"process is attached to Ray already (its node at {ray.util.get_node_ip_address()}); drop "
-                          f"the key, or launch from a process not yet attached")
+                          f"process is attached to Ray already (its node at {node}); drop the key, or launch from a "
+                          f"process not yet attached")
     if p.ray.address not in ("local", "auto"):
         from .rayutil import same_cluster
         gcs = ray.get_runtime_context().gcs_address
