@@ -78,8 +78,9 @@ def test_battery_fails_when_published_rows_arrive_wrong(ray_cluster, tmp_path, m
     class Corrupting:
         @staticmethod
         def options(**opts):
-            env = dict(opts["runtime_env"]["env_vars"], PYTHONPATH=pythonpath)
-            return real.options(**dict(opts, runtime_env=dict(opts["runtime_env"], env_vars=env)))
+            rt = opts.get("runtime_env", {})       # (a CPU stage has none of its own)
+            env = dict(rt.get("env_vars", {}), PYTHONPATH=pythonpath)
+            return real.options(**dict(opts, runtime_env=dict(rt, env_vars=env)))
     monkeypatch.setattr(actor_mod, "StageActor", Corrupting)
 
     path = make_tiny(tmp_path / "tiny-vision", vision=True)

@@ -520,10 +520,16 @@ def test_stage_actors_environment_carries_threads_and_no_switch(monkeypatch):
     monkeypatch.setattr(actor, "StageActor", Fake)
     monkeypatch.setenv("MEMRA_PP_ANY_KV_GRAPHS", "1")
     monkeypatch.setenv("SOMETHING_ELSE", "x")
-    s = types.SimpleNamespace(threads=2, num_cpus=0.5, index=0)
+    s = types.SimpleNamespace(threads=2, num_cpus=0.5, index=0, device="cuda:0")
     assert Deployment._make_actor(types.SimpleNamespace(name="p"), s, object(), False) == "actor"
     env = seen["runtime_env"]["env_vars"]
     assert env == {"OMP_NUM_THREADS": "2", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, env
+    # a CPU stage has no environment of its own (its setup sets torch's threads: test_runtime's three-stage test
+    # reads them), so that Ray can give it an idle worker instead of starting one for its runtime_env
+    seen.clear()
+    cpu = types.SimpleNamespace(**{**vars(s), "device": "cpu"})
+    assert Deployment._make_actor(types.SimpleNamespace(name="p"), cpu, object(), False) == "actor"
+    assert "runtime_env" not in seen and seen["num_cpus"] == 0.5, seen
 
 
 def test_a_stage_is_given_every_switch_or_refuses():

@@ -134,10 +134,17 @@ def test_a_request_joins_a_running_batch(dense, n_stages):
 
 def test_header_mailbox_in_a_three_stage_deployment(ray_cluster):
     """With the boundary receivers polling the header mailbox (transport_poll_us; GPU boundaries do by default), a
-    3-stage deployment must still equal transformers, and its receivers must have taken headers from the mailbox."""
+    3-stage deployment must still equal transformers, and its receivers must have taken headers from the mailbox.
+    Each CPU stage runs torch with its own `threads` (its setup sets them: a CPU stage's actor has no environment of
+    its own, and this process's OMP_NUM_THREADS is 1)."""
+    import ray
     _, path = tiny_checkpoint("dense", False)
     cfg = dict(config(path, 3), transport_poll_us=20000)   # long enough to cover a busy 2-core machine's waits
+    cfg["stages"] = [cfg["stages"][0], dict(cfg["stages"][1], threads=2), cfg["stages"][2]]
     with memra_pp.launch(cfg) as dep:
+        threads = ray.get([a.__ray_call__.remote(lambda self: __import__("torch").get_num_threads())
+                           for a in dep.actors], timeout=30)
+        assert threads == [1, 2, 1], threads
         c = dep.client()
         for p in PROMPTS:
             assert_same("dense", False, p, c.generate(list(p), max_new_tokens=NEW, logprobs=True))
