@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import ray
 
-from .runner import StageRunner
-
 
 CONTROL = "control"     # quick calls that must always find a thread: heartbeats, aborts, stats
 POLLS = "polls"         # the drivers' long polls (0.2 s each): one per deployment handle, for all its clients
@@ -19,6 +17,10 @@ class StageActor:
     submits once held every thread past the heartbeat's deadline, and the stage was restarted)."""
 
     def __init__(self):
+        # the runner (and torch with it) is imported here, in the stage's process, not with this module: a client's
+        # ray.get_actor loads this class to make its handle, and a CLI `status` or `generate` has no use for torch
+        # (measured: 1.6 s of a 2.9 s `memra-pp status`)
+        from .runner import StageRunner
         self.runner = StageRunner()
 
     def probe_transport(self, src: int, dst: int) -> dict:
