@@ -1,0 +1,90 @@
+"""How long a CPU deployment takes to launch, answer its first request and shut down (1, 2 and 3 stages of the
+embedded tiny checkpoint, real Ray), and how long a CLI `memra-pp status` process takes against `memra-pp launch`'s
+detached tiny-cpu deployment. Run from the repository root, with no other Ray cluster up.
+
+    .venv/bin/python benchmarks/launch_time.py [--repeats 5] [--out DIR]
+
+Prints the median of each and writes launch_time.json under --out. Run it on a quiet machine: every figure is a
+process start, so other work on the cores moves it."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def cli_status(repeats: int) -> float:
+    """The median wall time of a `memra-pp status` process against the CLI's detached tiny-cpu deployment, started
+    here with `memra-pp launch` (its own Ray cluster: run this where no other cluster is up)."""
+    cli = [sys.executable, "-m", "memra_pp.cli"]
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"launch-time-{os.getpid()}.log"), "w+")
+    launcher = subprocess.Popen(cli + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        for _ in range(480):
+            log.seek(0)
+            if "ray address" in log.read():
+                break
+            if launcher.poll() is not None:
+                raise SystemExit(f"the launcher exited: {log.read()[-2000:]}")
+            time.sleep(0.25)
+        times = []
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            p = subprocess.run(cli + ["status", "tiny-cpu"], capture_output=True, text=True, timeout=120)
+            times.append(time.perf_counter() - t0)
+            assert p.returncode == 0, p.stderr[-2000:]
+            print(f"  memra-pp status, run {r + 1}/{repeats}: {times[-1]:.2f} s", flush=True)
+        subprocess.run(cli + ["stop", "tiny-cpu"], capture_output=True, timeout=120)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(2)
+            launcher.wait(timeout=60)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import ray
+    import memra_pp
+    from memra_pp.defaults import ensure_tiny
+    path = str(ensure_tiny())
+    res = {"cli_status_s": cli_status(args.repeats)}
+    ray.init(num_cpus=2, include_dashboard=False, namespace="launch-time", logging_level="WARNING")
+    try:
+        for n in (1, 2, 3):
+            rows = []
+            for r in range(args.repeats):
+                cfg = {"name": f"lt{n}", "model": {"path": path}, "stages": [{"device": "cpu", "num_cpus": 0.1}] * n}
+                t0 = time.perf_counter()
+                dep = memra_pp.launch(cfg)
+                t1 = time.perf_counter()
+                dep.client().generate([1, 2, 3], max_new_tokens=4)
+                t2 = time.perf_counter()
+                dep.shutdown()
+                rows.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+                print(f"  {n} stage(s), run {r + 1}/{args.repeats}: launch {rows[-1][0]:.2f} s", flush=True)
+            res[f"{n}_stages"] = {k: statistics.median(x[i] for x in rows)
+                                  for i, k in enumerate(("launch_s", "first_generate_s", "shutdown_s"))}
+    finally:
+        ray.shutdown()
+    for k, v in res.items():
+        print(f"{k}: {json.dumps(v) if isinstance(v, dict) else f'{v:.2f} s'}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "launch_time.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
