@@ -236,9 +236,8 @@ def test_a_malformed_tokenizer_is_refused_at_launch(tmp_path):
 
 AFTER_RAY_SHUTDOWN = r"""
 import sys, time, ray, memra_pp
-sys.path.insert(0, "tests")
-from conftest_models import tiny_checkpoint
-_, path = tiny_checkpoint("dense", False)
+from memra_pp.defaults import ensure_tiny      # (the project's own writer: transformers' import and build cost 2 s)
+path = ensure_tiny()
 dep = memra_pp.launch({"name": "gone", "model": {"path": str(path)}, "recover": "replay",
                        "timeouts": {"heartbeat_s": 0.2}, "stages": [{"device": "cpu", "num_cpus": 0.1}]},
                       detached=True)
