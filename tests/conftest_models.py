@@ -24,3 +24,21 @@ def hf_reference(kind: str, tied: bool, prompt: tuple[int, ...], max_new_tokens:
     from tiny_hf import hf_greedy
     m, _ = tiny_checkpoint(kind, tied)
     return hf_greedy(m, list(prompt), max_new_tokens)
+
+
+class LaunchedOnce:
+    """launched(key): the deployment of make(key), launched at its first use and then shared (a module fixture's:
+    a stage process costs the suite seconds to start); shutdown() stops every one launched."""
+
+    def __init__(self, make):
+        self.make, self.deps = make, {}
+
+    def __call__(self, key):
+        if key not in self.deps:
+            import memra_pp
+            self.deps[key] = memra_pp.launch(self.make(key))
+        return self.deps[key]
+
+    def shutdown(self):
+        for dep in self.deps.values():
+            dep.shutdown()

@@ -6,7 +6,7 @@ import contextlib
 import pytest
 
 import memra_pp
-from conftest_models import hf_reference, tiny_checkpoint
+from conftest_models import LaunchedOnce, hf_reference, tiny_checkpoint
 
 PROMPTS = [(5, 17, 42), tuple(range(1, 131)), (7,), tuple(range(200, 265))]
 NEW = 8
@@ -23,15 +23,9 @@ def dense(ray_cluster):
     """dense(n): the dense model's n-stage deployment of config(), launched at its first use and shared by the
     tests below that only generate with it (a stage process costs seconds of CPU to start); they read its counters
     as differences from their own start. Shut down when the module ends."""
-    deps = {}
-
-    def get(n_stages):
-        if n_stages not in deps:
-            deps[n_stages] = memra_pp.launch(config(tiny_checkpoint("dense", False)[1], n_stages))
-        return deps[n_stages]
+    get = LaunchedOnce(lambda n_stages: config(tiny_checkpoint("dense", False)[1], n_stages))
     yield get
-    for dep in deps.values():
-        dep.shutdown()
+    get.shutdown()
 
 
 def grown(dep, before):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memra_pp
-from conftest_models import hf_reference, tiny_checkpoint
+from conftest_models import LaunchedOnce, hf_reference, tiny_checkpoint
 from memra_pp.errors import InputError, ResidencyError
 
 IMG, VS, VE = 300, 302, 303
@@ -51,15 +51,9 @@ def shared(ray_cluster):
     """shared(n): cfg(path, n)'s deployment (tower on the primary), launched at its first use and shared by the tests
     below that only generate with it (a launch costs the suite seconds); they read its counters as differences
     (`since`). Shut down when the module ends."""
-    deps = {}
-
-    def get(n):
-        if n not in deps:
-            deps[n] = memra_pp.launch(cfg(tiny_checkpoint("dense", False)[1], n))
-        return deps[n]
+    get = LaunchedOnce(lambda n: cfg(tiny_checkpoint("dense", False)[1], n))
     yield get
-    for dep in deps.values():
-        dep.shutdown()
+    get.shutdown()
 
 
 def since(dep, before):
