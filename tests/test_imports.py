@@ -20,3 +20,9 @@ def test_a_stage_process_imports_no_compiler_or_transformers():
 
 def test_the_cli_module_imports_neither_torch_nor_ray():
     assert _loaded("import memra_pp.cli", ("torch", "ray") + HEAVY) == []
+
+
+def test_the_stage_actor_class_imports_no_torch():
+    """A client's ray.get_actor loads the stage actor's class to make a handle: the class's module must not bring
+    torch (the runner is imported in the actor's __init__, in the stage; test_0_cli runs a CLI status through it)."""
+    assert _loaded("import memra_pp.stages.actor", ("torch",) + HEAVY) == []
