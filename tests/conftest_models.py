@@ -42,3 +42,12 @@ class LaunchedOnce:
     def shutdown(self):
         for dep in self.deps.values():
             dep.shutdown()
+
+
+def grown(dep, before):
+    """Each stage's counters now minus `before` (a stats()["stages"] taken earlier): what happened in between (the
+    tests of a deployment LaunchedOnce shares read its counters so)."""
+    def num(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return [{k: v - b[k] for k, v in s.items() if num(v) and num(b.get(k))}
+            for s, b in zip(dep.stats()["stages"], before, strict=True)]

@@ -6,7 +6,7 @@ import contextlib
 import pytest
 
 import memra_pp
-from conftest_models import LaunchedOnce, hf_reference, tiny_checkpoint
+from conftest_models import LaunchedOnce, grown, hf_reference, tiny_checkpoint
 
 PROMPTS = [(5, 17, 42), tuple(range(1, 131)), (7,), tuple(range(200, 265))]
 NEW = 8
@@ -26,14 +26,6 @@ def dense(ray_cluster):
     get = LaunchedOnce(lambda n_stages: config(tiny_checkpoint("dense", False)[1], n_stages))
     yield get
     get.shutdown()
-
-
-def grown(dep, before):
-    """Each stage's counters now minus `before` (a stats() taken earlier): what happened in between."""
-    def num(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    return [{k: v - b[k] for k, v in s.items() if num(v) and num(b.get(k))}
-            for s, b in zip(dep.stats()["stages"], before, strict=True)]
 
 
 def sixteen_at_once_match(c, kind="dense", tied=False):

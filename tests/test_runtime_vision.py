@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memra_pp
-from conftest_models import LaunchedOnce, hf_reference, tiny_checkpoint
+from conftest_models import LaunchedOnce, grown, hf_reference, tiny_checkpoint
 from memra_pp.errors import InputError, ResidencyError
 
 IMG, VS, VE = 300, 302, 303
@@ -50,17 +50,10 @@ def cfg(path, n, engine="primary", publish="auto", chunk=8):
 def shared(ray_cluster):
     """shared(n): cfg(path, n)'s deployment (tower on the primary), launched at its first use and shared by the tests
     below that only generate with it (a launch costs the suite seconds); they read its counters as differences
-    (`since`). Shut down when the module ends."""
+    (`grown`). Shut down when the module ends."""
     get = LaunchedOnce(lambda n: cfg(tiny_checkpoint("dense", False)[1], n))
     yield get
     get.shutdown()
-
-
-def since(dep, before):
-    """Stage 0's numeric counters now minus `before` (its stats() taken earlier)."""
-    now = dep.stats()["stages"][0]
-    return {k: v - before[k] for k, v in now.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(before.get(k), (int, float))}
 
 
 @pytest.mark.parametrize("n,engine", [(1, "primary"), (2, "primary"), (2, "intake"), (3, "stage:1"),
@@ -71,7 +64,7 @@ def test_image_prompts_match_transformers(ray_cluster, shared, n, engine):
     imgs1, imgs2 = [image(1)], [image(2, (1, 2, 4)), image(3)]
     with (contextlib.nullcontext(shared(n)) if engine == "primary" and n < 3     # shared (launched at first use)
           else memra_pp.launch(cfg(path, n, engine))) as dep:
-        before = dep.stats()["stages"][0]
+        before = dep.stats()["stages"]
         c = dep.client()
 
         async def go():
@@ -85,7 +78,7 @@ def test_image_prompts_match_transformers(ray_cluster, shared, n, engine):
             assert r.token_ids == ht
             assert max(abs(a - b) for a, b in zip(r.logprobs, hl, strict=True)) < 5e-4
         assert r3.token_ids == hf_reference("dense", False, (5, 17, 42), NEW)[0]
-        st = since(dep, before)
+        st = grown(dep, before)[0]
         cross = dep.plan.tower_index != dep.plan.intake_index
         assert st["overlay_publications"] == (2 if cross else 0), "AUTO publishes exactly across contexts"
         # across actors the rows' bytes come through the intake's publication slots, not Ray's object store
@@ -133,7 +126,7 @@ def test_the_towers_work_never_holds_the_heartbeat_or_a_requests_answer(ray_clus
     assert ready == [h, st], "a heartbeat or stats waited behind the tower's encodes"
     ray.get(encs, timeout=120)
     dep = shared(2)
-    before = dep.stats()["stages"][0]
+    before = dep.stats()["stages"]
     c = dep.client()
     imgs = [[image(20 + i, (1, 2, 4 if i % 2 else 6))] for i in range(8)]
     out = [None] * 8
@@ -149,7 +142,7 @@ def test_the_towers_work_never_holds_the_heartbeat_or_a_requests_answer(ray_clus
         ht, hl = hf_image_greedy(model, prompt_for(imgs[i]), imgs[i])
         assert out[i] is not None and out[i].token_ids == ht
         assert max(abs(x - y) for x, y in zip(out[i].logprobs, hl, strict=True)) < 5e-4
-    st = since(dep, before)
+    st = grown(dep, before)[0]
     assert st["overlay_publications"] == 8 and st["publications_via_slot"] == 8
     assert dep.supervisor is None or dep.supervisor.generation == 0      # no stage was found lost
 
