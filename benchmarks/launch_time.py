@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -23,7 +24,7 @@ def cli_status(repeats: int) -> float:
     """The median wall time of a `memra-pp status` process against the CLI's detached tiny-cpu deployment, started
     here with `memra-pp launch` (its own Ray cluster: run this where no other cluster is up)."""
     cli = [sys.executable, "-m", "memra_pp.cli"]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"launch-time-{os.getpid()}.log"), "w+")
+    log = tempfile.TemporaryFile("w+")      # the launcher's output, read for its "ray address" line
     launcher = subprocess.Popen(cli + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
