@@ -97,6 +97,9 @@ SWITCH_ARGS = (
     ("rule_graphs", "MEMRA_PP_RULE_GRAPHS", "fla's rule through the rule graphs",
      "inside the prefill graphs fla's chunked rule replays from CUDA graphs of its own (prefill_graphs.RuleGraphs; "
      "off: called eagerly)"),
+    ("skip_padding", "MEMRA_PP_SKIP_PADDING", "decode graphs' padding rows skipped",
+     "a decode graph's padding rows skip the Gated DeltaNet's state and the MoE's experts (decode_graphs."
+     "SKIP_PADDING; off: they run as real rows)"),
     ("gc_freeze", "MEMRA_PP_GC_FREEZE", "stages freeze their heaps at start",
      "each stage freezes its heap at its start, so no full collection stalls the pipeline mid-run"),
     ("any_kv", "MEMRA_PP_ANY_KV_GRAPHS", "one decode graph per batch bucket (any KV length)",

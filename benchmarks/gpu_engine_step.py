@@ -54,7 +54,8 @@ def matmul_only_ms(model, B: int, iters: int = 10) -> float:
 
 
 FLAGS = {"nodnids", "block", "noblock", "nopdl", "cublas", "torchmoe", "nofuse", "noqk", "nopref",
-         "nosgate", "opre", "spre", "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets", "norouter", "nohop"}
+         "nosgate", "opre", "spre", "nogdnpre", "sample", "torchsample", "anykv", "kvbuckets", "norouter", "nohop",
+         "nopadskip"}
 
 
 def switch_defaults() -> tuple:
@@ -92,6 +93,8 @@ def set_mode(mode: str, defaults, text) -> None:
     - norouter / nohop: premises only, the MoE's outputs wrong (fused_moe.PREMISE_ROUTE): the router kernel
       replaced by the add and norm alone with a fixed routing / by nothing at all (the three-kernel path only; at
       batch 1 only, where the fixed routing reads as many experts as a real one);
+    - nopadskip: a decode graph's padding rows run as real rows: the Gated DeltaNet's state, the MoE's experts
+      (decode_graphs.SKIP_PADDING off, as before the forty-fourth session; a batch of 5 runs the graph of 8);
     - pN: the persistent GEMV's programs; guAxBxC / dnAxBxC: the per-pair MoE gate|up / down tiles (BN, BK, warps).
     """
     from memra_pp.kernels import fused_decode, fused_moe, gdn_decode, gemv, greedy, moe_block, moe_route, \
@@ -146,6 +149,7 @@ def set_mode(mode: str, defaults, text) -> None:
     fused_moe.SHARED_BEFORE_WAIT = "spre" in on
     gdn_decode.STATE_BEFORE_WAIT = "nogdnpre" not in on
     fused_moe.DOWN_IDS_BEFORE_WAIT = "nodnids" not in on
+    decode_graphs.SKIP_PADDING = "nopadskip" not in on
     greedy.FUSED = "torchsample" not in on
     if {"anykv", "kvbuckets"} <= on:
         raise SystemExit(f"mode {mode!r}: anykv and kvbuckets contradict each other")

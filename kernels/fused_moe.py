@@ -13,6 +13,10 @@ an expert on a row not routed to it.
     expert, padded; kernels/moe_align.py), a grouped GEMM per block (tl.dot; kernels/moe_grouped.py), silu-mul
     fused into the gate|up GEMM's epilogue and the routing weight into the down GEMM's. Static shapes throughout:
     a CUDA graph captures it (no host sync).
+- a decode graph's padding rows are routed to no expert (ids E, weights 0: route's `live`, which the graphs pass
+  where decode_graphs.SKIP_PADDING is on); both paths skip such pairs, so a padding row reads no expert's weights
+  and its routed sum is 0 (the per-pair kernels) or undefined (the grouped GEMM: nothing reads a padding row's
+  output).
 
 Rounding follows the torch reference (moe_experts_ref, what layers.MoE runs on CPU): gate|up and down outputs
 rounded to the activation dtype, silu and the product rounded as torch's two ops round, the weighted pair outputs
@@ -161,7 +165,7 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
     # topi and topw are written before this launch (a router kernel, torch ops, a copy), never between it and the
     # down kernel's: the down kernel reads them before its PDL wait (DOWN_IDS_BEFORE_WAIT)
     _small_gate_up_kernel[(T * (k + S), triton.cdiv(IH, BN))](
-        x, w_gu, w_sgu, w_sg, sg, topi, h, x.stride(0), H, I, Is, IH, K=k, S=S, SG=SG,
+        x, w_gu, w_sgu, w_sg, sg, topi, h, x.stride(0), H, I, Is, IH, E, K=k, S=S, SG=SG,
         SPRE=S and SHARED_BEFORE_WAIT, BN=BN, BK=BK, BH=BH, num_warps=warps, **pdl(x))
     CALLS["shared_gate"] += SG
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
@@ -170,26 +174,27 @@ def _moe_small(x, w_gu, w_d, topw, topi, shared=None, tiles=None, down=None):
         global LAST_DOWN
         CALLS["down_tile"] += 1
         LAST_DOWN = _small_down_tile_kernel[(T, triton.cdiv(H, BN2))](
-            h, w_d, w_sd, x, w_sg, sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k,
+            h, w_d, w_sd, x, w_sg, sg, topi, topw, out, x.stride(0), H, I, Is, IH, E, K=k,
             KP=triton.next_power_of_2(k), S=S, SG=SG, IDPRE=DOWN_IDS_BEFORE_WAIT, BN=BN2, BI=BI, BIS=BIs, BH=BH,
             num_warps=warps2, **pdl(x))
         return out
     _small_down_kernel[(T, triton.cdiv(H, BN2))](
-        h, w_d, w_sd, x, w_sg, sg, topi, topw, out, x.stride(0), H, I, Is, IH, K=k, S=S, SG=SG, BN=BN2, BK=BK2,
+        h, w_d, w_sd, x, w_sg, sg, topi, topw, out, x.stride(0), H, I, Is, IH, E, K=k, S=S, SG=SG, BN=BN2, BK=BK2,
         BH=BH, num_warps=warps2, **pdl(x))
     return out
 
 
 if triton is not None:
     @triton.jit
-    def _small_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wsg_ptr, sg_ptr, i_ptr, h_ptr, stride_x, H, I, Is, IH,
+    def _small_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wsg_ptr, sg_ptr, i_ptr, h_ptr, stride_x, H, I, Is, IH, E,
                               K: tl.constexpr, S: tl.constexpr, SG: tl.constexpr, SPRE: tl.constexpr,
                               BN: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
         """Program (row t, pair j, tile of the width): h[t*(K+S) + j, n] = silu(x_t . W[n]) * (x_t . W[I + n]),
         W the j-th routed expert's gate|up, or for j = K (S: a shared expert) the shared expert's. SG: the shared
         pair's first program also stores the row's shared gate sigmoid(x_t . w_gate) to sg[t] (_shared_gate). SPRE:
         the shared pair's programs load their first K step of its weights before PDL's wait. Every program passes
-        pdl_enter before it can return: the down kernel after it relies on that (DOWN_IDS_BEFORE_WAIT)."""
+        pdl_enter before it can return: the down kernel after it relies on that (DOWN_IDS_BEFORE_WAIT). A pair whose
+        id is E or more (a padding row's: route's `live`) loads nothing and stores zeros."""
         r = tl.program_id(0)
         t = r // (K + S)
         j = r % (K + S)
@@ -207,9 +212,11 @@ if triton is not None:
             e = tl.load(i_ptr + t * K + j).to(tl.int64)
             w_e = w_ptr + e * (2 * I * H)
             width = I
+            lm = (n < width) & (n * 0 + e < E)      # a padding row's pair: nothing loaded, zeros stored
         else:
             w_e = ws_ptr
             width = Is
+            lm = n < width
         nm = n < width
         acc_g = tl.zeros([BN], dtype=tl.float32)
         acc_u = tl.zeros([BN], dtype=tl.float32)
@@ -217,7 +224,7 @@ if triton is not None:
             kk = k0 + tl.arange(0, BK)
             km = kk < H
             xk = tl.load(x_ptr + t * stride_x + kk, mask=km, other=0.0).to(tl.float32)
-            m2 = nm[:, None] & km[None, :]
+            m2 = lm[:, None] & km[None, :]
             if SPRE:      # the shared pair's first step was loaded before the wait: its load here is masked off
                 load = ((n * 0 + j != K) | (n * 0 + k0 != 0))[:, None]
                 wg, wu = _gate_up_rows(w_e, width, n, kk, H, m2 & load)
@@ -248,12 +255,13 @@ if triton is not None:
 
     @triton.jit
     def _small_down_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, sg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I, Is,
-                           IH, K: tl.constexpr, S: tl.constexpr, SG: tl.constexpr, BN: tl.constexpr,
+                           IH, E, K: tl.constexpr, S: tl.constexpr, SG: tl.constexpr, BN: tl.constexpr,
                            BK: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr):
         """Program (row, tile of H): out[t, n] = sum_j w[t, j] * (h[t, j] . Wd[e_j, n]), each pair's product
         rounded to the dtype before the float32 sum (as moe_experts_ref rounds); S: plus
         sigmoid(x_t . w_gate) * (h[t, K] . Wd_shared[n]), rounded as shared_ref's torch ops round (SG: the gate
-        loaded from sg, where the gate|up kernel stored it)."""
+        loaded from sg, where the gate|up kernel stored it). A pair whose id is E or more loads nothing (its
+        routing weight is 0: route's `live`)."""
         pdl_enter(PDL)
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -263,7 +271,7 @@ if triton is not None:
         for j in tl.static_range(K):
             e = tl.load(i_ptr + t * K + j).to(tl.int64)
             w_e = w_ptr + e * (H * I)
-            acc = _row_dot(h_ptr + (t * (K + S) + j) * IH, w_e, n, nm, I, BN, BK)
+            acc = _row_dot(h_ptr + (t * (K + S) + j) * IH, w_e, n, nm & (n * 0 + e < E), I, BN, BK)
             tw = tl.load(tw_ptr + t * K + j).to(tl.float32)
             total += _weighted(acc, tw, dt)
         if S:
@@ -306,14 +314,14 @@ if triton is not None:
 
     @triton.jit
     def _small_down_tile_kernel(h_ptr, w_ptr, ws_ptr, x_ptr, wsg_ptr, sg_ptr, i_ptr, tw_ptr, o_ptr, stride_x, H, I,
-                                Is, IH, K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SG: tl.constexpr,
+                                Is, IH, E, K: tl.constexpr, KP: tl.constexpr, S: tl.constexpr, SG: tl.constexpr,
                                 IDPRE: tl.constexpr, BN: tl.constexpr, BI: tl.constexpr, BIS: tl.constexpr,
                                 BH: tl.constexpr, PDL: tl.constexpr):
         """_small_down_kernel's sum with every routed pair's [BN, I] slice of its expert loaded as one [KP, BN, BI]
         tile (and the shared expert's beside it) before any is reduced: the loads are in flight together. The shared
         expert's slice is loaded before PDL's wait; IDPRE: the routed ids and weights too (the router's, two kernels
         back: DOWN_IDS_BEFORE_WAIT), else after it. SG: the shared gate is loaded (the gate|up kernel computed it),
-        else computed here."""
+        else computed here. A pair whose id is E or more loads nothing (a padding row's: route's `live`)."""
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < H
@@ -336,7 +344,7 @@ if triton is not None:
         ii = tl.arange(0, BI)
         im = ii < I
         w = tl.load(w_ptr + e[:, None, None] * (H * I) + n[None, :, None] * I + ii[None, None, :],
-                    mask=kv[:, None, None] & nm[None, :, None] & im[None, None, :], other=0.0)
+                    mask=(kv & (e < E))[:, None, None] & nm[None, :, None] & im[None, None, :], other=0.0)
         hp = tl.load(h_ptr + (t * (K + S) + ks)[:, None] * IH + ii[None, :], mask=kv[:, None] & im[None, :],
                      other=0.0).to(tl.float32)
         acc = tl.sum(w.to(tl.float32) * hp[:, None, :], 2)                                   # [KP, BN]

@@ -73,13 +73,14 @@ def gdn_decode_ref(q_BHK, k_BHK, v_BVD, g_BV, beta_BV, state_NVKD, slots_B, scal
 
 if triton is not None:
     @triton.jit
-    def _gdn_decode_kernel(q, k, v, g, beta, A_log, dt_bias, o, h, slots, scale, sq, sk, sv, sg, sb,
+    def _gdn_decode_kernel(q, k, v, g, beta, A_log, dt_bias, o, h, slots, skip, scale, sq, sk, sv, sg, sb,
                            H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                            BV: tl.constexpr, RAW_GATES: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
         """Rows of q, k, v, g, beta at strides sq .. sb (views into one projection allowed). RAW_GATES: g and beta
         hold the raw a and b projections; the kernel computes beta = sigmoid(b) (rounded to b's dtype, as
         transformers rounds it) and g = -exp(A_log) softplus(a + dt_bias). EARLY: the state tile is loaded before
-        PDL's wait (STATE_BEFORE_WAIT)."""
+        PDL's wait (STATE_BEFORE_WAIT). A row whose slot is `skip` (a decode graph's padding rows, the scratch slot;
+        -1: none) reads and writes no state and stores no output."""
         if not EARLY:
             pdl_enter(PDL)
         pid = tl.program_id(0).to(tl.int64)
@@ -88,6 +89,10 @@ if triton is not None:
         i_n, i_hv = i_nh // HV, i_nh % HV
         i_h = i_hv // (HV // H)
         slot = tl.load(slots + i_n).to(tl.int64)
+        if slot == skip:
+            if EARLY:
+                pdl_enter(PDL)
+            return
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         mask_k = o_k < K
@@ -126,10 +131,11 @@ if triton is not None:
 
 
 def launch_gdn_decode(q, k, v, g, beta, state_NVKD, slots_B, scale: float, H: int, tile: tuple[int, int],
-                      raw_gates=None) -> torch.Tensor:
+                      raw_gates=None, skip_slot: int = -1) -> torch.Tensor:
     """The kernel over B rows: q, k [B, >= H*K], v [B, >= HV*V], g, beta [B, HV], each with unit last stride
     (views into one projection allowed). `raw_gates` = (A_log, dt_bias): g and beta are the raw a and b
-    projections. `tile` = (BV, num_warps). Returns o [B, HV, V] in v's dtype."""
+    projections. `tile` = (BV, num_warps). Returns o [B, HV, V] in v's dtype; rows whose slot is `skip_slot` (a
+    decode graph's padding rows) touch no state and their output rows are not defined."""
     B = v.shape[0]
     HV, K, V = state_NVKD.shape[1:]
     assert state_NVKD.dtype == torch.float32 and state_NVKD.is_contiguous()
@@ -141,8 +147,8 @@ def launch_gdn_decode(q, k, v, g, beta, state_NVKD, slots_B, scale: float, H: in
         assert slots_B.is_contiguous(), "the slots must need no copy when the state is read before PDL's wait"
         CALLS["state_before_wait"] += 1
     _gdn_decode_kernel[(triton.cdiv(V, BV) * B * HV,)](
-        q, k, v, g, beta, A_log, dt_bias, o, state_NVKD, slots_B.contiguous(), scale, q.stride(0), k.stride(0),
-        v.stride(0), g.stride(0), beta.stride(0), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        q, k, v, g, beta, A_log, dt_bias, o, state_NVKD, slots_B.contiguous(), skip_slot, scale, q.stride(0),
+        k.stride(0), v.stride(0), g.stride(0), beta.stride(0), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         RAW_GATES=raw_gates is not None, EARLY=STATE_BEFORE_WAIT, num_warps=tile[1], num_stages=3, **pdl(v))
     return o
 
@@ -190,9 +196,11 @@ GDN_TILE = {1: (32, 2)}   # batch -> (BV, num_warps), the nearest batch at or be
 
 
 def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: int, scale: float,
-                     tile: tuple[int, int] | None = None):
+                     tile: tuple[int, int] | None = None, skip_slot: int = -1):
     """y [B, C] = q | k | v after the conv (q, k [nk * K], v [HV * V]); b, a [B, HV] raw projections (views).
-    Returns o [B, HV, V] in y's dtype; the fp32 state pool is updated in place at slots_B."""
+    Returns o [B, HV, V] in y's dtype; the fp32 state pool is updated in place at slots_B. `skip_slot`: a slot
+    whose rows (a decode graph's padding rows, at the scratch slot) the Triton kernel skips (-1: none; the torch
+    reference runs every row)."""
     from memra_pp.model.gdn import gdn_gates
     B = y_BC.shape[0]
     HV, K, V = state_NVKD.shape[1:]
@@ -204,4 +212,4 @@ def gdn_decode_fused(y_BC, b_BV, a_BV, A_log, dt_bias, state_NVKD, slots_B, nk: 
     assert y_BC.stride(1) == 1
     tile = tile or GDN_TILE[max(k for k in GDN_TILE if k <= B) if B >= min(GDN_TILE) else min(GDN_TILE)]
     return launch_gdn_decode(y_BC, y_BC[:, nk * K:], y_BC[:, 2 * nk * K:], a_BV, b_BV, state_NVKD, slots_B, scale,
-                             nk, tile, raw_gates=(A_log, dt_bias))
+                             nk, tile, raw_gates=(A_log, dt_bias), skip_slot=skip_slot)

@@ -15,7 +15,8 @@ if triton is not None:
     from memra_pp.kernels.gemv import _norm_rows
 
 # host-side launches by path (a captured graph counts once)
-CALLS = {"route": 0, "router": 0, "norm_router": 0, "small": 0, "grouped": 0, "down_tile": 0, "shared_gate": 0}
+CALLS = {"route": 0, "router": 0, "norm_router": 0, "small": 0, "grouped": 0, "down_tile": 0, "shared_gate": 0,
+         "route_live": 0}
 
 
 # -- routing --------------------------------------------------------------------------------------------------------
@@ -26,26 +27,44 @@ def route_ref(logits_TE: torch.Tensor, k: int, dtype: torch.dtype):
     return (w / w.sum(-1, keepdim=True)).to(dtype), idx
 
 
-def route(logits_TE: torch.Tensor, k: int, dtype: torch.dtype):
+def route(logits_TE: torch.Tensor, k: int, dtype: torch.dtype, live: torch.Tensor | None = None):
+    """The routing kernel, a program a row. `live` (integers [T] on the logits' device, or None: every row): a row
+    whose entry is 0 is a decode graph's padding row, routed to no expert: its ids are E (past every expert: the
+    experts' kernels and the alignment skip them) and its weights 0, so it reads no expert's weights. Where the torch
+    reference routes (no Triton, more than 1,024 experts, k not a power of two) every row is routed."""
     if not _triton(logits_TE) or logits_TE.shape[1] > 1024 or k & (k - 1):
         return route_ref(logits_TE, k, dtype)
     T, E = logits_TE.shape
     assert logits_TE.stride(1) == 1
+    assert live is None or (live.shape == (T,) and live.device == logits_TE.device), "live: one entry a row"
     CALLS["route"] += 1
+    CALLS["route_live"] += live is not None
     w = torch.empty(T, k, dtype=dtype, device=logits_TE.device)
     idx = torch.empty(T, k, dtype=torch.int64, device=logits_TE.device)
-    _route_kernel[(T,)](logits_TE, w, idx, logits_TE.stride(0), E, K=k, BE=triton.next_power_of_2(E),
-                        num_warps=2, **pdl(logits_TE))
+    _route_kernel[(T,)](logits_TE, w, idx, logits_TE if live is None else live, logits_TE.stride(0), E, K=k,
+                        BE=triton.next_power_of_2(E), LIVE=live is not None, num_warps=2, **pdl(logits_TE))
     return w, idx
 
 
 if triton is not None:
     @triton.jit
-    def _route_kernel(l_ptr, w_ptr, i_ptr, stride_l, E, K: tl.constexpr, BE: tl.constexpr, PDL: tl.constexpr):
-        pdl_enter(PDL)
+    def _route_kernel(l_ptr, w_ptr, i_ptr, v_ptr, stride_l, E, K: tl.constexpr, BE: tl.constexpr,
+                      LIVE: tl.constexpr, PDL: tl.constexpr):
+        """LIVE: v_ptr holds a flag a row; a row whose flag is 0 gets ids E and weights 0 (route). The flag is loaded
+        before PDL's wait (a decode graph's index block, copied in before the graph's first kernel) and tested after
+        the logits' load is issued: the two loads are in flight together."""
         t = tl.program_id(0)
+        if LIVE:
+            alive = tl.load(v_ptr + t)
+        pdl_enter(PDL)
         offs = tl.arange(0, BE)
         x = tl.load(l_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
+        if LIVE:
+            if alive == 0:
+                ks = tl.arange(0, K)
+                tl.store(w_ptr + t * K + ks, tl.zeros([K], dtype=w_ptr.dtype.element_ty))
+                tl.store(i_ptr + t * K + ks, tl.zeros([K], dtype=tl.int64) + E)
+                return
         _route_row(x, w_ptr + t * K, i_ptr + t * K, offs, E, K, BE)
 
 
@@ -68,29 +87,32 @@ NORM_ROUTER = True    # False: norm_router_route as add_rms_norm then router_rou
 
 
 def router_route(x_TH: torch.Tensor, gate_EH: torch.Tensor, k: int, dtype: torch.dtype, cfg=None,
-                 counter: torch.Tensor | None = None):
+                 counter: torch.Tensor | None = None, live: torch.Tensor | None = None):
     """route(F.linear(x, gate), k, dtype). For few rows one kernel: each program computes a few experts' logits for
     every row (rounded to x's dtype as F.linear's output is), and the last program to finish routes every row (a
     counter in memory, reset by that program, so a CUDA graph replays it). cuBLAS gave the [T, 256] x [256, 2048]
     router four thread blocks (5.3 us at batch 1, the bytes' time is 0.25 us) and the routing was a second launch.
     `counter`: a zeroed int32 [1] on x's device that no other router kernel uses at the same time (None: one per
-    device)."""
+    device). `live`: route's, where route runs (the one-kernel path routes every row: it takes one row, and a decode
+    graph of one row has no padding)."""
     if not _takes(x_TH, gate_EH, k, cfg):
-        return route(F.linear(x_TH, gate_EH), k, dtype)
+        return route(F.linear(x_TH, gate_EH), k, dtype, live)
     return _launch(x_TH, None, None, 0.0, gate_EH, k, dtype, cfg, counter)[2:]
 
 
-def norm_router_route(h_TH, res_TH, w_norm, eps: float, gate_EH, k: int, dtype, cfg=None, counter=None):
+def norm_router_route(h_TH, res_TH, w_norm, eps: float, gate_EH, k: int, dtype, cfg=None, counter=None,
+                      live=None):
     """(s, x, weights, ids) with s = h + res (h when res is None), x = rms_norm(s) (as fused_decode.add_rms_norm
     rounds both) and the routing of x (router_route): the MoE's input norm inside the router kernel, where the row
-    fits one step of it; program 0 writes s and x for the expert kernels. Else add_rms_norm, then router_route."""
+    fits one step of it; program 0 writes s and x for the expert kernels. Else add_rms_norm, then router_route (with
+    `live`, router_route's)."""
     from memra_pp.kernels.fused_decode import add_rms_norm
     H = h_TH.shape[1]
     BK = (cfg or ROUTER_CFG)[1]
     if not (NORM_ROUTER and _takes(h_TH, gate_EH, k, cfg) and triton.next_power_of_2(H) <= BK
             and res_TH is not None and res_TH.stride(1) == 1 and w_norm.is_contiguous()):
         s, x = add_rms_norm(h_TH, res_TH, w_norm, eps)
-        return (s, x, *router_route(x, gate_EH, k, dtype, cfg, counter))
+        return (s, x, *router_route(x, gate_EH, k, dtype, cfg, counter, live))
     CALLS["norm_router"] += 1
     return _launch(h_TH, res_TH, w_norm, eps, gate_EH, k, dtype, cfg, counter)
 

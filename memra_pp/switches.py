@@ -34,6 +34,9 @@ SWITCHES = {
                                      "the SMs (model/fla_rule.GridPick; GPU only; 0: one pinned config): the "
                                      "fastest of three measured at each layout, not yet measured in a step (docs/"
                                      "PERF.md, forty-second session)"),
+    "MEMRA_PP_SKIP_PADDING": (True, "a decode graph's padding rows skip the Gated DeltaNet's state and the MoE's "
+                                    "experts (model/decode_graphs.SKIP_PADDING; GPU only; 0: they run as real rows, "
+                                    "reading a state and their experts' weights)"),
     "MEMRA_PP_GC_FREEZE": (True, "each stage collects its heap once and freezes it when it starts serving (as vLLM "
                                  "does), so no full collection walks the libraries' objects mid-run (a ~160 ms "
                                  "stall of the whole pipeline on the CPU stages measured)"),
@@ -51,6 +54,7 @@ TARGETS = {
     "MEMRA_PP_PREFILL_GRAPHS": ("memra_pp.model.prefill_graphs", "ENABLED"),
     "MEMRA_PP_RULE_GRAPHS": ("memra_pp.model.prefill_graphs", "RULE_GRAPHS"),
     "MEMRA_PP_CHUNK_H_GRID": ("memra_pp.model.fla_rule", "CHUNK_H_GRID"),
+    "MEMRA_PP_SKIP_PADDING": ("memra_pp.model.decode_graphs", "SKIP_PADDING"),
     "MEMRA_PP_GC_FREEZE": ("memra_pp.stages.runner", "GC_FREEZE"),
 }
 

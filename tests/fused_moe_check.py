@@ -259,6 +259,39 @@ if part in ("all", "2"):
         close(out[2:], fm.moe_experts_ref(x[2:], w_gu, w_d, w[2:], idx[2:]))
         ran.add("nan row")
 
+    # a decode graph's padding rows (route's `live` 0): routed to no expert (ids E, weights 0), the real rows' routing
+    # unchanged. The per-pair kernels (3 rows) load nothing for a padding row's pairs: its routed sum is 0, plus the
+    # shared expert's term where one rides along (an unmasked id E would read past the experts). The grouped GEMM (20
+    # rows) gets from the alignment the real rows' pairs alone. Either way the real rows' outputs are as without them.
+    # The experts here lie in front of an expert of NaN, what an unmasked id E would read
+    gu_nan = torch.cat([w_gu, torch.full_like(w_gu[:1], float("nan"))])[:E]
+    d_nan = torch.cat([w_d, torch.full_like(w_d[:1], float("nan"))])[:E]
+    for T, sh in ((3, None), (3, shared), (20, None)):
+        logits, x = torch.randn(T, E, dtype=dt), torch.randn(T, H, dtype=dt)
+        live = torch.tensor([1, 0, 1] + [0, 1] * ((T - 3) // 2) + [1] * ((T - 3) % 2))
+        dead = live == 0
+        before = fm.CALLS["route_live"]
+        w, idx = fm.route(logits, 4, dt, live)
+        assert fm.CALLS["route_live"] == before + 1, fm.CALLS
+        w0, i0 = fm.route(logits, 4, dt)
+        assert bool((idx[dead] == E).all()) and bool((w[dead] == 0).all()), (idx, w)
+        assert torch.equal(idx[~dead], i0[~dead]) and torch.equal(w[~dead], w0[~dead])
+        ref = fm.moe_ref(x[~dead], w_gu, w_d, w0[~dead], i0[~dead], sh)
+        if T * 4 <= fm.SMALL_PAIRS:
+            for down in ("tile", "loop") if sh is None else ("tile",):
+                out = fm._moe_small(x, gu_nan, d_nan, w, idx, sh, down=down)
+                close(out[~dead], ref)
+                if sh is None:
+                    assert bool((out[dead] == 0).all()), (down, out[dead])
+                else:
+                    close(out[dead], fm.shared_ref(x[dead], sh))
+        else:
+            out = fm.moe_experts(x, gu_nan, d_nan, w, idx, sh)
+            close(out[~dead], ref)
+            placed = lambda ids: int((moe_align.align(ids, E, 16)[0] < ids.numel()).sum())  # noqa: E731
+            assert placed(idx) == 4 * int(live.sum()) and placed(i0) == 4 * T, (placed(idx), placed(i0))
+        ran.add(f"padding rows {'small' if T * 4 <= fm.SMALL_PAIRS else 'grouped'}")
+
     if not cpu:             # captured in a CUDA graph (static shapes, no host sync), replayed on new inputs
         T, k = 64, 4
         x = torch.randn(T, H, dtype=dt)
@@ -301,7 +334,8 @@ if part in ("all", "2"):
     if cpu:
         moe.WARM_ROWS = (1, 3, 40)      # the interpreter is slow; compiled, every size the GPU warms
     moe.warm_up()
-    assert all(fm.CALLS[p] > before[p] for p in ("router", "norm_router", "small", "down_tile", "grouped")), \
+    assert all(fm.CALLS[p] > before[p] for p in ("router", "norm_router", "small", "down_tile", "grouped",
+                                                 "route_live")), \
         (before, fm.CALLS)
     ran.add("warm up")
 

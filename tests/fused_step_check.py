@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import interp  # noqa: E402
+import torch  # noqa: E402
 from memra_pp.kernels import fused_decode as fd, fused_moe, gemv, moe_block, paged_attention as pgd, prefill as pf  # noqa: E402,E501
 from memra_pp.model import decode_graphs as dg  # noqa: E402
 from test_decode_graphs import pipelines  # noqa: E402
@@ -49,5 +50,29 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     assert ran["shared_gate"] > 0 and (ran["block"] > 0) == block, (block, ran)     # (prefill: the per-pair kernels)
     S = static.caches[0].max_positions if any_kv else 256     # the graphs' KV length: the capacity, or the bucket
     assert [s.graphs.stats()["graphs"] for s in static.stages] == [[(1, S)]] * 2, (any_kv, static.stages[0].graphs)
+    if not block:
+        # three sequences: the graph of 4 rows, its padding row routed to no expert (decode_graphs.SKIP_PADDING; the
+        # router's `live`), the three real rows decoding what the eager step decodes
+        lv = fused_moe.CALLS["route_live"]
+        prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+        te, le = eager.greedy(prompts, NEW)
+        # the scratch slot's recurrent states, where the padding row's Gated DeltaNet steps would write (set to ones:
+        # a step from zeros on the padding row's zero input would leave them zeros)
+        for c in static.caches:
+            for i in c.rec:
+                c.rec[i][c.scratch].fill_(1.0)
+        scratch = [{i: c.rec[i][c.scratch].clone() for i in c.rec} for c in static.caches]
+        assert all(scratch), "no Gated DeltaNet layer"
+        ts, ls = static.greedy(prompts, NEW)
+        assert ts == te, (kind, ts, te)
+        d = max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True))
+        assert d < 5e-4, (kind, d)
+        assert [s.graphs.stats()["graphs"] for s in static.stages] == [[(1, S), (4, S)]] * 2, static.stages[0].graphs
+        # every MoE layer of both stages, each decode step after the prompts' (NEW - 1 of them)
+        assert fused_moe.CALLS["route_live"] - lv == 8 * (NEW - 1), fused_moe.CALLS
+        # and skipped the Gated DeltaNet's recurrent step: the scratch slot's states untouched
+        assert all(torch.equal(c.rec[i][c.scratch], was[i]) for c, was in zip(static.caches, scratch, strict=True)
+                   for i in was), "a padding row wrote the scratch slot's recurrent state"
+        print("padding rows routed to no expert:", fused_moe.CALLS["route_live"] - lv, "routings")
 print("step ok", {**gemv.CALLS, **pgd.CALLS, **pf.CALLS, "shared_gate": fused_moe.CALLS["shared_gate"],
                   "block": moe_block.CALLS["block_split"]})

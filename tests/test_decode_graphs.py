@@ -34,7 +34,8 @@ def pipelines(kind, splits, max_seqs=6, max_context=1024):
                                            ("moe", [(0, 2), (2, 5), (5, 8)], 3), ("moe", [(0, 4), (4, 8)], 1)])
 def test_static_decode_equals_eager(kind, splits, n):
     """3 sequences run bucket 4 with one padding row (the MoE with every expert on every row); 1 sequence runs
-    bucket 1 (the MoE copying out its 2 routed experts)."""
+    bucket 1 (the MoE copying out its 2 routed experts). The graphs' index block flags the real rows (the fused MoE
+    routes the padding row to no expert: tests/fused_step_check.py)."""
     eager, static = pipelines(kind, splits)
     prompts = [[5, 6, 7], list(range(20, 45)), [9]][:n]
     te, le = eager.greedy(prompts, 12)
@@ -44,6 +45,7 @@ def test_static_decode_equals_eager(kind, splits, n):
     for s in static.stages:
         st = s.graphs.stats()
         assert st["replays"] == 11 and st["graphs"] == [({3: 4, 1: 1}[n], 256)], st
+        assert s.graphs.live[:{3: 4, 1: 1}[n]].tolist() == {3: [1, 1, 1, 0], 1: [1]}[n]
 
 
 def test_kv_growth_drops_and_recaptures():
@@ -189,9 +191,13 @@ def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
     interpreter, float32: the GEMVs with and without their norm (kernels/gemv.py), the attention's q / k norms with
     the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels (the
     shared gate computed early; then, in a second process at the same time, the MoE as one block kernel,
-    kernels/moe_block.py) must decode what the eager torch step decodes; the counts prove those kinds ran."""
+    kernels/moe_block.py) must decode what the eager torch step decodes; the counts prove those kinds ran. The first
+    process also decodes three sequences at once: the graph of four rows, whose padding row the MoE routes to no
+    expert in each of the 8 layers at each of the 2 decode steps, and whose Gated DeltaNet steps leave the scratch
+    slot's states untouched (decode_graphs.SKIP_PADDING)."""
     for which, (code, out, err) in zip(("noblock", "block"), interp.results("fused_step"), strict=True):
         assert code == 0 and "step ok" in out, which + ": " + out + err[-3000:]
+        assert ("padding rows routed to no expert: 16 routings" in out) == (which == "noblock"), out
         calls = ast.literal_eval(out.split("step ok", 1)[1].strip())
         assert calls["gemv"] > 0 and calls["norm_gemv"] > 0 and calls["qk_kv_write"] > 0 \
             and calls["shared_gate"] > 0 and (calls["block"] > 0) == (which == "block"), (which, calls)
@@ -235,7 +241,8 @@ def test_prefill_merged_path_in_the_interpreter():
 def test_fused_moe_kernels_in_the_interpreter():
     """The fused MoE routing and experts (kernels/fused_moe.py: the router kernel, the per-pair kernels with both
     down kernels, with and without the shared expert riding in them, and the grouped GEMM over pairs sorted by
-    expert, with its alignment) against their torch references, by Triton's CPU interpreter, in
+    expert, with its alignment; a decode graph's padding rows routed to no expert, their pairs skipped) against their
+    torch references, by Triton's CPU interpreter, in
     float32 (the interpreter's bfloat16 tl.dot is wrong); tests/test_gpu_decode_graphs.py runs it compiled in both
     dtypes and inside a CUDA graph. The check's two halves run at once (about 1.5 minutes each here)."""
     ran = set()
@@ -243,7 +250,8 @@ def test_fused_moe_kernels_in_the_interpreter():
         assert code == 0 and "moe ok " in out, out + err[-3000:]
         ran |= set(ast.literal_eval(out.split("moe ok ", 1)[1].strip()))
     assert sorted(ran) == ['align', 'down ids after wait', 'down loop', 'down tile', 'grouped16x64', 'grouped64x64',
-                           'nan row', 'norm router', 'route', 'router', 'router nan and ties', 'shared',
+                           'nan row', 'norm router', 'padding rows grouped', 'padding rows small', 'route', 'router',
+                           'router nan and ties', 'shared',
                            'shared before wait', 'shared gate early', 'shared gate late', 'small', 'warm up']
 
 

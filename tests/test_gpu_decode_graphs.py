@@ -87,7 +87,8 @@ def test_fused_decode_kernels_compiled(cuda, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_moe_kernels_compiled(cuda, dtype):
     """The fused MoE routing and experts (per-pair kernels, the grouped GEMM at every block size, one CUDA graph
-    replayed on new inputs), compiled, against their torch references."""
+    replayed on new inputs; a decode graph's padding rows routed to no expert), compiled, against their torch
+    references."""
     import os
     import subprocess
     import sys
@@ -95,7 +96,8 @@ def test_fused_moe_kernels_compiled(cuda, dtype):
     r = subprocess.run([sys.executable, check, dtype, "cuda"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "moe ok" in r.stdout, r.stderr[-3000:]
     paths = "['align', 'down ids after wait', 'down loop', 'down tile', 'graph', 'grouped16x64', 'grouped64x128', " \
-            "'grouped64x64', 'nan row', 'norm router', 'route', 'router', 'router nan and ties', 'shared', " \
+            "'grouped64x64', 'nan row', 'norm router', 'padding rows grouped', 'padding rows small', 'route', " \
+            "'router', 'router nan and ties', 'shared', " \
             "'shared before wait', 'shared gate early', 'shared gate late', 'small', 'warm up']"
     assert paths in r.stdout, r.stdout
 

@@ -566,7 +566,8 @@ def test_runtime_switches_refuse_what_they_do_not_know(monkeypatch, tmp_path, na
                                                 "MEMRA_PP_MOE_BLOCK": True, "MEMRA_PP_SDPA_CUDNN": False,
                                                 "MEMRA_PP_PREFILL_MERGED": True, "MEMRA_PP_PREFILL_VARLEN": True,
                                                 "MEMRA_PP_PREFILL_GRAPHS": True, "MEMRA_PP_RULE_GRAPHS": False,
-                                                "MEMRA_PP_CHUNK_H_GRID": False, "MEMRA_PP_GC_FREEZE": True}
+                                                "MEMRA_PP_CHUNK_H_GRID": False, "MEMRA_PP_SKIP_PADDING": True,
+                                                "MEMRA_PP_GC_FREEZE": True}
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError) as e:
         switches.check_environment()

@@ -29,6 +29,12 @@ MIN_KV = 256
 # batch-1 decode (128 in, 256 out) 412.9 tokens/s against 173.2, which captured mid-run (docs/PERF.md, eleventh
 # session). MEMRA_PP_ANY_KV_GRAPHS=0 in the launching process turns it off (switches.py)
 ANY_KV = initial("MEMRA_PP_ANY_KV_GRAPHS")
+# A batch of 5 runs the graph of 8: its 3 padding rows, at the scratch slot, skip the Gated DeltaNet's recurrent step
+# (no state read or written: 2-3 MB a layer a row) and the MoE routes them to no expert (at the 35B-A3B's top-8 they
+# could add 24 experts a layer to the 5 real rows' 40). The step passes the index block's flag a row (`live`) down to
+# the layers. Their outputs are then not defined; nothing reads them. MEMRA_PP_SKIP_PADDING=0 in the launching
+# process: padding rows run as real rows (switches.py)
+SKIP_PADDING = initial("MEMRA_PP_SKIP_PADDING")
 
 
 class CaptureFailed(RuntimeError):
@@ -47,9 +53,11 @@ class DecodeGraphs:
                                                                            or max_batch,)
         n, dev = self.buckets[-1], model.device
         self.h = torch.zeros(n, model.mc.text.hidden_size, dtype=model.dtype, device=dev)
-        # one index block per step, copied in with one host-to-device copy: slots, positions, 3 M-RoPE rows
-        self.idx = torch.zeros(5, n, dtype=torch.long, device=dev)
-        self.slots, self.pos, self.pos3 = self.idx[0], self.idx[1], self.idx[2:]
+        # one index block per step, copied in with one host-to-device copy: slots, positions, 3 M-RoPE rows, and a
+        # flag a row, 0 for padding rows (SKIP_PADDING: the MoE routes them to no expert, the Gated DeltaNet's step
+        # skips them)
+        self.idx = torch.zeros(6, n, dtype=torch.long, device=dev)
+        self.slots, self.pos, self.pos3, self.live = self.idx[0], self.idx[1], self.idx[2:5], self.idx[5]
         self.slots.fill_(cache.scratch)
         # every graph's output, written in place by its last kernel (one buffer, not one per graph: float32 logits
         # for the buckets up to 1,024 rows held 4.7 GB on the primary); a replay's rows are cloned before the next
@@ -111,11 +119,12 @@ class DecodeGraphs:
             self.graphs[key] = self._capture(nb, S)   # raises CaptureFailed: the stage goes on eagerly
         graph = self.graphs[key]
         # padding rows write into the scratch slot at position 0; pinned, so the copy never waits for the device
-        idx = torch.zeros(5, nb, dtype=torch.long, pin_memory=self._pin)
+        idx = torch.zeros(6, nb, dtype=torch.long, pin_memory=self._pin)
         idx[0, :n] = torch.tensor(b.slots)
         idx[0, n:] = self.cache.scratch
         idx[1, :n] = torch.tensor(b.starts)
-        idx[2:, :n] = b.pos_3T
+        idx[2:5, :n] = b.pos_3T
+        idx[5, :n] = 1
         self.idx[:, :nb].copy_(idx, non_blocking=True)
         self.h[:n].copy_(h_BH)
         if self.capture:
@@ -127,7 +136,7 @@ class DecodeGraphs:
 
     def _step(self, nb: int, S: int) -> torch.Tensor:
         return self.model.decode_static(self.h[:nb], self.slots[:nb], self.pos[:nb], self.pos3[:, :nb], S,
-                                        self.cache, out=self.out[:nb])
+                                        self.cache, out=self.out[:nb], live=self.live[:nb] if SKIP_PADDING else None)
 
     def _capture(self, nb: int, S: int):
         """Warm up on a side stream (kernels compile, cuBLAS picks its algorithms), then capture. Every row points
@@ -136,6 +145,7 @@ class DecodeGraphs:
         self.slots[:nb].fill_(self.cache.scratch)
         self.pos[:nb].zero_()
         self.pos3[:, :nb].zero_()
+        self.live[:nb].zero_()
         self.captures += 1
         if not self.capture:
             return None

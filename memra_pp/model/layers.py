@@ -64,9 +64,10 @@ class DenseMLP(Param):
         super().load(prefix, src, dtype, device)
         self.gate_up = self.fuse(["gate_proj", "up_proj"])
 
-    def decode_fused(self, h_BH, m_BH, w_norm, eps: float):
+    def decode_fused(self, h_BH, m_BH, w_norm, eps: float, live=None):
         """The decode graphs' MLP on rms_norm(h + m): the residual add and norm with the gate|up GEMV, one silu-mul
-        kernel, the down GEMV (kernels/gemv.py at few rows). Returns (h + m, the MLP's output)."""
+        kernel, the down GEMV (kernels/gemv.py at few rows). Returns (h + m, the MLP's output). `live` (the MoE's
+        padding flags) is not used: a padding row costs a dense GEMV no more bytes."""
         from memra_pp.kernels.fused_decode import silu_mul
         from memra_pp.kernels.gemv import linear, norm_linear
         h_BH, gu = norm_linear(h_BH, m_BH, w_norm, eps, self.gate_up)
@@ -97,10 +98,12 @@ class MoE(Param):
         self.route_counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.block_bar = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def decode_fused(self, h_BH, m_BH, w_norm, eps: float):
+    def decode_fused(self, h_BH, m_BH, w_norm, eps: float, live=None):
         """The decode graphs' MoE on rms_norm(h + m): for one row where it runs, the whole block in one kernel
         (kernels/moe_block.py); else on the fused path the add and norm inside the router kernel (one row;
-        kernels/moe_route.py). Returns (h + m, the MoE's output)."""
+        kernels/moe_route.py). Returns (h + m, the MoE's output). `live` (a flag a row, 0 for a decode graph's
+        padding rows, or None): on the fused path those rows are routed to no expert (decode_graphs.SKIP_PADDING),
+        and their output is not defined."""
         from memra_pp.kernels import fused_moe, moe_block
         from memra_pp.kernels.fused_decode import add_rms_norm
         shared = self._shared()
@@ -114,8 +117,9 @@ class MoE(Param):
             if fused_moe.PREMISE_ROUTE:     # benchmarks only: the router's cost in the step (wrong outputs)
                 h_BH, x, w, idx = fused_moe.premise_route(h_BH, m_BH, w_norm, eps, self.top_k)
             else:
-                h_BH, x, w, idx = fused_moe.norm_router_route(h_BH, m_BH, w_norm, eps, self.gate_weight, self.top_k,
-                                                              h_BH.dtype, counter=self.route_counter)
+                h_BH, x, w, idx = fused_moe.norm_router_route(
+                    h_BH, m_BH, w_norm, eps, self.gate_weight, self.top_k, h_BH.dtype, counter=self.route_counter,
+                    live=live)
             return h_BH, fused_moe.moe_experts(x, self.experts_gate_up_proj, self.experts_down_proj, w, idx,
                                                shared)
         h_BH, x = add_rms_norm(h_BH, m_BH, w_norm, eps)
@@ -139,10 +143,10 @@ class MoE(Param):
 
     def warm_up(self):
         """Run the fused kernels once at every variant a step can pick (the router kernel, with and without the
-        input norm, the per-pair kernels with and without the shared expert riding along (adapter steps add it
-        apart), the grouped GEMM at each block config with each alignment, and where it is on the one-row block
-        kernel, kernels/moe_block.py), so Triton compiles them at load, not inside a running step where every waiting
-        request would pay for it."""
+        input norm, the routing kernel with and without padding rows, the per-pair kernels with and without the
+        shared expert riding along (adapter steps add it apart), the grouped GEMM at each block config with each
+        alignment, and where it is on the one-row block kernel, kernels/moe_block.py), so Triton compiles them at
+        load, not inside a running step where every waiting request would pay for it."""
         from memra_pp.kernels import fused_moe, moe_block
         x = self.gate_weight
         if not fused_moe.enabled(x, self.top_k):
@@ -156,6 +160,9 @@ class MoE(Param):
         # one row's decode step: the block kernel where it is on, else the router kernel with the input norm, which
         # is compiled where the block replaces it too (benchmarks switch the block off and on)
         self.decode_fused(x1, x1, x[0], 1e-6)
+        # and a padded decode graph's: the routing kernel that routes a padding row to no expert
+        x2 = torch.randn(2, x.shape[1], generator=g, device=x.device, dtype=x.dtype)
+        self.decode_fused(x2, x2, x[0], 1e-6, live=torch.tensor([1, 0], device=x.device))
         if moe_block.takes(x1, x1, x[0], x, self.top_k, self.experts_gate_up_proj, self.experts_down_proj,
                            self._shared()):
             fused_moe.norm_router_route(x1, x1, x[0], 1e-6, x, self.top_k, x.dtype, counter=self.route_counter)

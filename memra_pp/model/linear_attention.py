@@ -26,10 +26,13 @@ class GatedDeltaNet(Param):
         self.in_proj = self.fuse(["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"])
         self.w_in = self.in_proj       # the decode graphs' merged input projection (Layer.decode_fused)
 
-    def decode_fused(self, P: torch.Tensor, slots_B: torch.Tensor, cache: StageCache) -> torch.Tensor:
+    def decode_fused(self, P: torch.Tensor, slots_B: torch.Tensor, cache: StageCache,
+                     skip_padding: bool = False) -> torch.Tensor:
         """The decode graphs' step from the merged projection P = x @ in_proj^T (qkv|z|b|a; the layer computes it
         with its input norm): the conv step in place, the recurrent step with its gates computed in the kernel, the
-        gated norm reading z in place, out_proj (kernels/gdn_decode.py, kernels/fused_decode.py, kernels/gemv.py)."""
+        gated norm reading z in place, out_proj (kernels/gdn_decode.py, kernels/fused_decode.py, kernels/gemv.py).
+        skip_padding: the recurrent step skips the rows at the scratch slot (the graph's padding rows: their output
+        is not defined)."""
         from memra_pp.kernels import fused_decode as fd
         from memra_pp.kernels.gdn_decode import conv_step, gdn_decode_fused
         from memra_pp.kernels.gemv import linear
@@ -40,7 +43,8 @@ class GatedDeltaNet(Param):
         C, Z = c.conv_dim, nv * dv
         y = conv_step(P[:, :C], cache.conv[self.layer], self.conv1d_weight[:, 0, :], slots_B)
         o = gdn_decode_fused(y, P[:, C + Z:C + Z + nv], P[:, C + Z + nv:], self.A_log, self.dt_bias,
-                             cache.rec[self.layer], slots_B, nk, dk ** -0.5)
+                             cache.rec[self.layer], slots_B, nk, dk ** -0.5,
+                             skip_slot=cache.scratch if skip_padding else -1)
         o = fd.gated_rms_norm(o, P[:, C:C + Z].view(B, nv, dv), self.norm_weight, c.rms_norm_eps)
         return linear(o, self.out_proj_weight)
 

@@ -70,18 +70,20 @@ class Layer(nn.Module):
         h_BH = h_BH + m
         return h_BH + self.ffn(rms_norm(h_BH, self.ln2, self.eps), lora)
 
-    def decode_fused(self, h_BH, pending, slots_B, pos_B, S: int, cache: StageCache, cos, sin):
+    def decode_fused(self, h_BH, pending, slots_B, pos_B, S: int, cache: StageCache, cos, sin, live=None):
         """Layer.decode for the decode graphs through fused kernels: the previous layer's last residual add
         (`pending`, None for the first layer) fused with this layer's input norm and its merged input projection
         (one GEMV kernel at few rows, kernels/gemv.py), this layer's mixer output added and normed inside the
-        FFN's first kernel. Returns (h, this layer's pending FFN output); the caller adds the last one."""
+        FFN's first kernel. Returns (h, this layer's pending FFN output); the caller adds the last one. `live`: a
+        flag a row, 0 for padding rows, or None: where given, the Gated DeltaNet's step skips the padding rows (at
+        the scratch slot) and the MoE routes them to no expert; their outputs are not defined."""
         from memra_pp.kernels.gemv import norm_linear
         h_BH, P = norm_linear(h_BH, pending, self.ln1, self.eps, self.mixer.w_in)
         if self.full:
             m = self.mixer.decode_fused(P, cos, sin, cache.k[self.i], cache.v[self.i], cache.table, slots_B, pos_B, S)
         else:
-            m = self.mixer.decode_fused(P, slots_B, cache)
-        return self.ffn.decode_fused(h_BH, m, self.ln2, self.eps)
+            m = self.mixer.decode_fused(P, slots_B, cache, live is not None)
+        return self.ffn.decode_fused(h_BH, m, self.ln2, self.eps, live)
 
     def _attend_decode(self, q, gate, k, v, slots_B, pos_B, S: int, cache: StageCache, lora=None):
         """Write one new key/value per sequence at its slot and position, attend over the first S positions (on a
@@ -265,13 +267,15 @@ class StageModel(nn.Module):
         setattr(self, attr + "_failed", str(e))
         setattr(self, attr, None)
 
-    def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache, out=None) -> torch.Tensor:
+    def decode_static(self, h_BH, slots_B, pos_B, pos_3B, S: int, cache: StageCache, out=None,
+                      live=None) -> torch.Tensor:
         """The decode step a CUDA graph captures: hidden in, hidden (or float32 logits on the primary) out, written
-        into `out` when given (the graphs' one output buffer; the same kernels either way)."""
+        into `out` when given (the graphs' one output buffer; the same kernels either way). `live`: a flag a row on
+        the device, 0 for the graph's padding rows (Layer.decode_fused), or None."""
         cos, sin = self.rope.cos_sin(pos_3B, self.dtype)
         pending = None
         for layer in self.layers:
-            h_BH, pending = layer.decode_fused(h_BH, pending, slots_B, pos_B, S, cache, cos, sin)
+            h_BH, pending = layer.decode_fused(h_BH, pending, slots_B, pos_B, S, cache, cos, sin, live)
         if not self.primary:
             return h_BH + pending if out is None else torch.add(h_BH, pending, out=out)
         from memra_pp.kernels.fused_decode import add_rms_norm
