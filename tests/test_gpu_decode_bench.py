@@ -371,6 +371,30 @@ def test_prefill_ways_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 10_000
 
 
+def test_decode_modes_plot(tmp_path):
+    """benchmarks/plot_decode_modes.py: each mode's tokens/s at each batch, its repeats kept apart (the prefill rows
+    left out), drawn; a report with no decode rows is refused."""
+    import json
+    import subprocess
+    import plot_decode_modes
+    rows = [{"mode": m, "batch": b, "tokens_per_s": t} for m, b, t in
+            (("graph", 3, 620.0), ("graph", 5, 790.0), ("graph-nopadskip", 3, 540.0), ("graph", 3, 610.0))]
+    rows.append({"mode": "graph", "prefill": [1, 4096], "step_ms": [90.0]})
+    rep = {"model": "preset:qwen3.5-35b-a3b", "gpu": "cpu", "rows": rows}
+    assert plot_decode_modes.decode_rows(rep) == {"graph": {3: [620.0, 610.0], 5: [790.0]},
+                                                  "graph-nopadskip": {3: [540.0]}}
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(rep))
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plot_decode_modes.py")
+    r = subprocess.run([sys.executable, script, str(f), "--out", str(tmp_path / "d.png")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "d.png").stat().st_size > 10_000, r.stderr[-2000:]
+    f.write_text(json.dumps({"rows": rows[-1:]}))
+    r = subprocess.run([sys.executable, script, str(f), "--out", str(tmp_path / "e.png")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "no decode rows" in r.stderr, r.stderr[-2000:]
+
+
 def test_engine_step_mixed_prefill_runs_again_and_again():
     """gpu_engine_step.py --prefill BxN+D: B fresh prompts and D decode rows at --ctx in one step, run as often as the
     timing needs (the decode rows' sequences put back at ctx each time, the prompts starting over: their logits the
