@@ -216,6 +216,27 @@ def test_a_non_float_tensor_is_refused_not_cast(tiny, tmp_path, dtype):
     assert open_weights(d64).get("layers.0.linear_attn.out_proj.weight", torch.float32).dtype == torch.float32
 
 
+@pytest.mark.parametrize("value,dtype,says", [
+    (float("nan"), torch.float32, r"holds 1 non-finite value\(s\) \(NaN or inf\) of 4096; the checkpoint is corrupt"),
+    (float("-inf"), torch.bfloat16, r"holds 1 non-finite value\(s\) \(NaN or inf\) of 4096; the checkpoint is corrupt"),
+    (1e6, torch.float16, r"has 1 value\(s\) past float16's range \(finite as stored, float32\): load the model in a "
+                         r"wider dtype")])
+def test_a_non_finite_weight_is_refused_naming_it(tiny, tmp_path, value, dtype, says):
+    """A NaN or inf in a checkpoint's tensor, or a finite value the load dtype cannot hold, must be a ConfigError
+    naming the tensor and which of the two it is (it would make every token it touches NaN); the same tensor with
+    finite values loads."""
+    key = LM + "layers.0.linear_attn.out_proj.weight"
+
+    def poison(sd):
+        sd[key] = sd[key].float().clone()
+        sd[key].view(-1)[7] = value
+    d = edit(tiny["dense"], tmp_path / "nf", poison)
+    with pytest.raises(ConfigError, match=rf"model\.safetensors: tensor 'layers\.0\.linear_attn\.out_proj\.weight' "
+                                          rf"{says}"):
+        open_weights(d).get("layers.0.linear_attn.out_proj.weight", dtype)
+    assert open_weights(d).get("layers.0.linear_attn.in_proj_z.weight", dtype).dtype == dtype
+
+
 def _experts(fn):
     def apply(sd):
         for e in range(8):

@@ -357,12 +357,16 @@ def wide_model():
 
 
 def _raw_of(qt, a: np.ndarray) -> np.ndarray:
-    """`a` in type qt: quantized by gguf-py where it can, else random bytes with finite block scales."""
+    """`a` in type qt: quantized by gguf-py where it can, else random bytes with finite block scales: bit 14 of
+    every 16-bit word cleared, so each float16 field (a block's scales lie at even offsets; IQ1_M packs its scale's
+    top bits into bits 12-15 of its words) is below 2, and no dequantized value is NaN or inf (the loader refuses
+    those: weights.check_finite)."""
     try:
         return gguf.quants.quantize(a, qt)
     except NotImplementedError:
         block, size = gguf.GGML_QUANT_SIZES[qt]
         raw = np.random.default_rng(int(qt)).integers(0, 256, (a.shape[0], a.shape[1] // block * size), np.uint8)
+        raw.view(np.uint16)[...] &= np.uint16(0xBFFF)
         return raw
 
 
@@ -478,6 +482,18 @@ def test_launch_refuses_metadata_that_disagrees_with_tensors_and_leaves_nothing(
     """embedding_length 96 for 64-wide tensors: the stages' load refuses it by tensor; no actor, no segment."""
     f = rewrite(_dense("q8_0"), tmp_path / "dis.gguf", kv={K + "embedding_length": 96})
     _launch_refused(_cfg("ggufdis", f), r"dis\.gguf: GGUF tensor '.*' has shape .*the config needs")
+
+
+def test_launch_refuses_a_non_finite_weight_and_leaves_nothing(ray_cluster, tmp_path):
+    """A NaN in one tensor of the file: the stage that loads it refuses it by name (weights.check_finite); no
+    actor, no segment left."""
+    src = _dense("q8_0")
+    t = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == "blk.0.ffn_down.weight")
+    a = np.zeros([int(d) for d in reversed(t.shape.tolist())], np.float32)
+    a[1, 2] = np.nan
+    f = rewrite(src, tmp_path / "nan.gguf", tensors={"blk.0.ffn_down.weight": (a, None)})
+    _launch_refused(_cfg("ggufnan", f), r"nan\.gguf: GGUF tensor 'blk\.0\.ffn_down\.weight': tensor "
+                                        r"'layers\.0\.mlp\.down_proj\.weight' holds 1 non-finite value\(s\)")
 
 
 def test_launch_refuses_placement_that_disagrees_with_the_gguf(ray_cluster, tmp_path):

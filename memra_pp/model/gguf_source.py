@@ -13,7 +13,7 @@ import torch
 from ..errors import ConfigError
 from .config import FULL, LINEAR, ModelConfig, parse_config
 from .gguf_check import gguf_field, open_gguf
-from .weights import check_shape, expected_shape
+from .weights import check_finite, check_shape, expected_shape
 
 ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 
@@ -223,7 +223,7 @@ class GGUFSource:
                               f"the config needs {expected_shape(name, self.config.text)}") from None
         check_shape(name, t, self.config.text, f"{self.path}: GGUF tensor {gname!r}")
         self.read_names.append(name)
-        return t.to(device=device, dtype=dtype)
+        return check_finite(name, t, t.to(device=device, dtype=dtype), f"{self.path}: GGUF tensor {gname!r}")
 
     def _half(self, gname: str, name: str) -> torch.Tensor:
         """ffn_gate_exps or ffn_up_exps, shape-checked before the two are joined (a 63 + 65 split is not 2 x 64)."""

@@ -74,6 +74,28 @@ def check_shape(name: str, t: torch.Tensor, cfg: TextConfig, where: str) -> torc
     return t
 
 
+def check_finite(name: str, stored: torch.Tensor, loaded: torch.Tensor, where: str) -> torch.Tensor:
+    """A weight with NaN or inf (a corrupt download, a bad conversion, a value past the load dtype's range) makes
+    every token it touches NaN, silently: refused at load, naming the tensor (llama.cpp checks only under
+    --check-tensors; here always). One float32 sum a tensor (NaN and inf carry through it), counted exactly only when
+    it is not finite. `stored`: the tensor as read, `loaded`: after the cast to the load dtype (the same tensor where
+    nothing was cast), so an overflow of the cast is told from a checkpoint that holds the values."""
+    if bool(torch.isfinite(loaded.sum(dtype=torch.float32))):
+        return loaded
+    bad = int((~torch.isfinite(loaded)).sum())
+    if bad == 0:      # the sum itself overflowed float32: every value is finite
+        return loaded
+    held = int((~torch.isfinite(stored)).sum()) if stored is not loaded else bad
+    dt = str(loaded.dtype).removeprefix("torch.")
+    if held:
+        raise ConfigError(f"{where}: tensor {name!r} holds {held} non-finite value(s) (NaN or inf) of "
+                          f"{stored.numel()}; the checkpoint is corrupt or was converted wrongly: a model with them "
+                          f"would give NaN for every token they touch")
+    raise ConfigError(f"{where}: tensor {name!r} has {bad} value(s) past {dt}'s range (finite as stored, "
+                      f"{str(stored.dtype).removeprefix('torch.')}): load the model in a wider dtype (model.dtype: "
+                      f"bfloat16 or float32)")
+
+
 class SafetensorsSource:
     """Hugging Face checkpoint directory: single or sharded safetensors, VLM or text-only prefixes."""
 
@@ -165,7 +187,7 @@ class SafetensorsSource:
             raise ConfigError(f"{self.dir}: tensor {key!r} (canonical {name!r}) is missing from the checkpoint")
         self.read_names.append(name)
         check_shape(name, t, self.config.text, where)
-        return t.to(device=device, dtype=dtype)
+        return check_finite(name, t, t.to(device=device, dtype=dtype), where)
 
     def _stack_experts(self, name: str) -> torch.Tensor:
         """Per-expert keys, as save_pretrained writes them, stacked into the canonical fused 3-D form."""
