@@ -223,8 +223,8 @@ def test_a_non_float_tensor_is_refused_not_cast(tiny, tmp_path, dtype):
                          r"wider dtype")])
 def test_a_non_finite_weight_is_refused_naming_it(tiny, tmp_path, value, dtype, says):
     """A NaN or inf in a checkpoint's tensor, or a finite value the load dtype cannot hold, must be a ConfigError
-    naming the tensor and which of the two it is (it would make every token it touches NaN); the same tensor with
-    finite values loads."""
+    naming the tensor and which of the two it is (it would make every token it touches NaN); another tensor of the
+    same file loads."""
     key = LM + "layers.0.linear_attn.out_proj.weight"
 
     def poison(sd):
