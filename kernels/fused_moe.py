@@ -14,9 +14,9 @@ an expert on a row not routed to it.
     fused into the gate|up GEMM's epilogue and the routing weight into the down GEMM's. Static shapes throughout:
     a CUDA graph captures it (no host sync).
 - a decode graph's padding rows are routed to no expert (ids E, weights 0: route's `live`, which the graphs pass
-  where decode_graphs.SKIP_PADDING is on); both paths skip such pairs, so a padding row reads no expert's weights
-  and its routed sum is 0 (the per-pair kernels) or undefined (the grouped GEMM: nothing reads a padding row's
-  output).
+  where decode_graphs.SKIP_PADDING is on); both paths skip such pairs, so a padding row reads no expert's weights.
+  Its output is not defined (its input may be NaN: the Gated DeltaNet's skipped rows leave theirs unwritten) and
+  nothing reads it; a real row's program never reads a padding row's input or pairs.
 
 Rounding follows the torch reference (moe_experts_ref, what layers.MoE runs on CPU): gate|up and down outputs
 rounded to the activation dtype, silu and the product rounded as torch's two ops round, the weighted pair outputs
@@ -194,7 +194,7 @@ if triton is not None:
         pair's first program also stores the row's shared gate sigmoid(x_t . w_gate) to sg[t] (_shared_gate). SPRE:
         the shared pair's programs load their first K step of its weights before PDL's wait. Every program passes
         pdl_enter before it can return: the down kernel after it relies on that (DOWN_IDS_BEFORE_WAIT). A pair whose
-        id is E or more (a padding row's: route's `live`) loads nothing and stores zeros."""
+        id is E or more (a padding row's: route's `live`) loads no weights (its h row: zeros where x_t is finite)."""
         r = tl.program_id(0)
         t = r // (K + S)
         j = r % (K + S)
@@ -212,7 +212,7 @@ if triton is not None:
             e = tl.load(i_ptr + t * K + j).to(tl.int64)
             w_e = w_ptr + e * (2 * I * H)
             width = I
-            lm = (n < width) & (n * 0 + e < E)      # a padding row's pair: nothing loaded, zeros stored
+            lm = (n < width) & (n * 0 + e < E)      # a padding row's pair: no weights loaded, its h row stored
         else:
             w_e = ws_ptr
             width = Is

@@ -54,15 +54,19 @@ def _padded_rows(N: int, E: int, BM: int) -> int:
 
 
 def align_ref(topi_TK: torch.Tensor, E: int, BM: int):
+    """align's torch ops (the reference, and the path past ALIGN_KERNEL_PAIRS); ids outside [0, E) (a decode
+    graph's padding rows: moe_route.route's `live`) are skipped, as the kernel skips them."""
     N = topi_TK.numel()
     flat = topi_TK.reshape(-1)
     dev = flat.device
-    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    fe = torch.where((flat >= 0) & (flat < E), flat, E)         # bin E: skipped
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, fe, torch.ones_like(fe))[:E]
     padded = (counts + BM - 1) // BM * BM
     pend = padded.cumsum(0)
-    order = flat.argsort(stable=True)
-    se = flat[order]
-    rank = torch.arange(N, device=dev) - (counts.cumsum(0) - counts)[se]
+    order = fe.argsort(stable=True)
+    se = fe[order]
+    order, se = order[se < E], se[se < E]                       # (the skipped ones sort last)
+    rank = torch.arange(se.numel(), device=dev) - (counts.cumsum(0) - counts)[se]
     P = _padded_rows(N, E, BM)
     sorted_pairs = torch.full((P,), N, dtype=torch.int32, device=dev)
     sorted_pairs[(pend - padded)[se] + rank] = order.to(torch.int32)

@@ -270,6 +270,8 @@ if part in ("all", "2"):
         logits, x = torch.randn(T, E, dtype=dt), torch.randn(T, H, dtype=dt)
         live = torch.tensor([1, 0, 1] + [0, 1] * ((T - 3) // 2) + [1] * ((T - 3) % 2))
         dead = live == 0
+        x_nan = x.clone()
+        x_nan[dead] = float("nan")
         before = fm.CALLS["route_live"]
         w, idx = fm.route(logits, 4, dt, live)
         assert fm.CALLS["route_live"] == before + 1, fm.CALLS
@@ -285,11 +287,18 @@ if part in ("all", "2"):
                     assert bool((out[dead] == 0).all()), (down, out[dead])
                 else:
                     close(out[dead], fm.shared_ref(x[dead], sh))
+                # a padding row's input NaN (the Gated DeltaNet's skipped rows leave theirs unwritten): the real
+                # rows bit for bit as before
+                assert torch.equal(fm._moe_small(x_nan, gu_nan, d_nan, w, idx, sh, down=down)[~dead], out[~dead])
         else:
             out = fm.moe_experts(x, gu_nan, d_nan, w, idx, sh)
             close(out[~dead], ref)
+            assert torch.equal(fm.moe_experts(x_nan, gu_nan, d_nan, w, idx, sh)[~dead], out[~dead])
             placed = lambda ids: int((moe_align.align(ids, E, 16)[0] < ids.numel()).sum())  # noqa: E731
             assert placed(idx) == 4 * int(live.sum()) and placed(i0) == 4 * T, (placed(idx), placed(i0))
+            # the torch alignment (past the kernel's bound) skips the padding pairs as the kernel does
+            a, b = moe_align.align(idx, E, 16), moe_align.align_ref(idx, E, 16)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (a, b)
         ran.add(f"padding rows {'small' if T * 4 <= fm.SMALL_PAIRS else 'grouped'}")
 
     if not cpu:             # captured in a CUDA graph (static shapes, no host sync), replayed on new inputs

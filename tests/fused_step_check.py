@@ -51,8 +51,8 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     S = static.caches[0].max_positions if any_kv else 256     # the graphs' KV length: the capacity, or the bucket
     assert [s.graphs.stats()["graphs"] for s in static.stages] == [[(1, S)]] * 2, (any_kv, static.stages[0].graphs)
     if not block:
-        # three sequences: the graph of 4 rows, its padding row routed to no expert (decode_graphs.SKIP_PADDING; the
-        # router's `live`), the three real rows decoding what the eager step decodes
+        # three sequences: the graph of 4 rows, its padding row (its input NaN) routed to no expert
+        # (decode_graphs.SKIP_PADDING; the router's `live`), the three real rows decoding what the eager step decodes
         lv = fused_moe.CALLS["route_live"]
         prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
         te, le = eager.greedy(prompts, NEW)
@@ -63,6 +63,8 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
                 c.rec[i][c.scratch].fill_(1.0)
         scratch = [{i: c.rec[i][c.scratch].clone() for i in c.rec} for c in static.caches]
         assert all(scratch), "no Gated DeltaNet layer"
+        for s in static.stages:     # the padding row's input NaN on each stage: nothing of it may reach a real row
+            s.graphs.h.fill_(float("nan"))
         ts, ls = static.greedy(prompts, NEW)
         assert ts == te, (kind, ts, te)
         d = max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True))

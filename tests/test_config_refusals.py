@@ -221,20 +221,26 @@ def test_a_non_float_tensor_is_refused_not_cast(tiny, tmp_path, dtype):
     (float("-inf"), torch.bfloat16, r"holds 1 non-finite value\(s\) \(NaN or inf\) of 4096; the checkpoint is corrupt"),
     (1e6, torch.float16, r"has 1 value\(s\) past float16's range \(finite as stored, float32\): load the model in a "
                          r"wider dtype")])
-def test_a_non_finite_weight_is_refused_naming_it(tiny, tmp_path, value, dtype, says):
+def test_a_non_finite_weight_is_refused_naming_it(tiny, tmp_path, monkeypatch, value, dtype, says):
     """A NaN or inf in a checkpoint's tensor, or a finite value the load dtype cannot hold, must be a ConfigError
-    naming the tensor and which of the two it is (it would make every token it touches NaN); another tensor of the
-    same file loads."""
-    key = LM + "layers.0.linear_attn.out_proj.weight"
+    naming the tensor and which of the two it is (it would make every token it touches NaN), found in any chunk of
+    the check's sums (chunks of 1,000 values here: the bad one in the fourth); another tensor of the same file
+    loads, and so does one whose float32 sum overflows though every value is finite."""
+    from memra_pp.model import weights
+    monkeypatch.setattr(weights, "FINITE_CHUNK", 1000)
+    key, big = LM + "layers.0.linear_attn.out_proj.weight", LM + "layers.0.linear_attn.in_proj_qkv.weight"
 
     def poison(sd):
         sd[key] = sd[key].float().clone()
-        sd[key].view(-1)[7] = value
+        sd[key].view(-1)[3007] = value
+        sd[big] = torch.full_like(sd[big], 3.0e38, dtype=torch.float32)
     d = edit(tiny["dense"], tmp_path / "nf", poison)
     with pytest.raises(ConfigError, match=rf"model\.safetensors: tensor 'layers\.0\.linear_attn\.out_proj\.weight' "
                                           rf"{says}"):
         open_weights(d).get("layers.0.linear_attn.out_proj.weight", dtype)
     assert open_weights(d).get("layers.0.linear_attn.in_proj_z.weight", dtype).dtype == dtype
+    if dtype != torch.float16:      # (3e38 is past float16's range)
+        assert bool(open_weights(d).get("layers.0.linear_attn.in_proj_qkv.weight", dtype).isfinite().all())
 
 
 def _experts(fn):

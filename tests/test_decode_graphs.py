@@ -192,9 +192,9 @@ def test_one_row_step_through_the_fused_kernels_in_the_interpreter():
     the new key and value's write in one kernel (kernels/paged_attention.py), the GDN, attention and MoE kernels (the
     shared gate computed early; then, in a second process at the same time, the MoE as one block kernel,
     kernels/moe_block.py) must decode what the eager torch step decodes; the counts prove those kinds ran. The first
-    process also decodes three sequences at once: the graph of four rows, whose padding row the MoE routes to no
-    expert in each of the 8 layers at each of the 2 decode steps, and whose Gated DeltaNet steps leave the scratch
-    slot's states untouched (decode_graphs.SKIP_PADDING)."""
+    process also decodes three sequences at once: the graph of four rows, whose padding row (its input NaN on each
+    stage) the MoE routes to no expert in each of the 8 layers at each of the 2 decode steps, and whose Gated
+    DeltaNet steps leave the scratch slot's states untouched (decode_graphs.SKIP_PADDING)."""
     for which, (code, out, err) in zip(("noblock", "block"), interp.results("fused_step"), strict=True):
         assert code == 0 and "step ok" in out, which + ": " + out + err[-3000:]
         assert ("padding rows routed to no expert: 16 routings" in out) == (which == "noblock"), out
@@ -241,8 +241,9 @@ def test_prefill_merged_path_in_the_interpreter():
 def test_fused_moe_kernels_in_the_interpreter():
     """The fused MoE routing and experts (kernels/fused_moe.py: the router kernel, the per-pair kernels with both
     down kernels, with and without the shared expert riding in them, and the grouped GEMM over pairs sorted by
-    expert, with its alignment; a decode graph's padding rows routed to no expert, their pairs skipped) against their
-    torch references, by Triton's CPU interpreter, in
+    expert, with its alignment; a decode graph's padding rows routed to no expert, their pairs skipped by the
+    kernels and both alignments, a NaN in their inputs reaching no real row) against their torch references, by
+    Triton's CPU interpreter, in
     float32 (the interpreter's bfloat16 tl.dot is wrong); tests/test_gpu_decode_graphs.py runs it compiled in both
     dtypes and inside a CUDA graph. The check's two halves run at once (about 1.5 minutes each here)."""
     ran = set()

@@ -157,7 +157,8 @@ class GatedDeltaNet(Param):
 
     def decode(self, x_BH: torch.Tensor, slots_B: torch.Tensor, cache: StageCache, lora=None) -> torch.Tensor:
         """One new token per sequence, states read and written at their cache slots; free of host syncs and of
-        data-dependent shapes (a decode CUDA graph captures it). Padding rows may share one scratch slot."""
+        data-dependent shapes (the torch path: decode_fused is what the decode graphs capture). Padding rows may
+        share one scratch slot."""
         c = self.cfg
         nk, nv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, \
             c.linear_value_head_dim

@@ -74,18 +74,26 @@ def check_shape(name: str, t: torch.Tensor, cfg: TextConfig, where: str) -> torc
     return t
 
 
+FINITE_CHUNK = 1 << 24      # values a float32 sum of check_finite's covers (64 MB of float32 on a CPU at most)
+
+
 def check_finite(name: str, stored: torch.Tensor, loaded: torch.Tensor, where: str) -> torch.Tensor:
     """A weight with NaN or inf (a corrupt download, a bad conversion, a value past the load dtype's range) makes
     every token it touches NaN, silently: refused at load, naming the tensor (llama.cpp checks only under
-    --check-tensors; here always). One float32 sum a tensor (NaN and inf carry through it), counted exactly only when
-    it is not finite. `stored`: the tensor as read, `loaded`: after the cast to the load dtype (the same tensor where
-    nothing was cast), so an overflow of the cast is told from a checkpoint that holds the values."""
-    if bool(torch.isfinite(loaded.sum(dtype=torch.float32))):
+    --check-tensors; here always). Float32 sums (NaN and inf carry through them) of chunks of FINITE_CHUNK values,
+    summed on the device with one host sync a tensor (on a CPU a whole tensor's sum would first copy it to float32),
+    counted exactly only when the total is not finite. `stored`: the tensor as read, `loaded`: after the cast to the
+    load dtype (the same tensor where nothing was cast), so an overflow of the cast is told from a checkpoint that
+    holds the values."""
+    flat = loaded.reshape(-1)
+    if flat.numel() == 0 or bool(torch.isfinite(torch.stack([c.sum(dtype=torch.float32)
+                                                             for c in flat.split(FINITE_CHUNK)]).sum())):
         return loaded
-    bad = int((~torch.isfinite(loaded)).sum())
+    bad = sum(int((~torch.isfinite(c)).sum()) for c in flat.split(FINITE_CHUNK))
     if bad == 0:      # the sum itself overflowed float32: every value is finite
         return loaded
-    held = int((~torch.isfinite(stored)).sum()) if stored is not loaded else bad
+    held = sum(int((~torch.isfinite(c)).sum()) for c in stored.reshape(-1).split(FINITE_CHUNK)) \
+        if stored is not loaded else bad
     dt = str(loaded.dtype).removeprefix("torch.")
     if held:
         raise ConfigError(f"{where}: tensor {name!r} holds {held} non-finite value(s) (NaN or inf) of "
