@@ -19,20 +19,15 @@ def decode_rows(rep: dict) -> dict[str, dict[int, list[float]]]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("report", help="gpu_engine_step.json")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--title", default="")
-    a = ap.parse_args()
+def plot(rep: dict, path: str, name: str = "the report", title: str = "") -> None:
+    """The PNG at `path` (`name`: the report's, for the refusal of one with no decode rows)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from memra_pp.model.decode_graphs import BATCH_BUCKETS
-    rep = json.load(open(a.report))
     rows = decode_rows(rep)
     if not rows:
-        raise SystemExit(f"{a.report}: no decode rows")
+        raise SystemExit(f"{name}: no decode rows")
     fig, ax = plt.subplots(figsize=(7, 4.2))
     top = max(b for by in rows.values() for b in by)
     for bkt in BATCH_BUCKETS:
@@ -45,11 +40,20 @@ def main() -> int:
             ax.scatter([b] * len(by[b]), by[b], s=8, color=line.get_color(), alpha=0.5)
     ax.set_xlabel("sequences decoding (grey: the decode graphs' batch buckets)")
     ax.set_ylabel("tokens/s (one stage's step)")
-    ax.set_title(a.title or f"{rep.get('model', '')} on {rep.get('gpu', '')}", fontsize=10)
+    ax.set_title(title or f"{rep.get('model', '')} on {rep.get('gpu', '')}", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(a.out, dpi=120)
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("report", help="gpu_engine_step.json")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--title", default="")
+    a = ap.parse_args()
+    plot(json.load(open(a.report)), a.out, a.report, a.title)
     print(f"wrote {a.out}")
     return 0
 

@@ -168,7 +168,8 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
                       (fused_moe, "SHARED_BEFORE_WAIT"), (fused_moe, "DOWN_IDS_BEFORE_WAIT"),
                       (fused_moe, "ENABLED"), (paged_attention, "FUSE_QK"),
                       (fused_decode, "PDL"), (gdn_decode, "STATE_BEFORE_WAIT"), (greedy, "FUSED"),
-                      (decode_graphs, "ANY_KV"), (moe_block, "ENABLED"), (moe_block, "TILES"),
+                      (decode_graphs, "ANY_KV"), (decode_graphs, "SKIP_PADDING"), (moe_block, "ENABLED"),
+                      (moe_block, "TILES"),
                       (moe_block, "MAXNREG"), (fused_moe, "PREMISE_ROUTE")):
         monkeypatch.setattr(mod, name, getattr(mod, name))     # every switch set_mode moves: restored after
     defaults = ges.switch_defaults()
@@ -196,7 +197,11 @@ def test_engine_step_modes_set_every_switch_and_refuse_typos(monkeypatch):
     ges.set_mode("graph-kvbuckets", defaults, text)
     assert not decode_graphs.ANY_KV
     ges.set_mode("graph-anykv", defaults, text)
-    assert decode_graphs.ANY_KV
+    assert decode_graphs.ANY_KV and decode_graphs.SKIP_PADDING
+    ges.set_mode("graph-nopadskip", defaults, text)
+    assert not decode_graphs.SKIP_PADDING
+    ges.set_mode("graph", defaults, text)
+    assert decode_graphs.SKIP_PADDING
     ges.set_mode("graph-block-blk2x16x4x2x0", defaults, text)
     assert moe_block.ENABLED and moe_block.TILES == (2, 16, 4, 2, False)
     assert moe_block.MAXNREG is None
@@ -374,8 +379,6 @@ def test_prefill_ways_plot(tmp_path):
 def test_decode_modes_plot(tmp_path):
     """benchmarks/plot_decode_modes.py: each mode's tokens/s at each batch, its repeats kept apart (the prefill rows
     left out), drawn; a report with no decode rows is refused."""
-    import json
-    import subprocess
     import plot_decode_modes
     rows = [{"mode": m, "batch": b, "tokens_per_s": t} for m, b, t in
             (("graph", 3, 620.0), ("graph", 5, 790.0), ("graph-nopadskip", 3, 540.0), ("graph", 3, 610.0))]
@@ -383,16 +386,10 @@ def test_decode_modes_plot(tmp_path):
     rep = {"model": "preset:qwen3.5-35b-a3b", "gpu": "cpu", "rows": rows}
     assert plot_decode_modes.decode_rows(rep) == {"graph": {3: [620.0, 610.0], 5: [790.0]},
                                                   "graph-nopadskip": {3: [540.0]}}
-    f = tmp_path / "r.json"
-    f.write_text(json.dumps(rep))
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plot_decode_modes.py")
-    r = subprocess.run([sys.executable, script, str(f), "--out", str(tmp_path / "d.png")], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 0 and (tmp_path / "d.png").stat().st_size > 10_000, r.stderr[-2000:]
-    f.write_text(json.dumps({"rows": rows[-1:]}))
-    r = subprocess.run([sys.executable, script, str(f), "--out", str(tmp_path / "e.png")], capture_output=True,
-                       text=True, timeout=120)
-    assert r.returncode == 1 and "no decode rows" in r.stderr, r.stderr[-2000:]
+    plot_decode_modes.plot(rep, str(tmp_path / "d.png"))
+    assert (tmp_path / "d.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit, match="no decode rows"):
+        plot_decode_modes.plot({"rows": rows[-1:]}, str(tmp_path / "e.png"), "r.json")
 
 
 def test_engine_step_mixed_prefill_runs_again_and_again():
