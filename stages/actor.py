@@ -122,6 +122,9 @@ class StageActor:
     def inject_stall(self, seconds: float) -> None:
         return self.runner.inject_stall(seconds)
 
+    def inject_fault(self, message: str) -> None:
+        return self.runner.inject_fault(message)
+
     @ray.method(concurrency_group=CONTROL)
     def ping(self) -> int:
         return self.runner.ping()

@@ -43,6 +43,7 @@ class IntakeLoop(_Loop):
         out["prefill_held_back"] = self.sched.held_back
         # requests an abort reached (a cancelled agenerate, a dropped stream), in the scheduler or waiting for images
         out["aborted"] = self.sched.aborted + self.r.aborted_early
+        out["not_finite"] = self.sched.not_finite  # requests ended because their logits were not finite (NaN)
         out["mailboxes"] = len(self.r.mail)       # clients not closed that have polled (a closed one's box goes)
         out["polls"] = self.r.mail.polls          # poll calls: one a round per deployment handle, whatever its clients
         for k, d in self.ring_s.items():
@@ -156,6 +157,7 @@ class IntakeLoop(_Loop):
         self.pending = nxt
 
     def _fail(self, mb, e: BaseException) -> None:
+        self.release(mb.release)        # (the next microbatch releases them again on the later stages)
         self.r.mail.post(self.sched.fail_mb(mb.mb, "StageFailed", f"stage 0 failed a microbatch: "
                                             f"{type(e).__name__}: {e}"))
 

@@ -47,8 +47,13 @@ class Sampler:
         return out
 
 
-def mb_error(mb: int, stage: int, e: BaseException) -> dict:
-    return {"kind": "mb_error", "mb": mb, "stage": stage, "etype": type(e).__name__, "message": str(e)}
+def mb_error(mb: int, stage: int, e: BaseException, release=()) -> dict:
+    """A failed microbatch's header, passed down the stages in its place. `release`: the slots it released (the
+    sequences finished before it), which every stage after the failing one releases as the error passes: the
+    scheduler counted their pages free when it cut the microbatch, and a microbatch cut since may be admitted into
+    them, reaching those stages right after this error."""
+    return {"kind": "mb_error", "mb": mb, "stage": stage, "etype": type(e).__name__, "message": str(e),
+            "release": list(release)}
 
 
 def batch_of(h: dict) -> StepBatch:
@@ -199,6 +204,9 @@ class _Loop:
             if r.stall_s:                              # fault injection (StageRunner.inject_stall)
                 stall, r.stall_s = r.stall_s, 0.0
                 time.sleep(stall)
+            if r.fault is not None:                    # fault injection (StageRunner.inject_fault)
+                fault, r.fault = r.fault, None
+                raise RuntimeError(fault)
             ev, t_work, meta = self._mark(), time.monotonic(), (kind_of(b.counts, b.starts), b.total)
             out = r.model(b, h, r.cache, lora=r.lora, token_overlay=r.token_overlay if r.spec.primary else None)
             t1 = self._phase("model", t)    # on a GPU: launching (a graph replay is one launch)
@@ -230,6 +238,16 @@ class _Loop:
         finally:
             self._phase("wait", t)
             self._resolved(tok)
+
+    def release(self, slots) -> None:
+        """Give a failed microbatch's released slots back on this stage (idempotent: the model's step releases
+        them first too, and a slot released again holds either nothing or a sequence of the same failed
+        microbatch, which ends with it). The primary also forgets their sampling params."""
+        if not slots:
+            return
+        self.r.cache.release(list(slots))
+        if self.sampler is not None:
+            self.sampler.admit((), slots)
 
     def _resolved(self, tok: list) -> None:
         """A launched microbatch is done here (its tokens are back, or its layers ran): the device was busy from
@@ -287,7 +305,9 @@ class StageLoop(_Loop):
             except ChannelClosed:
                 return
             out, slot = None, hdr.get("slot")
-            if hdr["kind"] == "step":
+            if hdr["kind"] == "mb_error":
+                self.release(hdr.get("release") or ())
+            elif hdr["kind"] == "step":
                 try:
                     if self.sampler is not None:
                         self.sampler.admit(hdr.get("admit", ()), hdr.get("release", ()))
@@ -295,7 +315,9 @@ class StageLoop(_Loop):
                         hash_rx(r, view)
                     out = self.compute(batch_of(hdr), view, wait=self.sampler is None)
                 except Exception as e:  # this microbatch fails; the stage keeps serving the others
-                    hdr = mb_error(hdr["mb"], r.index, e)
+                    rel = hdr.get("release") or ()
+                    self.release(rel)       # (it may have failed before the model's own release)
+                    hdr = mb_error(hdr["mb"], r.index, e, rel)
                 finally:
                     if slot is not None:
                         self.receiver.free(slot)

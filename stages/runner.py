@@ -85,6 +85,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
     # no recovery since; and when this loop last started after a recovery (see begin_unload)
     lost: tuple[int, str] | None = None
     resumed_at: float | None = None
+    fault: str | None = None        # fault injection: the next microbatch computed here raises this (inject_fault)
 
     def __init__(self):
         self.index = -1
@@ -278,7 +279,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         slot = self._take_adapter(req.get("adapter"))
         try:
             r = Request(req["rid"], req["client"], list(prompt), new, params, stop, adapter=slot,
-                        step0=int(req.get("step0", 0)))
+                        adapter_name=req.get("adapter") if slot >= 0 else None, step0=int(req.get("step0", 0)))
             self.scheduler.validate(r)
             ip = self._plan_images(r, req["images"]) if req.get("images") else None
             if ip is None and self.mc.vision is not None and not r.step0:
@@ -569,6 +570,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         if "socket_headers" in snd:     # headers this stage sent: into the receiver's mailbox, and over the socket
             st["send_mailbox_headers"], st["send_socket_headers"] = snd["mailbox_headers"], snd["socket_headers"]
         st["kv_pages_free"] = len(self.cache.free_blocks)
+        st["kv_pages_held"] = sum(map(len, self.cache.owned))      # by this stage's live sequences
         # KV pool growths, and how they grow: "in place" (the decode graphs stay) or why they copy
         st["kv_growths"], st["kv_growth"] = self.kv_growths(), self.cache.copy_growth or "in place"
         if self.spec.intake:
@@ -591,6 +593,11 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         """Fault injection for operators and tests: the next microbatch computed here hangs `seconds` (the actor
         keeps answering heartbeats), which the supervisor must detect as a stuck stage."""
         self.stall_s = float(seconds)
+
+    def inject_fault(self, message: str) -> None:
+        """Fault injection for operators and tests: the next microbatch computed here raises RuntimeError(message)
+        (that microbatch's requests fail; the stage and every other request go on)."""
+        self.fault = str(message)
 
     def ping(self) -> int:
         return self.index

@@ -64,7 +64,7 @@ def make_loop():
     r = types.SimpleNamespace(
         spec=types.SimpleNamespace(primary=True), index=1, engine=types.SimpleNamespace(make_current=lambda: None),
         receiver=QueueRecv(msgs), placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)),
-        rx_hashes=None, stall_s=0.0, model=model, cache=None, lora=None, token_overlay=None, hang=None,
+        rx_hashes=None, stall_s=0.0, fault=None, model=model, cache=None, lora=None, token_overlay=None, hang=None,
         ring=types.SimpleNamespace(send=sent.append), sender=None)
     loop = StageLoop(r)
     loop.sampler = Sampler()
@@ -148,7 +148,7 @@ def test_a_failed_continuation_comes_after_the_tokens_of_the_step_before_it():
         spec=types.SimpleNamespace(primary=True), index=0, engine=types.SimpleNamespace(make_current=lambda: None),
         scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=64), inbox=queue.Queue(),
         mail=types.SimpleNamespace(post=events.extend), model=Model(), cache=None, lora=None, token_overlay=None,
-        stall_s=0.0, ring=None, receiver=None, sender=None,
+        stall_s=0.0, fault=None, ring=None, receiver=None, sender=None,
         placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
     loop = IntakeLoop(r)
     r.inbox.put(("req", Request("a", "c", [1, 2, 3], 5, SamplingParams())))
@@ -179,8 +179,8 @@ def test_a_finished_sequence_gives_its_pages_back_on_every_stage():
               for i, (a, b) in enumerate([(0, 4), (4, 8)])]
     caches = [m.new_cache(2, 512) for m in models]
     msgs, events = queue.Queue(), []
-    common = dict(engine=types.SimpleNamespace(make_current=lambda: None), lora=None, token_overlay=None, stall_s=0.0,
-                  placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
+    common = dict(engine=types.SimpleNamespace(make_current=lambda: None), lora=None, token_overlay=None,
+                  stall_s=0.0, fault=None, placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
 
     class Send:
         def send(self, hdr, out, timeout):
@@ -211,6 +211,76 @@ def test_a_finished_sequence_gives_its_pages_back_on_every_stage():
         assert c.owned[1] == [] and c.lens[1] == 0, "the short sequence's release must have freed its page"
         assert len(c.owned[0]) == 1             # the long one's release has no next microbatch to travel in
         assert sorted(c.free_blocks + c.owned[0]) == list(range(2, c.n_blocks))
+
+
+def test_a_microbatch_failing_mid_pipeline_still_releases_its_slots_on_every_stage():
+    """The microbatch that carries a finished sequence's release fails on the middle of three stages, before that
+    stage's model ran: the scheduler counted those pages free when it cut the microbatch, and a microbatch cut
+    since may be admitted into them. So the failing stage must release them, and the mb_error it passes on must
+    carry them to the stages after it: with no microbatch after the failure, every stage has given the finished
+    sequence's pages back. (Once, only the next microbatch released them again, after one cut since was already
+    admitted against them.) Three real stages of the tiny model in process, headers through their wire encoding."""
+    from conftest_models import tiny_checkpoint
+    from memra_pp.model.sampling import SamplingParams
+    from memra_pp.model.stage_model import StageModel
+    from memra_pp.model.weights import SafetensorsSource
+    from memra_pp.scheduler import Request, Scheduler
+    from memra_pp.stages.header import decode_header, encode_header
+    from memra_pp.stages.intake_loop import IntakeLoop
+    _, path = tiny_checkpoint("dense", False)
+    src = SafetensorsSource(path)
+    spans = [(0, 3), (3, 6), (6, 8)]
+    models = [StageModel(src.config, a, b, intake=i == 0, primary=i == 2).load(src) for i, (a, b) in enumerate(spans)]
+    caches = [m.new_cache(2, 512) for m in models]
+    links, events, seen = [queue.Queue(), queue.Queue()], [], []
+    common = dict(engine=types.SimpleNamespace(make_current=lambda: None), lora=None, token_overlay=None,
+                  stall_s=0.0, fault=None, placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
+
+    class Send:
+        def __init__(self, q):
+            self.q = q
+
+        def send(self, hdr, out, timeout):
+            self.q.put((decode_header(encode_header(hdr)), None if out is None else out.clone()))
+
+    def middle(b, h, cache, lora=None, token_overlay=None):
+        seen.append(list(b.release))
+        if b.release:                   # the step after the short one finished: fails before the model ran
+            raise RuntimeError("injected: stage 1 failed")
+        return models[1](b, h, cache, lora=lora, token_overlay=token_overlay)
+
+    r0 = types.SimpleNamespace(
+        spec=types.SimpleNamespace(primary=False), index=0, inbox=queue.Queue(), ring=None, receiver=None,
+        sender=Send(links[0]), scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=512),
+        mail=types.SimpleNamespace(post=events.extend), model=models[0], cache=caches[0], **common)
+    r1 = types.SimpleNamespace(
+        spec=types.SimpleNamespace(primary=False), index=1, receiver=QueueRecv(links[0]), rx_hashes=None,
+        sender=Send(links[1]), ring=None, model=middle, cache=caches[1], **common)
+    r2 = types.SimpleNamespace(
+        spec=types.SimpleNamespace(primary=True), index=2, receiver=QueueRecv(links[1]), rx_hashes=None, sender=None,
+        ring=types.SimpleNamespace(send=lambda m: r0.inbox.put(("ring", m))), model=models[2], cache=caches[2],
+        **common)
+    r0.inbox.put(("req", Request("long", "c", [5, 6, 7], 12, SamplingParams())))    # slot 0
+    r0.inbox.put(("req", Request("short", "c", [9, 10], 2, SamplingParams())))      # slot 1, done after 2 tokens
+    loops = [StageLoop(r2), StageLoop(r1), IntakeLoop(r0)]
+    for lp in loops:
+        lp.start()
+    try:
+        wait_for(lambda: sum(e.finish is not None for e in events) == 2, 30)
+        time.sleep(0.2)                 # (nothing more may run: no request is left)
+    finally:
+        for lp in loops:
+            lp.stop()
+    fin = [(e.rid, e.finish) for e in events if e.finish]
+    assert fin == [("short", "length"), ("long", "error")], fin
+    assert "injected: stage 1 failed" in [e for e in events if e.finish == "error"][0].error[1]
+    assert seen[-1] == [1] and seen.count([1]) == 1, seen      # the path under test ran, once
+    # full attention at layers 3 and 7: stage 0 (layers 0-2) has no KV pages; the middle stage and the last do
+    assert caches[0].owned == [[], [], []]
+    for i, c in enumerate(caches[1:], 1):
+        assert c.owned[1] == [] and c.lens[1] == 0, f"stage {i} still holds the finished sequence's pages"
+        assert len(c.owned[0]) == 1, (i, c.owned)  # the failed long one's release has no next microbatch to travel in
+    assert 1 not in loops[0].sampler.params, "the primary must forget a released slot's sampling params"
 
 
 def test_a_loop_left_running_by_a_halt_touches_only_its_own_links():

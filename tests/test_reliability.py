@@ -207,6 +207,29 @@ def test_stuck_stage_is_detected_and_replaced(ray_cluster):
         assert c.generate(list(SHORT), max_new_tokens=4).token_ids == ref
 
 
+def test_a_microbatch_failing_mid_pipeline_ends_its_requests_alone_and_frees_every_stages_pages(ray_cluster):
+    """A microbatch that fails on stage 1 of 3 (inject_fault) ends its own requests with StageFailed naming the
+    stage and the error; no stage is lost, nothing recovers, the next request gets transformers' tokens. The
+    failed microbatch carried the release of the request finished before it: stages 1 and 2 must give those
+    pages back as the error passes, not when some later microbatch happens to carry the release again (the
+    intake counted them free when it cut the failed microbatch, and admits against them)."""
+    _, path = tiny_checkpoint("dense", False)
+    with memra_pp.launch(config(path, 3)) as dep:
+        c = dep.client()
+        ref = hf_reference("dense", False, SHORT, 4)[0]
+        assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == ref
+        held = [s["kv_pages_held"] for s in dep.stats()["stages"]]
+        assert held[1] > 0 and held[2] > 0, held     # its release waits for the next microbatch (no test otherwise)
+        ray.get(dep.actors[1].inject_fault.remote("injected fault"), timeout=30)
+        with pytest.raises(StageFailed, match="stage 1 failed a microbatch: RuntimeError: injected fault") as e:
+            c.generate([9, 10, 11], max_new_tokens=4, timeout=30)
+        assert e.value.stage is None                  # no stage was lost
+        held = [s["kv_pages_held"] for s in dep.stats()["stages"]]
+        assert held[1:] == [0, 0], held
+        assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == ref
+        assert dep.supervisor.log == [], dep.supervisor.log
+
+
 def _pg_state(pg_id: str) -> str | None:
     return ray.util.placement_group_table().get(pg_id, {}).get("state")
 
