@@ -23,6 +23,7 @@ class Request:
     rope_delta: int = 0
     images: object = None                        # overlay payload for the intake (spliced by the runner)
     adapter: int = -1                            # adapter slot, -1 = base model
+    adapter_name: str | None = None              # its name, for errors
     step0: int = 0                               # sampling steps already drawn (a replay continues at step0)
     submitted: float = dataclasses.field(default_factory=time.monotonic)
 

@@ -13,6 +13,16 @@ from .model.batch import positions_3T
 from .sched_types import Event, Microbatch, Request, Seq
 
 
+def _not_finite(r: Request, n: int) -> str:
+    """The error of a request whose logits came back not finite (NaN) at its output token n + 1."""
+    if r.adapter >= 0:
+        name = repr(r.adapter_name) if r.adapter_name is not None else f"in slot {r.adapter}"
+        why = f"its adapter {name} overflows on these activations: lower its lora_alpha or check its weights"
+    else:
+        why = "the model overflows on this prompt in its dtype: load it in a wider one (model.dtype)"
+    return f"the model's logits for output token {n + 1} of this request are not finite (NaN): {why}"
+
+
 def auto_pipeline_chunks(stages: int) -> int:
     """`scheduler.pipeline_chunks: auto`: how many pieces a prompt alone in the deployment is cut into. n stages
     finish its k pieces in k + n - 1 piece times, against k n on one stage: (k + n - 1) / (k n) of one stage's time
@@ -59,9 +69,10 @@ class Scheduler:
         self.kv_block = 64
         self.kv_used = 0
         self.kv_waits = 0                         # requests that waited for pages at the head (stats, tests)
+        self.not_finite = 0                       # requests ended because their logits were not finite (_not_finite)
         self._kv_blocked: Request | None = None
 
-    COUNTS = ("held_back", "cut", "dropped", "pipelined", "aborted", "kv_waits")     # the stats counters
+    COUNTS = ("held_back", "cut", "dropped", "pipelined", "aborted", "kv_waits", "not_finite")     # the stats counters
 
     def carry_counts(self, old: "Scheduler") -> "Scheduler":
         """This scheduler (a halt's fresh one) goes on counting from where `old` stopped: the intake's stats
@@ -315,6 +326,11 @@ class Scheduler:
             if r.max_new_tokens == 0:     # aborted while this microbatch ran (abort): it ends as "abort" with no
                 self.dropped += 1         # token, as a waiting or idle one does (it ended as "length" with one)
                 events.append(Event(r.client, r.rid, [], [], "abort"))
+                self._finish(s)
+                continue
+            if lp != lp:        # NaN: this row's logits were not finite; its token means nothing. It ends alone
+                events.append(Event(r.client, r.rid, [], [], "error", ("InputError", _not_finite(r, len(s.out)))))
+                self.not_finite += 1
                 self._finish(s)
                 continue
             s.out.append(t)

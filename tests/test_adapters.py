@@ -139,6 +139,30 @@ def test_no_adapter_batch_is_byte_identical(tied):
             assert torch.equal(lp.step(b, ids), plain.step(b, ids))
 
 
+def test_an_adapter_overflowing_in_its_products_leaves_other_requests_untouched():
+    """An adapter whose lora_A and lora_B x scale are finite (the load's check passes) but whose x A overflows: a
+    step computes every slot's x A for every row and keeps each row's own slot's columns. Multiplied by a 0/1
+    mask, another slot's inf became 0 * inf = NaN in the rows of every other request of the batch (with no
+    adapter, or another one), silently. Selected instead, those rows must be bit for bit what they are with a
+    normal adapter in that slot, in prefill and decode; the adapter's own row is not finite (the path ran)."""
+    import dataclasses
+    cfg = SafetensorsSource(tiny_checkpoint("dense", False)[1]).config
+    aw = load_peft_adapter(adapter("dense", False, "B")[1], cfg, MAX_RANK)
+    huge = dataclasses.replace(aw, lora={m: dataclasses.replace(lw, a_RI=torch.full_like(lw.a_RI, 3e38),
+                                                                b_OR=torch.full_like(lw.b_OR, 1e-30))
+                                         for m, lw in aw.lora.items()})
+    lp, ref = pipeline("dense", False, SPLITS[2]), pipeline("dense", False, SPLITS[2])
+    for st, pool in zip(lp.stages, lp.loras):
+        pool.load(2, huge.for_layers(st.start, st.end))
+    prompts = PROMPTS[:3]
+    for step in (0, 1):
+        lens = [len(p) for p in prompts] if step else None
+        b, ids = _batch(prompts, [2, -1, 0], lens)
+        got, want = lp.step(b, ids), ref.step(b, ids)
+        assert not bool(torch.isfinite(got[0]).all()), "the huge adapter's own row must overflow (else vacuous)"
+        assert bool(torch.isfinite(got[1:]).all()) and torch.equal(got[1:], want[1:])
+
+
 def test_lm_head_rows_are_not_vacuous():
     """Untied adapter A's lm_head rows must change the logits of their ids, and only those, on the primary."""
     lp = pipeline("dense", False, SPLITS[2])

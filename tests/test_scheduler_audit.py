@@ -388,3 +388,30 @@ def test_a_long_prompt_progresses_while_short_requests_keep_arriving(decoding_bu
     fair = steps * budget // s.max_batch                  # a round robin over max_batch prompts, at least
     assert sum(got) >= min(512, fair // 2), f"{k} short requests served; the long prompt sent {sum(got)} of 512"
     assert k > 100, "the short requests were served meanwhile too"
+
+
+def test_a_request_whose_logits_are_not_finite_ends_alone_naming_the_cause():
+    """The primary's logprob of a row is NaN when its logits were not finite (an adapter that overflows on the
+    activations, or a model in too narrow a dtype): its token means nothing. That request must end with an
+    InputError naming the token and the likely cause (its adapter's slot where it has one), its slot freed; the
+    others of the same microbatch go on; nothing is counted twice."""
+    import dataclasses
+    s = Scheduler(max_batch=3, microbatches=1, prefill_chunk=16, max_context=64)
+    s.add(dataclasses.replace(req(0, n=4, new=4), adapter=1, adapter_name="ad"))
+    s.add(req(1, n=4, new=4))
+    s.add(req(2, n=4, new=4))
+    mb, _ = s.next_microbatch()
+    ev = s.on_tokens(mb.mb, [7, 8, 9], [-0.5, float("nan"), -0.25])
+    assert [(e.rid, e.tokens, e.finish) for e in ev] == [("r0", [7], None), ("r1", [], "error"), ("r2", [9], None)]
+    assert ev[1].error == ("InputError", "the model's logits for output token 1 of this request are not finite "
+                           "(NaN): the model overflows on this prompt in its dtype: load it in a wider one "
+                           "(model.dtype)")
+    assert s.not_finite == 1 and sorted(s.active) != [] and len(s.active) == 2
+    mb, _ = s.next_microbatch()
+    assert [q.req.rid for q in mb.seqs] == ["r0", "r2"] and len(mb.release) == 1
+    ev = s.on_tokens(mb.mb, [5, 6], [float("nan"), -0.1])
+    assert [(e.rid, e.finish) for e in ev] == [("r0", "error"), ("r2", None)]
+    assert ev[0].error[1].startswith("the model's logits for output token 2 of this request are not finite (NaN): "
+                                     "its adapter 'ad' overflows on these activations: lower its lora_alpha")
+    assert s.not_finite == 2 and [q.req.rid for q in s.active.values()] == ["r2"]
+    assert Scheduler(max_batch=1, microbatches=1, prefill_chunk=16, max_context=64).carry_counts(s).not_finite == 2

@@ -128,13 +128,14 @@ class LoraPool:
         if not any(t & used for t in self.targets.values()):
             return None
         slot_T = b.adapter_slot_per_token(self.device)
-        mask_TC = (slot_T[:, None] == self.col_slot_C[None, :]).to(self.dtype)
-        return LoraStep(self, mask_TC)
+        return LoraStep(self, slot_T[:, None] == self.col_slot_C[None, :])
 
 
 class LoraStep:
-    """One StepBatch's LoRA: y += ((x A^T) * mask) B^T per projection, two GEMMs over all slots at once. mask_TC
-    keeps, for token t, only the R columns of its own slot (none for slot -1), so other slots add exact zeros."""
+    """One StepBatch's LoRA: y += where(mask, x A^T, 0) B^T per projection, two GEMMs over all slots at once.
+    mask_TC (bool) keeps, for token t, only the R columns of its own slot (none for slot -1), so other slots add
+    exact zeros. Selected, not multiplied: an adapter whose A and B x scale are finite may still overflow in x A,
+    and 0 * inf is NaN in every other request's row of the batch."""
 
     def __init__(self, pool: LoraPool, mask_TC: torch.Tensor):
         self.pool, self.mask_TC = pool, mask_TC
@@ -147,5 +148,5 @@ class LoraStep:
         key = (i, name)
         if not self.pool.targets.get(key):
             return y_TO
-        xa_TC = F.linear(x_TI, self.pool.a[key]) * self.mask_TC
+        xa_TC = torch.where(self.mask_TC, F.linear(x_TI, self.pool.a[key]), 0.0)
         return y_TO + F.linear(xa_TC, self.pool.b[key])
