@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-from .errors import ConfigError, InputError, StageFailed
+from .errors import ConfigError, InputError, MemraError, StageFailed
 from .rayutil import attach, get as _get, kill_actor
 from .placement.planner import Plan, make_plan
 from .placement.schema import MAX_TIMEOUT_S, Placement, RaySpec, load_placement
@@ -459,7 +459,13 @@ class Deployment:
                 try:
                     _get([a.unload_adapter.remote(slot) for a in self.actors], t, "unload after a failed load")
                 finally:
-                    _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+                    try:
+                        _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
+                    finally:
+                        # a first load makes each stage's LoRA pools before it checks the weights into them: a
+                        # refused one leaves the pools, whose memory the KV budget must not count on
+                        with contextlib.suppress(MemraError):
+                            self._rebudget(t)
                 raise
             self._rebudget(t)            # the first load made LoRA pools: the KV budget shrinks by what they took
             self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
