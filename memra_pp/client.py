@@ -167,25 +167,29 @@ class _Poller:
 
 
 class Stream(Iterator[StreamEvent]):
-    """What stream() returns: its events, one next() at a time. close() may come from any thread, also while
-    another thread waits in next() (a generator would refuse that: "generator already executing"): that wait
-    then ends as the stream's end, and the request is let go as a close on the reading thread lets it go."""
+    """What stream() returns: its events, one next() at a time (readers on several threads each get some of them,
+    in turn). close() may come from any thread, also while another thread waits in next() (a generator would
+    refuse that: "generator already executing"): that wait then ends as the stream's end, and the request is let
+    go as a close on the reading thread lets it go."""
 
     def __init__(self, pieces, wake):
         self._pieces, self._wake, self._closed = pieces, wake, False
+        self._reading = threading.Lock()    # one next() at a time: a second reader waits its turn, each event goes
+        #                                     to one of them (a generator refused it: "generator already executing")
 
     def __iter__(self) -> "Stream":
         return self
 
     def __next__(self) -> StreamEvent:
-        if self._closed:
-            raise StopIteration
-        try:
-            return next(self._pieces)
-        except ValueError:
-            if self._closed:        # closed by another thread, whose close is still running the cleanup
-                raise StopIteration from None
-            raise
+        with self._reading:
+            if self._closed:
+                raise StopIteration
+            try:
+                return next(self._pieces)
+            except ValueError:
+                if self._closed:        # closed by another thread, whose close is still running the cleanup
+                    raise StopIteration from None
+                raise
 
     def close(self) -> None:
         self._closed = True

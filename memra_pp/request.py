@@ -2,6 +2,7 @@
 ints, the Result and StreamEvent a caller gets back, and an intake's error turned back into its memra_pp type."""
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import numbers
@@ -45,9 +46,13 @@ REQUEST_DEFAULTS = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=Non
 def _token_ids(value) -> list[int] | str | None:
     """Token ids as Python ints from a list, tuple, numpy array or tensor (0-d items too): the list; a value that
     is not a sequence: None; an item that is not an integer (5.7, True): that item's description."""
-    try:    # a set's or a dict's order is not the caller's: refused, not read in some order
-        items = None if isinstance(value, (str, bytes, bytearray, set, frozenset, dict)) else \
-            value.tolist() if hasattr(value, "tolist") else list(value)
+    # a set's or a dict's order is not the caller's: refused, not read in some order; bytes are text, also behind a
+    # memoryview or in an array of bytes (array('B', b"hi") and memoryview(b"hi") list as ids 104, 105)
+    if isinstance(value, (str, bytes, bytearray, set, frozenset, dict)) or \
+            (isinstance(value, (memoryview, array.array)) and value.itemsize == 1):
+        return None
+    try:
+        items = value.tolist() if hasattr(value, "tolist") else list(value)
     except (TypeError, RuntimeError):       # (a meta or sparse tensor has no list of values)
         return None
     if not isinstance(items, list):

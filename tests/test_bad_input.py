@@ -1,6 +1,7 @@
 """Bad input through memra_pp.launch: each must end with a typed error naming what was wrong, and the deployment
 must serve the next valid request. One 2-stage deployment is shared by the request-level checks; the launch-level
 checks (YAML, checkpoints) must leave no actor and, when launch started it, no Ray cluster behind."""
+import array
 import gc
 import os
 import re
@@ -86,6 +87,12 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     "float token ids": (dict(prompt=[5.7, 17]), InputError, "a prompt's token ids are integers, got 5.7"),
     "bool token ids": (dict(prompt=[True, 5]), InputError, "a prompt's token ids are integers, got True"),
     "bytes prompt": (dict(prompt=b"hi"), InputError, "a prompt is a string or a list of token ids, got bytes"),
+    "bytes behind a memoryview": (dict(prompt=memoryview(b"hi")), InputError,
+                                  "a prompt is a string or a list of token ids, got memoryview"),
+    "an array of bytes": (dict(prompt=array.array("B", b"hi")), InputError,
+                          "a prompt is a string or a list of token ids, got array"),
+    "stop ids as bytes": (dict(stop_token_ids=memoryview(b"\x07")), InputError, "stop_token_ids is a list of token "
+                                                                               "ids, got <memory"),
     "stop id above vocab": (dict(stop_token_ids=[V]), InputError, f"stop_token_ids must be token ids in [0, {V})"),
     "stop id of a wrong type": (dict(stop_token_ids=["5"]), InputError,
                                 "stop_token_ids is a list of token ids, got ['5']"),
@@ -671,6 +678,36 @@ def test_a_stream_closes_from_another_thread_while_one_reads_it(dep):
     assert untracked(c), "the closed stream's request is still tracked"
     assert aborted(dep, above=before) == before + 1
     assert next(it, None) is None                      # ended for good
+    serves(dep)
+
+
+def test_two_threads_reading_one_stream_share_its_events(dep):
+    """DESIGN: client calls from any thread. Two threads iterating one stream must each get some of its events,
+    every event once, with no error (the second reader got Python's "ValueError: generator already executing")."""
+    c = dep.client()
+    n = 40
+    it = c.stream([5, 17, 42], max_new_tokens=n, ignore_eos=True)
+    got, errors, lock = [], [], threading.Lock()
+
+    def read(who):
+        try:
+            for ev in it:
+                with lock:
+                    got.append((who, ev.token_ids, ev.finish_reason))
+                time.sleep(0.002)           # (lets the other reader take a turn)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+    ts = [threading.Thread(target=read, args=(w,), daemon=True) for w in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in ts), errors
+    ref = c.generate([5, 17, 42], max_new_tokens=n, ignore_eos=True).token_ids
+    assert sorted(t for _, toks, _ in got for t in toks) == sorted(ref)
+    assert sum(len(toks) for _, toks, _ in got) == n and [f for _, _, f in got if f] == ["length"]
+    assert {w for w, _, _ in got} == {0, 1}, "one reader took every event (the test is vacuous)"
+    assert untracked(c)
     serves(dep)
 
 
