@@ -15,6 +15,7 @@ import torch
 from memra_pp.engine import ContextId, Engine, process_counters, residency_of
 from memra_pp.errors import ConfigError, OverlayError, ResidencyError
 from memra_pp.token_overlay import TokenOverlay, TokenOverlaySet  # noqa: F401 - the overlay API, one import
+from memra_pp.token_overlay import describe_layout, has_values
 
 Span = tuple[int, int, int]  # (prompt_pos, row_off, n_rows)
 
@@ -54,6 +55,8 @@ def _record(engine: Engine, what: str, rows: torch.Tensor) -> None:
 def _check_spans(rows: torch.Tensor, spans) -> tuple[Span, ...]:
     if not isinstance(rows, torch.Tensor):
         raise OverlayError(f"overlay rows must be a torch.Tensor (N, H), got a {type(rows).__name__}")
+    if not has_values(rows):
+        raise OverlayError(f"overlay rows must be a dense tensor holding values, got {describe_layout(rows)}")
     if rows.dim() != 2 or 0 in rows.shape:      # (N, 0) rows would splice nothing into any target
         raise OverlayError(f"overlay rows must be a non-empty (N, H) tensor, got shape {tuple(rows.shape)}")
     # floating point, but any bit pattern: a publication carries the rows bit-exact, NaN payloads included

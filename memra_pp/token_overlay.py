@@ -35,6 +35,9 @@ class TokenOverlaySet:
     def from_slots(cls, engine: Engine, overlays, max_loras: int, tied: bool) -> TokenOverlaySet:
         if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
             raise ConfigError(f"max_loras (adapters.max_loras) must be an integer >= 1, got {max_loras!r}")
+        if not isinstance(tied, bool):      # ("no" would be taken as True: the lm_head tables become the embedding's)
+            raise OverlayError(f"tied must be True or False (the model ties its lm_head to the embedding), got "
+                               f"{tied!r}")
         items = dict(overlays) if isinstance(overlays, Mapping) else dict(enumerate(overlays))
         items = {s: o for s, o in items.items() if o is not None}
         for s, o in items.items():      # before sorting them: keys of mixed types do not sort
@@ -95,11 +98,25 @@ class TokenOverlaySet:
         return logits_BV
 
 
+def has_values(t: torch.Tensor) -> bool:
+    """A dense (strided) tensor with values: not sparse, nested or meta (no row of those can be spliced, copied
+    or published as it is)."""
+    return t.layout == torch.strided and not t.is_nested and t.device.type != "meta"
+
+
+def describe_layout(t: torch.Tensor) -> str:
+    return "a nested tensor" if t.is_nested else f"layout {t.layout} on device {t.device.type}"
+
+
 def _check_token_rows(slot: int, kind: str, ids, rows, vocab: int, hidden):
     for what, t in (("ids", ids), ("rows", rows)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise OverlayError(f"token overlay slot {slot}: {kind} {what} must be a torch.Tensor, got a "
                                f"{type(t).__name__}")
+    for what, t in (("ids", ids), ("rows", rows)):
+        if t is not None and not has_values(t):
+            raise OverlayError(f"token overlay slot {slot}: {kind} {what} must be a dense tensor holding values, "
+                               f"got {describe_layout(t)}")
     if ids is None or rows is None or ids.dim() != 1 or rows.dim() != 2 or rows.shape[0] != ids.shape[0]:
         raise OverlayError(f"token overlay slot {slot}: ids (K,) and rows (K, H) must come together, got "
                            f"{None if ids is None else tuple(ids.shape)} and "

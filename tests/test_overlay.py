@@ -106,6 +106,15 @@ def test_rows_must_be_a_floating_point_tensor():
         EmbedOverlay(Engine("cpu"), torch.ones(6, H, dtype=torch.long), [(0, 0, 1)])
     with pytest.raises(OverlayError, match="got torch.int32"):
         publish_out(Engine("cpu"), torch.ones(6, H, dtype=torch.int32), [(0, 0, 1)])
+    # rows that are no dense tensor of values (their window, splice or publication raised torch's own errors)
+    for rows, what in ((torch.randn(6, H).to_sparse(), "layout torch.sparse_coo on device cpu"),
+                       (torch.empty(6, H, device="meta"), "layout torch.strided on device meta"),
+                       (torch.nested.nested_tensor([torch.zeros(2, H), torch.zeros(3, H)], layout=torch.jagged),
+                        "a nested tensor")):
+        with pytest.raises(OverlayError, match=f"overlay rows must be a dense tensor holding values, got {what}"):
+            EmbedOverlay(Engine("cpu"), rows, [(0, 0, 1)])
+        with pytest.raises(OverlayError, match=f"overlay rows must be a dense tensor holding values, got {what}"):
+            publish_out(Engine("cpu"), rows, [(0, 0, 1)])
 
 
 def test_construction_refuses_rows_not_in_the_engines_context(foreign_ctx):
@@ -309,6 +318,15 @@ def test_tied_lm_head_uses_the_embedding_rows():
      "token overlay slot 0 has vocab_size -1: the model's vocabulary size, an integer >= 1"),
     ({"a": _tok([1])}, False, r"token overlay slot 'a' must be an int in \[0, max_loras=2\)"),
     ({0: _tok([1]), 1: "x"}, False, "token overlay slot 1 is a str, not a TokenOverlay"),
+    ({0: TokenOverlay(10, torch.tensor([1]), torch.zeros(1, H, device="meta"))}, False,
+     "token overlay slot 0: embed rows must be a dense tensor holding values, got layout torch.strided on device "
+     "meta"),
+    ({0: TokenOverlay(10, torch.tensor([1], device="meta"), torch.zeros(1, H))}, False,
+     "token overlay slot 0: embed ids must be a dense tensor holding values, got layout torch.strided on device "
+     "meta"),
+    ({0: TokenOverlay(10, torch.tensor([1]), torch.zeros(1, H).to_sparse())}, False,
+     "token overlay slot 0: embed rows must be a dense tensor holding values, got layout torch.sparse_coo"),
+    ({0: _tok([1])}, "no", r"tied must be True or False \(the model ties its lm_head to the embedding\), got 'no'"),
 ])
 def test_token_overlay_refusals(overlays, tied, msg):
     """Bad token overlays must be refused naming the slot."""
