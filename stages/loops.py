@@ -7,6 +7,7 @@ back to stage 0 over the ring channel, so the next step is scheduled without the
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -29,7 +30,18 @@ class Sampler:
     def __init__(self):
         self.params: dict[int, SamplingParams] = {}
         self.steps: dict[int, int] = {}
-        self.rng = torch.Generator().manual_seed(int(time.time_ns() & 0xFFFFFFFF))
+        self.rngs: dict[torch.device, torch.Generator] = {}
+
+    def rng(self, device: torch.device) -> torch.Generator:
+        """The unseeded requests' generator on the logits' device, seeded from the OS at its first use. (A CPU
+        one was passed for CUDA logits, which `sample` then dropped for torch's default CUDA generator: that
+        starts at the same fixed seed in every process, so every fresh GPU deployment drew the same "random"
+        tokens for the same unseeded request.)"""
+        g = self.rngs.get(device)
+        if g is None:
+            g = self.rngs[device] = torch.Generator(device=device).manual_seed(
+                int.from_bytes(os.urandom(8), "little"))
+        return g
 
     def admit(self, rows, release) -> None:
         for s in release:
@@ -41,7 +53,8 @@ class Sampler:
     def __call__(self, logits, b: StepBatch) -> PendingTokens:
         """Sample the step's rows; an all-greedy step is only enqueued (the device keeps its tokens)."""
         slots = [s for s, smp in zip(b.slots, b.sample) if smp]
-        out = sample_async(logits, [self.params[s] for s in slots], [self.steps[s] for s in slots], self.rng)
+        out = sample_async(logits, [self.params[s] for s in slots], [self.steps[s] for s in slots],
+                           self.rng(logits.device))
         for s in slots:
             self.steps[s] += 1
         return out

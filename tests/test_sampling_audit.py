@@ -144,3 +144,23 @@ def test_a_stop_id_refusal_names_the_bad_ids():
     with pytest.raises(InputError, match=r"got \[-1, True\]$"):
         stop_ids([-1, True], False, [0], 100)
     assert stop_ids([3, 4], False, [0], 100) == {0, 3, 4}
+
+
+def test_unseeded_draws_use_a_generator_on_the_logits_device_seeded_per_process():
+    """The primary's generator for unseeded requests lives on the logits' device and is seeded from the OS. A CPU
+    generator was passed for CUDA logits and dropped there for torch's default CUDA generator, which starts at one
+    fixed seed in every process: each fresh GPU deployment drew the same "random" tokens. (The GPU half:
+    tests/test_gpu_engine.py::test_unseeded_sampling_differs_between_samplers_on_the_gpu.)"""
+    import torch
+    from memra_pp.model.batch import StepBatch
+    from memra_pp.stages.loops import Sampler
+    a, b = Sampler(), Sampler()
+    cpu = torch.device("cpu")
+    assert a.rng(cpu) is a.rng(cpu) and a.rng(cpu).device == cpu
+    assert a.rng(cpu).initial_seed() != b.rng(cpu).initial_seed()
+    for s in (a, b):
+        s.admit([(0, 1.0, 0, 1.0, 0.0, None, -1, 0)], [])
+    logits = torch.zeros(1, 50_000)               # uniform: two draws of 20 agree by chance with p ~ 1e-94
+    batch = StepBatch([0], [3], [1], StepBatch.text_positions([3], [1]), [True])
+    draws = [[s(logits, batch).result()[0][0] for _ in range(20)] for s in (a, b)]
+    assert draws[0] != draws[1] and list(a.rngs) == [cpu]
