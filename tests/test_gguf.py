@@ -113,7 +113,9 @@ def test_llama_cpp_fixture_matches_hf(folder, kind, qtype):
     hf_cfg = load_config(root / "hf")
     src = GGUFSource(root / f"{kind}-{qtype}.gguf")
     assert src.config.text == hf_cfg.text
-    assert src.config.eos_token_ids == (2,)   # the GGUF carries the tokenizer's eos; config.json has none
+    # the GGUF carries the tokenizer's eos (2, <|im_end|>); config.json has none. <|endoftext|> (0) ends
+    # generation too, as llama.cpp takes it (llama-vocab.cpp's end-of-generation tokens by text)
+    assert src.config.eos_token_ids == (2, 0)
     assert_matches(src, canonical_state_dict(load_file(root / "hf" / "model.safetensors"), hf_cfg.tied),
                    qtype.upper())
 

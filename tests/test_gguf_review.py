@@ -240,6 +240,23 @@ METADATA = {
 }
 
 
+def test_generation_ends_on_every_token_llama_cpp_ends_it_on(tmp_path):
+    """A GGUF's end-of-generation tokens as llama.cpp takes them: the eos id first, the eot / eom / fill-in-the-middle
+    ids its metadata names, and tokens whose text ends a turn (<|endoftext|>, <|im_end|>, ...). The fixture's eos
+    is <|im_end|> (2); stopping on it alone let a model that writes <|endoftext|> (0) go on past it, where the
+    same model's safetensors directory (generation_config.json's list) and llama.cpp stop."""
+    assert GGUFSource(_dense()).config.eos_token_ids == (2, 0)
+    f = rewrite(_dense(), tmp_path / "eot.gguf", kv={"tokenizer.ggml.eot_token_id": (7, V.UINT32),
+                                                    "tokenizer.ggml.eos_token_id": (0, V.UINT32)})
+    assert GGUFSource(f).config.eos_token_ids == (0, 7, 2)
+    f = rewrite(_dense(), tmp_path / "bad.gguf", kv={"tokenizer.ggml.eom_token_id": (10**6, V.UINT32)})
+    with pytest.raises(ConfigError, match=r"bad\.gguf: tokenizer\.ggml\.eom_token_id 1000000 must be a token id"):
+        GGUFSource(f)
+    f = rewrite(_dense(), tmp_path / "none.gguf", kv={"tokenizer.ggml.eos_token_id": DROP,
+                                                     "tokenizer.ggml.tokens": DROP})
+    assert GGUFSource(f).config.eos_token_ids == ()
+
+
 @pytest.mark.parametrize("case", list(METADATA))
 def test_bad_metadata_is_refused_at_open(tmp_path, case):
     kv, msg = METADATA[case]

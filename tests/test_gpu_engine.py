@@ -26,7 +26,8 @@ def test_primary_context_is_torchs():
 
 
 def test_secondary_context_rows_are_refused_everywhere():
-    """Rows from a cuCtxCreate context must be refused at construction, at splice and at publish source."""
+    """Rows from a cuCtxCreate context must be refused at construction, at splice, at publish source and as a token
+    overlay's rows; a splice into that context's memory is refused too."""
     r = gpu_probe.secondary_context(0)
     assert r["differs"] and r["uid_is_secondary"] and r["current_restored"], r
     assert r["owned"] is False and r["is_current_under_secondary"] is False, r    # Engine's one-call checks
@@ -34,6 +35,10 @@ def test_secondary_context_rows_are_refused_everywhere():
     assert r["construct"].startswith(f"overlay rows live in {r['secondary_ctx']} but engine cuda:0 is ")
     assert "they must not be read there: publish them" in r["splice"], r
     assert r["publish_source"].startswith(f"rows to publish live in {r['secondary_ctx']}"), r
+    assert r["token_overlay"].startswith(f"token overlay slot 0: embed rows live in {r['secondary_ctx']} but "
+                                         f"engine cuda:0 is "), r
+    assert r["splice_target"].startswith(f"the splice target's bytes live in {r['secondary_ctx']}"), r
+    assert "the rows cannot be written there" in r["splice_target"], r
     assert r["splice_wrote_nothing"] and r["splices"] == 0 and r["torch_still_works"]
 
 
@@ -75,3 +80,20 @@ def test_publication_slots_are_page_locked_and_bit_exact():
     writer.close()
     inbox.close()
     assert not inbox._pinned
+
+
+def test_unseeded_sampling_differs_between_samplers_on_the_gpu():
+    """Two primaries' unseeded draws from the same CUDA logits differ (each sampler's generator lives on the device,
+    seeded from the OS); before, both used torch's default CUDA generator, which starts at one fixed seed in every
+    process, so fresh deployments repeated each other's "random" tokens."""
+    from memra_pp.model.batch import StepBatch
+    from memra_pp.stages.loops import Sampler
+    logits = torch.zeros(1, 50_000, device="cuda")
+    batch = StepBatch([0], [3], [1], StepBatch.text_positions([3], [1]), [True])
+    draws = []
+    for _ in range(2):
+        s = Sampler()
+        s.admit([(0, 1.0, 0, 1.0, 0.0, None, -1, 0)], [])
+        draws.append([s(logits, batch).result()[0][0] for _ in range(20)])
+        assert [g.device.type for g in s.rngs.values()] == ["cuda"]
+    assert draws[0] != draws[1]

@@ -68,6 +68,12 @@ def untile_v(t: torch.Tensor, nk: int, nv: int, dim: int) -> torch.Tensor:
     return t.movedim(0, dim).contiguous()
 
 
+# llama.cpp's end-of-generation tokens (llama-vocab.cpp): the ids these metadata keys name, and tokens of these texts
+EOG_KEYS = ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+                       "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"})
+
+
 class GGUFSource:
     """Canonical tensors (docs/ARCHITECTURE.md) from one GGUF file written by llama.cpp's converter."""
 
@@ -83,6 +89,23 @@ class GGUFSource:
     # ---- metadata -> ModelConfig --------------------------------------------------------------------------
     def _field(self, key: str, default=KeyError):
         return gguf_field(self._reader, self.path, key, default)
+
+    def _eog_ids(self, vocab: int) -> list | None:
+        """The tokens that end generation, as llama.cpp takes them (llama-vocab.cpp's special_eog_ids): the eos,
+        eot, eom and fill-in-the-middle ids the metadata names, and every token whose text is an end-of-turn marker
+        (a Qwen GGUF's eos is <|endoftext|> or <|im_end|>: the other ends a turn too). The eos comes first."""
+        ids = []
+        for k in EOG_KEYS:
+            v = self._field(f"tokenizer.ggml.{k}_token_id", None)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab):
+                raise ConfigError(f"{self.path}: tokenizer.ggml.{k}_token_id {v!r} must be a token id (an integer in "
+                                  f"[0, vocab_size {vocab}))")
+            ids.append(v)
+        tokens = self._field("tokenizer.ggml.tokens", None)
+        if isinstance(tokens, list):
+            ids += [i for i, t in enumerate(tokens[:vocab]) if t in EOG_TEXTS]
+        ids = list(dict.fromkeys(i for i in ids if i is not None))
+        return ids or None
 
     def _int(self, key: str, default=KeyError, lo: int = 1) -> int:
         v = self._field(key, default)
@@ -160,7 +183,7 @@ class GGUFSource:
                                  partial_rotary_factor=2 * sum(sections) / head_dim, mrope_interleaved=True,
                                  rope_type="default" if scaling == "none" else scaling),
             tie_word_embeddings="output.weight" not in self._tensors,
-            eos_token_id=self._field("tokenizer.ggml.eos_token_id", None))
+            eos_token_id=self._eog_ids(int(emb.shape[1])))
         if arch == "qwen35moe":
             text.update(num_experts=k("expert_count"), num_experts_per_tok=k("expert_used_count"),
                         moe_intermediate_size=k("expert_feed_forward_length"),
