@@ -21,7 +21,7 @@ import torch
 from memra_pp import cpu_pinning, cuda, cuda_views, handoff_probe
 from memra_pp.engine import ContextId, Engine, EngineCounters, residency_of
 from memra_pp.errors import ResidencyError
-from memra_pp.overlay import EmbedOverlay, overlay_publications, publish_out
+from memra_pp.overlay import EmbedOverlay, TokenOverlay, TokenOverlaySet, overlay_publications, publish_out
 from memra_pp.stages.gpu_slots import RECEIVERS, SENDERS, probe_p2p, probe_pattern
 
 HOLD_S = 1.5  # the receiver holds both slots this long: a third send must block, not overwrite
@@ -87,6 +87,11 @@ def secondary_context(dev: int = 0) -> dict:
                "construct": refusal(lambda: EmbedOverlay(eng, rows, spans)),
                "splice": refusal(lambda: ov.splice_into(eng, emb, 0)),
                "publish_source": refusal(lambda: publish_out(eng, rows, spans)),
+               # the consumer's other doors: a token overlay's rows, and a splice *into* that context's memory
+               "token_overlay": refusal(lambda: TokenOverlaySet.from_slots(
+                   eng, {0: TokenOverlay(N, torch.arange(1, device=eng.device), rows[:1])}, 1, False)),
+               "splice_target": refusal(lambda: EmbedOverlay(eng, torch.ones(N, H, device=eng.device), spans)
+                                        .splice_into(eng, rows, 0)),
                "splice_wrote_nothing": bool(emb.abs().sum().item() == 0), "splices": eng.counters.splices}
         ov = rows = raw = None      # no reference to the secondary context's memory before it is freed
     finally:

@@ -131,6 +131,7 @@ class EmbedOverlay:
         """The overlay over prompt positions [off, off+length), spans rebased to 0; rows shared, not copied."""
         if not (_is_int(off) and _is_int(length)) or off < 0 or length < 1:   # (a float would make float spans)
             raise OverlayError(f"window(off={off!r}, length={length!r}) must be ints with off >= 0 and length >= 1")
+        off, length = int(off), int(length)     # (numpy's: the spans stay plain ints, as the constructor makes them)
         spans = []
         for p, r, k in self.spans:
             lo, hi = max(p, off), min(p + k, off + length)
@@ -158,6 +159,11 @@ class EmbedOverlay:
         if embedded_TD.device != self.rows.device:
             raise ResidencyError(f"splice target lives on {embedded_TD.device}, the overlay rows in {self.ctx}; "
                                  f"embed on engine {engine.device}")
+        if embedded_TD.is_cuda and embedded_TD.numel() and not engine.owns(embedded_TD):
+            ctx = residency_of(embedded_TD, engine)     # (a device's tensor over another context's memory)
+            if ctx != engine.ctx:
+                raise _not_resident("the splice target's bytes", ctx, engine, "the rows cannot be written there: "
+                                    "embed in the engine's own context")
         written = 0
         for p, r, k in self.spans:
             lo, hi = max(p, chunk_off), min(p + k, chunk_off + T)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from memra_pp.engine import Engine
-from memra_pp.errors import ConfigError, OverlayError
+from memra_pp.engine import Engine, residency_of
+from memra_pp.errors import ConfigError, OverlayError, ResidencyError
 from memra_pp.model.weights import FLOAT_DTYPES
 
 
@@ -45,6 +45,15 @@ class TokenOverlaySet:
                 raise OverlayError(f"token overlay slot {s!r} must be an int in [0, max_loras={max_loras})")
             if not isinstance(o, TokenOverlay):
                 raise OverlayError(f"token overlay slot {s} is a {type(o).__name__}, not a TokenOverlay")
+        for s, o in items.items():      # first: the checks below read the rows (on their device)
+            for what, t in (("embed ids", o.embed_ids), ("embed rows", o.embed_rows),
+                            ("lm_head ids", o.lm_head_ids), ("lm_head rows", o.lm_head_rows)):
+                if isinstance(t, torch.Tensor) and t.is_cuda and has_values(t) and t.numel() and not engine.owns(t):
+                    ctx = residency_of(t, engine)
+                    if ctx != engine.ctx:
+                        raise ResidencyError(f"token overlay slot {s}: {what} live in {ctx} but engine {engine.device}"
+                                             f" is {engine.ctx}; they cannot be read there: load them on the host or "
+                                             f"in the engine's own context")
         vocab = hidden = dtype = None
         for s, o in sorted(items.items()):
             if not 0 <= s < max_loras:
@@ -64,6 +73,7 @@ class TokenOverlaySet:
                 hidden = _check_token_rows(s, kind, ids, rows, vocab, hidden)
                 dtype = rows.dtype if dtype is None else torch.promote_types(dtype, rows.dtype)
         self = cls.__new__(cls)
+        self.ctx = engine.ctx               # the tables' context (they are made on engine.device below)
         self.max_loras, self.tied, self.vocab_size = max_loras, tied, vocab or 0
         dev = engine.device
         embed = _tables({s: (o.embed_ids, o.embed_rows) for s, o in items.items() if o.embed_ids is not None},

@@ -163,3 +163,32 @@ def test_battery_without_tower_on_one_stage_skips_what_cannot_apply(ray_cluster,
         monkeypatch.setattr(Battery, "run", lambda self, fake=fake: fake)
         assert cli_main(["battery", str(yml)]) == code, outcomes
     assert "1/2 checks passed (1 not applicable)" in capsys.readouterr().out
+
+
+def test_the_base_run_is_autos_whatever_mode_the_yaml_names(tmp_path):
+    """The base run's rows say AUTO, and the later checks compare with its tokens as auto's: a YAML naming
+    overlay_publish force made image_publication FAIL on one stage ("1 publication(s) recorded where the rows are
+    aliased") and PASS across contexts without auto running; never aborted the battery with a ResidencyError. The
+    base is auto's now (the YAML's mode is said, and never / force run as variants of their own), and a refusal
+    in the image run is that row's FAIL, naming it, not an abort."""
+    import types
+    from memra_pp.errors import ResidencyError
+    path = make_tiny(tmp_path / "tiny-vision", vision=True)
+    said = []
+    for mode in ("force", "never", "auto"):
+        b = Battery({"name": "bat", "model": {"path": str(path)}, "overlay_publish": mode,
+                     "stages": [{"device": "cpu", "num_cpus": 0.1}]}, progress=said.append)
+        assert b.base["overlay_publish"] == "auto" and b.given_publish == mode
+        assert b.variant(overlay_publish="force")["overlay_publish"] == "force"
+
+    def refused(dep):
+        raise ResidencyError("overlay rows live in ctx A but engine cpu is ctx B")
+    b.image_run = refused
+    from memra_pp.model.config import load_config
+    dep = types.SimpleNamespace(model_config=load_config(path),
+                                stats=lambda: {"stages": [{"overlay_publications": 0, "splices": 0}]})
+    b.images(dep)
+    assert [(r["check"], r["outcome"]) for r in b.rows] == [("image_publication", "FAIL")]
+    assert b.rows[0]["evidence"] == {"refused": "overlay rows live in ctx A but engine cpu is ctx B",
+                                     "overlay_publish_in_yaml": "auto"}
+    assert not verdict(b.rows) and not hasattr(b, "image_result")

@@ -32,7 +32,8 @@ def test_gpu_battery_all_checks_pass(ray_cluster, tmp_path):
                          "image_publication", "never_refuses", "never_within_context", "force_publishes",
                          "pipeline_equals_one_stage", "transport_peer", "transport_host", "transports_bit_identical"}
     sec = rows["secondary_context"]["evidence"]
-    assert sec["applicable"] and len({sec["construct"], sec["splice"], sec["publish_source"]}) == 3
+    doors = ("construct", "splice", "publish_source", "token_overlay", "splice_target")
+    assert sec["applicable"] and len({sec[k] for k in doors}) == 5 and sec["messages_name_context_and_fix"]
     assert rows["image_publication"]["evidence"]["publications_moved"] == 1
     assert "overlay_publish: never" in rows["never_refuses"]["evidence"]["message"]
     assert rows["transport_peer"]["evidence"]["transport"] == "peer"

@@ -163,6 +163,8 @@ def test_window_clips_rebases_and_aliases():
     assert w.ctx == ov.ctx
     assert ov.window(5, 3) is None and ov.window(11, 4) is None and ov.window(0, 2) is None
     assert ov.window(10, 1).spans == ((0, 5, 1),)
+    import numpy as np          # numpy bounds give plain-int spans, as the constructor's are
+    assert all(type(v) is int for s in ov.window(np.int64(3), np.int32(6)).spans for v in s)
     with pytest.raises(OverlayError, match=r"window\(off=0, length=0\)"):
         ov.window(0, 0)
 
