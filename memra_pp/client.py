@@ -444,7 +444,9 @@ class Client(ReplayMixin):
             tok = self.dep.tokenizer
             if tok is None:
                 raise InputError("a text prompt needs a tokenizer.json in the model directory; pass token ids")
-            return tok.encode(prompt)
+            # with the tokenizer's own special tokens, as vLLM and llama.cpp encode a prompt (a GGUF's
+            # add_bos_token, a tokenizer.json's template: its BOS; a Qwen tokenizer adds none)
+            return tok.encode(prompt, add_special_tokens=True)
         ids = _token_ids(prompt)
         if ids is None:
             raise InputError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
@@ -452,11 +454,24 @@ class Client(ReplayMixin):
             raise InputError(f"a prompt's token ids are integers, got {ids}")
         return ids
 
-    def _result(self, toks, lps, finish, logprobs: bool, ids) -> Result:
+    def _result(self, toks, lps, finish, logprobs: bool, ids, images=None) -> Result:
         tok = self.dep.tokenizer     # text as vLLM gives it: special tokens (<|im_end|>) skipped, and the stop token
         #                              that ended it left out of the text (kept in the ids)
         return Result(toks, lps if logprobs else None, finish,
-                      tok.decode(_shown(toks, finish), skip_special_tokens=True) if tok else None, len(ids))
+                      tok.decode(_shown(toks, finish), skip_special_tokens=True) if tok else None,
+                      self._prompt_len(ids, images))
+
+    def _prompt_len(self, ids, images) -> int:
+        """The prompt's tokens as the model reads them (vLLM's num_prompt_tokens): a lone image placeholder counts
+        its image's rows, as the intake expands it (a prompt written out in full counts the same)."""
+        if not images:
+            return len(ids)
+        from .multimodal import as_image_input, expand_placeholders
+        mc = self.dep.model_config
+        if mc.vision is None:           # (refused at the intake: no tower)
+            return len(ids)
+        return len(expand_placeholders(list(ids), [as_image_input(x) for x in images], mc.image_token_id,
+                                       mc.vision.spatial_merge_size, mc.video_token_id))
 
     def _timeout(self, timeout: float | None) -> float:
         """A request's wait for each piece: `timeout` as given (0: what is already there), None: ten steps'
@@ -527,7 +542,9 @@ class Client(ReplayMixin):
         min_p 0 are off; the filters apply as vLLM's (min_p and top_k, then top_p over what they keep); numbers
         may be numpy or 0-d torch scalars; seed makes a sampled request reproducible whatever it is batched with;
         stop_token_ids end it as the model's eos does, in addition to it (as in vLLM), and with ignore_eos only
-        they and max_new_tokens do; the token that stopped it ends r.token_ids but not r.text (as in vLLM);
+        they and max_new_tokens do; the token that stopped it ends r.token_ids but not r.text (as in vLLM), and
+        one drawn as the last token max_new_tokens allows ends it as "stop" too (as llama.cpp's server; vLLM v1
+        says "length" there and keeps its text);
         adapter names a loaded adapter (dep.load_adapter); images is a list of memra_pp.ImageInput for the
         prompt's image placeholders; timeout bounds the wait for each piece (default 10 x timeouts.step_s).
         logprobs: r.logprobs[i] is token i's log-probability under the raw model (temperature 1)."""
@@ -542,7 +559,7 @@ class Client(ReplayMixin):
             toks += t
             lps += l
             finish = f or finish
-        return self._result(toks, lps, finish, logprobs, ids)
+        return self._result(toks, lps, finish, logprobs, ids, tr.req.get("images"))
 
     def stream(self, prompt, max_new_tokens: int = 16, *, logprobs: bool = True, timeout: float | None = None,
                **kw) -> Iterator[StreamEvent]:
@@ -597,7 +614,7 @@ class Client(ReplayMixin):
                 self._let_go(tr)
             else:
                 self._drop(tr)
-        return self._result(toks, lps, finish, logprobs, ids)
+        return self._result(toks, lps, finish, logprobs, ids, tr.req.get("images"))
 
 
 def _shown(toks: list[int], finish) -> list[int]:

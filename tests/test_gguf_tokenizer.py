@@ -162,6 +162,14 @@ def test_add_bos_token_prepends_bos(tmp_path):
                  tokenizer__ggml__bos_token_id=1)
     tok = Tokenizer.from_gguf(f)
     assert tok.encode("hi", add_special_tokens=True) == [1] + tok.encode("hi")
+    # and a text prompt is encoded so, as llama.cpp and vLLM do (the client encoded without: no BOS)
+    import types
+    from memra_pp.client import Client
+    assert Client._encode(types.SimpleNamespace(dep=types.SimpleNamespace(tokenizer=tok)), "hi") == \
+        [1] + tok.encode("hi")
+    plain = Tokenizer.from_gguf(_gguf_path())      # (add_bos_token false, as Qwen3.5's GGUFs: nothing added)
+    assert Client._encode(types.SimpleNamespace(dep=types.SimpleNamespace(tokenizer=plain)), "hi") == \
+        plain.encode("hi")
 
 
 def test_for_model_picks_the_source(tmp_path):

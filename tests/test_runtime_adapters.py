@@ -251,20 +251,29 @@ def test_an_adapter_changed_just_before_the_intake_dies_is_restored_as_it_was(ra
 
 
 
-def test_an_adapter_that_overflows_fails_its_own_requests_and_no_other(ray_cluster, tmp_path):
-    """An adapter whose lora_A (3e38) and lora_B x scale are finite loads, but x A overflows. Its requests must end
-    with an InputError naming it (their logits are NaN: no token of theirs means anything), counted; requests
-    without it, in flight beside them, must get transformers' tokens and logprobs (another slot's inf once became
-    NaN in every row of the step); and the deployment goes on serving."""
+def test_adapters_refused_in_the_pools_or_overflowing_leave_the_others_served(ray_cluster, tmp_path):
+    """Two bad adapters on one deployment, and a good one after them:
+    - A first load refused inside the pools (lora_B x scale not finite in float32) has already made every stage's
+      LoRA pools (max_loras x max_rank for each target): the KV budget must be measured again then too, as after a
+      load that succeeds, or the intake admits against memory the pools took.
+    - An adapter whose lora_A (3e38) and lora_B x scale are finite loads, but x A overflows. Its requests must end
+      with an InputError naming it (their logits are NaN: no token of theirs means anything), counted; requests
+      without it, in flight beside them, must get transformers' tokens and logprobs (another slot's inf once
+      became NaN in every row of the step).
+    - Then a good adapter serves PEFT's tokens."""
     import torch
     from safetensors.torch import load_file, save_file
-    d = _edit(tmp_path)
+    d = _edit(tmp_path / "overflow")
     f = d / "adapter_model.safetensors"
     t = load_file(str(f))
     save_file({k: torch.full_like(v, 3e38) if "lora_A" in k else torch.full_like(v, 1e-30) if "lora_B" in k else v
                for k, v in t.items()}, str(f))
     _, path = tiny_checkpoint("dense", False)
     with memra_pp.launch(cfg(path, 2)) as dep:
+        assert dep.stats()["stages"][0]["kv_rebudgets"] == 0
+        with pytest.raises(ConfigError, match=r"is not finite in the pool's float32"):
+            dep.load_adapter("alpha", _edit(tmp_path / "alpha", cfg={"lora_alpha": 1e300}))
+        assert dep.stats()["stages"][0]["kv_rebudgets"] == 1
         dep.load_adapter("huge", d)
         c = dep.client()
         which = ["huge", None, None, "huge"]
@@ -283,24 +292,9 @@ def test_an_adapter_that_overflows_fails_its_own_requests_and_no_other(ray_clust
             assert r.token_ids == ref[0] and max(abs(x - y) for x, y in zip(r.logprobs, ref[1], strict=True)) < 5e-4
         assert dep.stats()["stages"][0]["not_finite"] == 2
         dep.unload_adapter("huge")
+        dep.load_adapter("a", adapter("dense", False, "A")[1])
+        p = PROMPTS[1]
+        assert c.generate(list(p), max_new_tokens=NEW, adapter="a").token_ids == \
+            peft_reference("dense", False, "A", p)[0]
         assert c.generate(list(PROMPTS[2]), max_new_tokens=NEW).token_ids == hf_reference("dense", False, PROMPTS[2],
                                                                                             NEW)[0]
-
-
-def test_a_refused_first_load_still_measures_the_kv_budget_again(ray_cluster, tmp_path):
-    """A first adapter load makes every stage's LoRA pools (max_loras x max_rank for each target) before the
-    pools check the weights: a load refused there (lora_B x scale not finite in the pool) leaves the pools in
-    memory. The KV budget must be measured again then too, as after a load that succeeds, or the intake admits
-    against memory the pools took. The deployment serves PEFT's tokens with a good adapter after it."""
-    _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(cfg(path, 2)) as dep:
-        assert dep.stats()["stages"][0]["kv_rebudgets"] == 0
-        with pytest.raises(ConfigError, match=r"is not finite in the pool's float32"):
-            dep.load_adapter("huge", _edit(tmp_path, cfg={"lora_alpha": 1e300}))
-        st = dep.stats()["stages"]
-        assert st[0]["kv_rebudgets"] == 1
-        dep.load_adapter("a", adapter("dense", False, "A")[1])
-        assert dep.stats()["stages"][0]["kv_rebudgets"] == 2
-        p = PROMPTS[1]
-        assert dep.client().generate(list(p), max_new_tokens=NEW, adapter="a").token_ids == \
-            peft_reference("dense", False, "A", p)[0]

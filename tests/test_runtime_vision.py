@@ -78,6 +78,9 @@ def test_image_prompts_match_transformers(ray_cluster, shared, n, engine):
             assert r.token_ids == ht
             assert max(abs(a - b) for a, b in zip(r.logprobs, hl, strict=True)) < 5e-4
         assert r3.token_ids == hf_reference("dense", False, (5, 17, 42), NEW)[0]
+        # the prompt as the model read it: image 1's lone placeholder counts its 6 rows (as written out in full)
+        assert [r.prompt_tokens for r in (r1, r2, r3)] == [len(prompt_for(imgs1)), len(prompt_for(imgs2)), 3]
+        assert len(prompt_for(imgs1)) == len(prompt_for(imgs1, expand=False)) + 5
         st = grown(dep, before)[0]
         cross = dep.plan.tower_index != dep.plan.intake_index
         assert st["overlay_publications"] == (2 if cross else 0), "AUTO publishes exactly across contexts"
