@@ -91,13 +91,19 @@ class Mailbox:
 
     def put(self, seq: int, payload: bytes) -> None:
         e = seq % ENTRIES
-        begin, length, end = self._words[e]
+        words, mv = self._words, self._mv       # (locals, as get's: close() may drop them under a sending thread)
+        if words is None:
+            raise ChannelClosed(f"header mailbox {self.name} is closed")
+        begin, length, end = words[e]
         begin[0] = seq + 1
         if len(payload) > ENTRY_BYTES:
             length[0] = TOO_BIG
         else:
             off = e * _STRIDE + _HEAD
-            self._mv[off:off + len(payload)] = payload      # a memoryview copy: a third of numpy's cost
+            try:
+                mv[off:off + len(payload)] = payload      # a memoryview copy: a third of numpy's cost
+            except ValueError:                          # released by close() meanwhile
+                raise ChannelClosed(f"header mailbox {self.name} is closed") from None
             length[0] = len(payload)
         end[0] = seq + 1
 

@@ -12,6 +12,7 @@ import torch
 
 from memra_pp.shm import segment_name
 from memra_pp.errors import ProtocolError, StageFailed
+from memra_pp.stages.channel import ChannelClosed
 from memra_pp.stages.slots import SlotReceiverBase, SlotSenderBase, _SlotViews, _u8_over
 
 
@@ -57,13 +58,22 @@ class SlotSender(SlotSenderBase):
         self._views = _SlotViews([_u8_over(m, self.max_bytes) for m in self._maps])
 
     def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
-        self._views.get(slot, hidden_TD.dtype, hidden_TD.shape).copy_(hidden_TD)
+        try:
+            view = self._views.get(slot, hidden_TD.dtype, hidden_TD.shape)
+        except (IndexError, TypeError):
+            if not self._maps:          # detached by a close() under this sending thread (a halt gave up its join)
+                raise ChannelClosed(f"{self.name}: send on a closed boundary") from None
+            raise
+        view.copy_(hidden_TD)
 
     def _detach(self) -> None:
         self._views.clear()
-        for m in self._maps:
-            m.close()
-        self._maps = []
+        maps, self._maps = self._maps, []
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:         # a copy under way still holds a view: the mapping goes with its last view
+                pass
 
 
 def _attach_shm(name: str, size: int, boundary: str) -> mmap.mmap:

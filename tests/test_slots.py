@@ -525,3 +525,55 @@ def test_a_reader_behind_a_fast_sender_holds_few_headers_ahead():
         assert peak <= mailbox.AHEAD_MAX + mailbox.ENTRIES, peak
     finally:
         _close_pair(w, r)
+
+
+@pytest.mark.parametrize("with_tensor", [False, True])
+def test_a_sender_closed_under_its_sending_thread_ends_it_with_channel_closed(with_tensor):
+    """halt() gives up joining a loop after 10 s and closes its links under it: the loop's next send must end with
+    ChannelClosed (what the loops take for a lost link), and close() must not raise. The mailbox's put and the CPU
+    sender's slot write raised IndexError / TypeError there, and the slot maps' close a BufferError while a copy
+    held a view. 12 trials, each closing 20 ms into a stream of sends that a draining receiver keeps up with."""
+    import collections
+    from memra_pp.stages.channel import ChannelClosed
+    from memra_pp.stages.shm_slots import SlotReceiver, SlotSender
+    seen = collections.Counter()
+    for _ in range(12):
+        r = SlotReceiver("race", 1 << 12)
+        s = SlotSender(r.endpoint())
+        t = threading.Thread(target=s.connect, args=(5.0,))
+        t.start()
+        r.accept(5.0)
+        t.join()
+        stop, err = threading.Event(), []
+
+        def drain():
+            while not stop.is_set():
+                try:
+                    h, v = r.recv(0.05)
+                except Exception:  # noqa: BLE001 - the sender went: nothing more to drain
+                    continue
+                if v is not None:
+                    del v
+                    try:
+                        r.free(h["slot"])
+                    except Exception:  # noqa: BLE001
+                        return
+
+        def spam():
+            try:
+                for i in range(10**6):
+                    s.send({"kind": "h", "mb": i}, torch.ones(4, 8) if with_tensor else None, timeout=2)
+            except BaseException as e:  # noqa: BLE001 - the test asserts its type
+                err.append(e)
+        threads = [threading.Thread(target=drain, daemon=True), threading.Thread(target=spam, daemon=True)]
+        for th in threads:
+            th.start()
+        time.sleep(0.02)
+        s.close()                       # (raised BufferError)
+        threads[1].join(5)
+        assert not threads[1].is_alive() and len(err) == 1
+        seen[type(err[0]).__name__ if isinstance(err[0], ChannelClosed) else repr(err[0])] += 1
+        stop.set()
+        threads[0].join(2)
+        r.close()
+    assert seen == {"ChannelClosed": 12}, seen
