@@ -100,17 +100,44 @@ class Channel:
         if len(payload) > self.max_frame:
             raise ValueError(f"{self.label}: frame of {len(payload)} bytes exceeds max_frame {self.max_frame}")
 
-    def send_payload(self, payload: bytes) -> None:
-        """Write one frame already encoded with encode_header."""
+    def send_payload(self, payload: bytes, timeout: float | None = None) -> None:
+        """Write one frame already encoded with encode_header. `timeout`: seconds a live peer that reads nothing
+        may keep the frame waiting (TimeoutError, nothing of it sent; a frame cut short by it leaves nothing after
+        it readable: the channel is closed, ChannelClosed). None: wait as long as the peer lives."""
         self.check_frame(payload)
         frame = _PREFIX.pack(len(payload)) + payload
         with self._send_lock:
             if self._closed:
                 raise ChannelClosed(f"{self.label}: send on a closed channel")
             try:
-                self._sock.sendall(frame)
+                if timeout is None:
+                    self._sock.sendall(frame)
+                else:
+                    self._send_within(frame, timeout)
+            except (TimeoutError, ChannelClosed):
+                raise
             except OSError as e:  # EPIPE / ECONNRESET: the peer is gone
                 raise ChannelClosed(f"{self.label}: peer is gone ({type(e).__name__}: {e})") from e
+
+    def _send_within(self, frame: bytes, timeout: float) -> None:
+        end, view, sent, out = time.monotonic() + timeout, memoryview(frame), 0, None
+        while sent < len(view):
+            try:
+                sent += self._sock.send(view[sent:], socket.MSG_DONTWAIT)
+                continue
+            except BlockingIOError:     # the peer's buffer is full: wait for room, within the deadline
+                pass
+            if out is None:
+                out = select.poll()
+                out.register(self._sock.fileno(), select.POLLOUT)
+            left = end - time.monotonic()
+            if left > 0 and out.poll(math.ceil(left * 1000)):
+                continue
+            if sent:
+                self.close()
+                raise ChannelClosed(f"{self.label}: the peer took {sent} of a frame's {len(view)} bytes in "
+                                    f"{timeout:g} s; the link is closed (nothing after a cut frame can be read)")
+            raise TimeoutError(f"{self.label}: the peer took no frame within {timeout:g} s (it reads nothing)")
 
     def recv(self, timeout: float | None = None) -> dict:
         """Next frame as a dict. TimeoutError after `timeout` s (None waits); ChannelClosed on EOF or reset."""

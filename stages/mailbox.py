@@ -306,10 +306,12 @@ class HeaderWriter:
         self.every = every_frame_on_socket
         self._unsent: list[bytes | None] = [None] * ENTRIES   # entry -> its frame, while only the ring holds it
 
-    def send(self, header: dict) -> None:
+    def send(self, header: dict, timeout: float | None = None) -> None:
+        """`timeout`: how long a socket write may wait for a live receiver that reads nothing (Channel.send_payload:
+        TimeoutError)."""
         mb = self.mbox
         if mb is None:
-            self.ch.send(header)
+            self.ch.send_payload(encode_header(header), timeout)
             self.socketed += 1
             return
         q, e = self.q, self.q % ENTRIES
@@ -317,18 +319,17 @@ class HeaderWriter:
         self.ch.check_frame(payload)   # refused before it takes a number: a gap would stall the reader
         old = self._unsent[e]
         if old is not None and mb.read_q() <= q - ENTRIES:    # about to overwrite a frame the receiver never read
-            self._socket(old)
+            self._socket(old, timeout)
             self.late += 1
         mb.put(q, payload)
         self.q += 1
         self.mailboxed += 1
+        self._unsent[e] = payload       # (until the socket has it too: a write that times out leaves it owed)
         if self.every or len(payload) > ENTRY_BYTES or mb.sleeping():
-            self._socket(payload)
+            self._socket(payload, timeout)
             self._unsent[e] = None
-        else:
-            self._unsent[e] = payload
 
-    def _socket(self, payload: bytes) -> None:
-        self.ch.send_payload(payload)
+    def _socket(self, payload: bytes, timeout: float | None = None) -> None:
+        self.ch.send_payload(payload, timeout)
         self.socketed += 1
         self.mbox.set_socketed(self.socketed)

@@ -271,7 +271,7 @@ class SlotSenderBase(_Link):
         if header.get("kind") in (_HELLO, _CREDIT):
             raise InputError(f"boundary {self.name}: header kind {header['kind']!r} is reserved for the transport")
         if hidden_TD is None:  # keys of the upstream boundary's slot would name a slot here that holds nothing
-            self._headers.send({k: v for k, v in header.items() if k not in RESERVED_KEYS})
+            self._headers.send({k: v for k, v in header.items() if k not in RESERVED_KEYS}, timeout)
             self._stats.headers += 1
             return None
         nbytes = hidden_TD.numel() * hidden_TD.element_size()

@@ -577,3 +577,44 @@ def test_a_sender_closed_under_its_sending_thread_ends_it_with_channel_closed(wi
         threads[0].join(2)
         r.close()
     assert seen == {"ChannelClosed": 12}, seen
+
+
+@pytest.mark.parametrize("mailbox_on", [True, False])
+def test_a_header_only_send_to_a_receiver_that_reads_nothing_ends_within_its_timeout(mailbox_on):
+    """Header-only frames (an mb_error passed on) take no slot credit, so only the socket bounds them: with the
+    receiver alive but reading nothing (a stage hung in its compute), the socket's buffer fills and the send
+    blocked in sendall past its timeout, for ever (law 6: nothing hangs a caller). It must end with TimeoutError
+    within the timeout, naming the boundary; the frames before it went through."""
+    import threading
+    import time
+    from memra_pp.stages.shm_slots import SlotReceiver, SlotSender
+    r = SlotReceiver("stuck", 1 << 12, spin_us=50.0 if mailbox_on else 0.0)     # (a mailbox where spin_us > 0)
+    s = SlotSender(r.endpoint())
+    t = threading.Thread(target=s.connect, args=(5.0,))
+    t.start()
+    r.accept(5.0)
+    t.join()
+    hdr = {"kind": "mb_error", "mb": 0, "stage": 1, "etype": "RuntimeError", "message": "x" * 300}
+    got = {"sent": 0}
+
+    def spam():                 # on a thread: a send that hangs must fail this test, not hang the suite
+        for i in range(100_000):
+            t0 = time.monotonic()
+            try:
+                s.send(dict(hdr, mb=i), None, timeout=0.5)
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                got.update(err=e, took=time.monotonic() - t0)
+                return
+            got["sent"] += 1
+    th = threading.Thread(target=spam, daemon=True)
+    th.start()
+    th.join(15)
+    try:
+        assert not th.is_alive(), f"a header-only send hangs past its timeout (after {got['sent']} frames)"
+    finally:
+        s.close()               # (wakes a hung sendall)
+        r.close()
+    assert isinstance(got.get("err"), TimeoutError), got
+    assert "boundary stuck: the peer took no frame within 0.5 s" in str(got["err"])
+    assert got["sent"] > 10 and 0.45 < got["took"] < 3.0, got
+    assert ("mailbox" in r.endpoint()) == mailbox_on
