@@ -136,7 +136,7 @@ class Supervisor:
         dead, broken, lost = [], [], []
         for i, ref in enumerate(refs):
             if ref not in done:
-                dead.append((i, f"did not answer a heartbeat within {timeout:.1f} s"))
+                dead.append((i, f"did not answer a heartbeat within {timeout:.3g} s"))
                 continue
             try:
                 h = ray.get(ref, timeout=0)

@@ -356,7 +356,18 @@ def parse_placement(raw: Any) -> Placement:
         scheduler=_scheduler(d.get("scheduler")),
         adapters=AdapterSpec(**{k: _int(v, f"adapters.{k}") for k, v in ad.items()}),
         recover=_choice(d.get("recover", "error"), "recover", RECOVER), ray=_ray(d.get("ray")),
-        timeouts=TimeoutSpec(**{k: _pos(v, f"timeouts.{k}", MAX_TIMEOUT_S) for k, v in to.items()}))
+        timeouts=_timeouts(to))
+
+
+MIN_HEARTBEAT_S = 0.05      # the supervisor waits 3 beats for each health answer: 150 ms against an actor call's ~1
+
+
+def _timeouts(to: dict) -> TimeoutSpec:
+    t = TimeoutSpec(**{k: _pos(v, f"timeouts.{k}", MAX_TIMEOUT_S) for k, v in to.items()})
+    if t.heartbeat_s < MIN_HEARTBEAT_S:     # (0.001: 3 ms for a health answer; healthy stages killed in a loop)
+        raise _bad("timeouts.heartbeat_s", f"must be at least {MIN_HEARTBEAT_S:g} s (the supervisor gives a stage 3 "
+                   f"heartbeats to answer, and an actor call takes about a millisecond), got {t.heartbeat_s:g}")
+    return t
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -393,8 +404,12 @@ def _read_yaml(path: Path, where: str) -> Any:
         raise ConfigError(f"{where}: cannot read the placement file (not UTF-8 text: {e})") from None
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    except yaml.YAMLError as e:     # one line: the file's line and column, then what PyYAML found there
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or \
+            " ".join(str(e).split())
+        raise ConfigError(f"{where}{at}: not valid YAML: {what}") from None
     except RecursionError:
         raise ConfigError(f"{where}: not valid YAML: nested too deeply") from None
     except ValueError as e:     # an integer of more digits than Python converts

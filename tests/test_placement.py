@@ -292,6 +292,8 @@ def test_layer_refusals(stages, needles):
     ({"transport_poll_us": -1}, ["transport_poll_us: must be auto or microseconds in [0, 1000000]"]),
     ({"adapters": {"max_loras": 0}}, ["adapters.max_loras: must be an integer >= 1"]),
     ({"timeouts": {"step_s": 0}}, ["timeouts.step_s: must be a positive finite number, got 0"]),
+    # a heartbeat too short for any health answer: the supervisor killed healthy stages in a loop
+    ({"timeouts": {"heartbeat_s": 0.001}}, ["timeouts.heartbeat_s: must be at least 0.05 s", "got 0.001"]),
     ({"timeouts": {"ready_s": float("nan")}}, ["timeouts.ready_s: must be a positive finite number"]),
     ({"stages": [{"device": "cpu", "num_cpus": 0}]}, ["stages[0].num_cpus: must be a positive finite number"]),
     ({"stages": [{"device": "cpu", "threads": 0}]}, ["stages[0].threads: must be an integer >= 1, got 0"]),
