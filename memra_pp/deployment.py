@@ -174,6 +174,7 @@ class Deployment:
                     raise ConfigError(f"name: a deployment named {placement.name!r} is already running in namespace "
                                       f"{ray.get_runtime_context().namespace!r}; stop it (memra-pp stop "
                                       f"{placement.name}) or give this one another name")
+            _require_fits(plan.stages)
             pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK",
                                  lifetime="detached" if detached else None,    # detached actors outlive us
                                  name=pg_name(placement.name) if detached else "")
@@ -681,6 +682,18 @@ class Deployment:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _require_fits(stages) -> None:
+    """The stages' CPUs go in one placement group packed on one node: one that no node of the cluster has room for
+    can never be placed, and pg.ready() waited timeouts.ready_s (300 s by default) to say only "no answer"."""
+    need = sum(s.num_cpus for s in stages)
+    nodes = [n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")]
+    if nodes and need > max(nodes) + 1e-9:
+        each = ", ".join(f"stages[{i}] {s.num_cpus:g}" for i, s in enumerate(stages))
+        raise ConfigError(f"stages[*].num_cpus: the stages need {need:g} CPUs on one node ({each}), and the largest "
+                          f"node of this Ray cluster has {max(nodes):g}; lower num_cpus (a fraction is fine: a stage "
+                          f"sizes its own threads) or add a node that large")
 
 
 def _measure_kv(actors, t: float, limit: int | None) -> tuple[int, list[dict]]:

@@ -156,6 +156,8 @@ def attach(address: str, namespace: str) -> None:
             if auth is not None and "RAY_AUTH_MODE" not in os.environ and host is not None and _this_host(host):
                 auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
         ray.init(address=address, namespace=namespace, logging_level=logging.WARNING)
+    except ConfigError:         # _require_listening's own refusal, already saying what to give (a ValueError too)
+        raise
     except (ConnectionError, RuntimeError, ValueError,      # ValueError: an address Ray cannot parse
             getattr(ray.exceptions, "AuthenticationError", ConnectionError)) as e:
         raise ConfigError(f"ray.address {address!r}: cannot attach to a Ray cluster there ({type(e).__name__}: "

@@ -100,6 +100,7 @@ def test_generate_refuses_bad_ids_and_a_dead_address_at_once(capsys):
     assert main(["generate", "tiny-cpu", "5", "--ids", "--address", f"127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err
     assert f"ConfigError: ray.address '127.0.0.1:{port}': nothing accepts a connection there" in err, err
+    assert "cannot attach" not in err and err.count("give the address") == 1, err      # (it was wrapped twice)
     assert time.monotonic() - t0 < 10 and not ray.is_initialized()
     for addr in ("garbage", "localhost:abc"):       # Ray's own ValueError was a traceback
         assert main(["status", "tiny-cpu", "--address", addr]) == 2, addr

@@ -323,8 +323,14 @@ def test_malformed_yaml(tmp_path):
     """Malformed YAML must give ConfigError naming the file, before Ray is touched."""
     f = tmp_path / "bad.yaml"
     f.write_text("name: x\nstages: [ {device: cpu\n")
-    with pytest.raises(ConfigError, match=f"{f}: not valid YAML"):
+    with pytest.raises(ConfigError, match=re.escape(str(f)) + r":3:1: not valid YAML: ") as e:
         memra_pp.launch(str(f))
+    # one line, naming the file's line and column (PyYAML's own text ran to four lines, at "<unicode string>")
+    f.write_text("name: x\nstages:\n\t- {device: cpu}\n")
+    with pytest.raises(ConfigError) as e:
+        memra_pp.launch(str(f))
+    assert "\n" not in str(e.value) and "<unicode string>" not in str(e.value), str(e.value)
+    assert str(e.value).startswith(f"{f}:3:1: not valid YAML: ") and "'\\t'" in str(e.value), str(e.value)
 
 
 def test_a_device_this_host_lacks_is_refused_before_ray(monkeypatch):
@@ -348,6 +354,26 @@ def test_a_device_this_host_lacks_is_refused_before_ray(monkeypatch):
         memra_pp.launch(cfg)
     with pytest.raises(ConfigError, match=rf"device 'cuda:{missing}': this process sees {missing} CUDA"):
         Engine(f"cuda:{missing}")
+
+
+def test_stages_no_node_can_hold_are_refused_at_once(ray_cluster):
+    """Stages whose CPUs no node of the cluster has (one placement group packed on one node: this cluster has 2)
+    are refused at once with a ConfigError naming num_cpus and both sizes; pg.ready() waited timeouts.ready_s (300 s
+    by default) and said only "placement group: no answer". No placement group, no actor is left."""
+    from ray.util import placement_group_table
+    _, path = tiny_checkpoint("dense", False)
+    before = {k for k, v in placement_group_table().items() if v.get("state") != "REMOVED"}
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"stages\[\*\]\.num_cpus: the stages need 8.5 CPUs on one node "
+                                          r"\(stages\[0\] 8, stages\[1\] 0.5\), and the largest node of this Ray "
+                                          r"cluster has 2; lower"):
+        memra_pp.launch({"name": "toobig", "model": {"path": str(path)}, "timeouts": {"ready_s": 60},
+                         "stages": [{"device": "cpu", "num_cpus": 8}, {"device": "cpu"}]})
+    assert time.monotonic() - t0 < 10
+    assert {k for k, v in placement_group_table().items() if v.get("state") != "REMOVED"} == before
+    for i in range(2):
+        with pytest.raises(ValueError):
+            ray.get_actor(f"toobig.stage{i}")
 
 
 def test_bad_tensor_inside_a_stage_leaves_no_actor(ray_cluster, tmp_path):
