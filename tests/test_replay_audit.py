@@ -63,13 +63,21 @@ def test_an_unload_right_after_a_kill_does_not_take_a_held_requests_adapter(ray_
         dep.load_adapter("a", adapter("dense", False, "A")[1])
         c = dep.client()
         want = c.generate(list(P1), max_new_tokens=new, adapter="a", timeout=60)
-        s = Stream(c, P1, new, adapter="a")
-        s.wait_tokens(3)
-        assert s.t_end is None
-        kill(dep, 1, "SIGKILL")
-        deadline = time.monotonic() + 10
-        while not c._held and time.monotonic() < deadline:     # the intake's link break: the request is held
-            time.sleep(0.002)
+        for _ in range(3):
+            s = Stream(c, P1, new, adapter="a")
+            s.wait_tokens(3)
+            assert s.t_end is None
+            kill(dep, 1, "SIGKILL")
+            deadline = time.monotonic() + 10
+            while not c._held and time.monotonic() < deadline:     # the intake's link break: the request is held
+                time.sleep(0.002)
+            if c._held and dep.supervisor.ready.is_set():
+                break
+            # a heartbeat fell between the kill and the hold (it can under the suite's load): the supervisor saw the
+            # loss first, so the premise does not hold; let this one replay, and kill again
+            s.join(90)
+            dep.wait_ready(60)
+            assert s.error is None and s.tokens == want.token_ids
         assert c._held and dep.supervisor.ready.is_set(), "the premise: held, the loss not yet seen by the supervisor"
         try:
             dep.unload_adapter("a")
