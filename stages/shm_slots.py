@@ -67,8 +67,8 @@ class SlotSender(SlotSenderBase):
         view.copy_(hidden_TD)
 
     def _detach(self) -> None:
+        maps, self._maps = self._maps, []       # first: a write that finds no view then sees the close (ChannelClosed)
         self._views.clear()
-        maps, self._maps = self._maps, []
         for m in maps:
             try:
                 m.close()
