@@ -145,6 +145,14 @@ class Engine:
         # VMM memory (expandable segments) belongs to no context: residency_of gives it to an engine of its device
         return int(cuda.pointer_attribute(ptr, "DEVICE_ORDINAL")) == self.device.index
 
+    def foreign_context(self, tensor: torch.Tensor) -> ContextId | None:
+        """The context a CUDA tensor's bytes live in when it is not this engine's, else None (owns first: one
+        driver call where they are ours; a CPU or empty tensor: None, host memory and no bytes)."""
+        if not tensor.is_cuda or tensor.numel() == 0 or self.owns(tensor):
+            return None
+        ctx = residency_of(tensor, self)
+        return None if ctx == self.ctx else ctx
+
     def _holds_context(self) -> bool:
         """This process retains a CUDA context through this engine (not a CPU engine, not closed, not a copy
         inherited across a fork): its handle then names that context and no other."""

@@ -159,11 +159,10 @@ class EmbedOverlay:
         if embedded_TD.device != self.rows.device:
             raise ResidencyError(f"splice target lives on {embedded_TD.device}, the overlay rows in {self.ctx}; "
                                  f"embed on engine {engine.device}")
-        if embedded_TD.is_cuda and embedded_TD.numel() and not engine.owns(embedded_TD):
-            ctx = residency_of(embedded_TD, engine)     # (a device's tensor over another context's memory)
-            if ctx != engine.ctx:
-                raise _not_resident("the splice target's bytes", ctx, engine, "the rows cannot be written there: "
-                                    "embed in the engine's own context")
+        ctx = engine.foreign_context(embedded_TD)      # (a device's tensor over another context's memory)
+        if ctx is not None:
+            raise _not_resident("the splice target's bytes", ctx, engine, "the rows cannot be written there: embed "
+                                "in the engine's own context")
         written = 0
         for p, r, k in self.spans:
             lo, hi = max(p, chunk_off), min(p + k, chunk_off + T)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memra_pp.engine import Engine, residency_of
+from memra_pp.engine import Engine
 from memra_pp.errors import ConfigError, OverlayError, ResidencyError
 from memra_pp.model.weights import FLOAT_DTYPES
 
@@ -48,12 +48,11 @@ class TokenOverlaySet:
         for s, o in items.items():      # first: the checks below read the rows (on their device)
             for what, t in (("embed ids", o.embed_ids), ("embed rows", o.embed_rows),
                             ("lm_head ids", o.lm_head_ids), ("lm_head rows", o.lm_head_rows)):
-                if isinstance(t, torch.Tensor) and t.is_cuda and has_values(t) and t.numel() and not engine.owns(t):
-                    ctx = residency_of(t, engine)
-                    if ctx != engine.ctx:
-                        raise ResidencyError(f"token overlay slot {s}: {what} live in {ctx} but engine {engine.device}"
-                                             f" is {engine.ctx}; they cannot be read there: load them on the host or "
-                                             f"in the engine's own context")
+                ctx = engine.foreign_context(t) if isinstance(t, torch.Tensor) and has_values(t) else None
+                if ctx is not None:
+                    raise ResidencyError(f"token overlay slot {s}: {what} live in {ctx} but engine {engine.device} is "
+                                         f"{engine.ctx}; they cannot be read there: load them on the host or in the "
+                                         f"engine's own context")
         vocab = hidden = dtype = None
         for s, o in sorted(items.items()):
             if not 0 <= s < max_loras:
