@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from memra_pp.errors import InputError
-from memra_pp.model.sampling import SamplingParams, sample
+from memra_pp.model.sampling import SamplingParams, _filtered, sample
 
 
 def logits(seed=0, n=2, v=50):
@@ -28,23 +28,6 @@ def test_seeded_is_reproducible_and_batch_independent():
     assert a[0] == sample(x[[0]], [p], [3])[0][0]
     draws = {sample(x[:1], [p], [s])[0][0] for s in range(40)}
     assert len(draws) > 1, "different steps must give different noise"
-
-
-@pytest.mark.parametrize("kw,allowed", [
-    (dict(top_k=3), lambda x: set(x.topk(3).indices.tolist())),
-    (dict(top_p=0.3), None),
-    (dict(min_p=0.5), lambda x: set((x.softmax(-1) >= 0.5 * x.softmax(-1).max()).nonzero()[:, 0].tolist())),
-    (dict(min_p=1.0), lambda x: {int(x.argmax())}),        # (vLLM's bound: the most probable token only)
-])
-def test_filters_restrict_support(kw, allowed):
-    """top-k, top-p and min-p must only ever return tokens inside their kept set."""
-    x = logits(2, n=1)[0]
-    seen = {sample(x[None], [SamplingParams(temperature=1.0, seed=s, **kw)], [0])[0][0] for s in range(200)}
-    if allowed is None:  # top-p: the smallest prefix of sorted probs with mass >= p
-        probs, idx = x.softmax(-1).sort(descending=True)
-        k = int((probs.cumsum(-1) < 0.3).sum()) + 1
-        allowed = lambda _: set(idx[:k].tolist())
-    assert seen <= allowed(x) and len(seen) >= 1
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"),
@@ -108,3 +91,81 @@ def test_values_the_boundary_header_cannot_carry_are_refused_or_normalised():
                                              fr"\(401 characters\)"):
             SamplingParams(**{name: 10 ** 400}).validate()
 
+
+
+def hf_kept(x: torch.Tensor, p: SamplingParams) -> set[int]:
+    """The tokens transformers' own warpers keep, applied in vLLM's order (temperature, min-p, top-k, then top-p on
+    what is left): an implementation independent of memra_pp's."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    s = TemperatureLogitsWarper(p.temperature)(None, x[None].clone())
+    if p.min_p > 0:
+        s = MinPLogitsWarper(p.min_p)(None, s)
+    if p.top_k:
+        s = TopKLogitsWarper(p.top_k)(None, s)
+    if p.top_p < 1:
+        s = TopPLogitsWarper(p.top_p)(None, s)
+    return set(torch.isfinite(s[0]).nonzero()[:, 0].tolist())
+
+
+def kept(x: torch.Tensor, p: SamplingParams) -> set[int]:
+    return set(torch.isfinite(_filtered(x, p)).nonzero()[:, 0].tolist())
+
+
+FILTERS = [dict(top_k=1), dict(top_k=3), dict(top_k=7), dict(top_p=0.3), dict(top_p=0.62), dict(top_p=0.9),
+           dict(top_p=0.999), dict(min_p=0.05), dict(min_p=0.5), dict(min_p=1.0), dict(top_k=5, top_p=0.7),
+           dict(top_k=9, min_p=0.1), dict(top_p=0.8, min_p=0.02), dict(top_k=12, top_p=0.75, min_p=0.01)]
+
+
+@pytest.mark.parametrize("kw", FILTERS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+def test_filters_keep_exactly_what_transformers_warpers_keep(kw, temperature):
+    """Each filter's kept set equals the one transformers' warpers give, in vLLM's order, on 20 random rows: not a
+    token more or less. The cases are checked to be away from float32's ties (each top-p cut has a margin), so an
+    off-by-one at the token that crosses top_p, or a top-k that keeps k-1, fails here."""
+    p = SamplingParams(temperature=temperature, **kw)
+    sizes = []
+    for seed in range(20):
+        x = logits(100 + seed, n=1, v=64)[0]
+        if p.top_p < 1:      # the cut's margin: the crossing within 1e-5 of top_p: skipped
+            probs = _filtered(x, SamplingParams(temperature=temperature, **{**kw, "top_p": 1.0})).softmax(-1)
+            cum = probs.sort(descending=True).values.cumsum(-1)
+            k = int((cum < p.top_p).sum())      # the token whose mass crosses top_p
+            if min(abs(float(cum[k]) - p.top_p), abs(float(cum[k - 1]) - p.top_p) if k else 1) < 1e-5:
+                continue
+        want = hf_kept(x, p)
+        assert kept(x, p) == want, (seed, sorted(kept(x, p)), sorted(want))
+        sizes.append(len(want))
+    assert len(sizes) >= 15 and max(sizes) < 64, sizes       # the rows were compared, and each filter cut
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(top_p=0.79), {0, 1}), (dict(top_p=0.81), {0, 1, 2}), (dict(top_p=0.49), {0}), (dict(top_p=0.51), {0, 1}),
+    (dict(top_k=2), {0, 1, 2}),            # a tie at the k-th logit keeps both (transformers and vLLM do)
+    (dict(min_p=0.39), {0, 1, 2}), (dict(min_p=0.41), {0, 1}), (dict(min_p=0.61), {0}),
+])
+def test_filter_boundaries(kw, want):
+    """Hand-made probabilities 0.5, 0.3, 0.2 (0.3 and 0.2 made a tie for top-k): the token whose mass crosses top_p
+    is kept and the next one is not; min-p keeps a token at exactly its share of the top token's probability."""
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0]) if "top_k" not in kw else torch.tensor([0.5, 0.25, 0.25, 0.0])
+    x = probs.clamp_min(1e-30).log()
+    p = SamplingParams(temperature=1.0, **kw)
+    assert kept(x, p) == want == hf_kept(x, p)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=4), dict(top_p=0.7), dict(min_p=0.2), dict(top_k=6, top_p=0.8)],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_draws_cover_exactly_the_kept_set_in_proportion(kw):
+    """sample() draws every kept token and no other, each about as often as its renormalised probability says
+    (3,000 seeded draws; 4 standard deviations)."""
+    x = logits(3, n=1, v=40)[0] * 0.5
+    p = SamplingParams(temperature=1.0, **kw)
+    want = kept(x, p)
+    assert want == hf_kept(x, p) and len(want) > 1
+    n = 3000
+    draws = [sample(x[None], [SamplingParams(temperature=1.0, seed=s, **kw)], [0])[0][0] for s in range(n)]
+    assert set(draws) == want
+    probs = _filtered(x, p).softmax(-1)
+    for t in want:
+        q = float(probs[t])
+        assert abs(draws.count(t) / n - q) < 4 * (q * (1 - q) / n) ** 0.5 + 1e-3, (t, draws.count(t) / n, q)
