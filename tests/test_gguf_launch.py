@@ -1,12 +1,12 @@
 """A deployment launched from a GGUF file (llama.cpp's own q8_0 qwen35 fixture, `format: gguf`), two CPU stages
-through real Ray actors and slots, must generate what transformers generates holding the same dequantized weights:
-identical greedy tokens, logprobs within 5e-4. (That each stage reads only its own layers' tensors:
+through real Ray actors and slots, must generate what transformers generates holding gguf-py's dequantization of
+the file: identical greedy tokens, logprobs within 5e-4. (That each stage reads only its own layers' tensors:
 tests/test_gguf.py::test_stage_reads_only_its_layers.)"""
 import torch
 
 import memra_pp
 from test_gguf import _fixtures
-from test_gguf_parity import hf_from_source
+from test_gguf_parity import hf_dequantized
 from tiny_hf import hf_greedy
 from memra_pp.model.gguf_source import GGUFSource
 
@@ -18,7 +18,7 @@ def test_gguf_deployment_matches_transformers(ray_cluster):
     d = _fixtures() / "dense_text-s404"
     path = d / "dense_text-q8_0.gguf"
     src = GGUFSource(path)
-    ref = hf_from_source(AutoModelForCausalLM.from_pretrained(d / "hf", dtype=torch.float32).eval(), src)
+    ref = hf_dequantized(AutoModelForCausalLM.from_pretrained(d / "hf", dtype=torch.float32).eval(), path, d / "hf")
     cfg = {"name": "gguf", "model": {"path": str(path), "format": "gguf", "dtype": "float32"},
            "stages": [{"device": "cpu", "num_cpus": 0.1}] * 2}
     with memra_pp.launch(cfg) as dep:

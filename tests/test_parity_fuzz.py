@@ -146,10 +146,17 @@ def test_random_mixed_schedules_match_transformers(kind, tied, n_stages, slots, 
         gpu_prefill_path(monkeypatch)
     rng = random.Random(seed)
     _, path = tiny_checkpoint(kind, tied)
+    from memra_pp.kernels import prefill as pf
     lp = LocalPipeline(SafetensorsSource(path), SPLITS[n_stages], max_seqs=slots, max_context=512)
     seqs = random_seqs(rng, n, LENGTHS)
+    paths = ("attn_varlen", "rows_whole", "rows_slice", "rows_gather", "conv_varlen")
+    before = {k: pf.CALLS[k] for k in paths}
     seen = drive(lp, seqs, slots, rng)
     assert {"mixed", "reuse", "phase:decode", "phase:first"} <= seen, seen
+    ran = {k: pf.CALLS[k] - before[k] for k in paths}
+    # the merged path's row copies ran (its variable-length calls too, where the schedule gave fresh prompts of
+    # several lengths in one step), and none of it ran where not asked
+    assert (ran["rows_whole"] and ran["rows_slice"]) if merged else not any(ran.values()), (merged, ran)
     assert_matches(seqs, lambda s: hf_reference(kind, tied, tuple(s.prompt), s.new))
 
 
