@@ -36,10 +36,17 @@ def test_static_decode_equals_eager(kind, splits, n):
     """3 sequences run bucket 4 with one padding row (the MoE with every expert on every row); 1 sequence runs
     bucket 1 (the MoE copying out its 2 routed experts). The graphs' index block flags the real rows (the fused MoE
     routes the padding row to no expert: tests/fused_step_check.py)."""
+    from memra_pp.model.layers import MOE_CALLS, MoE
     eager, static = pipelines(kind, splits)
     prompts = [[5, 6, 7], list(range(20, 45)), [9]][:n]
     te, le = eager.greedy(prompts, 12)
+    before = dict(MOE_CALLS)
     ts, ls = static.greedy(prompts, 12)
+    forms = {k: MOE_CALLS[k] - before[k] for k in MOE_CALLS}
+    if kind == "moe":   # each MoE layer's 11 decode steps took the static form the bucket gives (prefill: routed)
+        moe_layers = sum(isinstance(layer.ffn, MoE) for st in static.stages for layer in st.layers)
+        assert forms == {"gathered": 11 * moe_layers if n == 1 else 0, "all_experts": 11 * moe_layers if n == 3 else 0,
+                         "routed": moe_layers}, (forms, moe_layers)
     assert ts == te
     assert max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True)) < 5e-4
     for s in static.stages:

@@ -5,6 +5,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# which form each MoE call without the fused kernels took (tests: the static step's gathered and all-experts forms)
+MOE_CALLS = {"gathered": 0, "all_experts": 0, "routed": 0}
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm: weights hold w, the scale is (1 + w)."""
@@ -182,12 +185,10 @@ class MoE(Param):
             out = fused_moe.moe_experts(x_TH, self.experts_gate_up_proj, self.experts_down_proj, w, idx)
         else:
             w, idx = fused_moe.route_ref(F.linear(x_TH, self.gate_weight), self.top_k, x_TH.dtype)
-            if static and 3 * idx.numel() <= self.experts_gate_up_proj.shape[0]:
-                out = self._gathered(x_TH, w, idx)
-            elif static:
-                out = self._all_experts(x_TH, w, idx)
-            else:
-                out = self._routed(x_TH, w, idx)
+            form = ("gathered" if 3 * idx.numel() <= self.experts_gate_up_proj.shape[0] else "all_experts") \
+                if static else "routed"
+            MOE_CALLS[form] += 1
+            out = getattr(self, "_" + form)(x_TH, w, idx)
         shared = self.lin(F.silu(self.lin(x_TH, "shared_expert.gate_proj", lora)) *
                           self.lin(x_TH, "shared_expert.up_proj", lora), "shared_expert.down_proj", lora)
         return out + torch.sigmoid(F.linear(x_TH, self.shared_expert_gate_weight)) * shared
