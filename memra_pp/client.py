@@ -349,7 +349,9 @@ class Client(ReplayMixin):
             raise InputError(f"unknown keyword arguments {unknown}; known: {known}")
         ids = self._encode(prompt)
         q: queue.Queue = queue.Queue()
-        req = request_dict(kw, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)
+        req = request_dict(kw, raw_image=self._raw_image, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)
+        if req.get("images"):       # read now, not once the request has run: its result counts the image rows
+            self.dep.model_config   # (_prompt_len), and a connected handle asks the intake for it
         t = self.dep.placement.timeouts
         sup = self._sup
         if sup is not None and not sup.ready.wait(t.ready_s):   # a recovery is in progress: wait for it
@@ -460,6 +462,14 @@ class Client(ReplayMixin):
         return Result(toks, lps if logprobs else None, finish,
                       tok.decode(_shown(toks, finish), skip_special_tokens=True) if tok else None,
                       self._prompt_len(ids, images))
+
+    def _raw_image(self, x):
+        """A raw image's rows (a PIL image, an (H, W, 3) array), made as the model's processor makes them."""
+        from .model.image import preprocess_image
+        vc = self.dep.model_config.vision
+        if vc is None:
+            raise InputError("this model has no vision tower (no vision_config): images cannot be given")
+        return preprocess_image(x, vc)
 
     def _prompt_len(self, ids, images) -> int:
         """The prompt's tokens as the model reads them (vLLM's num_prompt_tokens): a lone image placeholder counts

@@ -346,9 +346,7 @@ class Deployment:
             time.sleep(0.2)
         infos = [{"vocab_size": d["vocab_size"], "eos": d["eos"]}]
         dep = cls(load_placement(d["placement"]), plan, actors, infos, None, owns, True)
-        from .model.tokenizer import Tokenizer      # (as launch: a malformed one refused here, not per request)
-        dep._tokenizer = Tokenizer.for_model(dep.placement.model.path) or False
-        dep.connected = True
+        dep.connected = True        # (its tokenizer and model config: the intake's, at their first use)
         dep._pg_id = _named_pg_id(dep.placement.name)
         if dep._pg_id is not None:      # (whatever `recover`: a recovery in progress is waited for as launch's
             from .supervisor import RemoteSupervisor    # handle waits; with replay its clients replay as launch's do)
@@ -414,13 +412,24 @@ class Deployment:
     @property
     def model_config(self):
         if getattr(self, "_mc", None) is None:
-            from .model.weights import open_weights
-            m = self.placement.model
-            self._mc = open_weights(m.path, m.format).config
+            if self.connected:
+                self._remote_model()
+            else:
+                from .model.weights import open_weights
+                m = self.placement.model
+                self._mc = open_weights(m.path, m.format).config
         return self._mc
+
+    def _remote_model(self) -> None:
+        """A connected handle's model config and tokenizer: the intake's. The model directory is the deployment's;
+        this process's host may not have it, or may hold another checkpoint at that path."""
+        info = _get(self.actors[0].model_info.remote(), 60, "model info", stage=0)
+        self._mc, self._tokenizer = info["config"], info["tokenizer"] or False
 
     @property
     def tokenizer(self):
+        if self._tokenizer is None and self.connected:
+            self._remote_model()
         if self._tokenizer is None:
             from .model.tokenizer import Tokenizer
             p = Path(self.placement.model.path).expanduser()

@@ -22,6 +22,13 @@ class ImagePlan:
     rope_delta: int
 
 
+def is_raw_image(x) -> bool:
+    """A PIL image, or an (H, W, 3) array of pixels: an image no processor has made rows of yet."""
+    if any(c.__name__ == "Image" and c.__module__.startswith("PIL.") for c in type(x).__mro__):
+        return True
+    return isinstance(x, (np.ndarray, torch.Tensor)) and x.ndim == 3 and x.shape[-1] == 3
+
+
 def as_image_input(x) -> ImageInput:
     if isinstance(x, ImageInput):
         return x
@@ -32,7 +39,9 @@ def as_image_input(x) -> ImageInput:
         except (TypeError, ValueError, RuntimeError) as e:
             raise InputError(f"an image's pixel_values / grid_thw do not form an ImageInput: {type(e).__name__}: "
                              f"{e}") from None
-    raise InputError(f"an image must be a memra_pp.ImageInput (pixel_values, grid_thw), got {type(x).__name__}")
+    raise InputError(f"an image must be a memra_pp.ImageInput (pixel_values, grid_thw), a PIL image or an (H, W, 3) "
+                     f"array of pixels, got {type(x).__name__}" + (f" of shape {tuple(x.shape)}" if hasattr(x, "shape")
+                                                                  else ""))
 
 
 def plan_images(prompt: list[int], images, mc: ModelConfig, max_patches: int, generated: int = 0) -> ImagePlan:

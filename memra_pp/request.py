@@ -93,7 +93,7 @@ def _scalar(value):
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed")
 
 
-def request_dict(kw: dict, **fixed) -> dict:
+def request_dict(kw: dict, raw_image=None, **fixed) -> dict:
     """generate's keywords (known ones only: the client refuses others first) as the intake's request: defaults
     filled, numpy / torch scalars (0-d tensors too) as Python's, stop ids as a list of ints, images as a list (none:
     no key). A value of a wrong kind is an InputError here; ranges and the vocabulary are the intake's checks."""
@@ -125,7 +125,7 @@ def request_dict(kw: dict, **fixed) -> dict:
                 type(images).__name__ == "ImageInput":
             raise InputError(f"images is a list of memra_pp.ImageInput, got {type(images).__name__}")
         if images := list(images):
-            req["images"] = [sendable_image(x) for x in images]
+            req["images"] = [sendable_image(x, raw_image) for x in images]
     return req
 
 
@@ -143,12 +143,14 @@ def sampling_params(req: dict):
         raise InputError(f"bad sampling parameters in the request: {type(e).__name__}: {e}") from None
 
 
-def sendable_image(x):
+def sendable_image(x, raw_image=None):
     """One image as the client sends it: an ImageInput (a processor's dict made one; anything else, or a malformed
     dict: InputError, before a stage is asked to unpickle it), its grid and its pixels' dtype checked as the intake
-    checks them (the intake checks the rest)."""
+    checks them (the intake checks the rest). `raw_image(x)`: the ImageInput of a raw image (is_raw_image)."""
     from .model.image import check_grid, check_pixel_dtype
-    from .multimodal import as_image_input
+    from .multimodal import as_image_input, is_raw_image
+    if raw_image is not None and is_raw_image(x):       # (a tensor's pixels as the processor takes them: numpy)
+        x = raw_image(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
     x = as_image_input(x)
     check_grid(x.grid_thw)
     pv = x.pixel_values

@@ -115,6 +115,9 @@ class StageActor:
     def describe(self) -> dict:
         return self.runner.describe()
 
+    def model_info(self) -> dict:
+        return self.runner.model_info()
+
     @ray.method(concurrency_group=CONTROL)
     def stats(self, reset: bool = False, timeline: bool = False) -> dict:
         return self.runner.stats(reset, timeline)

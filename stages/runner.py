@@ -86,6 +86,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
     lost: tuple[int, str] | None = None
     resumed_at: float | None = None
     fault: str | None = None        # fault injection: the next microbatch computed here raises this (inject_fault)
+    _tokenizer = None               # model_info's, read at its first call (False: the model has none)
 
     def __init__(self):
         self.index = -1
@@ -534,6 +535,14 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self.mail.forget(client)
 
     # -- operators --------------------------------------------------------------------------------------------
+    def model_info(self) -> dict:
+        """What a connected handle needs of the model (Deployment._remote_model): its config and its tokenizer,
+        read here, where the model directory is (the handle's host may not have it, or another checkpoint there)."""
+        from ..model.tokenizer import Tokenizer
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer.for_model(self.placement.model.path) or False
+        return {"config": self.mc, "tokenizer": self._tokenizer or None}
+
     def describe(self) -> dict:
         """What a client attaching by name needs: the placement, the plan and the model's vocabulary facts."""
         return {"placement": self.placement.to_dict(), "plan": self.plan.to_dict(),

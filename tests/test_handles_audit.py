@@ -103,3 +103,43 @@ def test_a_handle_of_an_earlier_launch_does_not_serve_from_a_later_one(ray_clust
         d1.shutdown()
         if d2 is not None:
             d2.shutdown()
+
+
+def test_a_connected_handle_takes_the_tokenizer_and_model_config_from_the_intake(ray_cluster, tmp_path, monkeypatch):
+    """(Was a defect.) A connect()ed handle read the tokenizer and the model config from its own disk at the
+    launch's model.path: on a host without the checkpoint a text prompt was refused, r.text came back None, and an
+    image request ran to its end and then raised ConfigError (its tokens lost). Here this process's reads of the
+    model directory raise, as on such a host: text, r.text, a raw (PIL) image and its prompt count all come from
+    the intake, equal to the launching handle's."""
+    from PIL import Image
+
+    from memra_pp.model import tokenizer as tk
+    from memra_pp.model import weights
+    from memra_pp.model.tiny import make_tiny
+    path = make_tiny(tmp_path / "tiny-vision", vision=True)
+    cfg = {"name": "hh-remote", "model": {"path": str(path)}, "stages": [{"device": "cpu", "num_cpus": 0.1}],
+           "scheduler": {"max_batch": 4, "max_context": 2048, "prefill_chunk": 512}}
+    rng = __import__("numpy").random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 255, (40, 56, 3), dtype="uint8"))
+    with memra_pp.launch(cfg, detached=True) as dep:
+        mc = dep.model_config
+        prompt = "<|vision_start|><|image_pad|><|vision_end|>Describe it."
+        here = dep.client()
+        want_text = here.generate("Hello there", max_new_tokens=5, ignore_eos=True)
+        want_img = here.generate(prompt, max_new_tokens=5, ignore_eos=True, images=[img])
+        assert want_text.text and want_img.prompt_tokens > len(dep.tokenizer.encode(prompt, True))
+
+        def no_disk(*a, **k):
+            raise AssertionError("a connected handle read the model directory on its own host")
+        monkeypatch.setattr(tk.Tokenizer, "for_model", classmethod(no_disk))
+        monkeypatch.setattr(weights, "open_weights", no_disk)
+        other = memra_pp.connect("hh-remote", namespace=NS)
+        try:
+            c = other.client()
+            r = c.generate("Hello there", max_new_tokens=5, ignore_eos=True)
+            assert (r.token_ids, r.text) == (want_text.token_ids, want_text.text)
+            ri = c.generate(prompt, max_new_tokens=5, ignore_eos=True, images=[img])
+            assert (ri.token_ids, ri.prompt_tokens) == (want_img.token_ids, want_img.prompt_tokens)
+            assert other.model_config == mc
+        finally:
+            other.supervisor.stop()

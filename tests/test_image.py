@@ -164,3 +164,27 @@ def test_image_input_grid_normalised():
     ii = ImageInput(torch.zeros(24, 96), torch.tensor([1, 4, 6]))
     assert ii.grid_thw == (1, 4, 6) and ii.n_patches == 24
     assert validate_image_input(ii, VCFG) is ii
+
+
+def test_a_request_takes_raw_images_as_its_processor_would():
+    """A PIL image or an (H, W, 3) array in a request's images is made rows by preprocess_image with the model's
+    vision config (the client's raw_image), as vLLM takes PIL images; anything else raw is refused naming its type
+    and shape, and ImageInputs pass as they are."""
+    from memra_pp.request import request_dict
+    rng = np.random.default_rng(3)
+    arr = rng.integers(0, 255, (24, 40, 3), dtype=np.uint8)
+    made = []
+
+    def raw(x):
+        made.append(type(x).__name__)
+        return preprocess_image(x, VCFG)
+    want = preprocess_image(arr, VCFG)
+    given = ImageInput(want.pixel_values.clone(), want.grid_thw)
+    req = request_dict({"images": [PIL.fromarray(arr), arr, torch.from_numpy(arr), given]}, raw_image=raw,
+                       prompt=[1], max_new_tokens=1)
+    assert made == ["Image", "ndarray", "ndarray"]
+    for x in req["images"]:
+        assert x.grid_thw == want.grid_thw and torch.equal(torch.as_tensor(x.pixel_values), want.pixel_values)
+    for bad, what in ((rng.random((24, 40, 4)), r"ndarray of shape \(24, 40, 4\)"), ("cat.png", "str")):
+        with pytest.raises(InputError, match=r"a PIL image or an \(H, W, 3\) array of pixels, got " + what):
+            request_dict({"images": [bad]}, raw_image=raw, prompt=[1], max_new_tokens=1)
