@@ -11,6 +11,8 @@ import time
 
 from .errors import InputError, MemraError
 
+DEFAULT_NAMESPACE = "memra"     # placement/schema.py RaySpec's (the YAML's ray.namespace), connect()'s default
+
 
 def _print(args, obj, text) -> None:
     """--json: one JSON object on stdout and nothing else; otherwise `text` (a string, or a function that makes
@@ -153,10 +155,11 @@ def cmd_launch(args) -> int:
     dep = memra_pp.launch(args.config, detached=True)
     import ray
     addr, name = ray.get_runtime_context().gcs_address, dep.placement.name
-    _print(args, {"name": name, "stages": len(dep.actors), "address": addr,
-                  "namespace": ray.get_runtime_context().namespace},
+    ns = ray.get_runtime_context().namespace
+    where = f"--address {addr}" + (f" --namespace {ns}" if ns != DEFAULT_NAMESPACE else "")
+    _print(args, {"name": name, "stages": len(dep.actors), "address": addr, "namespace": ns},
            f"deployment {name!r} ready: {len(dep.actors)} stages; ray address {addr}; stop with "
-           f"`memra-pp stop {name} --address {addr}`")
+           f"`memra-pp stop {name} {where}`")
     sys.stdout.flush()
     try:      # the supervisor answers a stop (`memra-pp stop`, a connect()ed handle's shutdown): it shuts down
         while not dep.stop_done.wait(0.5):
@@ -274,7 +277,7 @@ def main(argv=None) -> int:
                            ("stop", cmd_stop, "shut a launched deployment down")):
         s = _command(sub, name, help=what)
         s.add_argument("name", help="deployment name (the YAML's `name`)")
-        s.add_argument("--namespace", default="memra", help="the Ray namespace (the YAML's ray.namespace)")
+        s.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="the Ray namespace (the YAML's ray.namespace)")
         s.add_argument("--address", default="auto", help="the Ray cluster (`memra-pp launch` prints it)")
         s.set_defaults(fn=fn)
         if name == "generate":

@@ -66,6 +66,7 @@ class Scheduler:
         # most pages (prompt + max_new_tokens - 1 positions) fit beside those of the admitted ones, so
         # no stage's cache growth is ever refused under a running microbatch; the others wait in order.
         self.kv_pages: int | None = None
+        self.kv_limit: int | None = None          # scheduler.kv_pages, the placement's cap on kv_pages (None: none)
         self.kv_block = 64
         self.kv_used = 0
         self.kv_waits = 0                         # requests that waited for pages at the head (stats, tests)
@@ -103,11 +104,16 @@ class Scheduler:
                              f"({self.max_context}); ask for at most {self.max_context + 1 - len(r.prompt)} new "
                              f"tokens or raise max_context")
         if self.kv_pages is not None and r.max_new_tokens > 0 and self.pages(r) > self.kv_pages:
+            held = self.kv_pages * self.kv_block
+            if self.kv_limit is not None and self.kv_pages >= self.kv_limit:    # the placement's own cap
+                fix = f"raise scheduler.kv_pages (now {self.kv_limit})"
+            elif len(r.prompt) > held:
+                fix = "shorten the prompt or split the model over more stages"
+            else:
+                fix = f"ask for at most {held + 1 - len(r.prompt)} new tokens or split the model over more stages"
             raise InputError(f"the request can reach {self.pages(r) * self.kv_block} positions "
                              f"({len(r.prompt)} prompt + {r.max_new_tokens} new tokens, the last never fed, in pages "
-                             f"of {self.kv_block}); the "
-                             f"KV cache holds {self.kv_pages * self.kv_block} positions on the fullest stage: lower "
-                             f"max_new_tokens or split the model over more stages")
+                             f"of {self.kv_block}); the KV cache holds {held} positions on the fullest stage: {fix}")
 
     def pages(self, r: Request) -> int:
         """The most KV pages request r's sequence can hold: its prompt and every generated token but the last (which
@@ -124,7 +130,9 @@ class Scheduler:
         pieces = auto_pipeline_chunks(stages) if sc.pipeline_chunks is None else sc.pipeline_chunks
         if stages < 2 or microbatches < 2:
             pieces = 1
-        return cls(sc.max_batch, microbatches, sc.prefill_chunk, sc.max_context, pieces, sc.prefill_chunk_decoding)
+        s = cls(sc.max_batch, microbatches, sc.prefill_chunk, sc.max_context, pieces, sc.prefill_chunk_decoding)
+        s.kv_limit = sc.kv_pages
+        return s
 
     def piece(self, s: Seq) -> int:
         """The most prompt tokens of `s` one microbatch takes, fixed when its first chunk is cut: prefill_chunk,

@@ -300,7 +300,14 @@ def _warnings(placement: Placement, model: ModelConfig, n: int, tower: int, mb: 
         out.append(f"scheduler.pipeline_chunks: {pc} has no effect with {why}: a prompt's pieces could not run on "
                    f"two stages at once, so prompts keep whole chunks")
     mode = placement.overlay_publish
-    if mode != "auto" and tower == 0:
+    if model.vision is None:       # (the tower's stage keeps its role: it simply has no tower to run)
+        if placement.vision.engine != "primary":
+            out.append(f"vision.engine: {placement.vision.engine} has no effect: the model has no vision tower "
+                       f"(no vision_config)")
+        if mode != "auto":
+            out.append(f"overlay_publish: {mode} has no effect: the model has no vision tower, so no image rows are "
+                       f"made or published")
+    elif mode != "auto" and tower == 0:
         why = "a single-stage placement" if n == 1 else "vision.engine puts the tower on the intake stage"
         what = ("force only adds a host round trip for rows already resident" if mode == "force"
                 else "there is nothing to publish or refuse, so never changes nothing")

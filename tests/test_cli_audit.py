@@ -147,3 +147,31 @@ def test_an_embedded_checkpoint_that_cannot_be_written_is_a_config_error(tmp_pat
                                           rf"denied\); make ~/.cache writable or set HOME"):
         defaults.ensure_embedded(p)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_launch_prints_a_stop_command_that_works_in_its_namespace(ray_cluster, tmp_path, capsys):
+    """(Was a defect.) launch printed `memra-pp stop NAME --address A` whatever the namespace; in any but memra's
+    default that command found no deployment. It now names the namespace, and the printed command stops it."""
+    import re
+    import threading
+    import time
+
+    import ray
+    from memra_pp.defaults import ensure_tiny
+    ns = ray.get_runtime_context().namespace
+    assert ns != "memra"        # the session cluster's namespace (conftest.ray_cluster): not the default
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(f"name: nsstop\nmodel: {{path: {ensure_tiny()}}}\nstages: [{{device: cpu, num_cpus: 0.1}}]\n")
+    rc = {}
+    t = threading.Thread(target=lambda: rc.setdefault("launch", main(["launch", str(cfg)])), daemon=True)
+    t.start()
+    deadline, out = time.monotonic() + 120, ""
+    while "stop with" not in out:
+        assert t.is_alive() and time.monotonic() < deadline, (rc, out)
+        time.sleep(0.1)
+        out += capsys.readouterr().out
+    cmd = re.search(r"stop with `memra-pp (stop nsstop --address \S+ --namespace (\S+))`", out)
+    assert cmd and cmd[2] == ns, out
+    assert main(cmd[1].split()) == 0 and "stopped nsstop" in capsys.readouterr().out
+    t.join(60)
+    assert rc == {"launch": 0}

@@ -1,4 +1,5 @@
 """Placement schema and planner: exact splits, every refusal with its message, round-trips, warnings, a property."""
+import dataclasses
 import itertools
 import json
 import os
@@ -458,9 +459,16 @@ def test_pipeline_chunks_without_a_second_stage_or_microbatch_warn():
      "max_position_embeddings (262144): sequences longer than 262144 run past the context it was trained for"),
 ])
 def test_warnings(raw, needle):
-    """A silently ineffective setting must yield exactly one warning saying why."""
-    w = plan(raw).warnings
+    """A silently ineffective setting must yield exactly one warning saying why (on a model with a vision tower)."""
+    w = plan(raw, m=vision_model()).warnings
     assert len(w) == 1 and needle in w[0], w
+
+
+def vision_model():
+    from memra_pp.model.config import VisionConfig
+    vc = VisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=4,
+                      temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+    return dataclasses.replace(model(), vision=vc, image_token_id=300, video_token_id=301)
 
 
 @pytest.mark.parametrize("raw", [
@@ -469,7 +477,21 @@ def test_warnings(raw, needle):
 ])
 def test_no_warnings_when_effective(raw):
     """Effective settings must not warn."""
-    assert plan(raw).warnings == ()
+    assert plan(raw, m=vision_model()).warnings == ()
+
+
+@pytest.mark.parametrize("over,want", [
+    (dict(vision={"engine": "stage:1"}), ["vision.engine: stage:1 has no effect: the model has no vision tower"]),
+    (dict(overlay_publish="never"), ["overlay_publish: never has no effect: the model has no vision tower"]),
+    (dict(vision={"engine": "intake"}, overlay_publish="force"),
+     ["vision.engine: intake has no effect", "overlay_publish: force has no effect: the model has no vision tower"]),
+    (dict(), []),
+])
+def test_vision_settings_on_a_model_without_a_tower_warn(over, want):
+    """(Was a defect.) On a text-only model, vision.engine and overlay_publish can do nothing: each set one is said
+    to have no effect, once, and the tower-placement warnings (which assume a tower) are not given."""
+    w = plan(cfg("auto", "auto", **over)).warnings
+    assert model().vision is None and len(w) == len(want) and all(n in x for n, x in zip(want, w, strict=True)), w
 
 
 def test_format_plan_exact():

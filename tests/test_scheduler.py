@@ -396,3 +396,19 @@ def test_kv_admission_counts_the_positions_a_sequence_can_write():
     ev = run_to_end(s)
     assert sum(len(e.tokens) for e in ev if e.rid == "r0") == 29 and ev[-1].finish == "length"
     assert s.kv_used == 0 and s.idle()
+
+
+@pytest.mark.parametrize("limit,prompt,new,fix", [
+    (4, 300, 10, r"raise scheduler\.kv_pages \(now 4\)"),           # the placement's own cap is what binds
+    (None, 300, 10, r"shorten the prompt or split the model over more stages"),    # the prompt alone is too long
+    (None, 200, 100, r"ask for at most 57 new tokens or split the model over more stages"),
+    (8, 200, 100, r"ask for at most 57 new tokens"),                  # a cap the memory budget is under
+])
+def test_a_request_the_kv_cache_can_never_hold_is_refused_with_the_fix_that_works(limit, prompt, new, fix):
+    """(Was a defect: it always said "lower max_new_tokens", also where the prompt alone overflowed or the budget
+    was the placement's own scheduler.kv_pages.) 4 pages of 64 positions: 256 positions, 200 + 57 - 1 = 256."""
+    s = Scheduler(max_batch=4, microbatches=1, prefill_chunk=256, max_context=512)
+    s.kv_pages, s.kv_limit = 4, limit
+    with pytest.raises(InputError, match=r"the KV cache holds 256 positions on the fullest stage: " + fix):
+        s.add(req(0, n=prompt, new=new))
+    s.add(req(1, n=200, new=57))        # what the message offers fits

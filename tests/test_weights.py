@@ -318,6 +318,14 @@ def test_bad_index_is_a_config_error_naming_it(tmp_path):
 
 # ---- format: dummy -----------------------------------------------------------------------------------------------
 
+def test_a_preset_without_format_dummy_says_to_set_it():
+    """(Was a defect: "model.path 'preset:...' does not exist".) A preset has no weights; the refusal names the fix."""
+    for fmt in ("auto", "safetensors"):
+        with pytest.raises(ConfigError, match=r"model\.path 'preset:qwen3\.5-27b' names a preset, which has no "
+                                              r"weights: set model\.format: dummy"):
+            open_weights("preset:qwen3.5-27b", fmt)
+
+
 def test_dummy_preset_27b_config_and_shapes():
     """open_weights('preset:qwen3.5-27b', 'dummy') must give the 27B dims (64 layers, hidden 5120, 48 linear + 16
     full) and a DummySource whose tensors have expected_shape (small ones only are materialised)."""

@@ -274,6 +274,9 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
         if not p.exists():      # not its parent's config.json instead
             raise ConfigError(f"model.path {str(path)!r} does not exist")
         return DummySource(load_config(p if p.is_dir() else p.parent))
+    if str(path).startswith("preset:") and not p.exists():
+        raise ConfigError(f"model.path {str(path)!r} names a preset, which has no weights: set model.format: dummy "
+                          f"(random weights with the preset's dimensions)")
     if fmt == "gguf" or (fmt == "auto" and (p.suffix == ".gguf" or (p.is_dir() and not any(p.glob(
             "*.safetensors*")) and any(p.glob("*.gguf"))))):
         from .gguf_source import GGUFSource
