@@ -141,7 +141,8 @@ CASES = {   # name: (generate keywords, error type, message fragment)
     # as a lost stage 0 with recover: error, and made a replay deployment's client hold the request until its
     # timeout: a RayTaskError of a live intake read as the intake's loss)
     "image not an ImageInput": (dict(prompt=[5, VS, IMG, VE], images=[threading.Lock()]), InputError,
-                                "an image must be a memra_pp.ImageInput (pixel_values, grid_thw), got lock"),
+                                "an image must be a memra_pp.ImageInput (pixel_values, grid_thw), a PIL image or an "
+                                "(H, W, 3) array of pixels, got lock"),
     "image of a class the stages cannot import": (dict(prompt=[5, VS, IMG, VE], images=[NotImportableThere()]),
                                                   InputError, "an image must be a memra_pp.ImageInput"),
     "float8 pixels": (dict(prompt=[5, VS, IMG, VE], images=[image(dtype=torch.float8_e4m3fn)]), InputError,

@@ -31,7 +31,7 @@ def test_bench_prompts_hold_no_image_placeholders():
     from memra_pp.bench import placeholder_ids
     _, path = tiny_checkpoint("dense", False)
     from placement.schema import load_placement
-    dep = types.SimpleNamespace(placement=load_placement(config(str(path))))
+    dep = types.SimpleNamespace(placement=load_placement(config(str(path))), connected=False)
     from memra_pp.deployment import Deployment
     dep.model_config = Deployment.model_config.fget(dep)
     avoid = placeholder_ids(dep)
