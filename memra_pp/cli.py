@@ -10,8 +10,9 @@ import threading
 import time
 
 from .errors import InputError, MemraError
+from .placement.schema import RaySpec
 
-DEFAULT_NAMESPACE = "memra"     # placement/schema.py RaySpec's (the YAML's ray.namespace), connect()'s default
+DEFAULT_NAMESPACE = RaySpec.namespace      # the YAML's ray.namespace when it names none
 
 
 def _print(args, obj, text) -> None:

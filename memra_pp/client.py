@@ -466,10 +466,10 @@ class Client(ReplayMixin):
     def _raw_image(self, x):
         """A raw image's rows (a PIL image, an (H, W, 3) array), made as the model's processor makes them."""
         from .model.image import preprocess_image
-        vc = self.dep.model_config.vision
-        if vc is None:
-            raise InputError("this model has no vision tower (no vision_config): images cannot be given")
-        return preprocess_image(x, vc)
+        from .multimodal import require_tower
+        mc = self.dep.model_config
+        require_tower(mc)
+        return preprocess_image(x, mc.vision)
 
     def _prompt_len(self, ids, images) -> int:
         """The prompt's tokens as the model reads them (vLLM's num_prompt_tokens): a lone image placeholder counts

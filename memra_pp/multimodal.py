@@ -44,12 +44,17 @@ def as_image_input(x) -> ImageInput:
                                                                   else ""))
 
 
+def require_tower(mc: ModelConfig) -> None:
+    """Images need a vision tower (and its image token): refused naming that, wherever images are first read."""
+    if mc.vision is None or mc.image_token_id is None:
+        raise InputError("this model has no vision tower (no vision_config): images cannot be given")
+
+
 def plan_images(prompt: list[int], images, mc: ModelConfig, max_patches: int, generated: int = 0) -> ImagePlan:
     """Refuses (InputError) before any device work: a model without a tower, bad pixels, count mismatches.
     `generated`: the prompt's last tokens are the model's own (a replay's prompt after a stage failure): text at
     decode's positions (index + rope_delta) whatever their ids, never placeholders of an image span."""
-    if mc.vision is None or mc.image_token_id is None:
-        raise InputError("this model has no vision tower (no vision_config): images cannot be given")
+    require_tower(mc)
     imgs = [validate_image_input(as_image_input(x), mc.vision, max_patches) for x in images]
     merge = mc.vision.spatial_merge_size
     cut = len(prompt) - generated

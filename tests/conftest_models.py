@@ -44,6 +44,20 @@ class LaunchedOnce:
             dep.shutdown()
 
 
+def record_pieces(lp):
+    """check(prompts, chunk) for LocalPipeline `lp` from now: every prompt went in ceil(len / chunk) pieces (one
+    where chunk is None), each starting where the last one ended, as the steps lp ran really cut them."""
+    rows, step = [], lp.step           # every step's (slot, start, count)
+    lp.step = lambda b, ids: rows.extend(zip(b.slots, b.starts, b.counts)) or step(b, ids)
+
+    def check(prompts, chunk):
+        for i, p in enumerate(prompts):
+            size = chunk or len(p)
+            pieces = [(s0, c) for slot, s0, c in rows if slot == i and s0 < len(p)]
+            assert pieces == [(k, min(size, len(p) - k)) for k in range(0, len(p), size)], (len(p), chunk, pieces)
+    return check
+
+
 def grown(dep, before):
     """Each stage's counters now minus `before` (a stats()["stages"] taken earlier): what happened in between (the
     tests of a deployment LaunchedOnce shares read its counters so)."""

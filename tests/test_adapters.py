@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest_models import hf_reference, tiny_checkpoint
+from conftest_models import hf_reference, record_pieces, tiny_checkpoint
 import threads
 from memra_pp.adapters import load_peft_adapter, token_overlay_set
 from memra_pp.engine import Engine
@@ -83,13 +83,9 @@ def pipeline(kind, tied, splits, slots=((0, "A"), (2, "B"))):
 
 def check_mixed(kind, tied, n_stages, chunk=None):
     lp = pipeline(kind, tied, SPLITS[n_stages])
-    rows, step = [], lp.step           # every step's (slot, start, count): the chunks that really ran
-    lp.step = lambda b, ids: rows.extend(zip(b.slots, b.starts, b.counts)) or step(b, ids)
+    pieces = record_pieces(lp)
     toks, lps = lp.greedy([list(p) for p in PROMPTS], NEW, chunk=chunk, adapter_slots=SLOTS)
-    for i, p in enumerate(PROMPTS):    # ceil(len / chunk) pieces, each starting where the last one ended
-        size = chunk or len(p)
-        assert [(s0, c) for slot, s0, c in rows if slot == i and s0 < len(p)] == \
-            [(k, min(size, len(p) - k)) for k in range(0, len(p), size)], (len(p), chunk, rows)
+    pieces(PROMPTS, chunk)
     changed = 0
     for p, s, t, l in zip(PROMPTS, SLOTS, toks, lps, strict=True):
         ht, hl = peft_reference(kind, tied, "A" if s == 0 else "B", p) if s >= 0 else hf_reference(kind, tied, p, NEW)

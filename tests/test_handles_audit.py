@@ -119,8 +119,8 @@ def test_a_connected_handle_takes_the_tokenizer_and_model_config_from_the_intake
     path = make_tiny(tmp_path / "tiny-vision", vision=True)
     cfg = {"name": "hh-remote", "model": {"path": str(path)}, "stages": [{"device": "cpu", "num_cpus": 0.1}],
            "scheduler": {"max_batch": 4, "max_context": 2048, "prefill_chunk": 512}}
-    rng = __import__("numpy").random.default_rng(0)
-    img = Image.fromarray(rng.integers(0, 255, (40, 56, 3), dtype="uint8"))
+    import numpy as np
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 56, 3), dtype="uint8"))
     with memra_pp.launch(cfg, detached=True) as dep:
         mc = dep.model_config
         prompt = "<|vision_start|><|image_pad|><|vision_end|>Describe it."

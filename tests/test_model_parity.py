@@ -1,7 +1,7 @@
 """Stage slices composed in one process must reproduce transformers' greedy tokens and logprobs (float32)."""
 import pytest
 
-from conftest_models import hf_reference, tiny_checkpoint
+from conftest_models import hf_reference, record_pieces, tiny_checkpoint
 from memra_pp.model.local import LocalPipeline
 from memra_pp.model.weights import SafetensorsSource
 
@@ -16,13 +16,9 @@ def check(kind, tied, n_stages, chunk, prompts=PROMPTS, new=NEW):
     _, path = tiny_checkpoint(kind, tied)
     lp = LocalPipeline(SafetensorsSource(path), SPLITS[n_stages])
     fresh = stage_model.CALLS["fresh_kv"] + pf.CALLS["attn_varlen"]
-    rows, step = [], lp.step           # every step's (slot, start, count): the chunks that really ran
-    lp.step = lambda b, ids: rows.extend(zip(b.slots, b.starts, b.counts)) or step(b, ids)
+    pieces = record_pieces(lp)
     toks, lps = lp.greedy([list(p) for p in prompts], new, chunk=chunk)
-    for i, p in enumerate(prompts):    # ceil(len / chunk) pieces, each starting where the last one ended
-        pieces = [(s0, c) for slot, s0, c in rows if slot == i and s0 < len(p)]
-        size = chunk or len(p)
-        assert pieces == [(k, min(size, len(p) - k)) for k in range(0, len(p), size)], (len(p), chunk, pieces)
+    pieces(prompts, chunk)
     # a group's own rows, or (the merged path, fresh prompts of several lengths) one variable-length call over them
     assert stage_model.CALLS["fresh_kv"] + pf.CALLS["attn_varlen"] > fresh, \
         "the fresh prompts' attention read their own rows, not pages"

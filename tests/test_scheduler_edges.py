@@ -513,16 +513,15 @@ def _simulate_failures(seed, microbatches, pieces, chunk, chunk_decoding, kv_pag
     queue = []
     reqs, results, failed = {}, {}, set()
     n_req = 0
-    follow_ons = []       # each launch of a chunk whose predecessor was still in flight: (its size, the others')
 
     def post(evs):
         _post(results, evs)
 
     def launch(mb):
         flying = {s.req.rid for m in queue for s in m.seqs}
-        if any(s.req.rid in flying for s in mb.seqs):
-            assert len(mb.seqs) == 1, ("a follow-on chunk travelled with other requests", mb)
-            follow_ons.append((mb.counts[0], sum(1 for r in sch.active.values() if r.req.rid not in flying)))
+        # a chunk whose predecessor is still in flight travels alone
+        assert len(mb.seqs) == 1 or not any(s.req.rid in flying for s in mb.seqs), \
+            ("a follow-on chunk travelled with other requests", mb)
         queue.append(mb)
 
     def complete():
