@@ -111,7 +111,10 @@ class VisionTower(nn.Module):
         self.vcfg = vcfg
         with torch.device("meta"):
             self.patch_embed = _PatchEmbed(vcfg)
-            self.pos_embed = nn.Embedding(vcfg.num_position_embeddings, vcfg.hidden_size)
+            # given its (meta) weight: nn.Embedding's own init goes through torch's refs, which import torch._dynamo
+            # (1.2 s of CPU at the start of every stage that holds the tower)
+            n, d = vcfg.num_position_embeddings, vcfg.hidden_size
+            self.pos_embed = nn.Embedding(n, d, _weight=torch.empty(n, d))
             self.blocks = nn.ModuleList(_Block(vcfg) for _ in range(vcfg.depth))
             self.merger = _Merger(vcfg)
 
