@@ -45,6 +45,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, normed: boo
     """
     q, k, v, g, beta = _prep(q, k, v, g, beta, normed)
     B, Hh, T, dk = k.shape
+    chunk = min(chunk, 1 << max(T - 1, 0).bit_length())
     pad = (-T) % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -77,13 +78,22 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, normed: boo
 def chunk_gated_delta_rule_varlen(q, k, v, g, beta, state, lens: list[int]):
     """chunk_gated_delta_rule over packed segments of lengths `lens` (fla's variable-length call): q, k, v, g, beta
     [1, sum(lens), ...], state [len(lens), ...] -> (o [1, sum(lens), ...], states), segment by segment."""
-    outs, states, at = [], [], 0
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    by_len: dict[int, list[int]] = {}
     for i, n in enumerate(lens):
-        o, s = chunk_gated_delta_rule(*(x[:, at:at + n] for x in (q, k, v, g, beta)), state[i:i + 1])
-        outs.append(o)
-        states.append(s)
-        at += n
-    return torch.cat(outs, 1), torch.cat(states)
+        by_len.setdefault(n, []).append(i)
+    out = torch.empty(1, starts[-1], *v.shape[2:], dtype=torch.float32, device=v.device)
+    states = torch.empty(len(lens), *state.shape[1:], dtype=torch.float32, device=v.device)
+    for n, idx in by_len.items():
+        rows = torch.tensor([starts[i] + t for i in idx for t in range(n)], device=v.device)
+        G = len(idx)
+        o, s = chunk_gated_delta_rule(*(x[0, rows].reshape(G, n, *x.shape[2:]) for x in (q, k, v, g, beta)),
+                                      state[idx])
+        out[0, rows] = o.reshape(G * n, *o.shape[2:]).float()
+        states[idx] = s
+    return out, states
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
