@@ -157,16 +157,20 @@ def fresh_segments(b, device, dtype) -> FreshSegments | None:
 
 
 def conv_varlen_ref(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
-    """conv_prefill_ref segment by segment (state_NCK1: every segment's state, fresh ones zero; None: all zero)."""
-    ys, news, at = [], [], 0
+    """conv_prefill_ref over the segments, those of one length in one call (state_NCK1: every segment's state,
+    fresh ones zero; None: all zero)."""
+    by_len: dict[int, list[int]] = {}
     for s, n in enumerate(seg.lens):
-        st = None if state_NCK1 is None else state_NCK1[s:s + 1]
-        y, new = conv_prefill_ref(u_TC, seg.rows[at:at + n], w_CK, st, 1, n)
-        ys.append(y[0])
-        news.append(new)
-        at += n
-    y = torch.cat(ys)
-    return (y if parts is None else list(torch.split(y, list(parts), -1))), torch.cat(news)
+        by_len.setdefault(n, []).append(s)
+    at = list(itertools.accumulate(seg.lens, initial=0))
+    y = u_TC.new_empty(at[-1], u_TC.shape[1])
+    news = u_TC.new_empty(len(seg.lens), u_TC.shape[1], w_CK.shape[1] - 1)
+    for n, idx in by_len.items():
+        out = torch.tensor([at[s] + j for s in idx for j in range(n)], device=u_TC.device)
+        g, news[idx] = conv_prefill_ref(u_TC, seg.rows[out], w_CK, None if state_NCK1 is None else state_NCK1[idx],
+                                        len(idx), n)
+        y[out] = g.reshape(len(idx) * n, -1)
+    return (y if parts is None else list(torch.split(y, list(parts), -1))), news
 
 
 def conv_varlen(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
