@@ -2,10 +2,12 @@
 embedded tiny checkpoint, real Ray), and how long a CLI `memra-pp status` process takes against `memra-pp launch`'s
 detached tiny-cpu deployment. Run from the repository root, with no other Ray cluster up.
 
-    .venv/bin/python benchmarks/launch_time.py [--repeats 5] [--out DIR]
+    .venv/bin/python benchmarks/launch_time.py [--repeats 5] [--vision] [--no-cli] [--out DIR]
 
-Prints the median of each and writes launch_time.json under --out. Run it on a quiet machine: every figure is a
-process start, so other work on the cores moves it."""
+Prints the median of each and writes launch_time.json under --out. --vision: a tiny checkpoint with a vision tower
+(written to a temporary directory), whose tower the last stage holds. Each launch also reports every stage process's
+CPU seconds at ready (its start: Ray's worker, the imports, the slice's load). Run it on a quiet machine: every
+figure is a process start, so other work on the cores moves it."""
 from __future__ import annotations
 
 import argparse
@@ -51,16 +53,34 @@ def cli_status(repeats: int) -> float:
     return statistics.median(times)
 
 
+def stage_cpu_s(dep) -> list[float]:
+    """Each stage process's CPU seconds so far (user + system, from /proc: the stages run on this host)."""
+    import ray
+    out = []
+    for a in dep.actors:
+        pid = ray.get(a.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--vision", action="store_true", help="a tiny checkpoint with a vision tower")
+    ap.add_argument("--no-cli", action="store_true", help="skip the CLI status figure")
     args = ap.parse_args()
     import ray
     import memra_pp
     from memra_pp.defaults import ensure_tiny
-    path = str(ensure_tiny())
-    res = {"cli_status_s": cli_status(args.repeats)}
+    if args.vision:
+        from memra_pp.model.tiny import make_tiny
+        path = str(make_tiny(os.path.join(tempfile.mkdtemp(prefix="launch-time-"), "tiny-vision"), vision=True))
+    else:
+        path = str(ensure_tiny())
+    res = {} if args.no_cli else {"cli_status_s": cli_status(args.repeats)}
     ray.init(num_cpus=2, include_dashboard=False, namespace="launch-time", logging_level="WARNING")
     try:
         for n in (1, 2, 3):
@@ -70,13 +90,16 @@ def main() -> None:
                 t0 = time.perf_counter()
                 dep = memra_pp.launch(cfg)
                 t1 = time.perf_counter()
+                cpu = stage_cpu_s(dep)
                 dep.client().generate([1, 2, 3], max_new_tokens=4)
                 t2 = time.perf_counter()
                 dep.shutdown()
-                rows.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-                print(f"  {n} stage(s), run {r + 1}/{args.repeats}: launch {rows[-1][0]:.2f} s", flush=True)
+                rows.append((t1 - t0, t2 - t1, time.perf_counter() - t2, sum(cpu), cpu[-1]))
+                print(f"  {n} stage(s), run {r + 1}/{args.repeats}: launch {rows[-1][0]:.2f} s, stage CPU "
+                      f"{' '.join(f'{c:.2f}' for c in cpu)} s", flush=True)
             res[f"{n}_stages"] = {k: statistics.median(x[i] for x in rows)
-                                  for i, k in enumerate(("launch_s", "first_generate_s", "shutdown_s"))}
+                                  for i, k in enumerate(("launch_s", "first_generate_s", "shutdown_s",
+                                                         "stages_cpu_s", "last_stage_cpu_s"))}
     finally:
         ray.shutdown()
     for k, v in res.items():
