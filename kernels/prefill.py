@@ -159,14 +159,10 @@ def fresh_segments(b, device, dtype) -> FreshSegments | None:
 def conv_varlen_ref(u_TC, seg: Segments, w_CK, state_NCK1, parts=None):
     """conv_prefill_ref over the segments, those of one length in one call (state_NCK1: every segment's state,
     fresh ones zero; None: all zero)."""
-    by_len: dict[int, list[int]] = {}
-    for s, n in enumerate(seg.lens):
-        by_len.setdefault(n, []).append(s)
-    at = list(itertools.accumulate(seg.lens, initial=0))
-    y = u_TC.new_empty(at[-1], u_TC.shape[1])
+    from memra_pp.model.gdn import length_groups
+    y = u_TC.new_empty(sum(seg.lens), u_TC.shape[1])
     news = u_TC.new_empty(len(seg.lens), u_TC.shape[1], w_CK.shape[1] - 1)
-    for n, idx in by_len.items():
-        out = torch.tensor([at[s] + j for s in idx for j in range(n)], device=u_TC.device)
+    for n, idx, out in length_groups(seg.lens, u_TC.device):
         g, news[idx] = conv_prefill_ref(u_TC, seg.rows[out], w_CK, None if state_NCK1 is None else state_NCK1[idx],
                                         len(idx), n)
         y[out] = g.reshape(len(idx) * n, -1)

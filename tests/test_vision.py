@@ -177,3 +177,20 @@ def test_mrope_refusals():
         rope_positions(mixed, [(2, 4, 4)], IMG, VID, 2)
     with pytest.raises(InputError, match=r"image 0: grid_thw \(1, 3, 4\) must be positive with h and w multiples"):
         rope_positions([IMG] * 3, [(1, 3, 4)], IMG, VID, 2)
+
+
+def test_building_the_tower_imports_no_dynamo():
+    """A stage that holds the tower builds it at every start: nn.Embedding's own initialisation on the meta device
+    went through torch's refs, which imported torch._dynamo (and sympy), 1.2-1.7 s of CPU a start. Checked in a
+    fresh interpreter, where nothing else has imported it."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from memra_pp.model.config import VisionConfig\n"
+            "from memra_pp.model.vision import VisionTower\n"
+            f"t = VisionTower(VisionConfig(**{VISION!r}))\n"
+            "assert t.pos_embed.weight.is_meta, t.pos_embed.weight.device\n"
+            "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"], out.stdout

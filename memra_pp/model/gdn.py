@@ -77,23 +77,31 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, normed: boo
 
 def chunk_gated_delta_rule_varlen(q, k, v, g, beta, state, lens: list[int]):
     """chunk_gated_delta_rule over packed segments of lengths `lens` (fla's variable-length call): q, k, v, g, beta
-    [1, sum(lens), ...], state [len(lens), ...] -> (o [1, sum(lens), ...], states), segment by segment."""
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    by_len: dict[int, list[int]] = {}
-    for i, n in enumerate(lens):
-        by_len.setdefault(n, []).append(i)
-    out = torch.empty(1, starts[-1], *v.shape[2:], dtype=torch.float32, device=v.device)
+    [1, sum(lens), ...], state [len(lens), ...] -> (o [1, sum(lens), ...], states), the segments of one length in
+    one call."""
+    out = torch.empty(1, sum(lens), *v.shape[2:], dtype=torch.float32, device=v.device)
     states = torch.empty(len(lens), *state.shape[1:], dtype=torch.float32, device=v.device)
-    for n, idx in by_len.items():
-        rows = torch.tensor([starts[i] + t for i in idx for t in range(n)], device=v.device)
+    for n, idx, rows in length_groups(lens, v.device):
         G = len(idx)
         o, s = chunk_gated_delta_rule(*(x[0, rows].reshape(G, n, *x.shape[2:]) for x in (q, k, v, g, beta)),
                                       state[idx])
         out[0, rows] = o.reshape(G * n, *o.shape[2:]).float()
         states[idx] = s
     return out, states
+
+
+def length_groups(lens: list[int], device) -> list[tuple[int, list[int], torch.Tensor]]:
+    """Packed segments of lengths `lens` grouped by length: (n, the segments of n rows, their rows in the packing
+    [len * n], segment after segment), for one batched call a length where the torch forms take segments one by
+    one (the variable-length rule and conv on the CPU)."""
+    at = [0]
+    for n in lens:
+        at.append(at[-1] + n)
+    by_len: dict[int, list[int]] = {}
+    for i, n in enumerate(lens):
+        by_len.setdefault(n, []).append(i)
+    return [(n, idx, torch.tensor([at[i] + t for i in idx for t in range(n)], device=device))
+            for n, idx in by_len.items()]
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
