@@ -54,15 +54,11 @@ def cli_status(repeats: int) -> float:
 
 
 def stage_cpu_s(dep) -> list[float]:
-    """Each stage process's CPU seconds so far (user + system, from /proc: the stages run on this host)."""
+    """Each stage process's CPU seconds so far (utime + stime from /proc: the stages run on this host)."""
     import ray
-    out = []
-    for a in dep.actors:
-        pid = ray.get(a.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
-    return out
+    from memra_pp.shm import proc_stat
+    pids = ray.get([a.pid.remote() for a in dep.actors], timeout=30)
+    return [(int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK") for f in map(proc_stat, pids)]
 
 
 def main() -> None:
