@@ -140,9 +140,11 @@ class Battery:
                  if shared_dev else ""), distinct, ev)
         if len(ctxs) > 1:
             f = get(dep.stage_actor(0).run_check.remote("foreign_context", ctxs[1]["ctx"]), 60, "foreign ctx")
-            ok = f["differ"] and "NOT REFUSED" not in (f["require_resident"], f["splice"]) and f["untouched"]
+            named = foreign_refusals_named(f)
             self.row("foreign_handle", "an overlay carrying stage 1's context (uid value "
-                     f"{'equal' if f['same_uid_value'] else 'different'}) is refused in stage 0", ok, f)
+                     f"{'equal' if f['same_uid_value'] else 'different'}) is refused in stage 0 at the residency "
+                     "check and at the splice, each message naming that context and the fix",
+                     f["differ"] and named and f["untouched"], dict(f, messages_name_context_and_fix=named))
         else:
             self.row("foreign_handle", "not applicable: one stage (no other stage's context to carry)", None, {})
 
@@ -312,6 +314,13 @@ class Battery:
         self.row("transports_bit_identical", "peer and host deliver bit-identical activations",
                  hashes["peer"] == hashes["host"] and len(hashes["peer"]) > 0,
                  {"hashes": len(hashes["peer"]), "equal": hashes["peer"] == hashes["host"]})
+
+
+def foreign_refusals_named(f: dict) -> bool:
+    """Whether both refusals of the foreign_context check are this refusal: each names the overlay's (foreign)
+    context, stage 0's own, and the fix (publish the rows), not some other ResidencyError raised on the way."""
+    return all(f["theirs"] in f[k] and f["mine"] in f[k] and "publish them" in f[k]
+               for k in ("require_resident", "splice"))
 
 
 def main(args) -> int:
