@@ -15,7 +15,7 @@ import torch
 from memra_pp.engine import ContextId, Engine, process_counters, residency_of
 from memra_pp.errors import ConfigError, OverlayError, ResidencyError
 from memra_pp.token_overlay import TokenOverlay, TokenOverlaySet  # noqa: F401 - the overlay API, one import
-from memra_pp.token_overlay import describe_layout, has_values
+from memra_pp.token_overlay import describe_layout, has_values, require_engine
 
 Span = tuple[int, int, int]  # (prompt_pos, row_off, n_rows)
 
@@ -98,6 +98,7 @@ class EmbedOverlay:
     """Image rows (N, H) spliced into the prompt at spans; `ctx` is read from the rows' allocation."""
 
     def __init__(self, engine: Engine, rows: torch.Tensor, spans):
+        require_engine(engine, "EmbedOverlay's engine")
         spans = _check_spans(rows, spans)
         ctx = residency_of(rows, engine)
         if ctx != engine.ctx:
@@ -121,10 +122,10 @@ class EmbedOverlay:
         return (EmbedOverlay._carried, (self.ctx, self.rows, self.spans))
 
     def resident_in(self, engine: Engine) -> bool:
-        return self.ctx == engine.ctx
+        return self.ctx == require_engine(engine, "resident_in's engine").ctx
 
     def require_resident(self, engine: Engine) -> None:
-        if self.ctx != engine.ctx:
+        if self.ctx != require_engine(engine, "require_resident's engine").ctx:
             raise _not_resident("overlay rows", self.ctx, engine, f"they must not be read there: {_FIX}")
 
     def window(self, off: int, length: int) -> EmbedOverlay | None:
@@ -183,6 +184,7 @@ class EmbedOverlay:
     def new_published(tower: Engine, intake: Engine, mode, rows: torch.Tensor, spans) -> EmbedOverlay:
         """An overlay resident in `intake` made from rows produced in `tower`: zero-copy when they share a context
         (unless FORCE), host bounce when they differ (unless NEVER, which refuses)."""
+        require_engine(tower, "new_published's tower"), require_engine(intake, "new_published's intake")
         if must_publish(resolve_overlay_publish(mode), tower.ctx, intake.ctx):
             return publish_out(tower, rows, spans).land(intake)
         return EmbedOverlay(intake, rows, spans)

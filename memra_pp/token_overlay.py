@@ -9,9 +9,17 @@ from dataclasses import dataclass
 
 import torch
 
-from memra_pp.engine import Engine
+from memra_pp.engine import ContextId, Engine
 from memra_pp.errors import ConfigError, OverlayError, ResidencyError
 from memra_pp.model.weights import FLOAT_DTYPES
+
+
+def require_engine(e, what: str) -> Engine:
+    """`e` itself when it is an engine (an Engine, or anything carrying a ContextId as `.ctx`); an OverlayError
+    naming `what` otherwise (None or a device string reached `.ctx` as a bare AttributeError)."""
+    if not isinstance(getattr(e, "ctx", None), ContextId):
+        raise OverlayError(f"{what} must be a memra_pp.engine.Engine (Engine(device)), got {type(e).__name__} {e!r}")
+    return e
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class TokenOverlaySet:
 
     @classmethod
     def from_slots(cls, engine: Engine, overlays, max_loras: int, tied: bool) -> TokenOverlaySet:
+        require_engine(engine, "from_slots' engine")
         if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
             raise ConfigError(f"max_loras (adapters.max_loras) must be an integer >= 1, got {max_loras!r}")
         if not isinstance(tied, bool):      # ("no" would be taken as True: the lm_head tables become the embedding's)

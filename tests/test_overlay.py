@@ -97,6 +97,25 @@ def test_rows_must_be_2d_and_non_empty():
         EmbedOverlay(Engine("cpu"), torch.zeros(0, H), [])
 
 
+@pytest.mark.parametrize("bad", [None, "cpu", torch.device("cpu")])
+def test_an_engine_argument_that_is_not_an_engine_is_refused_typed(bad):
+    """Each public call taking an engine refuses anything else with an OverlayError naming the argument (None and
+    a device string reached `.ctx` as a bare AttributeError)."""
+    e = Engine("cpu")
+    ov = EmbedOverlay(e, _rows(), [(0, 0, 2)])
+    calls = {"EmbedOverlay's engine": lambda: EmbedOverlay(bad, _rows(), [(0, 0, 2)]),
+             "resident_in's engine": lambda: ov.resident_in(bad),
+             "require_resident's engine": lambda: ov.require_resident(bad),
+             "require_resident's engine ": lambda: ov.splice_into(bad, torch.zeros(4, H), 0),
+             "new_published's tower": lambda: EmbedOverlay.new_published(bad, e, "auto", _rows(), [(0, 0, 2)]),
+             "new_published's intake": lambda: EmbedOverlay.new_published(e, bad, "auto", _rows(), [(0, 0, 2)]),
+             "from_slots' engine": lambda: TokenOverlaySet.from_slots(bad, {}, 2, False)}
+    for what, call in calls.items():
+        with pytest.raises(OverlayError, match=re.escape(what.strip()) + r" must be a memra_pp.engine.Engine"):
+            call()
+    assert ov.resident_in(e) and ov.splice_into(e, torch.zeros(4, H), 0) == 2      # the overlay still works
+
+
 def test_rows_must_be_a_floating_point_tensor():
     """Rows that are not a tensor, or not floating point (they replace embeddings), must be refused naming what
     they are, at construction and at the publication source."""
