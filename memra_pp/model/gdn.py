@@ -36,6 +36,19 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
     return torch.stack(outs, 1), S
 
 
+def recurrent_step(q, k, v, g, beta, state):
+    """One token per sequence of the recurrence, for the eager decode off fla: q, k [B, Hv, dk] (heads repeated to
+    Hv), v [B, Hv, dv], g, beta [B, Hv], state [B, Hv, dk, dv] (not modified) -> (o [B, Hv, dv] float32, the new
+    state). recurrent_gated_delta_rule's arithmetic for T = 1, bit for bit, with matmuls for its einsums and no
+    time axis: half its torch calls (on the CPU a call costs more than a tiny model's arithmetic)."""
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    k = l2norm(k.float())
+    S = state.float() * g.float().exp()[..., None, None]
+    delta = beta.float()[..., None] * (v.float() - (k.unsqueeze(-2) @ S).squeeze(-2))
+    S = S + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (q.unsqueeze(-2) @ S).squeeze(-2), S
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64, normed: bool = False):
     """Chunked (WY / UT-transform) form, state carried across chunks; same result as the recurrence. `normed`: q
     and k come l2-normalised (fla_rule.FlaRule.chunk_varlen's contract).

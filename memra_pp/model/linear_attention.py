@@ -7,7 +7,7 @@ from .batch import StepBatch
 from .cache import StageCache
 from .config import TextConfig
 from .gdn import (causal_conv_step, chunk_gated_delta_rule, chunk_gated_delta_rule_varlen, gdn_gates,
-                  recurrent_gated_delta_rule)
+                  recurrent_gated_delta_rule, recurrent_step)
 from .layers import Param, gated_rms_norm, project
 
 
@@ -175,10 +175,8 @@ class GatedDeltaNet(Param):
             o = self.rule.decode(q, k, v, g, beta, rec, slots_B)
         else:   # the torch recurrence (CPU): gather, step, scatter
             r = nv // nk
-            o, rec[slots_B] = recurrent_gated_delta_rule(
-                q.repeat_interleave(r, 1)[:, None], k.repeat_interleave(r, 1)[:, None], v[:, None], g[:, None],
-                beta[:, None], rec[slots_B])
-            o = o[:, 0]
+            o, rec[slots_B] = recurrent_step(q.repeat_interleave(r, 1), k.repeat_interleave(r, 1), v, g, beta,
+                                             rec[slots_B])
         o = gated_rms_norm(o.to(x_BH.dtype), z, self.norm_weight, c.rms_norm_eps).reshape(B, nv * dv)
         return self.lin(o, "out_proj", lora)
 
