@@ -140,14 +140,14 @@ class Deployment:
     # -- boot -------------------------------------------------------------------------------------------------
     @classmethod
     def launch(cls, config, detached: bool = False) -> "Deployment":
-        from .engine import parse_device            # (torch: here, not for connect's CLI clients)
-        from .model.weights import open_weights
+        from .model.weights import open_weights    # (torch-free: a CPU placement's launcher never imports torch)
         placement = load_placement(config)
         switches = check_environment()     # the MEMRA_PP_* switches, resolved once: every stage's setup gets them
         if placement.ray.address == "local" and not ray.is_initialized():
             # launch starts a private cluster here, so the stages run on this host: a device it lacks, refused now
             for i, s in enumerate(placement.stages):
                 if s.is_cuda:
+                    from .engine import parse_device        # (torch, for its device count: a CUDA placement's)
                     try:
                         parse_device(s.device)
                     except ConfigError as e:

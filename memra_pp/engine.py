@@ -6,10 +6,12 @@ import hashlib
 import os
 import socket
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from memra_pp.errors import ConfigError
+
+if TYPE_CHECKING:   # torch where an engine is made: a driver unpickles ContextIds (setup's infos) without it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ def cpu_context() -> ContextId:
 
 def parse_device(device) -> torch.device:
     """'cpu' | 'cuda' | 'cuda:N' | torch.device -> torch.device with an index for CUDA; anything else refused."""
+    import torch
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -97,6 +100,7 @@ class Engine:
         self.counters = EngineCounters()
         self.stream = None
         if self.is_cuda:
+            import torch
             from memra_pp import cuda
 
             idx = self.device.index
@@ -161,6 +165,7 @@ class Engine:
     def make_current(self) -> None:
         """Make this engine's context current on the calling thread (a fresh thread has none)."""
         if self.is_cuda:
+            import torch
             from memra_pp import cuda
 
             torch.cuda.set_device(self.device.index)

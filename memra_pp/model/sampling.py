@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
+
+if TYPE_CHECKING:   # torch where tokens are sampled: a client checks SamplingParams without it
+    import torch
 
 
 GREEDY_BELOW = 1e-5        # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
@@ -89,6 +91,7 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def _filtered(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    import torch
     x = logits_V / p.temperature
     if p.top_k and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
@@ -125,6 +128,7 @@ class PendingTokens:
 def sample_async(logits_NV: torch.Tensor, params: list[SamplingParams], steps: list[int],
                  rng: torch.Generator | None = None) -> PendingTokens:
     """`sample` without waiting for the device when every row is greedy (the tokens stay on the device too)."""
+    import torch
     if not all(p.greedy for p in params):
         return PendingTokens(done=sample(logits_NV, params, steps, rng))
     from memra_pp.kernels.greedy import greedy as greedy_tokens
@@ -143,6 +147,7 @@ def sample_async(logits_NV: torch.Tensor, params: list[SamplingParams], steps: l
 def sample(logits_NV: torch.Tensor, params: list[SamplingParams], steps: list[int],
            rng: torch.Generator | None = None) -> tuple[list[int], list[float]]:
     """One token per row; returns (tokens, logprobs under the raw temperature-1 distribution)."""
+    import torch
     if all(p.greedy for p in params):      # one device->host transfer for the whole batch
         return sample_async(logits_NV, params, steps, rng).result()
     logits_NV = logits_NV.float()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from .config import FULL, LINEAR
+
+if TYPE_CHECKING:       # torch only where tensors are drawn: reading an existing checkpoint's config needs none
+    import torch
 
 VOCAB = 512
 # Specials as in the fixtures' tokenizer (shared/fixtures/qwen35-tiny): ids 0..3 first, bytes 4..259,
@@ -90,17 +91,19 @@ class _Init:
     """Draws tensors from one seeded generator, in call order, so the same seed gives the same bytes."""
 
     def __init__(self, seed: int):
+        import torch
+        self.torch = torch
         self.g = torch.Generator().manual_seed(seed)
 
     def normal(self, *shape: int, std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.g) * std + mean
+        return self.torch.randn(*shape, generator=self.g) * std + mean
 
     def linear(self, out: int, inp: int, gain: float = 0.7) -> torch.Tensor:
         """A matrix whose output keeps O(1) activations: std gain / sqrt(fan_in)."""
         return self.normal(out, inp, std=gain / math.sqrt(inp))
 
     def uniform(self, *shape: int, lo: float, hi: float) -> torch.Tensor:
-        return torch.rand(*shape, generator=self.g) * (hi - lo) + lo
+        return self.torch.rand(*shape, generator=self.g) * (hi - lo) + lo
 
 
 def _mlp(init: _Init, p: str, H: int, I: int, out_gain: float) -> dict[str, torch.Tensor]:
@@ -251,6 +254,7 @@ def make_tiny(path: str | Path, *, moe: bool = False, vision: bool = False, seed
     if vision:
         tensors.update(vision_weights(init, cfg["vision_config"]))
     out.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     gen = dict(eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False)

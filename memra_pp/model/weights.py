@@ -9,13 +9,14 @@ import math
 import re
 import warnings
 from pathlib import Path
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError
 from .config import ModelConfig, TextConfig, load_config, parse_config, read_json
 from . import presets
+
+if TYPE_CHECKING:
+    import torch
 
 
 class WeightSource(Protocol):
@@ -63,8 +64,17 @@ def expected_shape(name: str, cfg: TextConfig) -> tuple[int, ...] | None:
 
 
 # dtypes a checkpoint's tensors may have: any other (int8, uint8, float8_*, bool, complex) is quantized or not
-# weights at all, and a cast to float would load it as if its stored values were the real ones
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# weights at all, and a cast to float would load it as if its stored values were the real ones. FLOAT_DTYPES is made
+# on first use (module __getattr__): torch is imported by what reads weights, not by what plans a placement (`memra-pp
+# plan` and `launch`'s own process: 1.2 s of a 1.65 s `plan`)
+
+
+def __getattr__(name: str):
+    if name == "FLOAT_DTYPES":
+        import torch
+        globals()[name] = value = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_shape(name: str, t: torch.Tensor, cfg: TextConfig, where: str) -> torch.Tensor:
@@ -85,6 +95,7 @@ def check_finite(name: str, stored: torch.Tensor, loaded: torch.Tensor, where: s
     counted exactly only when the total is not finite. `stored`: the tensor as read, `loaded`: after the cast to the
     load dtype (the same tensor where nothing was cast), so an overflow of the cast is told from a checkpoint that
     holds the values."""
+    import torch
     flat = loaded.reshape(-1)
     if flat.numel() == 0 or bool(torch.isfinite(torch.stack([c.sum(dtype=torch.float32)
                                                              for c in flat.split(FINITE_CHUNK)]).sum())):
@@ -122,7 +133,7 @@ class SafetensorsSource:
                 raise ConfigError(f"{self.dir}: no *.safetensors files and no model.safetensors.index.json")
             self._file_of = {}
             for f in files:
-                for k in self._open(f).keys():
+                for k in self._open(f, "numpy").keys():     # (the header alone: "pt" would import torch)
                     if k in self._file_of:      # which copy is current is not ours to guess (a stale shard?)
                         raise ConfigError(f"{self.dir}: tensor {k!r} is in both {self._file_of[k].name} and "
                                           f"{f.name}; remove the stale file, or add a model.safetensors.index.json "
@@ -141,9 +152,9 @@ class SafetensorsSource:
             c = self.config
             self.config = dataclasses.replace(c, text=dataclasses.replace(c.text, tie_word_embeddings=False))
 
-    def _open(self, f: Path):
+    def _open(self, f: Path, framework: str = "pt"):
         try:
-            return self._safe_open(str(f), framework="pt")
+            return self._safe_open(str(f), framework=framework)
         except Exception as e:  # safetensors raises its own SafetensorError / OSError for bad headers
             raise ConfigError(f"{f}: cannot read safetensors header ({e})") from None
 
@@ -168,7 +179,7 @@ class SafetensorsSource:
                 raise ConfigError(f"{f}: holds no tensor {key!r}, but model.safetensors.index.json names this shard "
                                   f"for it; the index is stale or belongs to another checkpoint") from None
             raise ConfigError(f"{f}: cannot read tensor {key!r} (truncated or corrupt file?): {e}") from None
-        if t.dtype not in FLOAT_DTYPES:
+        if t.dtype not in __getattr__("FLOAT_DTYPES"):
             raise ConfigError(f"{f}: tensor {key!r} has dtype {str(t.dtype).removeprefix('torch.')}; this runtime "
                               f"loads float16 / bfloat16 / float32 / float64 weights only (a quantized checkpoint: "
                               f"use the unquantized one or a GGUF file)")
@@ -199,6 +210,7 @@ class SafetensorsSource:
 
     def _stack_experts(self, name: str) -> torch.Tensor:
         """Per-expert keys, as save_pretrained writes them, stacked into the canonical fused 3-D form."""
+        import torch
         base = self._key(name.rsplit(".", 1)[0])
         c = self.config.text
         E, want = c.num_experts, {"gate_proj": (c.moe_intermediate_size, c.hidden_size),
@@ -255,6 +267,7 @@ class DummySource:
         if shape is None:
             raise ConfigError(f"dummy weights: no shape known for tensor {name!r}")
         self.read_names.append(name)
+        import torch
         g = torch.Generator(device=device).manual_seed(self.seed + sum(map(ord, name)))
         if name.endswith("A_log"):
             return torch.empty(shape, device=device).uniform_(0.5, 8, generator=g).log().to(dtype)
