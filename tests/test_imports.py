@@ -49,3 +49,15 @@ def test_planning_a_cpu_placement_imports_no_torch():
             "from memra_pp.request import request_dict\n"
             "request_dict(dict(temperature=0.7, top_p=0.9, seed=3), prompt=[5, 17], max_new_tokens=4)\n")
     assert _loaded(code, ("torch",)) == []
+
+
+def test_reading_a_gguf_files_config_imports_no_torch():
+    """A GGUF placement's driver too: the file's config, tensor names and tokenizer without torch."""
+    from test_gguf import _fixtures
+    f = _fixtures() / "dense_text-s404" / "dense_text-f32.gguf"
+    code = ("from memra_pp.model.weights import open_weights\n"
+            "from memra_pp.model.tokenizer import Tokenizer\n"
+            f"src = open_weights({str(f)!r}, 'auto')\n"
+            "assert src.config.text.num_hidden_layers == 6 and src.has('layers.0.mlp.down_proj.weight')\n"
+            f"Tokenizer.for_model({str(f)!r})\n")
+    assert _loaded(code, ("torch",)) == []

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..errors import ConfigError
 from .config import FULL, LINEAR, ModelConfig, parse_config
 from .gguf_check import gguf_field, open_gguf
 from .weights import check_finite, check_shape, expected_shape
+
+if TYPE_CHECKING:   # torch where a tensor is read: launch reads the file's config and names without it
+    import torch
 
 ARCHS = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text"}
 
@@ -224,12 +227,14 @@ class GGUFSource:
             raise ConfigError(f"{self.path}: tensor {gname!r} has type {t.tensor_type.name}, which gguf-py cannot "
                               f"dequantize; re-quantize the model to a supported type (F16, BF16, Q8_0, Q*_K, ...)"
                               ) from None
+        import torch
         want = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF ne order is the reverse of torch's
         # F32 dequantizes to a view of the read-only mmap: copy it; other types already produced a new array.
         a = a.copy() if t.tensor_type == self._gguf.GGMLQuantizationType.F32 else np.asarray(a, np.float32)
         return torch.from_numpy(a.reshape(want))
 
     def get(self, name: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        import torch
         gname, how, suffix = self._locate(name)
         if suffix == "lm_head.weight" and self.config.tied:
             raise ConfigError(f"{self.path}: tensor 'output.weight' (canonical 'lm_head.weight') is missing: the "
@@ -270,11 +275,12 @@ class GGUFSource:
             if not bool((t < 0).all()):      # (NaN too: it is neither)
                 raise ConfigError(f"{self.path}: tensor for {name!r} (ssm_a = -exp(A_log)) has non-negative "
                                   f"or NaN entries; the file is corrupt or not from the llama.cpp converter")
-            return untile_v(torch.log(-t.double()).float(), nk, nv, 0)
+            return untile_v((-t.double()).log().float(), nk, nv, 0)
         if how == "vrows":
             return untile_v(t, nk, nv, 0)
         if how == "vcols":
             return untile_v(t, nk, nv, 1)
+        import torch
         qk = 2 * nk * c.linear_key_head_dim   # "qkv" / "conv": Q and K rows as they are, V rows tiled
         if t.shape[0] != c.conv_dim:
             raise RuntimeError("channel count")  # reported by get() as a shape error
