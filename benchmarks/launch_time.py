@@ -1,6 +1,7 @@
 """How long a CPU deployment takes to launch, answer its first request and shut down (1, 2 and 3 stages of the
-embedded tiny checkpoint, real Ray), and how long a CLI `memra-pp status` process takes against `memra-pp launch`'s
-detached tiny-cpu deployment. Run from the repository root, with no other Ray cluster up.
+embedded tiny checkpoint, real Ray), and how long CLI processes take: `memra-pp launch` to its ready line, and
+`status`, `plan` and `generate` processes against that launch's detached tiny-cpu deployment. Run from the
+repository root, with no other Ray cluster up.
 
     .venv/bin/python benchmarks/launch_time.py [--repeats 5] [--vision] [--no-cli] [--out DIR]
 
@@ -22,35 +23,46 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def cli_status(repeats: int) -> float:
-    """The median wall time of a `memra-pp status` process against the CLI's detached tiny-cpu deployment, started
-    here with `memra-pp launch` (its own Ray cluster: run this where no other cluster is up)."""
+CLI_COMMANDS = {"status": ["status", "tiny-cpu"], "plan": ["plan", "cluster_configs/tiny-cpu.yaml"],
+                "generate": ["generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "4"]}
+
+
+def cli_figures(repeats: int) -> dict:
+    """Median wall times of CLI processes against the CLI's detached tiny-cpu deployment, started here with
+    `memra-pp launch` (its own Ray cluster: run this where no other cluster is up): the launcher's time to its ready
+    line (one launch), then `status`, `plan` and `generate` processes, each `repeats` times."""
     cli = [sys.executable, "-m", "memra_pp.cli"]
     log = tempfile.TemporaryFile("w+")      # the launcher's output, read for its "ray address" line
+    t0 = time.perf_counter()
     launcher = subprocess.Popen(cli + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = {}
     try:
-        for _ in range(480):
+        for _ in range(4800):
             log.seek(0)
             if "ray address" in log.read():
                 break
             if launcher.poll() is not None:
                 raise SystemExit(f"the launcher exited: {log.read()[-2000:]}")
-            time.sleep(0.25)
-        times = []
-        for r in range(repeats):
-            t0 = time.perf_counter()
-            p = subprocess.run(cli + ["status", "tiny-cpu"], capture_output=True, text=True, timeout=120)
-            times.append(time.perf_counter() - t0)
-            assert p.returncode == 0, p.stderr[-2000:]
-            print(f"  memra-pp status, run {r + 1}/{repeats}: {times[-1]:.2f} s", flush=True)
+            time.sleep(0.025)
+        out["cli_launch_ready_s"] = round(time.perf_counter() - t0, 2)
+        print(f"  memra-pp launch, ready after {out['cli_launch_ready_s']:.2f} s", flush=True)
+        for what, argv in CLI_COMMANDS.items():
+            times = []
+            for r in range(repeats):
+                t0 = time.perf_counter()
+                p = subprocess.run(cli + argv, capture_output=True, text=True, timeout=120)
+                times.append(time.perf_counter() - t0)
+                assert p.returncode == 0, p.stderr[-2000:]
+                print(f"  memra-pp {what}, run {r + 1}/{repeats}: {times[-1]:.2f} s", flush=True)
+            out[f"cli_{what}_s"] = round(statistics.median(times), 3)
         subprocess.run(cli + ["stop", "tiny-cpu"], capture_output=True, timeout=120)
         launcher.wait(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.send_signal(2)
             launcher.wait(timeout=60)
-    return statistics.median(times)
+    return out
 
 
 def stage_cpu_s(dep) -> list[float]:
@@ -66,7 +78,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--vision", action="store_true", help="a tiny checkpoint with a vision tower")
-    ap.add_argument("--no-cli", action="store_true", help="skip the CLI status figure")
+    ap.add_argument("--no-cli", action="store_true", help="skip the CLI figures")
     args = ap.parse_args()
     import ray
     import memra_pp
@@ -76,7 +88,7 @@ def main() -> None:
         path = str(make_tiny(os.path.join(tempfile.mkdtemp(prefix="launch-time-"), "tiny-vision"), vision=True))
     else:
         path = str(ensure_tiny())
-    res = {} if args.no_cli else {"cli_status_s": cli_status(args.repeats)}
+    res = {} if args.no_cli else cli_figures(args.repeats)
     ray.init(num_cpus=2, include_dashboard=False, namespace="launch-time", logging_level="WARNING")
     try:
         for n in (1, 2, 3):
