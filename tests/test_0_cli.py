@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,38 +40,44 @@ def test_detached_launch_generate_status_stop(tmp_path):
     launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
                                 stderr=subprocess.STDOUT, env=env)
     try:
-        addr = None
-        for _ in range(240):
+        addr, deadline = None, time.monotonic() + 60
+        while time.monotonic() < deadline:
             log.seek(0)
             m = re.search(r"ray address (\S+);", log.read())
             if m:
                 addr = m.group(1)
                 break
             assert launcher.poll() is None, "the launcher exited early"
-            time.sleep(0.25)
+            time.sleep(0.05)
         assert addr, "the launcher never reported ready"
         run = lambda *a: subprocess.run(CLI + list(a), capture_output=True, text=True,
                                         timeout=120, env=env)
-        idle = run("status", "tiny-cpu")        # before any request: figures a stage has none of yet
-        assert idle.returncode == 0 and "stage" in idle.stdout, idle.stderr[-2000:]
-        # no microbatch and no handoff yet: "-", not a made-up 0.0% busy and 0.0 us
-        assert [ln.split()[4] for ln in idle.stdout.splitlines()[1:]] == ["-", "-"], idle.stdout   # busy
-        assert [ln.split()[-1] for ln in idle.stdout.splitlines()[1:]] == ["-", "-"], idle.stdout
-        # a client process has no use for torch: the stage actor's class, which ray.get_actor loads to make a
-        # handle, imports its runner only in the stage (a CLI status took 2.9 s with torch, 1.4 s without)
-        bare = subprocess.run([sys.executable, "-c", "import sys; from memra_pp.cli import main; "
+        # independent client processes run side by side (each costs seconds of start-up): the idle status and the
+        # torch-free one first, before any request; then both generates and the JSON status; then stop
+        with ThreadPoolExecutor(3) as pool:
+            idle = pool.submit(run, "status", "tiny-cpu")    # before any request: figures a stage has none of yet
+            # a client process has no use for torch: the stage actor's class, which ray.get_actor loads to make a
+            # handle, imports its runner only in the stage (a CLI status took 2.9 s with torch, 1.4 s without)
+            bare = pool.submit(subprocess.run, [sys.executable, "-c", "import sys; from memra_pp.cli import main; "
                                "rc = main(['status', 'tiny-cpu']); print('torch' in sys.modules, rc)"],
-                              capture_output=True, text=True, timeout=120, env=env)
-        assert bare.stdout.splitlines()[-1] == "False 0", (bare.stdout[-2000:], bare.stderr[-2000:])
-        g = run("generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json")
+                               capture_output=True, text=True, timeout=120, env=env)
+            idle, bare = idle.result(), bare.result()
+            assert idle.returncode == 0 and "stage" in idle.stdout, idle.stderr[-2000:]
+            # no microbatch and no handoff yet: "-", not a made-up 0.0% busy and 0.0 us
+            assert [ln.split()[4] for ln in idle.stdout.splitlines()[1:]] == ["-", "-"], idle.stdout   # busy
+            assert [ln.split()[-1] for ln in idle.stdout.splitlines()[1:]] == ["-", "-"], idle.stdout
+            assert bare.stdout.splitlines()[-1] == "False 0", (bare.stdout[-2000:], bare.stderr[-2000:])
+            g = pool.submit(run, "generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json")
+            # the address the launcher printed, as `--address`'s help says: Ray 2.60 starts the cluster with token
+            # authentication and, for an explicit address, sends no token unless memra_pp turns token mode on
+            g2 = pool.submit(run, "generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json",
+                             "--address", addr)
+            st = pool.submit(run, "status", "tiny-cpu", "--json")
+            g, g2, st = g.result(), g2.result(), st.result()
         assert g.returncode == 0, g.stderr
         assert len(json.loads(g.stdout)["token_ids"]) == 6
-        # the address the launcher printed, as `--address`'s help says: Ray 2.60 starts the cluster with token
-        # authentication and, for an explicit address, sends no token unless memra_pp turns token mode on
-        g2 = run("generate", "tiny-cpu", "5,17,42", "--ids", "--max-new-tokens", "6", "--json", "--address", addr)
         assert g2.returncode == 0, g2.stderr[-2000:]
         assert json.loads(g2.stdout)["token_ids"] == json.loads(g.stdout)["token_ids"]
-        st = run("status", "tiny-cpu", "--json")
         assert st.returncode == 0 and [s["index"] for s in json.loads(st.stdout)["stages"]] == [0, 1]
         assert "Token authentication" not in st.stderr, st.stderr      # Ray's line on every connect, `auto`'s too
         sp = run("stop", "tiny-cpu")
@@ -214,13 +221,14 @@ def _launched(tmp_path, **popen):
     log = open(tmp_path / "launch.log", "w+")
     launcher = subprocess.Popen(CLI + ["launch", "cluster_configs/tiny-cpu.yaml"], stdout=log,
                                 stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"), **popen)
-    for _ in range(480):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
         log.seek(0)
         if "ray address" in log.read():
             return launcher, log
         if launcher.poll() is not None:
             break
-        time.sleep(0.25)
+        time.sleep(0.05)
     launcher.kill()
     log.seek(0)
     raise AssertionError(f"the launcher exited early or never got ready: {log.read()[-2000:]}")
@@ -277,13 +285,17 @@ def test_sigterm_shuts_a_bench_down_too(tmp_path):
                                     "--max-new-tokens", "3000", "--prompt-len", "8"], stdout=log,
                              stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        for _ in range(240):
-            if set(glob.glob("/dev/shm/mpp-*")) - before:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            log.seek(0)
+            if "running 4 concurrent requests" in log.read():     # launched: the bench's requests go in now
                 break
             assert bench.poll() is None, "the bench exited early"
-            time.sleep(0.25)
+            time.sleep(0.05)
         assert set(glob.glob("/dev/shm/mpp-*")) - before, "the stages made no segment: the check below is vacuous"
-        time.sleep(2.0)                         # requests running
+        log.seek(0)
+        assert "running 4 concurrent requests" in log.read(), "the bench never started its requests"
+        time.sleep(0.5)                         # requests running (3,000 tokens each: they run for minutes)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=60) == 130
     finally:
@@ -333,11 +345,12 @@ def test_a_sigkilled_launcher(tmp_path, killed):
             os.killpg(child, signal.SIGKILL)
         launcher.kill()
         launcher.wait(10)
-        for _ in range(240):                # (everything: Ray ends the stages once their cluster is gone)
+        deadline = time.monotonic() + 60    # (everything: Ray ends the stages once their cluster is gone)
+        while time.monotonic() < deadline:
             if not os.path.exists(f"/proc/{child}") and not any(
                     os.path.exists(f"/proc/{m.split('mpp-')[1].split('.')[0]}") for m in locks):
                 break
-            time.sleep(0.25)
+            time.sleep(0.05)
         assert not os.path.exists(f"/proc/{child}"), "the deployment outlived its launcher"
     finally:
         if launcher.poll() is None:

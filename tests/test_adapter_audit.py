@@ -23,7 +23,8 @@ from tiny_hf import hf_greedy
 
 _UP_A = _PEFT_KEY + "layers.0.mlp.up_proj.lora_A.weight"
 _EMBED_ROWS = _PEFT_KEY + "embed_tokens.token_adapter.trainable_tokens_delta"
-LONG = 200     # tokens of the request that streams while the refused loads happen (its first 40 are compared)
+LONG = 120     # tokens of the request that streams while the refused loads happen (its first 40 are compared;
+#                the loads took under a sixth of their time, measured, and the test asserts it still streams after)
 _TTI = {"embed_tokens": [5, 17, 42, 99], "lm_head": [11, 42, 250]}      # adapter A's, untied
 
 # name -> (edits of adapter A for test_adapters._edit, message); every one loaded or raised a raw error before
@@ -200,8 +201,8 @@ def test_refused_adapters_leave_requests_in_flight_and_the_deployment_serving(ra
             with pytest.raises(ConfigError, match=msg):
                 dep.load_adapter(f"bad{i}", _edit(tmp_path / str(i), **edits))
         assert "toks" not in got, "the request must still be generating during the refused loads (non-vacuity)"
+        ref = hf_greedy(adapter("dense", False, "A")[0], list(p), 40)[0]          # (while the request ends)
         t.join(120)
-        ref = hf_greedy(adapter("dense", False, "A")[0], list(p), 40)[0]
         assert len(got["toks"]) == LONG and got["toks"][:40] == ref
         for name in ("bad0", "bad1"):
             with pytest.raises(InputError, match=rf"unknown adapter '{name}'; loaded: \['a'\]"):

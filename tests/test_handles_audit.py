@@ -65,7 +65,9 @@ def test_a_connected_handle_waits_for_recoveries_and_frees_its_clients_mailboxes
         # an adapter load during a recovery waits for it, then loads on every stage
         ray.kill(dep.actors[1])
         assert wait_for(lambda: not dep.supervisor.ready.is_set(), 15, 0.005), "the launcher must be recovering"
-        time.sleep(0.3)           # (the RemoteSupervisor reads the launcher's record every 0.2 s)
+        # (the RemoteSupervisor reads the launcher's record every 0.2 s): it has seen this failure
+        assert wait_for(lambda: other.supervisor.generation >= dep.supervisor.generation, 15, 0.01), \
+            (other.supervisor.generation, dep.supervisor.generation)
         assert other.load_adapter("a", adapter("dense", False, "A")[1]) == 0
         assert [e["stage"] for e in dep.supervisor.log] == [1, 1] and dep.supervisor.log[-1]["recovered"]
         r = other.client().generate(list(PROMPTS[0]), max_new_tokens=NEW, adapter="a", timeout=60)

@@ -162,7 +162,6 @@ def test_a_stage_lost_during_a_restart_is_recovered_and_the_stream_replayed(dep)
     the next attempt: a streamed greedy request completes with the reference tokens and the adapter serves again.
     Every retry reused the failed attempt's run dir and was refused ("channel socket ... exists"): the deployment
     was left failed after one stage loss inside a recovery."""
-    want = hf_reference("dense", False, SHORT, 48)[0]
     c = dep.client()
     got, errs = [], []
 
@@ -187,6 +186,7 @@ def test_a_stage_lost_during_a_restart_is_recovered_and_the_stream_replayed(dep)
     dep.wire = wire
     n = len(dep.supervisor.log)
     ray.kill(dep.actors[2])
+    want = hf_reference("dense", False, SHORT, 48)[0]       # (computed here while the stages recover)
     th.join(90)
     assert not errs and got == want, (errs, got)
     rec = dep.supervisor.log[n:]

@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -17,12 +18,44 @@ from memra_pp.errors import StageFailed
 
 SHORT, LONG = (5, 17, 42), tuple((i * 7) % 250 + 1 for i in range(440))
 DECODE_NEW, PREFILL_NEW = 64, 6      # 64: the decode is still running when the kill lands (3 tokens + 0.15 s)
+DETACHED = "reldet"                  # the detached 2-stage deployment two tests share (kept)
 
 
 def config(path, n, recover="error"):
     return {"name": f"rel{n}", "model": {"path": str(path)}, "recover": recover,
             "stages": [{"device": "cpu", "num_cpus": 0.1}] * n, "timeouts": {"heartbeat_s": 0.5},
             "scheduler": {"max_batch": 8, "max_context": 512, "prefill_chunk": 4}}
+
+
+@pytest.fixture(scope="module")
+def kept(ray_cluster):
+    """kept(key, cfg, detached=False): the deployment of `cfg` an earlier test of this module left up under `key`
+    (serving: it is waited for), else a fresh launch. For the tests whose scenario needs no fresh deployment: a test
+    that shuts its deployment down (ends it with `with`) leaves nothing to take, and the next one launches again, so
+    each test also passes alone. A stage process costs the suite ~1.85 CPU-s to start."""
+    deps = {}
+
+    def take(key, cfg, detached=False):
+        d = deps.get(key)
+        if d is not None and not d._down:
+            try:
+                d.wait_ready(90)
+            except StageFailed:     # left failed by a test that failed: not the next test's to inherit
+                d.shutdown()
+        if d is None or d._down:
+            d = deps[key] = memra_pp.launch(cfg, detached=detached)
+        return d
+    yield take
+    for d in deps.values():
+        d.shutdown()
+
+
+def until(pred, what, timeout=30.0):
+    """Poll `pred` (every 10 ms) until it holds; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
 
 
 def pid_of(actor) -> int:
@@ -84,19 +117,49 @@ def interrupt(dep, c, i, how, running=(), **kw):
 
 def check_serves(dep, c):
     dep.wait_ready(90)
-    for p, new in ((SHORT, 8), (LONG, PREFILL_NEW)):
-        assert c.generate(list(p), max_new_tokens=new, timeout=60).token_ids == \
-            hf_reference("dense", False, p, new)[0], "after the recovery requests must match their reference"
+    checks = ((SHORT, 8), (LONG, PREFILL_NEW))      # side by side (independent requests): one batch, not two runs
+    with ThreadPoolExecutor(len(checks)) as pool:
+        got = list(pool.map(lambda pn: c.generate(list(pn[0]), max_new_tokens=pn[1], timeout=60).token_ids, checks))
+    for (p, new), tokens in zip(checks, got):
+        assert tokens == hf_reference("dense", False, p, new)[0], \
+            "after the recovery requests must match their reference"
+
+
+def test_a_microbatch_failing_mid_pipeline_ends_its_requests_alone_and_frees_every_stages_pages(kept):
+    """A microbatch that fails on stage 1 of 3 (inject_fault) ends its own requests with StageFailed naming the
+    stage and the error; no stage is lost, nothing recovers, the next request gets transformers' tokens. The
+    failed microbatch carried the release of the request finished before it: stages 1 and 2 must give those
+    pages back as the error passes, not when some later microbatch happens to carry the release again (the
+    intake counted them free when it cut the failed microbatch, and admits against them). (Defined before the
+    stage-death test, which takes this 3-stage deployment afterwards and shuts it down.)"""
+    _, path = tiny_checkpoint("dense", False)
+    dep = kept(3, config(path, 3))
+    n0 = len(dep.supervisor.log)
+    c = dep.client()
+    ref = hf_reference("dense", False, SHORT, 4)[0]
+    assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == ref
+    held = [s["kv_pages_held"] for s in dep.stats()["stages"]]
+    assert held[1] > 0 and held[2] > 0, held     # its release waits for the next microbatch (no test otherwise)
+    ray.get(dep.actors[1].inject_fault.remote("injected fault"), timeout=30)
+    with pytest.raises(StageFailed, match="stage 1 failed a microbatch: RuntimeError: injected fault") as e:
+        c.generate([9, 10, 11], max_new_tokens=4, timeout=30)
+    assert e.value.stage is None                  # no stage was lost
+    held = [s["kv_pages_held"] for s in dep.stats()["stages"]]
+    assert held[1:] == [0, 0], held
+    assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == ref
+    assert dep.supervisor.log[n0:] == [], dep.supervisor.log
 
 
 @pytest.mark.parametrize("n,kills", [(2, ["ray.kill", "os._exit"]), (3, ["SIGKILL", "SIGSTOP", "ray.kill"])])
-def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
+def test_stage_death_fails_requests_then_recovers(kept, n, kills):
     """Killing each stage mid-decode and mid-prefill must end both requests with StageFailed naming that stage
-    within 15 s (no caller hangs); the deployment must then recover and serve reference tokens."""
+    within 15 s (no caller hangs); the deployment must then recover and serve reference tokens. (The 3-stage
+    deployment is the one the microbatch test leaves, where that ran first: a fault, no stage lost.)"""
     import os
     _, path = tiny_checkpoint("dense", False)
     seen = set()
-    with memra_pp.launch(config(path, n)) as dep:
+    with kept(n, config(path, n)) as dep:
+        n0 = len(dep.supervisor.log)
         c = dep.client()
         for i, how in enumerate(kills):
             dead = list(dep.slot_names[i])          # the killed stage's receiving segments; the intake's prefix;
@@ -116,7 +179,7 @@ def test_stage_death_fails_requests_then_recovers(ray_cluster, n, kills):
                 [e for x in dead if x.endswith("*") for e in os.listdir("/dev/shm") if e.startswith(x[:-1])]
             assert not left, f"{how} of stage {i} left its slot segments behind: {left}"
             seen.update(x for names in dep.slot_names for x in names)
-        log = dep.supervisor.log
+        log = dep.supervisor.log[n0:]
         assert [e["stage"] for e in log] == list(range(n)) and all(e["recovered"] for e in log), log
     assert seen and not [x for x in seen if os.path.exists(f"/dev/shm/{x}")], "shutdown left slot segments"
     assert not [e for x in seen if x.endswith("*") for e in os.listdir("/dev/shm") if e.startswith(x[:-1])]
@@ -130,9 +193,11 @@ def test_replay_completes_interrupted_requests(ray_cluster):
     with memra_pp.launch(config(path, 3, recover="replay")) as dep:
         c = dep.client()
         seeded = dict(temperature=0.9, top_k=40, seed=1234)
-        want_seeded = c.generate(list(SHORT), max_new_tokens=DECODE_NEW, **seeded).token_ids
-        want = hf_reference("dense", False, SHORT, DECODE_NEW)[0]
-        want_long = hf_reference("dense", False, LONG, PREFILL_NEW)[0]
+        with ThreadPoolExecutor(1) as pool:     # its uninterrupted run, while transformers computes the references
+            uninterrupted = pool.submit(c.generate, list(SHORT), max_new_tokens=DECODE_NEW, **seeded)
+            want = hf_reference("dense", False, SHORT, DECODE_NEW)[0]
+            want_long = hf_reference("dense", False, LONG, PREFILL_NEW)[0]
+            want_seeded = uninterrupted.result().token_ids
         for i, how in ((0, "ray.kill"), (2, "SIGKILL")):
             sampled = Stream(c, SHORT, DECODE_NEW, **seeded)
             dec, pre, _ = interrupt(dep, c, i, how, running=(sampled,))
@@ -164,28 +229,77 @@ def test_stages_run_with_the_drivers_switches_after_a_restart_too(ray_cluster, m
     with memra_pp.launch(dict(config(path, 2), name="relsw")) as dep:
         assert seen(dep) == [(None, want)] * 2
         assert [s["switches"]["MEMRA_PP_PREFILL_VARLEN"] for s in dep.stats()["stages"]] == [want] * 2
+        g0 = dep.supervisor.generation
         kill(dep, 1, "ray.kill")
-        time.sleep(1.0)
+        until(lambda: dep.supervisor.generation > g0, "the supervisor did not detect the killed stage")
         dep.wait_ready(90)
         assert dep.supervisor.log[-1]["recovered"] and seen(dep) == [(None, want)] * 2
         check_serves(dep, dep.client())
         assert [s["gc_frozen"] for s in dep.stats()["stages"]] == [0, 0]
 
 
-def test_supervisor_does_not_race_shutdown(ray_cluster):
-    """A shutdown right after a kill must return promptly and leave no actor of the deployment alive, even with
-    the recovery in progress."""
+def test_a_connected_handle_follows_a_restarted_intake(kept):
+    """A connect()ed handle holds the stage actors it looked up; when the launching process's supervisor replaces
+    a failed stage 0 with a new actor of the same name, the connected handle follows: a request it was streaming
+    fails with StageFailed, its next request is served by the new intake (a submit to the dead actor is sent again,
+    since that took nothing), and another connected handle, idle, asks the new stages at once (its RemoteSupervisor
+    follows the launcher's recoveries whatever `recover`; its stats were refused once before). Before, every call
+    through a connected handle failed after a restart of stage 0 until it connected again. (Its deployment is left
+    up for the shutdown race test, defined after this one.)"""
     _, path = tiny_checkpoint("dense", False)
-    dep = memra_pp.launch(dict(config(path, 2), name="relshut"), detached=True)
+    dep = kept(DETACHED, dict(config(path, 2), name=DETACHED), detached=True)
+    other = memra_pp.connect(DETACHED, namespace="memra-test")
+    third = memra_pp.connect(DETACHED, namespace="memra-test")
+    c = other.client()
+    want = hf_reference("dense", False, SHORT, 4)[0]
+    assert c.generate(list(SHORT), max_new_tokens=4).token_ids == want
+    it = c.stream(list(SHORT), max_new_tokens=400, ignore_eos=True)
+    next(it)
+    g0 = dep.supervisor.generation
+    ray.kill(dep.actors[0])
+    with pytest.raises(StageFailed, match="stage 0"):
+        for _ in it:
+            pass
+    until(lambda: dep.supervisor.generation > g0, "the launcher's supervisor did not detect the killed intake")
+    dep.wait_ready(90)
+    assert dep.supervisor.log and dep.supervisor.log[-1]["stage"] == 0 and dep.supervisor.log[-1]["recovered"]
+    new = dep.actors[0]._actor_id
+    assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == want
+    assert other.actors[0]._actor_id == new
+    # another connected handle, idle meanwhile: its RemoteSupervisor saw the recovery in the launcher's record
+    # and looked the new stages up (recover: error too), so its first call asks them
+    deadline = time.monotonic() + 5
+    while third.actors[0]._actor_id != new and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert third.actors[0]._actor_id == new and [s["index"] for s in third.stats()["stages"]] == [0, 1]
+
+
+def test_supervisor_does_not_race_shutdown(kept):
+    """A shutdown right after a kill must return promptly and leave no actor of the deployment alive, even with
+    the recovery in progress. (The detached deployment the connected-handle test left, if it ran first.)"""
+    _, path = tiny_checkpoint("dense", False)
+    dep = kept(DETACHED, dict(config(path, 2), name=DETACHED), detached=True)
+    old = dep.actors[1]._actor_id
     ray.kill(dep.actors[1])
-    time.sleep(0.8)     # the heartbeat finds it and the restart begins
+    # the heartbeat finds it and the restart begins: it has made the new actor (its setup is under way)
+    until(lambda: not dep.supervisor.ready.is_set() and dep.actors[1]._actor_id != old,
+          "the supervisor did not begin the restart")
     t0 = time.monotonic()
     dep.shutdown()
     assert time.monotonic() - t0 < 40
-    time.sleep(0.5)
+
+    def gone(i):
+        try:
+            ray.get_actor(f"{DETACHED}.stage{i}")
+        except ValueError:
+            return True
+        return False
+    deadline = time.monotonic() + 0.5       # (as long as this waited before)
+    while not all(gone(i) for i in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for i in range(2):
         with pytest.raises(ValueError):
-            ray.get_actor(f"relshut.stage{i}")
+            ray.get_actor(f"{DETACHED}.stage{i}")
 
 
 def test_stuck_stage_is_detected_and_replaced(ray_cluster):
@@ -205,29 +319,6 @@ def test_stuck_stage_is_detected_and_replaced(ray_cluster):
         assert dep.supervisor.log[-1]["sigkilled"] >= 1, dep.supervisor.log      # its live process, by its pid
         ref = hf_reference("dense", False, SHORT, 4)[0]
         assert c.generate(list(SHORT), max_new_tokens=4).token_ids == ref
-
-
-def test_a_microbatch_failing_mid_pipeline_ends_its_requests_alone_and_frees_every_stages_pages(ray_cluster):
-    """A microbatch that fails on stage 1 of 3 (inject_fault) ends its own requests with StageFailed naming the
-    stage and the error; no stage is lost, nothing recovers, the next request gets transformers' tokens. The
-    failed microbatch carried the release of the request finished before it: stages 1 and 2 must give those
-    pages back as the error passes, not when some later microbatch happens to carry the release again (the
-    intake counted them free when it cut the failed microbatch, and admits against them)."""
-    _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(config(path, 3)) as dep:
-        c = dep.client()
-        ref = hf_reference("dense", False, SHORT, 4)[0]
-        assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == ref
-        held = [s["kv_pages_held"] for s in dep.stats()["stages"]]
-        assert held[1] > 0 and held[2] > 0, held     # its release waits for the next microbatch (no test otherwise)
-        ray.get(dep.actors[1].inject_fault.remote("injected fault"), timeout=30)
-        with pytest.raises(StageFailed, match="stage 1 failed a microbatch: RuntimeError: injected fault") as e:
-            c.generate([9, 10, 11], max_new_tokens=4, timeout=30)
-        assert e.value.stage is None                  # no stage was lost
-        held = [s["kv_pages_held"] for s in dep.stats()["stages"]]
-        assert held[1:] == [0, 0], held
-        assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == ref
-        assert dep.supervisor.log == [], dep.supervisor.log
 
 
 def _pg_state(pg_id: str) -> str | None:
@@ -275,40 +366,6 @@ def test_a_connected_handle_stops_a_detached_deployment(ray_cluster):
     finally:
         if dep is not None:
             dep.shutdown()
-
-
-def test_a_connected_handle_follows_a_restarted_intake(ray_cluster):
-    """A connect()ed handle holds the stage actors it looked up; when the launching process's supervisor replaces
-    a failed stage 0 with a new actor of the same name, the connected handle follows: a request it was streaming
-    fails with StageFailed, its next request is served by the new intake (a submit to the dead actor is sent again,
-    since that took nothing), and another connected handle, idle, asks the new stages at once (its RemoteSupervisor
-    follows the launcher's recoveries whatever `recover`; its stats were refused once before). Before, every call
-    through a connected handle failed after a restart of stage 0 until it connected again."""
-    _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(dict(config(path, 2), name="follow"), detached=True) as dep:
-        other = memra_pp.connect("follow", namespace="memra-test")
-        third = memra_pp.connect("follow", namespace="memra-test")
-        c = other.client()
-        want = hf_reference("dense", False, SHORT, 4)[0]
-        assert c.generate(list(SHORT), max_new_tokens=4).token_ids == want
-        it = c.stream(list(SHORT), max_new_tokens=400, ignore_eos=True)
-        next(it)
-        ray.kill(dep.actors[0])
-        with pytest.raises(StageFailed, match="stage 0"):
-            for _ in it:
-                pass
-        time.sleep(1.0)
-        dep.wait_ready(90)
-        assert dep.supervisor.log and dep.supervisor.log[-1]["stage"] == 0 and dep.supervisor.log[-1]["recovered"]
-        new = dep.actors[0]._actor_id
-        assert c.generate(list(SHORT), max_new_tokens=4, timeout=60).token_ids == want
-        assert other.actors[0]._actor_id == new
-        # another connected handle, idle meanwhile: its RemoteSupervisor saw the recovery in the launcher's record
-        # and looked the new stages up (recover: error too), so its first call asks them
-        deadline = time.monotonic() + 5
-        while third.actors[0]._actor_id != new and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert third.actors[0]._actor_id == new and [s["index"] for s in third.stats()["stages"]] == [0, 1]
 
 
 def test_a_connected_handle_replays_through_a_restart(ray_cluster):

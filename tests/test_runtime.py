@@ -2,6 +2,7 @@
 transformers' for 1, 2 and 3 CPU stages, one request at a time and with 16 requests in flight."""
 import asyncio
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -49,8 +50,11 @@ def assert_same(kind, tied, prompt, r):
 def test_launch_parity(dense, kind, tied, n_stages):
     """One request at a time, then 16 concurrent (chunked prefill interleaved with decode), must match."""
     _, path = tiny_checkpoint(kind, tied)
-    with (contextlib.nullcontext(dense(n_stages)) if kind == "dense"   # shared (dense launches at its first call)
-          else memra_pp.launch(config(path, n_stages))) as dep:
+    with ThreadPoolExecutor(1) as pool:     # transformers' references (cached) computed while the stages start
+        refs = pool.submit(lambda: [hf_reference(kind, tied, p, NEW) for p in PROMPTS])
+        dep = dense(n_stages) if kind == "dense" else memra_pp.launch(config(path, n_stages))
+    with (contextlib.nullcontext(dep) if kind == "dense" else dep):    # shared (dense launches at its first call)
+        refs.result()
         assert [s.index for s in dep.plan.stages] == list(range(n_stages))
         before = dep.stats()["stages"]
         c = dep.client()
@@ -242,11 +246,13 @@ def test_stream_text_pieces_with_a_tokenizer(ray_cluster):
     from memra_pp.model.tokenizer import REPLACEMENT
     cfg = {"name": "tok", "model": {"path": str(ensure_tiny()), "dtype": "float32"},
            "stages": [{"device": "cpu", "num_cpus": 0.1}], "scheduler": {"max_batch": 4, "max_context": 256}}
-    held = 0
     with memra_pp.launch(cfg) as dep:
         c, tok = dep.client(), dep.tokenizer
         assert tok is not None
-        for text in TEXTS[:3]:
+
+        def one(text):
+            """This text's checks; how many of its stream events held text back."""
+            held = 0
             evs = list(c.stream(text, max_new_tokens=24))
             assert [e.finish_reason for e in evs[:-1]] == [None] * (len(evs) - 1) and evs[-1].finish_reason, evs
             ids, pieces = [], []
@@ -269,6 +275,9 @@ def test_stream_text_pieces_with_a_tokenizer(ray_cluster):
             assert r.finish_reason == evs[-1].finish_reason == "stop" and r.token_ids == ids[:k], (r, ids, stop)
             assert "".join(e.text for e in evs) == r.text == tok.decode(ids[:k - 1], skip_special_tokens=True)
             assert r.text != tok.decode(ids[:k], skip_special_tokens=True), "the stop token shows no text"
+            return held
+        with ThreadPoolExecutor(3) as pool:     # the texts are independent requests: side by side (max_batch 4)
+            held = sum(pool.map(one, TEXTS[:3]))
     # non-vacuity: the random tiny model emits lone UTF-8 bytes, so some event's text was held back (an empty piece)
     assert held > 0, "no stream event held text back: the partial-character path never ran"
 

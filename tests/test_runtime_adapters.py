@@ -18,6 +18,65 @@ def cfg(path, n, max_loras=2, max_rank=8):
             "scheduler": {"max_batch": 8, "max_context": 256, "prefill_chunk": 16}}
 
 
+SHARED = "adshared"
+
+
+@pytest.fixture(scope="module")
+def shared(ray_cluster):
+    """One detached 2-stage deployment of cfg(path, 2) (heartbeat 0.5 s) for the tests that need no fresh one (a
+    stage process costs the suite seconds to start): connect()able by SHARED, stages killed and restarted by some of
+    them. Each test takes it through emptied() and reads its counters as deltas."""
+    _, path = tiny_checkpoint("dense", False)
+    adapter("dense", False, "A"), adapter("dense", False, "B")        # (made before the deployment: PEFT, on disk)
+    d = memra_pp.launch(dict(cfg(path, 2), name=SHARED, timeouts={"heartbeat_s": 0.5}), detached=True)
+    try:
+        yield d
+    finally:
+        d.shutdown()
+
+
+def emptied(dep):
+    """`dep` serving, with no adapter loaded: what a test before this one on the shared deployment left loaded (a
+    failed one) is unloaded, so each test starts from an empty registry (slot 0 free first) as on a fresh launch."""
+    import ray
+    dep.wait_ready(90)
+    for name in ray.get(dep.actors[0].adapters.remote(), timeout=30):
+        dep.unload_adapter(name)
+    assert ray.get(dep.actors[0].adapters.remote(), timeout=30) == {}
+    return dep
+
+
+class connected:
+    """with connected(name) as h: a connect()ed handle of deployment `name`, let go at the end (its clients closed,
+    its remote supervisor stopped: never its shutdown(), which would stop the deployment)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.h = memra_pp.connect(self.name, namespace="memra-test")
+        return self.h
+
+    def __exit__(self, *exc):
+        for c in list(self.h._clients):
+            c.close()
+        if self.h.supervisor is not None:
+            self.h.supervisor.stop()
+
+
+def kill_and_recover(dep, stage):
+    """ray.kill the actor of `stage`, wait until the supervisor has noticed (polled; it was a fixed 1 s pause, so
+    that wait_ready did not find the killed actor still answering), then until the recovery is over."""
+    import ray
+    g = dep.supervisor.generation
+    ray.kill(dep.actors[stage])
+    end = time.monotonic() + 30
+    while dep.supervisor.generation == g and time.monotonic() < end:
+        time.sleep(0.01)
+    assert dep.supervisor.generation > g, "the supervisor did not notice the killed stage"
+    dep.wait_ready(90)
+
+
 @pytest.mark.parametrize("n,tied", [(1, False), (2, True), (3, False)])
 def test_mixed_adapters_match_peft(ray_cluster, n, tied):
     """Requests naming adapter A, adapter B or none, in flight together, must each match their reference; so must
@@ -101,51 +160,49 @@ def test_bad_adapter_files_refused_then_serving(ray_cluster, tmp_path):
             peft_reference("dense", False, "A", p)[0]
 
 
-def test_unload_in_use_is_refused(ray_cluster):
+def test_unload_in_use_is_refused(shared):
     """Unloading an adapter while a request generates with it must be refused (its weights would change under
     the request); once the request is done the unload must succeed."""
     import threading
-    _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(cfg(path, 2, max_rank=8)) as dep:
-        dep.load_adapter("a", adapter("dense", False, "A")[1])
-        c = dep.client()
-        got = {}
-        first = threading.Event()
+    new = 80        # (the refused unload comes right after the first token and takes milliseconds)
+    dep = emptied(shared)
+    dep.load_adapter("a", adapter("dense", False, "A")[1])
+    c = dep.client()
+    got = {}
+    first = threading.Event()
 
-        def run():
-            toks = []
-            for ev in c.stream(list(PROMPTS[0]), max_new_tokens=150, adapter="a", ignore_eos=True):
-                toks += ev.token_ids
-                first.set()
-            got["n"] = len(toks)
-        t = threading.Thread(target=run)
-        t.start()
-        assert first.wait(60)
-        with pytest.raises(InputError, match="still used by 1 request"):
-            dep.unload_adapter("a")
-        t.join(120)
-        assert got["n"] == 150
+    def run():
+        toks = []
+        for ev in c.stream(list(PROMPTS[0]), max_new_tokens=new, adapter="a", ignore_eos=True):
+            toks += ev.token_ids
+            first.set()
+        got["n"] = len(toks)
+    t = threading.Thread(target=run)
+    t.start()
+    assert first.wait(60)
+    with pytest.raises(InputError, match="still used by 1 request"):
         dep.unload_adapter("a")
-        with pytest.raises(InputError, match="unknown adapter 'a'"):
-            c.generate(list(PROMPTS[0]), max_new_tokens=2, adapter="a")
+    t.join(120)
+    assert got["n"] == new
+    dep.unload_adapter("a")
+    with pytest.raises(InputError, match="unknown adapter 'a'"):
+        c.generate(list(PROMPTS[0]), max_new_tokens=2, adapter="a")
 
 
-def test_a_recovered_stage_reloads_its_adapter_and_the_kv_budget_is_measured_again(ray_cluster):
+def test_a_recovered_stage_reloads_its_adapter_and_the_kv_budget_is_measured_again(shared):
     """A killed stage is replaced with its adapters reloaded: requests naming the adapter must match PEFT after the
     recovery, and the intake must have been given a KV budget measured after the reload (the LoRA pools take
     memory the wiring did not see)."""
-    import ray
-    _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(cfg(path, 2)) as dep:
-        dep.load_adapter("a", adapter("dense", False, "A")[1])
-        assert dep.stats()["stages"][0]["kv_rebudgets"] == 1
-        ray.kill(dep.actors[1])
-        time.sleep(1.0)
-        dep.wait_ready(90)
-        r = dep.client().generate(list(PROMPTS[0]), max_new_tokens=NEW, adapter="a", logprobs=True, timeout=60)
-        ref = peft_reference("dense", False, "A", PROMPTS[0])
-        assert r.token_ids == ref[0] and max(abs(x - y) for x, y in zip(r.logprobs, ref[1], strict=True)) < 5e-4
-        assert dep.stats()["stages"][0]["kv_rebudgets"] == 2
+    dep = emptied(shared)
+    rb0 = dep.stats()["stages"][0]["kv_rebudgets"]      # (the shared deployment's, from the tests before)
+    dep.load_adapter("a", adapter("dense", False, "A")[1])
+    assert dep.stats()["stages"][0]["kv_rebudgets"] == rb0 + 1
+    kill_and_recover(dep, 1)
+    assert dep.supervisor.log[-1]["recovered"] and dep.supervisor.log[-1]["stage"] == 1, dep.supervisor.log
+    r = dep.client().generate(list(PROMPTS[0]), max_new_tokens=NEW, adapter="a", logprobs=True, timeout=60)
+    ref = peft_reference("dense", False, "A", PROMPTS[0])
+    assert r.token_ids == ref[0] and max(abs(x - y) for x, y in zip(r.logprobs, ref[1], strict=True)) < 5e-4
+    assert dep.stats()["stages"][0]["kv_rebudgets"] == rb0 + 2
 
 
 def serves_b_not_a(dep):
@@ -157,13 +214,12 @@ def serves_b_not_a(dep):
     return cl
 
 
-def test_handles_of_one_deployment_share_its_adapter_slots(ray_cluster):
+def test_handles_of_one_deployment_share_its_adapter_slots(shared):
     """launch's handle and a connect()ed one load adapters through the intake's registry: the second handle's load
     takes another slot (it once took slot 0 again, overwriting the first adapter under its requests), a name loaded
     by one is refused to the other, and either may unload the other's; each adapter keeps serving PEFT's tokens."""
-    _, path = tiny_checkpoint("dense", False)
-    with memra_pp.launch(dict(cfg(path, 2), name="adshare"), detached=True) as dep:
-        other = memra_pp.connect("adshare", namespace="memra-test")
+    dep = emptied(shared)
+    with connected(SHARED) as other:
         assert dep.load_adapter("a", adapter("dense", False, "A")[1]) == 0
         assert other.load_adapter("b", adapter("dense", False, "B")[1]) == 1
         with pytest.raises(InputError, match=r"adapter 'a' is already loaded \(slot 0\); unload it first"):
@@ -185,19 +241,17 @@ def test_handles_of_one_deployment_share_its_adapter_slots(ray_cluster):
         assert ray.get(dep.actors[0].health.remote(), timeout=30)["adapters"].keys() == {"b", "c"}
 
 
-def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_files_are_gone(ray_cluster, tmp_path,
+def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_files_are_gone(shared, tmp_path,
                                                                                               caplog):
     """The intake holds the registry; if it is restarted, the supervisor reloads what its heartbeats last read there:
     an adapter a connect()ed handle loaded too (the launching handle's own list once lost it), and one whose files
     were deleted meanwhile is dropped and logged instead of failing the restart. The deployment serves both ways."""
     import shutil
     import ray
-    _, path = tiny_checkpoint("dense", False)
     gone = tmp_path / "gone"
     shutil.copytree(adapter("dense", False, "A")[1], gone)
-    c = dict(cfg(path, 2), name="adrestart", timeouts={"heartbeat_s": 0.5})
-    with memra_pp.launch(c, detached=True) as dep:
-        other = memra_pp.connect("adrestart", namespace="memra-test")
+    dep = emptied(shared)                                # (detached, heartbeat 0.5 s)
+    with connected(SHARED) as other:
         dep.load_adapter("a", str(gone))
         other.load_adapter("b", adapter("dense", False, "B")[1])
         end = time.monotonic() + 10
@@ -206,9 +260,7 @@ def test_an_intake_restart_reloads_every_handles_adapters_and_drops_one_whose_fi
         assert set(dep._adapter_paths) == {"a", "b"}
         shutil.rmtree(gone)
         with caplog.at_level("WARNING", logger="memra_pp"):
-            ray.kill(dep.actors[0])
-            time.sleep(1.0)
-            dep.wait_ready(90)
+            kill_and_recover(dep, 0)
         assert dep.supervisor.log[-1]["recovered"] and dep.supervisor.log[-1]["stage"] == 0, dep.supervisor.log
         assert "adapter 'a' (slot 0" in caplog.text and "could not be reloaded and is dropped" in caplog.text
         cl, p = serves_b_not_a(dep), PROMPTS[1]
@@ -220,23 +272,28 @@ def test_an_adapter_changed_just_before_the_intake_dies_is_restored_as_it_was(ra
     """A detached deployment's intake keeps its loaded adapters in Ray's KV at every change, and a restart of it
     reloads from there: an adapter a connect()ed handle loaded just before the intake died is served after the
     restart, and one it unloaded just before is not back. The heartbeat alone missed both (its last read came
-    before them; the heartbeat here is long so that none falls between the changes and the kill)."""
+    before them: they are made just after a heartbeat's read, a second before the next, and where a read fell
+    between them all the same, they are undone and made again after the next read)."""
     import ray
     _, path = tiny_checkpoint("dense", False)
-    c = dict(cfg(path, 2), name="adkept", timeouts={"heartbeat_s": 5.0})
+    c = dict(cfg(path, 2), name="adkept", timeouts={"heartbeat_s": 1.0})
     with memra_pp.launch(c, detached=True) as dep:
         other = memra_pp.connect("adkept", namespace="memra-test")
         dep.load_adapter("a", adapter("dense", False, "A")[1])
-        dep._adapter_paths = {}                          # refilled by the next heartbeat: the next is 5 s after it
-        end = time.monotonic() + 30
-        while not dep._adapter_paths and time.monotonic() < end:
-            time.sleep(0.05)
-        other.unload_adapter("a")
-        other.load_adapter("b", adapter("dense", False, "B")[1])
+        for _ in range(5):
+            dep._adapter_paths = {}                      # refilled by the next heartbeat: the next is 1 s after it
+            end = time.monotonic() + 30
+            while not dep._adapter_paths and time.monotonic() < end:
+                time.sleep(0.01)
+            other.unload_adapter("a")
+            other.load_adapter("b", adapter("dense", False, "B")[1])
+            if set(dep._adapter_paths) == {"a"}:
+                break
+            # a heartbeat read the registry between the changes (a loaded machine): undo them, try again
+            other.unload_adapter("b")
+            assert dep.load_adapter("a", adapter("dense", False, "A")[1]) == 0
         assert set(dep._adapter_paths) == {"a"}          # what the heartbeat saw: a restart from it would be wrong
-        ray.kill(dep.actors[0])
-        time.sleep(1.0)
-        dep.wait_ready(90)
+        kill_and_recover(dep, 0)
         assert dep.supervisor.log[-1]["recovered"] and dep.supervisor.log[-1]["stage"] == 0, dep.supervisor.log
         assert dep.supervisor.reload_from == "kv"
         reg = ray.get(dep.actors[0].adapters.remote(), timeout=30)
