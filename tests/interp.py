@@ -57,6 +57,11 @@ def _normal(pid: int) -> None:
         pass
 
 
+# runs `python SCRIPT ARGS...` as itself (sys.argv, sys.path[0] and __main__ as there), with interp_fast installed
+BOOT = ("import os, runpy, sys; sys.argv = sys.argv[1:]; sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0])); "
+        "import interp_fast; interp_fast.install(); runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
 class Run:
     """One check process; its output goes to files (a pipe nobody drains would stall it)."""
 
@@ -64,8 +69,8 @@ class Run:
         self.out = tempfile.TemporaryFile("w+")
         self.err = tempfile.TemporaryFile("w+")
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        self.p = subprocess.Popen([sys.executable, os.path.join(HERE, script), *argv], env=env, stdout=self.out,
-                                  stderr=self.err, text=True)
+        self.p = subprocess.Popen([sys.executable, "-c", BOOT, os.path.join(HERE, script), *argv], env=env,
+                                  stdout=self.out, stderr=self.err, text=True)
         if background:
             _idle(self.p.pid)
         self.ended = None       # time.monotonic() when it was first seen ended (by its test or the loop)
