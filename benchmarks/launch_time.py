@@ -1,7 +1,7 @@
 """How long a CPU deployment takes to launch, answer its first request and shut down (1, 2 and 3 stages of the
 embedded tiny checkpoint, real Ray), and how long CLI processes take: `memra-pp launch` to its ready line, and
-`status`, `plan` and `generate` processes against that launch's detached tiny-cpu deployment. Run from the
-repository root, with no other Ray cluster up.
+`status`, `plan` and `generate` processes against that launch's detached tiny-cpu deployment, and `stop` (its
+process, and until the launcher has exited). Run from the repository root, with no other Ray cluster up.
 
     .venv/bin/python benchmarks/launch_time.py [--repeats 5] [--vision] [--no-cli] [--out DIR]
 
@@ -56,8 +56,14 @@ def cli_figures(repeats: int) -> dict:
                 assert p.returncode == 0, p.stderr[-2000:]
                 print(f"  memra-pp {what}, run {r + 1}/{repeats}: {times[-1]:.2f} s", flush=True)
             out[f"cli_{what}_s"] = round(statistics.median(times), 3)
-        subprocess.run(cli + ["stop", "tiny-cpu"], capture_output=True, timeout=120)
+        t0 = time.perf_counter()
+        p = subprocess.run(cli + ["stop", "tiny-cpu"], capture_output=True, text=True, timeout=120)
+        out["cli_stop_s"] = round(time.perf_counter() - t0, 2)
+        assert p.returncode == 0, p.stderr[-2000:]
         launcher.wait(timeout=60)
+        out["cli_stop_launcher_exit_s"] = round(time.perf_counter() - t0, 2)
+        print(f"  memra-pp stop: {out['cli_stop_s']:.2f} s; the launcher exited "
+              f"{out['cli_stop_launcher_exit_s']:.2f} s after the stop began", flush=True)
     finally:
         if launcher.poll() is None:
             launcher.send_signal(2)

@@ -149,6 +149,23 @@ def _sigterm_is_ctrl_c() -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
+def await_stop_read(dep, limit: float = 2.0, poll: float = 0.02) -> bool:
+    """Wait until whoever asked this detached deployment to stop has read the answer (it deletes its request's key
+    from Ray's KV once it has read `:done`), at most `limit` seconds (an asker that gave up deletes nothing): this
+    process owns the Ray cluster, and the asker's read fails once it is gone. True where the asker read it. (A fixed
+    2 s pause did this; the asker polls every 50 ms.)"""
+    from ray.experimental import internal_kv
+    key, end = dep.kv_key("stop"), time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            if key is None or not internal_kv._internal_kv_get(key):
+                return True
+        except Exception:  # noqa: BLE001 - the cluster is going away: nobody is left to read
+            return False
+        time.sleep(poll)
+    return False
+
+
 def cmd_launch(args) -> int:
     import memra_pp
     # (SIGTERM is Ctrl-C from when launch has started Ray, main's _sigterm_is_ctrl_c hook: Ray's own handler exits
@@ -167,7 +184,7 @@ def cmd_launch(args) -> int:
             pass
         print(f"stop requested: {dep.placement.name!r} " + ("was shut down" if dep.stop_ok else
               "could not be shut down here (the asker kills its stages)"), file=sys.stderr, flush=True)
-        time.sleep(2.0)        # let a waiting `memra-pp stop` read the answer before the cluster goes away
+        await_stop_read(dep)   # a waiting `memra-pp stop` reads the answer before the cluster goes away
     except KeyboardInterrupt:
         pass
     dep.shutdown()

@@ -643,7 +643,7 @@ class Deployment:
                 for k in (key, key + b":done"):
                     internal_kv._internal_kv_del(k)
                 return "launcher"
-            time.sleep(0.2)
+            time.sleep(0.05)        # (the launcher waits for this read before its cluster goes: cli.await_stop_read)
         if _named_pg_id(self.placement.name) != self._pg_id:   # a new launch took the name meanwhile
             return "gone"
         self._teardown()

@@ -20,6 +20,8 @@ from .shm import shm_names
 
 log = logging.getLogger("memra_pp")
 MISSED_BEATS = 3          # a stage silent for this many heartbeats is declared failed
+STOP_POLL_S = 0.1         # a detached deployment's stop request is looked for this often (a Ray KV read), not
+#                           only at each heartbeat (2 s by default: `memra-pp stop` waited for it)
 ATTEMPTS = 3              # restarts tried per failure before the deployment gives up (wait_ready raises)
 
 
@@ -69,12 +71,17 @@ class Supervisor:
     # -- detection ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
         hb = self.dep.placement.timeouts.heartbeat_s
-        while not self.stopping.wait(hb):
+        poll = min(hb, STOP_POLL_S) if self.dep.detached else hb
+        beat = time.monotonic() + hb            # the next heartbeat: a period after the last one's end
+        while not self.stopping.wait(max(0.0, min(poll, beat - time.monotonic()))):
             if not ray.is_initialized():    # ray.shutdown() here without dep.shutdown(): a Ray call from this
                 return                      # thread would start a new local cluster (Ray's auto-init)
             if self.dep.detached and self._stop_requested():
                 return
+            if time.monotonic() < beat:
+                continue
             if self.failure is not None:
+                beat = time.monotonic() + hb
                 continue
             try:
                 bad = self.check(hb * MISSED_BEATS)
@@ -86,6 +93,7 @@ class Supervisor:
                 for c in list(self.dep._clients):      # what is held for a replay will not get one
                     c.on_recovery_failed(self.failure)
                 self.ready.set()
+            beat = time.monotonic() + hb
 
     def _publish(self, stage: int, reason: str) -> None:
         """A detached deployment's recovery state, for connect()ed handles (RemoteSupervisor): the generation of

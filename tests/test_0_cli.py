@@ -124,6 +124,7 @@ def test_an_address_that_accepts_but_is_no_ray_cluster_is_refused_at_once(capsys
     import socket
     import threading
     import ray
+    from memra_pp import rayutil
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -133,6 +134,8 @@ def test_an_address_that_accepts_but_is_no_ray_cluster_is_refused_at_once(capsys
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(4)                            # accepts (the kernel's backlog), never answers
+    # the probe's wait for an answer: 1 s here, not 5 (the silent listener waits it out; 12 s was the bound)
+    monkeypatch.setattr(rayutil._require_listening, "__defaults__", (1.0,))
     try:
         for port in (http_srv.server_address[1], silent.getsockname()[1]):
             t0 = time.monotonic()

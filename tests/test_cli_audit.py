@@ -175,3 +175,33 @@ def test_launch_prints_a_stop_command_that_works_in_its_namespace(ray_cluster, t
     assert main(cmd[1].split()) == 0 and "stopped nsstop" in capsys.readouterr().out
     t.join(60)
     assert rc == {"launch": 0}
+
+
+def test_the_launcher_waits_for_the_stop_answer_to_be_read_not_a_fixed_pause(monkeypatch):
+    """`memra-pp launch` owns the Ray cluster: after a stop it must not exit (taking the cluster) before the asker has
+    read the answer. It waits for the asker's read (the asker deletes its request's key), not a fixed 2 s; at most
+    its limit where nobody reads, and not at all where the cluster is already gone."""
+    import threading
+    import time
+    import types
+
+    from ray.experimental import internal_kv
+
+    from memra_pp import cli
+    kv = {b"k": b"1", b"k:done": b"1"}
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda k: kv.get(k))
+    dep = types.SimpleNamespace(kv_key=lambda kind: b"k" if kind == "stop" else None)
+    reader = threading.Timer(0.3, lambda: (kv.pop(b"k"), kv.pop(b"k:done")))     # the asker reads at 0.3 s
+    reader.start()
+    t0 = time.monotonic()
+    assert cli.await_stop_read(dep, limit=30) is True
+    assert 0.3 <= time.monotonic() - t0 < 10, "it returned before the read, or waited on after it"
+    reader.join()
+    kv[b"k"] = b"1"                                 # an asker that gave up: nobody deletes it
+    t0 = time.monotonic()
+    assert cli.await_stop_read(dep, limit=0.2) is False and time.monotonic() - t0 >= 0.2
+
+    def gone(k):
+        raise ConnectionError("the cluster is gone")
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", gone)
+    assert cli.await_stop_read(dep, limit=30) is False

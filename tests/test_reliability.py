@@ -330,20 +330,24 @@ def test_a_connected_handle_stops_a_detached_deployment(ray_cluster):
     shuts it down (its restarts stop first: it once restarted the stages a connected handle killed, and the
     detached placement group stayed), the actors and the named placement group go, the launching handle refuses
     further use. Where no launcher answers, the connected handle kills the stages and removes the group itself.
-    A handle of an earlier launch of the name stops nothing of a later one ("gone")."""
+    A handle of an earlier launch of the name stops nothing of a later one ("gone"). The launcher looks for the
+    request between its heartbeats (supervisor.STOP_POLL_S): with a heartbeat every 30 s, it answers within
+    seconds."""
     from memra_pp.deployment import Deployment
     _, path = tiny_checkpoint("dense", False)
     dep = None
     try:
         cfg = dict(config(path, 2), name="stopme")
-        dep = memra_pp.launch(cfg, detached=True)
+        dep = memra_pp.launch(dict(cfg, timeouts={"heartbeat_s": 30.0}), detached=True)
         first = dep._pg.id.hex()
         other = memra_pp.connect("stopme", namespace="memra-test")
         assert other._pg_id == first and other.kv_key("stop") == dep.kv_key("stop")
         want = hf_reference("dense", False, SHORT, 4)[0]
         assert other.client().generate(list(SHORT), max_new_tokens=4).token_ids == want
+        t0 = time.monotonic()
         other.shutdown()
         assert other.stopped_by == "launcher" and dep._torn_down and dep.stop_done.is_set()
+        assert time.monotonic() - t0 < 15, "the stop request waited for a heartbeat (30 s)"
         with pytest.raises(StageFailed, match="the deployment 'stopme' was shut down"):
             dep.client()
         for i in range(2):
