@@ -69,11 +69,18 @@ def expected_shape(name: str, cfg: TextConfig) -> tuple[int, ...] | None:
 # plan` and `launch`'s own process: 1.2 s of a 1.65 s `plan`)
 
 
+def float_dtypes() -> tuple:
+    """FLOAT_DTYPES, made (and kept in the module's globals) at the first call."""
+    value = globals().get("FLOAT_DTYPES")
+    if value is None:
+        import torch
+        globals()["FLOAT_DTYPES"] = value = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    return value
+
+
 def __getattr__(name: str):
     if name == "FLOAT_DTYPES":
-        import torch
-        globals()[name] = value = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-        return value
+        return float_dtypes()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -179,7 +186,7 @@ class SafetensorsSource:
                 raise ConfigError(f"{f}: holds no tensor {key!r}, but model.safetensors.index.json names this shard "
                                   f"for it; the index is stale or belongs to another checkpoint") from None
             raise ConfigError(f"{f}: cannot read tensor {key!r} (truncated or corrupt file?): {e}") from None
-        if t.dtype not in __getattr__("FLOAT_DTYPES"):
+        if t.dtype not in float_dtypes():
             raise ConfigError(f"{f}: tensor {key!r} has dtype {str(t.dtype).removeprefix('torch.')}; this runtime "
                               f"loads float16 / bfloat16 / float32 / float64 weights only (a quantized checkpoint: "
                               f"use the unquantized one or a GGUF file)")
