@@ -1,6 +1,7 @@
 """Session-cached tiny checkpoints written by transformers (one build per kind), shared by the parity tests."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 from pathlib import Path
@@ -27,21 +28,47 @@ def hf_reference(kind: str, tied: bool, prompt: tuple[int, ...], max_new_tokens:
 
 
 class LaunchedOnce:
-    """launched(key): the deployment of make(key), launched at its first use and then shared (a module fixture's:
-    a stage process costs the suite seconds to start); shutdown() stops every one launched."""
+    """launched(key, **launch_kw): the deployment of make(key), launched at its first use and then shared (a module
+    fixture's: a stage process costs the suite seconds to start), serving when returned (a recovery an earlier test
+    started is waited for). One an earlier test shut down (ended with `with`) is launched again, and so is one a
+    failed test left failing (shut down first): each test also passes alone. launch_kw (detached=True) go to the
+    launch. shutdown() stops every one launched."""
 
     def __init__(self, make):
         self.make, self.deps = make, {}
 
-    def __call__(self, key):
-        if key not in self.deps:
-            import memra_pp
-            self.deps[key] = memra_pp.launch(self.make(key))
-        return self.deps[key]
+    def __call__(self, key, **launch_kw):
+        import memra_pp
+        from memra_pp.errors import StageFailed
+        d = self.deps.get(key)
+        if d is not None and not d._down:
+            try:
+                d.wait_ready(90)
+            except StageFailed:     # left failed by a test that failed: not the next test's to inherit
+                d.shutdown()
+        if d is None or d._down:
+            d = self.deps[key] = memra_pp.launch(self.make(key), **launch_kw)
+        return d
 
     def shutdown(self):
         for dep in self.deps.values():
             dep.shutdown()
+
+
+@contextlib.contextmanager
+def connected(name: str, namespace: str = "memra-test"):
+    """with connected(name) as h: a connect()ed handle of the detached deployment `name` (the ray_cluster fixture's
+    namespace), let go at the end: its clients closed, its remote supervisor stopped; never its shutdown(), which
+    would stop the deployment."""
+    import memra_pp
+    h = memra_pp.connect(name, namespace=namespace)
+    try:
+        yield h
+    finally:
+        for c in list(h._clients):
+            c.close()
+        if h.supervisor is not None:
+            h.supervisor.stop()
 
 
 def record_pieces(lp):

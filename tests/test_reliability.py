@@ -13,7 +13,7 @@ import pytest
 import ray
 
 import memra_pp
-from conftest_models import hf_reference, tiny_checkpoint
+from conftest_models import LaunchedOnce, hf_reference, tiny_checkpoint
 from memra_pp.errors import StageFailed
 
 SHORT, LONG = (5, 17, 42), tuple((i * 7) % 250 + 1 for i in range(440))
@@ -29,25 +29,14 @@ def config(path, n, recover="error"):
 
 @pytest.fixture(scope="module")
 def kept(ray_cluster):
-    """kept(key, cfg, detached=False): the deployment of `cfg` an earlier test of this module left up under `key`
-    (serving: it is waited for), else a fresh launch. For the tests whose scenario needs no fresh deployment: a test
-    that shuts its deployment down (ends it with `with`) leaves nothing to take, and the next one launches again, so
-    each test also passes alone. A stage process costs the suite ~1.85 CPU-s to start."""
-    deps = {}
-
-    def take(key, cfg, detached=False):
-        d = deps.get(key)
-        if d is not None and not d._down:
-            try:
-                d.wait_ready(90)
-            except StageFailed:     # left failed by a test that failed: not the next test's to inherit
-                d.shutdown()
-        if d is None or d._down:
-            d = deps[key] = memra_pp.launch(cfg, detached=detached)
-        return d
-    yield take
-    for d in deps.values():
-        d.shutdown()
+    """kept(n) / kept(DETACHED, detached=True): the n-stage deployment of config(), or the detached 2-stage one named
+    DETACHED, that an earlier test of this module left up (LaunchedOnce), else a fresh launch. For the tests whose
+    scenario needs no fresh deployment: a test that shuts its deployment down (ends it with `with`) leaves nothing
+    to take, and the next one launches again."""
+    path = tiny_checkpoint("dense", False)[1]
+    get = LaunchedOnce(lambda key: dict(config(path, 2), name=DETACHED) if key == DETACHED else config(path, key))
+    yield get
+    get.shutdown()
 
 
 def until(pred, what, timeout=30.0):
@@ -132,8 +121,7 @@ def test_a_microbatch_failing_mid_pipeline_ends_its_requests_alone_and_frees_eve
     pages back as the error passes, not when some later microbatch happens to carry the release again (the
     intake counted them free when it cut the failed microbatch, and admits against them). (Defined before the
     stage-death test, which takes this 3-stage deployment afterwards and shuts it down.)"""
-    _, path = tiny_checkpoint("dense", False)
-    dep = kept(3, config(path, 3))
+    dep = kept(3)
     n0 = len(dep.supervisor.log)
     c = dep.client()
     ref = hf_reference("dense", False, SHORT, 4)[0]
@@ -156,9 +144,8 @@ def test_stage_death_fails_requests_then_recovers(kept, n, kills):
     within 15 s (no caller hangs); the deployment must then recover and serve reference tokens. (The 3-stage
     deployment is the one the microbatch test leaves, where that ran first: a fault, no stage lost.)"""
     import os
-    _, path = tiny_checkpoint("dense", False)
     seen = set()
-    with kept(n, config(path, n)) as dep:
+    with kept(n) as dep:
         n0 = len(dep.supervisor.log)
         c = dep.client()
         for i, how in enumerate(kills):
@@ -246,8 +233,7 @@ def test_a_connected_handle_follows_a_restarted_intake(kept):
     follows the launcher's recoveries whatever `recover`; its stats were refused once before). Before, every call
     through a connected handle failed after a restart of stage 0 until it connected again. (Its deployment is left
     up for the shutdown race test, defined after this one.)"""
-    _, path = tiny_checkpoint("dense", False)
-    dep = kept(DETACHED, dict(config(path, 2), name=DETACHED), detached=True)
+    dep = kept(DETACHED, detached=True)
     other = memra_pp.connect(DETACHED, namespace="memra-test")
     third = memra_pp.connect(DETACHED, namespace="memra-test")
     c = other.client()
@@ -277,8 +263,7 @@ def test_a_connected_handle_follows_a_restarted_intake(kept):
 def test_supervisor_does_not_race_shutdown(kept):
     """A shutdown right after a kill must return promptly and leave no actor of the deployment alive, even with
     the recovery in progress. (The detached deployment the connected-handle test left, if it ran first.)"""
-    _, path = tiny_checkpoint("dense", False)
-    dep = kept(DETACHED, dict(config(path, 2), name=DETACHED), detached=True)
+    dep = kept(DETACHED, detached=True)
     old = dep.actors[1]._actor_id
     ray.kill(dep.actors[1])
     # the heartbeat finds it and the restart begins: it has made the new actor (its setup is under way)

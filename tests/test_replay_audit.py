@@ -8,7 +8,7 @@ import ray
 
 import memra_pp
 import threads
-from conftest_models import tiny_checkpoint
+from conftest_models import connected, tiny_checkpoint
 from memra_pp.errors import StageFailed
 from test_reliability import Stream, config, kill
 
@@ -54,8 +54,7 @@ def test_an_unload_racing_a_connected_handles_replay_is_refused(dep):
     from memra_pp.errors import InputError
     new = 300      # still decoding when the unload, after its wait for replays, counts the users
     dep = with_a(dep)
-    other = memra_pp.connect("hrunload", namespace="memra-test")
-    try:
+    with connected("hrunload") as other:     # (let go at the end; its shutdown would stop the deployment)
         c = other.client()
         want = c.generate(list(P1), max_new_tokens=new, adapter="a", timeout=60)
         s = Stream(c, P1, new, adapter="a")
@@ -72,11 +71,6 @@ def test_an_unload_racing_a_connected_handles_replay_is_refused(dep):
         assert s.error is None, f"the held request was lost to an unload it would have refused: {s.error}"
         assert s.tokens == want.token_ids
         assert isinstance(out["r"], InputError) and "still used by 1 request" in str(out["r"]), out
-    finally:        # (let go of the connected handle; never its shutdown(): that would stop the deployment)
-        for cl in list(other._clients):
-            cl.close()
-        if other.supervisor is not None:
-            other.supervisor.stop()
 
 
 def test_an_unload_right_after_a_kill_does_not_take_a_held_requests_adapter(dep):

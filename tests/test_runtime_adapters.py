@@ -6,7 +6,7 @@ import time
 import pytest
 
 import memra_pp
-from conftest_models import hf_reference, tiny_checkpoint
+from conftest_models import connected, hf_reference, tiny_checkpoint
 from memra_pp.errors import ConfigError, InputError
 from test_adapters import NEW, PROMPTS, REFUSALS, _edit, adapter, peft_reference
 from test_runtime_vision import hf_image_greedy, image, prompt_for
@@ -44,24 +44,6 @@ def emptied(dep):
         dep.unload_adapter(name)
     assert ray.get(dep.actors[0].adapters.remote(), timeout=30) == {}
     return dep
-
-
-class connected:
-    """with connected(name) as h: a connect()ed handle of deployment `name`, let go at the end (its clients closed,
-    its remote supervisor stopped: never its shutdown(), which would stop the deployment)."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __enter__(self):
-        self.h = memra_pp.connect(self.name, namespace="memra-test")
-        return self.h
-
-    def __exit__(self, *exc):
-        for c in list(self.h._clients):
-            c.close()
-        if self.h.supervisor is not None:
-            self.h.supervisor.stop()
 
 
 def kill_and_recover(dep, stage):

@@ -211,26 +211,15 @@ def hf_image_greedy_n(model, p, imgs, new):
 
 @pytest.fixture(scope="module")
 def replaying(ray_cluster):
-    """replaying(): the replay tests' deployment (recover: replay, a heartbeat every 0.5 s, 4-token prefill chunks),
-    launched at the first one's use and taken over, recovered, by the next (its restarted stage is a fresh process;
-    a launch costs the suite seconds); each reads the supervisor's log and the intake's counters from its own start.
-    One a failed test left failing is shut down and launched again. Shut down when the module ends."""
-    deps = []
-
-    def get():
-        if deps and not deps[-1]._down:
-            try:
-                deps[-1].wait_ready(90)
-                return deps[-1]
-            except Exception:       # noqa: BLE001 - left failed by a test that failed: not the next one's
-                deps[-1].shutdown()
-        path = tiny_checkpoint("dense", False)[1]
-        deps.append(memra_pp.launch({**cfg(path, 2), "recover": "replay", "timeouts": {"heartbeat_s": 0.5},
-                                     "scheduler": {"max_batch": 8, "max_context": 256, "prefill_chunk": 4}}))
-        return deps[-1]
+    """replaying("replay"): the replay tests' deployment (recover: replay, a heartbeat every 0.5 s, 4-token prefill
+    chunks), launched at the first one's use and taken over, recovered, by the next (its restarted stage is a fresh
+    process; a launch costs the suite seconds); each reads the supervisor's log and the intake's counters from its
+    own start. One a failed test left failing is shut down and launched again (LaunchedOnce)."""
+    path = tiny_checkpoint("dense", False)[1]
+    get = LaunchedOnce(lambda _: {**cfg(path, 2), "recover": "replay", "timeouts": {"heartbeat_s": 0.5},
+                                  "scheduler": {"max_batch": 8, "max_context": 256, "prefill_chunk": 4}})
     yield get
-    for d in deps:
-        d.shutdown()
+    get.shutdown()
 
 
 @pytest.mark.parametrize("stage", [1, 0])
@@ -246,7 +235,7 @@ def test_an_image_request_is_replayed_through_a_restart(replaying, stage):
     new = 160
     want = hf_image_greedy_n(model, p, imgs, new)
     assert want[0] == IMG, "the premise: the model's first token is the placeholder"
-    dep = replaying()
+    dep = replaying("replay")
     n0, before = len(dep.supervisor.log), dep.stats()["stages"][0]["overlay_publications"]
     c = dep.client()
     s = Stream(c, p, new, images=imgs)
