@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from memra_pp.errors import ConfigError
+from memra_pp.shm import proc_stat
 
 if TYPE_CHECKING:   # torch where an engine is made: a driver unpickles ContextIds (setup's infos) without it
     import torch
@@ -57,10 +58,10 @@ def process_counters() -> ProcessCounters:
 
 def _process_start_ticks(pid: int) -> int:
     """Start time of the process (Linux /proc), so a reused pid gets a different CPU context id."""
+    fields = proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields else 0
+    except (IndexError, ValueError):
         return 0
 
 

@@ -33,7 +33,7 @@ def auto_pipeline_chunks(stages: int) -> int:
 
 class Scheduler:
     def __init__(self, max_batch: int, microbatches: int, prefill_chunk: int, max_context: int,
-                 pipeline_chunks: int = 1, prefill_chunk_decoding: int | None = None):
+                 pipeline_chunks: int = 1, prefill_chunk_decoding: int | None = None, kv_limit: int | None = None):
         self.max_batch, self.M, self.chunk, self.max_context = max_batch, microbatches, prefill_chunk, max_context
         # the prompt tokens the microbatches in flight may hold together while any admitted request decodes
         # (scheduler.prefill_chunk_decoding; None: prefill_chunk per microbatch throughout). A decoding request's
@@ -66,7 +66,7 @@ class Scheduler:
         # most pages (prompt + max_new_tokens - 1 positions) fit beside those of the admitted ones, so
         # no stage's cache growth is ever refused under a running microbatch; the others wait in order.
         self.kv_pages: int | None = None
-        self.kv_limit: int | None = None          # scheduler.kv_pages, the placement's cap on kv_pages (None: none)
+        self.kv_limit = kv_limit                  # scheduler.kv_pages, the placement's cap on kv_pages (None: none)
         self.kv_block = 64
         self.kv_used = 0
         self.kv_waits = 0                         # requests that waited for pages at the head (stats, tests)
@@ -130,9 +130,8 @@ class Scheduler:
         pieces = auto_pipeline_chunks(stages) if sc.pipeline_chunks is None else sc.pipeline_chunks
         if stages < 2 or microbatches < 2:
             pieces = 1
-        s = cls(sc.max_batch, microbatches, sc.prefill_chunk, sc.max_context, pieces, sc.prefill_chunk_decoding)
-        s.kv_limit = sc.kv_pages
-        return s
+        return cls(sc.max_batch, microbatches, sc.prefill_chunk, sc.max_context, pieces, sc.prefill_chunk_decoding,
+                   sc.kv_pages)
 
     def piece(self, s: Seq) -> int:
         """The most prompt tokens of `s` one microbatch takes, fixed when its first chunk is cut: prefill_chunk,

@@ -188,7 +188,8 @@ class MoE(Param):
             form = ("gathered" if 3 * idx.numel() <= self.experts_gate_up_proj.shape[0] else "all_experts") \
                 if static else "routed"
             MOE_CALLS[form] += 1
-            out = getattr(self, "_" + form)(x_TH, w, idx)
+            run = self._gathered if form == "gathered" else self._all_experts if form == "all_experts" else self._routed
+            out = run(x_TH, w, idx)
         shared = self.lin(F.silu(self.lin(x_TH, "shared_expert.gate_proj", lora)) *
                           self.lin(x_TH, "shared_expert.up_proj", lora), "shared_expert.down_proj", lora)
         return out + torch.sigmoid(F.linear(x_TH, self.shared_expert_gate_weight)) * shared
