@@ -37,6 +37,7 @@ class Supervisor:
         self.failure: StageFailed | None = None   # set when a recovery gave up: wait_ready raises it
         self.log: list[dict] = []             # one record per failure: stage, reason, detect / recovery times
         self.sigkilled = 0                    # stage processes a restart SIGKILLed itself (rayutil.kill_actor)
+        self.halt_failed: dict[int, str] = {}   # the last restart's survivors whose halt failed: index -> why
         self.reload_from: str | None = None   # where the last restart read its adapters: intake, kv or heartbeat
         self.intake_id = dep.actors[0]._actor_id if dep.actors else None   # the intake a restart last completed
         self.thread = threading.Thread(target=self._run, name="memra-supervisor", daemon=True)
@@ -207,7 +208,7 @@ class Supervisor:
             self.recovered = self.generation
             self.log.append({"stage": stage, "reason": reason, "recovered": True,
                              "recovery_s": time.monotonic() - t0, "attempts": attempt + 1,
-                             "sigkilled": self.sigkilled - k0})
+                             "sigkilled": self.sigkilled - k0, "halt_failed": self.halt_failed})
             self.ready.set()
             self._publish(stage, str(err))
             for c in list(dep._clients):
@@ -224,11 +225,13 @@ class Supervisor:
         survivors = [i for i in range(len(dep.actors)) if i != stage]
         refs = [dep.actors[i].halt.remote(stage, str(err)) for i in survivors]
         ray.wait(refs, num_returns=len(refs), timeout=p.timeouts.step_s)
-        failed = {stage}
+        failed, self.halt_failed = {stage}, {}
         for i, ref in zip(survivors, refs):   # a survivor that cannot halt is restarted too
             try:
                 ray.get(ref, timeout=0)
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
+                cause = getattr(e, "cause", None) or e      # (a RayTaskError carries the stage's own exception)
+                self.halt_failed[i] = f"{type(cause).__name__}: {cause}"
                 self.sigkilled += kill_actor(dep.actors[i], dep.procs.get(i))
                 failed.add(i)
         if 0 not in failed and dep.actors[0]._actor_id != self.intake_id:

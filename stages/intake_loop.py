@@ -206,5 +206,7 @@ class IntakeLoop(_Loop):
         try:
             self.sender.send(hdr, out, timeout=r.placement.timeouts.step_s)
         except (ChannelClosed, TimeoutError, MemraError) as e:
+            if self.stopping.is_set():      # halted under it: the halt ended the requests (stage lost), not stage 1
+                return
             r.mail.post(r.fail_lost(1, f"stage 1 is lost: it did not take a microbatch: {e}"))
             raise   # the loop ends loudly: the supervisor sees a lost link and recovers the pipeline

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 
-from ..errors import MemraError
+from ..errors import MemraError, StageFailed
 from ..scheduler import Event, Scheduler
 
 
@@ -21,6 +22,12 @@ def rss_bytes() -> int:
 
 
 class RecoveryMixin:
+    # How long halt() waits for the stage's loop to end (at most; half of timeouts.step_s where that is less, so that
+    # the halt answers within the supervisor's wait). A loop still inside a step then would finish it on what the
+    # halt makes afresh (the cache, the intake's scheduler, its `lost` mark): the halt fails instead, and the
+    # supervisor restarts this stage as it restarts one that cannot halt
+    HALT_JOIN_S = 10.0
+
     def health(self) -> dict:
         """Is this stage's loop (and, on the intake, the ring reader) running; if not, why (the loop's error)."""
         # the intake's loaded adapters ride along: the supervisor reloads them if the intake itself is restarted
@@ -33,7 +40,8 @@ class RecoveryMixin:
         """Stop serving for a rewire: every request this stage holds ends with a stage-lost error naming `stage`
         (clients replay or fail it), links close, caches reset (decode graphs, if on, rebuilt over the new cache,
         the old ones released first).
-        Loaded weights and adapters stay."""
+        Loaded weights and adapters stay. A loop still inside a step once the wait for it ends (HALT_JOIN_S) fails
+        the halt with StageFailed, after this stage's requests have ended: the supervisor restarts the stage."""
         self.here()
         loop = self.loop
         if loop is not None:
@@ -44,10 +52,14 @@ class RecoveryMixin:
                 ch.close()
         if self.ring is not None:
             self.ring.close()
+        stuck = []
         if loop is not None:
+            end = time.monotonic() + min(self.HALT_JOIN_S, self.placement.timeouts.step_s / 2)
             for t in (loop.thread, getattr(loop, "ring_thread", None)):
                 if t is not None and t.is_alive():
-                    t.join(timeout=10)
+                    t.join(timeout=max(end - time.monotonic(), 0.0))
+                    if t.is_alive():
+                        stuck.append(t.name)
         self.loop = None
         self._close_links()
         sc = self.placement.scheduler
@@ -64,6 +76,12 @@ class RecoveryMixin:
                     evs.extend(item)
             self.inbox.taken = None             # (every one taken has failed)
             self.mail.post(evs)
+        if stuck:
+            raise StageFailed(f"stage {self.index}: its thread {', '.join(stuck)} was still inside a step "
+                              f"{min(self.HALT_JOIN_S, self.placement.timeouts.step_s / 2):g} s into the halt "
+                              f"(the step would end in the fresh cache and scheduler): this stage is restarted too",
+                              self.index)
+        if self.spec.intake:
             self.scheduler = Scheduler.for_placement(sc, len(self.plan.stages), self.plan.microbatches).carry_counts(
                 self.scheduler)
         g = self.model.graphs

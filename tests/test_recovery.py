@@ -51,3 +51,47 @@ def test_halt_rebuilds_the_decode_graphs_over_the_new_cache(monkeypatch):
     got = steps(r.model, r.cache)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
     assert g.replays == 2 and g.captures == 1          # the decode steps ran through a graph, captured on first use
+
+
+def test_a_halt_whose_loop_is_still_inside_a_step_fails_and_keeps_the_old_state():
+    """An intake whose loop is still inside a step when halt() stops waiting for it (HALT_JOIN_S, or half of
+    timeouts.step_s) must not carry on: that step would end in the fresh cache and scheduler (it once failed the
+    recovered deployment's requests with "stage 1 is lost"). The halt ends this stage's requests as ever, then
+    raises StageFailed naming the stage and the thread, and makes nothing fresh: the supervisor restarts it."""
+    import threading
+
+    import pytest
+
+    from memra_pp.errors import StageFailed
+    from memra_pp.model.sampling import SamplingParams
+    from memra_pp.scheduler import Request, Scheduler
+    r = StageRunner()
+    r.index = 0
+    r.spec = types.SimpleNamespace(intake=True)
+    r.placement = types.SimpleNamespace(scheduler=types.SimpleNamespace(max_batch=2, max_context=64),
+                                        timeouts=types.SimpleNamespace(step_s=60.0))
+    r.scheduler = sched = Scheduler(2, 1, 16, 64)
+    sched.add(Request("held", "g.c", [1, 2, 3], 4, SamplingParams()))
+    r.cache = cache = object()
+    gate = threading.Event()
+    r.loop = types.SimpleNamespace(stopping=threading.Event(), ring_thread=None,
+                                   thread=threading.Thread(target=gate.wait, args=(30,), name="memra-intake-0"))
+    r.loop.thread.start()
+    r.HALT_JOIN_S = 0.2
+    try:
+        with pytest.raises(StageFailed) as e:
+            r.halt(1, "stage 1 is lost")
+    finally:
+        gate.set()
+    assert e.value.stage == 0 and "memra-intake-0 was still inside a step 0.2 s into the halt" in str(e.value)
+    assert "this stage is restarted too" in str(e.value)
+    evs = r.mail._boxes.get("g.c", [])
+    assert [(x[0], x[3], x[4][0]) for x in evs] == [("held", "error", "StageFailed")], evs    # its request ended
+    assert r.scheduler is sched and r.cache is cache and r.loop is None     # nothing fresh for the old step
+    r.placement.timeouts.step_s = 0.2       # half of step_s where that is less: the supervisor waits step_s
+    r.loop = types.SimpleNamespace(stopping=threading.Event(), ring_thread=None,
+                                   thread=threading.Thread(target=threading.Event().wait, args=(2,), name="t"))
+    r.loop.thread.start()
+    r.HALT_JOIN_S = 10.0
+    with pytest.raises(StageFailed, match="t was still inside a step 0.1 s into the halt"):
+        r.halt(1, "stage 1 is lost")

@@ -306,6 +306,32 @@ def test_stuck_stage_is_detected_and_replaced(ray_cluster):
         assert c.generate(list(SHORT), max_new_tokens=4).token_ids == ref
 
 
+def test_a_survivor_still_inside_a_step_is_restarted_too(ray_cluster):
+    """Stage 0 is inside a long step (a stall shorter than timeouts.step_s: not stuck) when stage 1 dies. Its halt
+    waits half of step_s for the loop, then fails (that step would end in the fresh cache and scheduler), and the
+    supervisor restarts stage 0 too, naming why in its log. Before, the halt returned after 10 s whatever the loop
+    did, and the old step, ending in the recovered deployment, failed its requests with "stage 1 is lost"."""
+    _, path = tiny_checkpoint("dense", False)
+    cfg = dict(config(path, 2), timeouts={"heartbeat_s": 0.5, "step_s": 7.5})
+    with memra_pp.launch(cfg) as dep, ThreadPoolExecutor(1) as ex:
+        c = dep.client()
+        pid0 = pid_of(dep.actors[0])
+        ray.get(dep.actors[0].inject_stall.remote(6), timeout=30)
+        fut = ex.submit(c.generate, list(SHORT), max_new_tokens=4, timeout=30)
+        until(lambda: ray.get(dep.actors[0].health.remote(), timeout=30)["computing_s"] > 0,
+              "stage 0 inside its stalled step")
+        ray.kill(dep.actors[1])
+        with pytest.raises(StageFailed):
+            fut.result(timeout=60)
+        dep.wait_ready(timeout=60)
+        entry = dep.supervisor.log[-1]
+        assert entry["stage"] == 1 and entry["recovered"] and set(entry["halt_failed"]) == {0}, entry
+        assert "was still inside a step 3.75 s into the halt" in entry["halt_failed"][0], entry
+        assert entry["sigkilled"] >= 1 and pid_of(dep.actors[0]) != pid0, entry   # its live process, by its pid
+        ref = hf_reference("dense", False, SHORT, 4)[0]
+        assert [c.generate(list(SHORT), max_new_tokens=4).token_ids for _ in range(2)] == [ref, ref]
+
+
 def _pg_state(pg_id: str) -> str | None:
     return ray.util.placement_group_table().get(pg_id, {}).get("state")
 
