@@ -62,6 +62,35 @@ def test_tower_matches_hf(tower, hf_tower, grids):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_the_towers_rope_base_is_read_from_the_config_and_other_ropes_refused():
+    """vision_config.rope_parameters.rope_theta is the axial rope's base in transformers; the tower used 10000
+    whatever the config said (1e-4 off at theta 100 on this small grid, more on larger ones). A rope_type other
+    than "axial", or a base that is no finite number above 1, is refused naming the key."""
+    from transformers import Qwen3_5VisionConfig, Qwen3_5VisionModel
+
+    from memra_pp.model.config import parse_config
+    from memra_pp.model.tiny import tiny_config
+    rope = {"rope_type": "axial", "rope_theta": 100.0}
+    torch.manual_seed(0)
+    hf = perturb(Qwen3_5VisionModel(Qwen3_5VisionConfig(**VISION, rope_parameters=rope)))
+    raw = tiny_config(vision=True)
+    raw["vision_config"] = dict(VISION, out_hidden_size=raw["text_config"]["hidden_size"], rope_parameters=rope)
+    vc = parse_config(raw).vision
+    assert vc.rope_theta == 100.0
+    tower = VisionTower(vc).load_hf_state(hf.state_dict())
+    g = torch.tensor([(1, 8, 12)])
+    px = torch.randn(96, 3 * 2 * 4 * 4)
+    with torch.no_grad():
+        assert torch.allclose(tower(px, g), hf(px, grid_thw=g).pooler_output, atol=1e-5)
+    for bad, msg in ((dict(rope, rope_type="mrope"), "rope_type 'mrope' is not supported"),
+                     (dict(rope, rope_theta=float("nan")), "rope_theta must be a finite number above 1"),
+                     (dict(rope, rope_theta="1e4"), "rope_theta must be a finite number above 1"),
+                     ([100.0], "rope_parameters must be an object")):
+        raw["vision_config"]["rope_parameters"] = bad
+        with pytest.raises(ConfigError, match=msg):
+            parse_config(raw)
+
+
 def test_tower_loads_by_checkpoint_name(hf_tower):
     """load() must read the 5-D conv weight and every other tensor by its name after `model.visual.`."""
     sd = {"model.visual." + k: v for k, v in hf_tower.state_dict().items()}

@@ -127,11 +127,16 @@ class VisionConfig:
     num_position_embeddings: int
     in_channels: int = 3
     hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0     # vision_config.rope_parameters.rope_theta (the axial rope's base)
 
     def validate(self, where: str = "config.json") -> "VisionConfig":
+        t = self.rope_theta
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 1:
+            raise ConfigError(f"{where}: vision_config.rope_parameters.rope_theta must be a finite number above 1, "
+                              f"got {t!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name != "hidden_act" and (not _is_int(v) or v <= 0):
+            if f.name not in ("hidden_act", "rope_theta") and (not _is_int(v) or v <= 0):
                 raise ConfigError(f"{where}: vision_config.{f.name} must be a positive integer, got {v!r}")
         if not isinstance(self.hidden_act, str):
             raise ConfigError(f"{where}: vision_config.hidden_act must be a string, got {self.hidden_act!r}")
@@ -311,7 +316,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     vis = raw.get("vision_config")
     if vis is not None and not isinstance(vis, dict):
         raise ConfigError(f"{where}: vision_config must be an object of the vision tower's keys, got {vis!r}")
-    vc = _take({**VISION_DEFAULTS, **vis}, VisionConfig, where + " vision_config").validate(where) if vis else None
+    vc = _take({**VISION_DEFAULTS, **vis}, VisionConfig, where + " vision_config",
+               **_vision_rope(vis, where)).validate(where) if vis else None
     if vc is not None and vc.out_hidden_size != tc.hidden_size:
         raise ConfigError(f"{where}: vision_config.out_hidden_size {vc.out_hidden_size} must equal the text "
                           f"hidden_size {tc.hidden_size}")
@@ -320,6 +326,22 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     tokens = {k: raw.get(k, VLM_TOKEN_DEFAULTS[k] if vc is not None else None) for k in VLM_TOKEN_DEFAULTS}
     return ModelConfig(model_type=mtype or ttype, text=tc, vision=vc, **tokens,
                        eos_token_ids=_eos(eos, eos_key, tc.vocab_size, where))
+
+
+def _vision_rope(vis: dict, where: str) -> dict:
+    """The vision tower's rope, as transformers reads it: vision_config.rope_parameters, whose rope_type must be
+    "axial" (the only one the tower has; transformers refuses another too) and whose rope_theta is the base (10000
+    where not given). Returns VisionConfig's keywords for it."""
+    rp = vis.get("rope_parameters")
+    if rp is None:
+        return {}
+    if not isinstance(rp, dict):
+        raise ConfigError(f"{where}: vision_config.rope_parameters must be an object, got {rp!r}")
+    kind = rp.get("rope_type", "axial")
+    if kind != "axial":
+        raise ConfigError(f"{where}: vision_config.rope_parameters.rope_type {kind!r} is not supported; the vision "
+                          f"tower's rope is 'axial'")
+    return {"rope_theta": rp["rope_theta"]} if "rope_theta" in rp else {}
 
 
 def read_json(path: Path, bad: str):

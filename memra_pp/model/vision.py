@@ -20,7 +20,6 @@ from .config import VisionConfig
 # R = N / merge^2 output rows, Ho = out_hidden_size (the text model's hidden size).
 
 ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
-ROPE_THETA = 10000.0
 
 
 class _Attention(nn.Module):
@@ -181,7 +180,7 @@ class VisionTower(nn.Module):
 
     def _rotary(self, grids, device):
         hd = self.vcfg.hidden_size // self.vcfg.num_heads
-        inv = 1.0 / ROPE_THETA ** (torch.arange(0, hd // 2, 2, dtype=torch.float) / (hd // 2))   # [hd/4]
+        inv = 1.0 / self.vcfg.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float) / (hd // 2))  # [hd/4]
         pos = torch.cat([torch.stack(self._merge_order(h, w), -1).repeat(t, 1) for t, h, w in grids])  # [N, 2]
         f = (pos[..., None].float() * inv).flatten(1)                                     # [N, hd/2]: rows, cols
         emb = torch.cat((f, f), dim=-1).to(device)
