@@ -183,6 +183,10 @@ class Stream(Iterator[StreamEvent]):
     def __next__(self) -> StreamEvent:
         with self._reading:
             if self._closed:
+                # a close() from another thread while this thread was inside next() could not close the pieces
+                # ("generator already executing"): the request is let go here, else it ran on to its end
+                with contextlib.suppress(ValueError):   # (unless that close is still running the cleanup)
+                    self._pieces.close()
                 raise StopIteration
             try:
                 return next(self._pieces)
@@ -339,10 +343,15 @@ class Client(ReplayMixin):
             self._lock.release()
         self._abort(tr.rid)
 
-    def _submit(self, prompt, max_new_tokens, kw: dict, sink=None) -> tuple[_Track, queue.Queue, list[int]]:
-        """One request with generate's keywords (`kw`); an unknown keyword is refused before anything is sent."""
+    def _submit(self, prompt, max_new_tokens, kw: dict, sink=None,
+                wait: float | None = None) -> tuple[_Track, queue.Queue, list[int]]:
+        """One request with generate's keywords (`kw`); an unknown keyword is refused before anything is sent.
+        `wait`: the request's timeout, which also bounds the wait for a recovery in progress (else ready_s)."""
         if self._closed.is_set():   # its deployment was shut down (or it was closed): the actors may be gone
             raise StageFailed("this client was closed (close(), or its deployment's shutdown)")
+        if not ray.is_initialized():    # ray.shutdown() since: the submit would start a new local cluster to look in
+            raise StageFailed("submit: this process is no longer connected to the Ray cluster of the deployment "
+                              "(ray.shutdown() was called); connect() again")
         unknown = sorted(set(kw) - set(REQUEST_DEFAULTS))
         if unknown:
             known = sorted({*REQUEST_DEFAULTS, "max_new_tokens", "logprobs", "timeout"})  # the last three: named
@@ -354,7 +363,12 @@ class Client(ReplayMixin):
             self.dep.model_config   # (_prompt_len), and a connected handle asks the intake for it
         t = self.dep.placement.timeouts
         sup = self._sup
-        if sup is not None and not sup.ready.wait(t.ready_s):   # a recovery is in progress: wait for it
+        limit = t.ready_s if wait is None else min(t.ready_s, wait)
+        if sup is not None and not sup.ready.wait(limit):   # a recovery is in progress: wait for it
+            if sup.failure is None and limit < t.ready_s:   # the request's own timeout: nothing was sent
+                raise RequestTimeout(f"the deployment is recovering from a stage failure and was not ready within "
+                                     f"{limit:g} s (the request's timeout); nothing was submitted: retry, or wait "
+                                     f"with dep.wait_ready()")
             raise sup.failure or StageFailed(f"the deployment did not recover within {t.ready_s:g} s "
                                              f"(timeouts.ready_s); retry once dep.wait_ready() returns")
         if sup is not None and sup.failure is not None:         # a recovery gave up: nothing will serve this
@@ -563,7 +577,8 @@ class Client(ReplayMixin):
         wait, logprobs = self._timeout(timeout), flag("logprobs", logprobs)
         tr, q, ids = self._submit(prompt, max_new_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, adapter=adapter, images=images, **unknown))
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, adapter=adapter, images=images, **unknown),
+            wait=wait)
         toks, lps, finish = [], [], "length"
         for t, l, f in self._events(tr, q, wait):
             toks += t
@@ -579,7 +594,7 @@ class Client(ReplayMixin):
         only the vision tower can find, rows that are not finite, raises at a next()); an iterator closed (from
         any thread) or dropped before the end frees its sequence."""
         wait, logprobs = self._timeout(timeout), flag("logprobs", logprobs)
-        tr, q, _ = self._submit(prompt, max_new_tokens, kw)
+        tr, q, _ = self._submit(prompt, max_new_tokens, kw, wait=wait)
         events = self._events(tr, q, wait, primed=True)
         next(events)             # inside its try: from here a close, or the iterator's collection, aborts the request
         tok = self.dep.tokenizer
@@ -606,7 +621,7 @@ class Client(ReplayMixin):
         loop = asyncio.get_running_loop()
         box = _Box(loop)
         sink = lambda item: loop.call_soon_threadsafe(box.put, item)   # noqa: E731
-        tr, _, ids = await self._submit_cancellable(loop, lambda: self._submit(prompt, max_new_tokens, kw, sink))
+        tr, _, ids = await self._submit_cancellable(loop, lambda: self._submit(prompt, max_new_tokens, kw, sink, wait))
         toks, lps, finish, done = [], [], "length", False
         try:
             while True:

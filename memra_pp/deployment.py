@@ -632,6 +632,10 @@ class Deployment:
             self.supervisor.stop()
         for c in list(self._clients):     # (a closed client leaves the list)
             c.close()
+        if not ray.is_initialized():      # ray.shutdown() here: a Ray call would start a new local cluster
+            raise StageFailed(f"shutdown: this process is no longer connected to the Ray cluster of the deployment "
+                              f"{self.placement.name!r} (ray.shutdown() was called), so it could not stop it; this "
+                              f"handle is closed: connect() again and shut it down from there")
         key = self.kv_key("stop")
         if key is None or _named_pg_id(self.placement.name) != self._pg_id:
             return "gone"
@@ -656,6 +660,9 @@ class Deployment:
             c.close()
         with self._actors_lock:
             actors = list(self.actors)
+        if not ray.is_initialized():      # ray.shutdown() by the caller: a Ray call would start a new local cluster
+            self._teardown_without_ray()
+            return
         refs = [a.stop.remote() for a in actors]
         # a dead or hung stage must not keep the others up; one that answered (an error or a dead actor's answer
         # too) goes by Ray's kill, one that did not by its process where it is here (Ray waits ~5 s for it)
@@ -665,6 +672,12 @@ class Deployment:
                 ray.kill(a)
             else:
                 kill_actor(a, self.procs.get(i))
+        # a restart that outlived stop()'s wait (a weights reload, say) must end before Ray may: its next Ray call
+        # after ray.shutdown() would start a new local cluster. Its calls on the killed stages now fail, and it
+        # ends at its next step (an actor it makes from here on it kills itself)
+        if self.supervisor is not None and not self.supervisor.finish(self.placement.timeouts.step_s):
+            log.warning(f"shutdown: the recovery of {self.placement.name!r} did not end within "
+                        f"{self.placement.timeouts.step_s:g} s (timeouts.step_s) of its stages' end")
         unlink_shm([n for names in self.slot_names for n in names])   # what a killed stage could not (this host)
         from ray.util.placement_group import remove_placement_group
         pg = getattr(self, "_pg", None)
@@ -683,6 +696,21 @@ class Deployment:
                         internal_kv._internal_kv_del(key)
                 except Exception:  # noqa: BLE001 - the cluster is going away: nothing left to clear
                     pass
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _teardown_without_ray(self) -> None:
+        """What _teardown frees where this process has left Ray: the stage processes still running on this host
+        (Ray stops a stage with the cluster its driver started, or with the driver it belongs to; a detached one
+        stays) are SIGKILLed by their pid, then their shared-memory segments and the run dir go."""
+        from .rayutil import _pidns, _sigkill
+        pids = []
+        for proc in self.procs.values():    # (a process of another host has another start time or pid namespace)
+            if proc.get("start") is not None and proc.get("pidns") == _pidns():
+                _sigkill(proc["pid"], proc["start"])
+                pids.append(proc["pid"])
+        unlink_shm([n for names in self.slot_names for n in names])
+        unlink_shm_of(pids)
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

@@ -51,8 +51,16 @@ class Supervisor:
         self.stopping.set()
         if not self.ready.is_set():
             self._end_stopped()
+        self.finish(self.STOP_JOIN_S)
+
+    # how long stop() waits for a recovery to reach its next step (finish() waits again once the stages are gone)
+    STOP_JOIN_S = 10.0
+
+    def finish(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the supervising thread to end (from another thread); whether it has."""
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout=10)
+            self.thread.join(timeout=timeout)
+        return not self.thread.is_alive()
 
     def _end_stopped(self) -> None:
         """A recovery ended by a shutdown: callers waiting for it get a typed error, not timeouts.ready_s of waiting
@@ -186,7 +194,7 @@ class Supervisor:
                 c.on_stage_failed(err)
             last = None
             for attempt in range(ATTEMPTS):
-                if self.stopping.is_set() or (dep.detached and self._stop_requested()):
+                if self.stopping.is_set() or not ray.is_initialized() or (dep.detached and self._stop_requested()):
                     self._end_stopped()
                     return
                 try:
@@ -219,10 +227,12 @@ class Supervisor:
         open every receiving side afresh in a new run sub-dir (one per attempt), rewire, reload adapters, start."""
         dep, p = self.dep, self.dep.placement
         t = p.timeouts.ready_s
+        self._live()
         # its process first where it runs here: Ray waits about 5 s for one that does not answer (a hung or stopped
         # stage), and the new actor waits for its bundle
         self.sigkilled += kill_actor(dep.actors[stage], dep.procs.get(stage))
         survivors = [i for i in range(len(dep.actors)) if i != stage]
+        self._live()
         refs = [dep.actors[i].halt.remote(stage, str(err)) for i in survivors]
         ray.wait(refs, num_returns=len(refs), timeout=p.timeouts.step_s)
         failed, self.halt_failed = {stage}, {}
@@ -243,6 +253,7 @@ class Supervisor:
         run_dir = os.path.join(dep.run_dir, f"r{self.generation}-{len(self.log)}-{attempt}")
         os.makedirs(run_dir, mode=0o700, exist_ok=True)
         for i in sorted(failed):
+            self._live()
             a = dep.new_actor(i)
             with dep._actors_lock:
                 dep.actors[i] = a
@@ -250,6 +261,7 @@ class Supervisor:
             if self.stopping.is_set():
                 ray.kill(a)
                 raise StageFailed("the deployment is shutting down")
+        self._live()
         stale = {i: dep.slot_names[i] for i in failed if dep.slot_names[i]}
         if stale:   # a killed stage left its receiving segments behind: its replacement (same node) unlinks them
             _get([dep.actors[i].unlink_shm.remote(names) for i, names in stale.items()], t, "stale slots")
@@ -258,11 +270,13 @@ class Supervisor:
                       else a.relink.remote(run_dir, tr[i]) for i, a in enumerate(dep.actors)], t, "stage restart")
         dep.slot_names = [shm_names(x) for x in infos]
         dep.procs.update({i: infos[i]["proc"] for i in failed if infos[i].get("proc")})
+        self._live()
         dep.wire(dep.actors, infos, t)
         # the adapters to reload: the loaded ones of the intake's registry where the intake survived (every
         # handle's loads); else as the dead intake last kept them in Ray's KV (a detached deployment, where other
         # handles load too), or as the last heartbeat saw them. A new intake's registry is filled again here. One
         # that no longer loads (its files gone) is dropped and logged, not a failed restart.
+        self._live()
         if 0 in failed:
             loaded, self.reload_from = self._kept_registry(), "kv"
             if loaded is None:
@@ -271,6 +285,7 @@ class Supervisor:
             loaded, self.reload_from = _get(dep.actors[0].adapters.remote(True), t, "adapters"), "intake"
         kept = {}
         for name, (slot, path) in loaded.items():
+            self._live()
             try:
                 if 0 in failed:
                     _get(dep.actors[0].reserve_adapter.remote(name, path, slot), t, "reserve adapter slot")
@@ -290,10 +305,19 @@ class Supervisor:
         key = dep.kv_key("adapters") if 0 in failed else None
         if key is not None:     # only now: a reload that fails midway (and is retried) leaves the dead intake's list
             _get(dep.actors[0].registry_key.remote(key), t, "adapter registry key")
+        self._live()
         if loaded:      # reloaded LoRA pools took memory after the wiring measured it
             dep._rebudget(t)
+        self._live()
         _get([a.start.remote(recovered=True) for a in dep.actors], t, "stage start")
         self.intake_id = dep.actors[0]._actor_id
+
+    def _live(self) -> None:
+        """Before each of a restart's Ray calls: stop the restart once shutdown() has begun. Its stop() waits only
+        10 s for the restart, then the caller tears down and may stop Ray; a Ray call after that would start a new
+        local cluster (Ray's auto-init) and leave it running."""
+        if self.stopping.is_set() or not ray.is_initialized():
+            raise StageFailed("the deployment is shutting down")
 
     def _kept_registry(self) -> dict | None:
         """The loaded adapters a detached deployment's intake kept in Ray's KV, name -> (slot, path); None: not
@@ -383,6 +407,10 @@ class RemoteSupervisor:
         self.stopping.set()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join(timeout=5)
+
+    def finish(self, timeout: float) -> bool:
+        """As Supervisor.finish: wait up to `timeout` s for the following thread to end; whether it has."""
+        return Supervisor.finish(self, timeout)
 
     def _read(self) -> dict | None:
         if not ray.is_initialized():    # (kv_key's get_runtime_context would start a new local cluster)

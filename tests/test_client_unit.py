@@ -480,3 +480,33 @@ def test_a_replay_the_new_intake_cannot_take_ends_typed_and_is_not_held_again(mo
                           "actor refused the call: NotImplementedError: boom"), err
     finally:
         c.close()
+
+
+def test_a_stream_closed_while_its_reader_holds_an_event_lets_the_request_go():
+    """close() from another thread while the reader is inside next() with an event in hand cannot close the pieces
+    ("generator already executing"); the reader's next call must then close them (their cleanup lets the request
+    go on the intake), not only end: the request ran on to max_new_tokens, its slot and KV held."""
+    from memra_pp.client import Stream
+    inside, go, cleaned = threading.Event(), threading.Event(), []
+
+    def pieces():
+        try:
+            yield None
+            inside.set()
+            go.wait(10)             # the reader's thread decodes this event's text
+            yield "event"
+            yield "more"
+        finally:
+            cleaned.append(True)    # (stream()'s pieces: the request is let go)
+    it = pieces()
+    next(it)
+    s = Stream(it, lambda: None)
+    got = []
+    th = threading.Thread(target=lambda: got.extend(s))
+    th.start()
+    assert inside.wait(10)
+    s.close()
+    assert cleaned == []            # the close could not reach the generator
+    go.set()
+    th.join(10)
+    assert got == ["event"] and cleaned == [True]

@@ -2,6 +2,7 @@
 a handle connected while a stage is being replaced, an adapter loaded during a recovery, a second stage lost
 while the first is being restarted, and wait_ready's argument. Every request must end with its reference tokens,
 and the deployment must serve after each recovery."""
+import re
 import threading
 import time
 
@@ -235,18 +236,85 @@ def test_a_malformed_tokenizer_is_refused_at_launch(tmp_path):
 
 
 AFTER_RAY_SHUTDOWN = r"""
-import sys, time, ray, memra_pp
+import os, sys, time, ray, memra_pp
 from memra_pp.defaults import ensure_tiny      # (the project's own writer: transformers' import and build cost 2 s)
 path = ensure_tiny()
 dep = memra_pp.launch({"name": "gone", "model": {"path": str(path)}, "recover": "replay",
                        "timeouts": {"heartbeat_s": 0.2}, "stages": [{"device": "cpu", "num_cpus": 0.1}]},
                       detached=True)
 other = memra_pp.connect("gone")
-assert other.client().generate([5, 6, 7], max_new_tokens=2).token_ids
+c = dep.client()
+assert other.client().generate([5, 6, 7], max_new_tokens=2).token_ids and c.generate([5], max_new_tokens=1).token_ids
+mine = lambda: sorted(n for n in os.listdir("/dev/shm") if n.startswith(tuple(f"mpp-{p}." for p in pids)))
+pids = [x["pid"] for x in dep.procs.values()]
+assert mine() and os.path.isdir(dep.run_dir)
 ray.shutdown()                  # not dep.shutdown(): the supervisors' threads and the poller are still running
 time.sleep(2)
+t0 = time.monotonic()
+try:                            # a client made before: refused at once, no new cluster to find the intake in
+    c.generate([5, 6, 7], max_new_tokens=2)
+except memra_pp.StageFailed as e:
+    print("generate refused:", e, round(time.monotonic() - t0, 2), flush=True)
+try:                            # nothing it can ask or kill from here: it says so
+    other.shutdown()
+except memra_pp.StageFailed as e:
+    print("connected shutdown:", e, flush=True)
+dep.shutdown()                  # returns, and frees what the cluster's end left: the segments, the run dir
+print("segments left", mine(), "run dir left", os.path.isdir(dep.run_dir), flush=True)
 print("initialized after", ray.is_initialized(), flush=True)
 """
+
+
+SLOW_RESTART = r"""
+import os, signal, threading, time, ray, memra_pp
+from memra_pp.defaults import ensure_tiny
+from memra_pp.deployment import Deployment
+from memra_pp.supervisor import Supervisor
+Supervisor.STOP_JOIN_S = 0.5        # (stop()'s wait, 10 s: a restart outlives it here without a 10 s test)
+dep = memra_pp.launch({"name": "slowre", "model": {"path": str(ensure_tiny())}, "timeouts": {"heartbeat_s": 0.2},
+                       "stages": [{"device": "cpu", "num_cpus": 0.1}] * 2})
+c = dep.client()
+assert c.generate([5, 6, 7], max_new_tokens=2).token_ids
+entered, gate, wire = threading.Event(), threading.Event(), Deployment.wire
+def slow_wire(self, *a, **k):       # a restart's wiring that takes long (as a big model's reload would)
+    entered.set()
+    gate.wait(60)
+    return wire(self, *a, **k)
+Deployment.wire = slow_wire
+os.kill(dep.procs[1]["pid"], signal.SIGKILL)
+assert entered.wait(30)
+t0 = time.monotonic()
+try:
+    c.generate([5, 6, 7], max_new_tokens=2, timeout=1)
+except memra_pp.RequestTimeout as e:
+    print("timed out:", e, round(time.monotonic() - t0, 2), flush=True)
+threading.Timer(1.5, gate.set).start()      # the restart goes on once shutdown() has begun
+t0 = time.monotonic()
+dep.shutdown()
+print("shutdown", round(time.monotonic() - t0, 2), "supervisor alive", dep.supervisor.thread.is_alive(), flush=True)
+time.sleep(1)
+print("initialized after", ray.is_initialized(), flush=True)
+"""
+
+
+def test_a_restart_outliving_shutdowns_wait_ends_before_ray_and_a_timeout_bounds_the_wait_for_it(tmp_path):
+    """A restart that takes long (its wiring held here) while the caller asks for a request with timeout=1, then shuts
+    the deployment down. The request waited for the whole recovery (up to timeouts.ready_s, 300 s) whatever its
+    timeout: it ends in RequestTimeout after its timeout. shutdown() waited 10 s for the restart, then stopped Ray,
+    and the restart's next Ray call started a new local cluster, left running: the restart now ends before Ray does
+    (its calls fail on the killed stages), and no cluster starts."""
+    import subprocess
+    import sys
+    script = tmp_path / "s.py"
+    script.write_text(SLOW_RESTART)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       cwd=str(__import__("pathlib").Path(__file__).parent.parent))
+    out = p.stdout
+    timed = re.search(r"timed out: (.*) ([0-9.]+)\n", out)
+    assert timed and "recovering from a stage failure and was not ready within 1 s" in timed[1], (out, p.stderr[-3000:])
+    assert float(timed[2]) < 3.0, out
+    assert "supervisor alive False" in out and "initialized after False" in out, (out, p.stderr[-3000:])
+    assert "Started a local Ray instance" not in p.stderr, p.stderr[-3000:]
 
 
 def test_ray_shutdown_without_dep_shutdown_starts_no_new_cluster(tmp_path):
@@ -262,3 +330,10 @@ def test_ray_shutdown_without_dep_shutdown_starts_no_new_cluster(tmp_path):
                        cwd=str(__import__("pathlib").Path(__file__).parent.parent))
     assert "initialized after False" in p.stdout, (p.stdout[-2000:], p.stderr[-4000:])
     assert "Started a local Ray instance" not in p.stderr.split("initialized after")[-1], p.stderr[-4000:]
+    # a client made before ray.shutdown() is refused at once (it started a cluster to look for the intake and said
+    # InputError), and dep.shutdown() then frees what Ray's end left (it started a cluster too, raised a bare
+    # Exception and left the stages' segments and the run dir)
+    refused = re.search(r"generate refused: (.*) ([0-9.]+)\n", p.stdout)
+    assert refused and "ray.shutdown() was called" in refused[1] and float(refused[2]) < 1.0, p.stdout[-2000:]
+    assert "segments left [] run dir left False" in p.stdout, p.stdout[-2000:]
+    assert "connected shutdown: shutdown: this process is no longer connected" in p.stdout, p.stdout[-2000:]
