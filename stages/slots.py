@@ -152,7 +152,11 @@ class SlotReceiverBase(_Link):
         """Wait for the sender to connect and check it attached to this receiver's slots."""
         deadline = time.monotonic() + timeout
         ch = self._listener.accept(timeout)
-        hello = ch.recv(max(deadline - time.monotonic(), 0.0))
+        try:
+            hello = ch.recv(max(deadline - time.monotonic(), 0.0))
+        except BaseException:   # no hello in time, or one that did not decode: the connection goes now, not at GC
+            ch.close()
+            raise
         if hello["kind"] != _HELLO or hello.get("endpoint") != self.endpoint():
             ch.close()
             raise ProtocolError(f"boundary {self.name}: the connecting sender sent {hello['kind']!r} for endpoint "

@@ -227,6 +227,23 @@ def test_refusals_timeouts_and_closed_receiver():
         s.close(), r.close()
 
 
+def test_a_connection_that_sends_no_hello_is_closed_by_the_receiver():
+    """A connection whose hello does not come in time: accept() raises TimeoutError and closes that connection at
+    once (the peer reads its end), not whenever the collector finds it."""
+    import socket
+    r = SlotReceiver("nohello", 64, spin_us=0)
+    peer = socket.socket(socket.AF_UNIX)
+    try:
+        peer.connect(r.endpoint()["address"].removeprefix("unix:"))
+        with pytest.raises(TimeoutError):
+            r.accept(0.3)
+        peer.settimeout(2.0)
+        assert peer.recv(1) == b""      # closed by the receiver (a timeout here: the connection was left open)
+    finally:
+        peer.close()
+        r.close()
+
+
 def test_malformed_slot_headers_give_protocol_error():
     """A header naming a bad slot, dtype, shape or a held slot, or a wrong hello, must raise ProtocolError."""
     r = SlotReceiver("proto", 64)
