@@ -359,6 +359,7 @@ class Client(ReplayMixin):
         ids = self._encode(prompt)
         q: queue.Queue = queue.Queue()
         req = request_dict(kw, raw_image=self._raw_image, client=self.id, prompt=ids, max_new_tokens=max_new_tokens)
+        req["job"] = getattr(self.dep, "job", None)     # (the intake aborts it if this driver ends: stages/drivers.py)
         if req.get("images"):       # read now, not once the request has run: its result counts the image rows
             self.dep.model_config   # (_prompt_len), and a connected handle asks the intake for it
         t = self.dep.placement.timeouts

@@ -124,6 +124,9 @@ class Deployment:
         self._actors_lock = threading.Lock()
         self._pg, self.transports, self.supervisor = None, ["shm"] * len(actors), None
         self._tokenizer = None
+        # this driver's Ray job (hex): its requests carry it, so that the intake aborts them if the driver ends
+        # without closing its clients (stages/drivers.py); None where Ray is not up (a handle made in a test)
+        self.job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else None
         self._down = False             # shutdown was called: every later use is refused
         self.connected = False         # made by connect(): its shutdown asks the launching process to stop it
         self.stopped_by: str | None = None   # a connected handle's shutdown: "launcher", "killed" or "gone"

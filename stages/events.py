@@ -44,6 +44,18 @@ class Mailboxes:
             if len(self._gone) > self.GONE_KEPT:
                 del self._gone[next(iter(self._gone))]
 
+    def groups(self) -> set[str]:
+        """The groups that have a mailbox."""
+        with self._cv:
+            return set(self._groups)
+
+    def forget_group(self, group: str) -> None:
+        """Forget every client of `group` (a deployment handle whose driver has ended: drivers.py)."""
+        with self._cv:
+            members = list(self._groups.get(group, ()))
+        for c in members:
+            self.forget(c)
+
     def __len__(self) -> int:
         with self._cv:
             return len(self._boxes)

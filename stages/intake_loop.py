@@ -45,6 +45,7 @@ class IntakeLoop(_Loop):
         out["aborted"] = self.sched.aborted + self.r.aborted_early
         out["not_finite"] = self.sched.not_finite  # requests ended because their logits were not finite (NaN)
         out["mailboxes"] = len(self.r.mail)       # clients not closed that have polled (a closed one's box goes)
+        out["reaped"] = self.r.reaped             # requests aborted because their driver had ended (drivers.py)
         out["polls"] = self.r.mail.polls          # poll calls: one a round per deployment handle, whatever its clients
         for k, d in self.ring_s.items():
             xs = list(d)        # (a copy first: the loop appends meanwhile)

@@ -25,7 +25,8 @@ from ..overlay import resolve_overlay_publish
 from ..scheduler import Event, Request, Scheduler
 from ..switches import initial
 from ..request import sampling_params
-from .events import Mailboxes
+from .drivers import DriversMixin
+from .events import Mailboxes, group_of
 from .intake_loop import IntakeLoop
 from .loops import StageLoop
 from .recovery import RecoveryMixin, rss_bytes
@@ -80,7 +81,7 @@ class Inbox(queue.Queue):
         return item
 
 
-class StageRunner(ImagesMixin, RecoveryMixin):
+class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
     # intake: (stage, message) of a stage loss that ended requests here (their clients hold them for a replay) with
     # no recovery since; and when this loop last started after a recovery (see begin_unload)
     lost: tuple[int, str] | None = None
@@ -132,6 +133,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
         self._pending_lock = threading.Lock()
         self._images_q: queue.Queue = queue.Queue()
         self._images_thread: threading.Thread | None = None
+        self._drivers_init()            # intake: which driver each client group's requests come from (drivers.py)
 
     def here(self) -> None:
         """Make this stage's context current on the calling thread (Ray calls arrive on pool threads)."""
@@ -298,6 +300,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
                     self._queue_images(r, ip)
                 else:       # (0 new tokens: its images checked, it ends at admission unprefilled: no tower work)
                     self.inbox.put(("req", r))
+            self._driver_seen(group_of(r.client), req.get("job"))
         finally:
             if slot >= 0:
                 with self._registry_lock:
@@ -529,6 +532,7 @@ class StageRunner(ImagesMixin, RecoveryMixin):
             self.inbox.put(("abort", rid))
 
     def poll(self, group: str, timeout: float) -> dict[str, list[tuple]]:
+        self._driver_seen(group)
         return self.mail.poll(group, timeout)
 
     def forget_client(self, client: str) -> None:

@@ -1,0 +1,105 @@
+"""The intake's view of the drivers its requests come from: a driver process that ended without closing its clients
+(SIGKILLed, crashed, a host gone) leaves its requests running to max_new_tokens, holding batch slots and KV pages
+that admission gives no one else, and its mailboxes filling for nobody. vLLM aborts a request when its HTTP client
+disconnects; here the signal is Ray's: a deployment handle's poller polls its group every round while it has
+requests, so a group with requests that has not polled for STALE_S is looked up in Ray's job table, and if its
+driver's job has ended, its requests are aborted and its clients' mailboxes forgotten. A driver that is only slow
+(paused in a debugger, its poller starved) has a live job and keeps its requests. Runs in the intake's process,
+mixed into StageRunner.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .events import group_of
+
+log = logging.getLogger("memra_pp")
+
+
+def dead_jobs(jobs: set[str]) -> set[str]:
+    """Those of `jobs` (hex ids) that Ray's job table says have ended (one call to the GCS, through this worker's
+    GCS client: ray._private.state's table is a driver's only)."""
+    import ray
+    info = ray._private.worker.global_worker.gcs_client.get_all_job_info(timeout=5)
+    return {k.hex() for k, v in info.items() if v.is_dead and k.hex() in jobs}
+
+
+class DriversMixin:
+    STALE_S = 5.0       # a group with requests that has not polled for this long: its driver is looked up
+    REAP_EVERY_S = 1.0  # how often the reaper looks
+
+    def _drivers_init(self) -> None:
+        self._drivers_lock = threading.Lock()
+        self._job_of: dict[str, str] = {}       # group -> its driver's Ray job id (hex), from its submits
+        self._seen: dict[str, float] = {}       # group -> when it last polled or submitted (time.monotonic())
+        self.reaped = 0                         # requests aborted because their driver had ended (stats)
+        self._reaper: threading.Thread | None = None
+
+    def _driver_seen(self, group: str, job: str | None = None) -> None:
+        with self._drivers_lock:
+            self._seen[group] = time.monotonic()
+            if job:
+                self._job_of[group] = job
+        if self._reaper is None and job:
+            self._start_reaper()
+
+    def _start_reaper(self) -> None:
+        with self._drivers_lock:
+            if self._reaper is not None:
+                return
+            self._reaper = threading.Thread(target=self._reap_loop, name="memra-reaper", daemon=True)
+        self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        while True:
+            time.sleep(self.REAP_EVERY_S)
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - a failed look (the GCS busy, say) is tried again next round
+                log.exception("intake: looking for the requests of ended drivers failed")
+
+    def _requests_by_group(self) -> dict[str, list[str]]:
+        """group -> the rids it has in the scheduler (waiting or running) or waiting for their images."""
+        out: dict[str, list[str]] = {}
+        with self._pending_lock:
+            for r in self._pending.values():
+                out.setdefault(group_of(r.client), []).append(r.rid)
+        sch = self.scheduler
+        with sch.mu:
+            reqs = list(sch.waiting) + [s.req for s in sch.active.values()]
+        for r in reqs:
+            out.setdefault(group_of(r.client), []).append(r.rid)
+        return out
+
+    def reap(self) -> int:
+        """Abort the requests of groups whose driver has ended and forget their mailboxes (a group with either that
+        has not polled for STALE_S is looked up; one whose driver lives is looked up again STALE_S later); returns
+        how many requests it aborted."""
+        now = time.monotonic()
+        by_group = self._requests_by_group()
+        with self._drivers_lock:
+            stale = {g: self._job_of[g] for g in set(by_group) | self.mail.groups()
+                     if g in self._job_of and now - self._seen.get(g, now) > self.STALE_S}
+        if not stale:
+            return 0
+        dead = dead_jobs(set(stale.values()))
+        n = 0
+        for g, job in stale.items():
+            if job not in dead:
+                with self._drivers_lock:
+                    self._seen[g] = now
+                continue
+            rids = by_group.get(g, [])
+            for rid in rids:
+                self.abort(rid)
+            n += len(rids)
+            self.mail.forget_group(g)
+            with self._drivers_lock:
+                self._job_of.pop(g, None)
+                self._seen.pop(g, None)
+            log.warning(f"intake: the driver of client group {g} (Ray job {job}) has ended: its {len(rids)} "
+                        f"request(s) were aborted and its mailboxes forgotten")
+        self.reaped += n
+        return n
