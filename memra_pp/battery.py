@@ -329,7 +329,7 @@ def main(args) -> int:
     check_output_path("--out", args.out)           # before the launch, not after every check has run
     report = Battery(args.config, progress=say, out=args.out).run()     # (an error: one line, as every command's)
     if args.json:
-        print(json.dumps(report, indent=1, default=str))
+        print(json.dumps(report, indent=1, default=str), file=getattr(args, "stdout", None), flush=True)
     else:
         failed = [r["check"] for r in report["rows"] if r["outcome"] == "FAIL"]
         why = "" if report["passed"] else f"; FAILED: {', '.join(failed)}" if failed else \

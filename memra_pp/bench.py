@@ -466,7 +466,7 @@ def main(args) -> int:
         dep.shutdown()
     r["config"] = str(args.config)
     # the figures first: a plot or a file that fails after the run must not lose them
-    print(json.dumps(r, indent=1) if args.json else format_report(r), flush=True)
+    print(json.dumps(r, indent=1) if args.json else format_report(r), file=getattr(args, "stdout", None), flush=True)
     if args.out:
         write_report("--out", args.out, r)
     if r.get("timeline"):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ def _print(args, obj, text) -> None:
     """--json: one JSON object on stdout and nothing else; otherwise `text` (a string, or a function that makes
     it: a table is built only when it is printed)."""
     if getattr(args, "json", False):
-        print(json.dumps(obj, indent=1, default=str))
+        print(json.dumps(obj, indent=1, default=str), file=getattr(args, "stdout", None), flush=True)
     else:
         print(text() if callable(text) else text)
 
@@ -71,7 +72,8 @@ def cmd_make_tiny(args) -> int:
 
 def cmd_demo(args) -> int:
     from .demo import run_demo
-    return run_demo(json_out=args.json, prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    return run_demo(json_out=args.json, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                    out=getattr(args, "stdout", None))
 
 
 def _interrupt(signum, frame):
@@ -357,8 +359,13 @@ def main(argv=None) -> int:
         from .deployment import AFTER_RAY_INIT as hooks
         hooks.append(_sigterm_is_ctrl_c)
         before = signal.getsignal(signal.SIGTERM)
+    # --json: the one JSON object goes to this stdout, while everything else printed meanwhile goes to stderr: what
+    # Ray copies from the stages' stdout to this process's (log_to_driver), any library's prints
+    args.stdout = sys.stdout
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
     try:
-        return args.fn(args)
+        with quiet:
+            return args.fn(args)
     except MemraError as e:
         print(f"memra-pp {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

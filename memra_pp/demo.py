@@ -20,7 +20,8 @@ def _say(msg: str, quiet: bool) -> None:
         print(msg, flush=True)
 
 
-def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24) -> int:
+def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24, out=None) -> int:
+    """out: where the --json object goes (None: sys.stdout)."""
     import memra_pp
     from .defaults import TINY_CPU, ensure_tiny
     from .model.local import LocalPipeline
@@ -86,7 +87,8 @@ def run_demo(json_out: bool = False, prompts: int = 6, max_new_tokens: int = 24)
             print(json.dumps({"tokens": n_tok, "wall_s": wall, "tokens_per_s": n_tok / wall, "stages": st,
                               "equal_to_one_stage": same,
                               "generations": [{"prompt": t, "text": r.text, "token_ids": r.token_ids}
-                                              for t, r in zip(texts, results)]}, indent=1, default=str))
+                                              for t, r in zip(texts, results)]}, indent=1, default=str),
+                  file=out, flush=True)
         return 0 if same else 1
     finally:
         dep.shutdown()

@@ -9,6 +9,7 @@ import importlib
 import numbers
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -54,7 +55,8 @@ def stop_ids(stop_token_ids, ignore_eos, eos, vocab: int) -> frozenset[int]:
 
 class _LoadProgress:
     """Weight loading shows progress: a line every 5 s while a stage loads (Ray forwards it to the driver), and one
-    when it is done if that took more than a second."""
+    when it is done if that took more than a second. On stderr, as every progress line of the stages: Ray copies a
+    worker's stdout to the driver's, where a command's --json output must be the JSON alone."""
 
     def __init__(self, index: int, sp, t0: float):
         self.index, self.sp, self.t0, self.last = index, sp, t0, t0
@@ -64,7 +66,7 @@ class _LoadProgress:
         if now - self.last >= 5.0 or (done == total and now - self.t0 > 1.0):
             self.last = now
             print(f"stage {self.index} ({self.sp.device}): loaded {done}/{total} layers of "
-                  f"[{self.sp.layer_start}, {self.sp.layer_end}) in {now - self.t0:.1f} s", flush=True)
+                  f"[{self.sp.layer_start}, {self.sp.layer_end}) in {now - self.t0:.1f} s", file=sys.stderr, flush=True)
 
 
 class Inbox(queue.Queue):
@@ -189,9 +191,11 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
             n = self.model.capture_decode_graphs()      # every batch bucket now, not while requests wait
             if n:
                 print(f"stage {index} ({sp.device}): {n} decode graphs (batch buckets up to "
-                      f"{self.model.graphs.buckets[-1]}) captured in {time.monotonic() - t1:.1f} s", flush=True)
+                      f"{self.model.graphs.buckets[-1]}) captured in {time.monotonic() - t1:.1f} s",
+                      file=sys.stderr, flush=True)
             elif self.model.graphs_failed:
-                print(f"stage {index} ({sp.device}): {self.model.graphs_failed}; decoding eagerly", flush=True)
+                print(f"stage {index} ({sp.device}): {self.model.graphs_failed}; decoding eagerly", file=sys.stderr,
+                      flush=True)
             from ..model import prefill_graphs
             if prefill_graphs.ENABLED:     # a step's rows: a microbatch's prompt tokens and its decode rows
                 self.model.set_prefill_graphs(True, sc.prefill_chunk + sc.max_batch)
@@ -202,10 +206,11 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
                     rules = (f", fla's rule in {len(pg.rules.graphs)} graphs of its own" if pg.rules is not None
                              else f" (fla's rule eager: {pg.rules_failed})" if pg.rules_failed else "")
                     print(f"stage {index} ({sp.device}): prefill graphs for {n} token buckets (up to "
-                          f"{pg.buckets[-1]} rows){rules} captured in {time.monotonic() - t1:.1f} s", flush=True)
+                          f"{pg.buckets[-1]} rows){rules} captured in {time.monotonic() - t1:.1f} s",
+                          file=sys.stderr, flush=True)
                 elif self.model.pgraphs_failed:
                     print(f"stage {index} ({sp.device}): {self.model.pgraphs_failed}; prompt steps run eagerly",
-                          flush=True)
+                          file=sys.stderr, flush=True)
         self.weights_bytes = sum(t.numel() * t.element_size() for t in self.model.tensors())
         self.load_s = time.monotonic() - t0
         info = self.relink(run_dir, transport)

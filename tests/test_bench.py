@@ -165,6 +165,33 @@ def test_bench_command_plots_the_timeline(ray_cluster, tmp_path, capsys):
     assert len(tl["stages"]) == 2 and all(any(s[0] == "decode" for s in st) for st in tl["stages"])
 
 
+def test_bench_json_is_stdout_alone_whatever_else_prints_meanwhile(ray_cluster, tmp_path, capsys, monkeypatch):
+    """`memra-pp bench --json`: stdout must hold the JSON object alone. What the stages print reached this process's
+    stdout first (Ray's log_to_driver copies a worker's stdout here: a GPU stage's graph captures, a slow weights
+    load), and json.load of it failed; the command's prints meanwhile now go to stderr (a print here stands in for
+    the stage's line, which the stages also write to stderr now)."""
+    import json
+
+    import yaml
+
+    import memra_pp.bench as bench
+    from memra_pp.cli import main
+    _, path = tiny_checkpoint("dense", False)
+    yml = tmp_path / "b.yaml"
+    yml.write_text(yaml.safe_dump(config(str(path))))
+    real = bench.run_bench
+
+    def noisy(*a, **k):
+        print("(StageActor pid=1) stage 0 (cuda:0): 10 decode graphs captured in 1.0 s")
+        return real(*a, **k)
+    monkeypatch.setattr(bench, "run_bench", noisy)
+    capsys.readouterr()
+    assert main(["bench", str(yml), "--json", "--concurrency", "2", "--prompt-len", "8", "--max-new-tokens", "4"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["concurrency"] == 2, cap.out[:300]
+    assert "decode graphs captured" in cap.err
+
+
 def test_device_spans_stay_precise_an_hour_after_the_anchor():
     """GPU spans are placed through timing events whose offsets are float32 milliseconds: an hour after a fixed
     anchor they would be quantised to 0.25 ms, and back-to-back steps would seem to overlap. Each placed span's end
