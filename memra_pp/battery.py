@@ -148,16 +148,23 @@ class Battery:
         else:
             self.row("foreign_handle", "not applicable: one stage (no other stage's context to carry)", None, {})
 
-    def recorded_tokens(self, dep):
-        """Tokens of PROMPTS, plus (stage 1's transport, tokens, sha256 of every activation stage 1 received)."""
-        if len(dep.actors) < 2:
+    def recorded_tokens(self, dep, at: int = 1):
+        """Tokens of PROMPTS, plus (stage `at`'s transport, tokens, sha256 of every activation stage `at` received
+        over the boundary before it)."""
+        if len(dep.actors) <= at:
             toks = self.tokens(dep)
             return toks, (None, toks, [])
-        a1 = dep.stage_actor(1)
-        get(a1.run_check.remote("record_rx", True), 30, "record")
+        a = dep.stage_actor(at)
+        get(a.run_check.remote("record_rx", True), 30, "record")
         toks = self.tokens(dep)
-        hashes = get(a1.run_check.remote("record_rx", False), 30, "hashes")
-        return toks, (dep.stats()["stages"][1]["transport"], toks, hashes)
+        hashes = get(a.run_check.remote("record_rx", False), 30, "hashes")
+        return toks, (dep.stats()["stages"][at]["transport"], toks, hashes)
+
+    def cuda_boundary(self) -> int | None:
+        """The first boundary between two CUDA stages, as the stage that receives over it: the only boundaries whose
+        transport is peer or host (a boundary with a CPU side is shared memory). None: there is none."""
+        cuda = [str(s.get("device", "cpu")).startswith("cuda") for s in self.base["stages"]]
+        return next((i for i in range(1, len(cuda)) if cuda[i - 1] and cuda[i]), None)
 
     def tokens(self, dep) -> list[list[int]]:
         c = dep.client()
@@ -295,25 +302,29 @@ class Battery:
                  + (" (and the image request its tokens and logprobs)" if hasattr(self, "image_result") else ""),
                  ref == runs["one_stage"] and crossed > 0 and image is None,
                  {"tokens_equal": ref == runs["one_stage"], "boundary_microbatches": crossed, "image_mismatch": image})
-        if len(gpu) < 2:
+        at = self.cuda_boundary()
+        if at is None:
             for check in ("transport_peer", "transport_host", "transports_bit_identical"):
-                self.row(check, "not applicable: fewer than two CUDA stages (the transport is shared memory)",
-                         None, {"cuda_stages": len(gpu)})
+                self.row(check, "not applicable: no boundary between two CUDA stages (a boundary with a CPU side is "
+                         "shared memory)", None, {"cuda_stages": len(gpu)})
             return
-        hashes = {}
+        hashes, ran = {}, {}
         for kind in ("peer", "host"):
             base_tr, base_toks, base_hashes = self.base_run
-            if base_tr == kind:              # the placement under test already runs this transport
+            if at == 1 and base_tr == kind:      # the placement under test already runs this transport there
                 tr, runs[kind], hashes[kind] = base_tr, base_toks, base_hashes
             else:
                 with memra_pp.launch(self.variant(transport=kind)) as dep:
-                    (runs[kind], (tr, _, hashes[kind])) = self.recorded_tokens(dep)
-            self.row(f"transport_{kind}", f"transport: {kind} (stage 1 receives over {tr}) gives the one-stage "
-                     "tokens", tr == kind and runs[kind] == runs["one_stage"] and len(hashes[kind]) > 0,
-                     {"transport": tr, "microbatches_hashed": len(hashes[kind])})
-        self.row("transports_bit_identical", "peer and host deliver bit-identical activations",
-                 hashes["peer"] == hashes["host"] and len(hashes["peer"]) > 0,
-                 {"hashes": len(hashes["peer"]), "equal": hashes["peer"] == hashes["host"]})
+                    (runs[kind], (tr, _, hashes[kind])) = self.recorded_tokens(dep, at)
+            ran[kind] = tr == kind and len(hashes[kind]) > 0
+            self.row(f"transport_{kind}", f"transport: {kind} (stage {at} receives over {tr}) gives the one-stage "
+                     "tokens", ran[kind] and runs[kind] == runs["one_stage"],
+                     {"transport": tr, "boundary": at, "microbatches_hashed": len(hashes[kind])})
+        # (only where both ran: two runs of one other transport would match too)
+        self.row("transports_bit_identical", f"peer and host deliver bit-identical activations (into stage {at})",
+                 ran["peer"] and ran["host"] and hashes["peer"] == hashes["host"],
+                 {"hashes": len(hashes["peer"]), "equal": hashes["peer"] == hashes["host"], "boundary": at,
+                  "transports_ran": ran})
 
 
 def foreign_refusals_named(f: dict) -> bool:

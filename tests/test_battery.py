@@ -3,12 +3,14 @@ that each path ran (publication counters, refusal messages, equal tokens); a che
 placement writes a SKIP row saying why, never a missing row and never a PASS."""
 import json
 import os
+import types
 
 import yaml
 
 from memra_pp.battery import Battery, verdict
 from memra_pp.cli import main as cli_main
 from memra_pp.model.tiny import make_tiny
+from conftest_models import tiny_checkpoint
 
 ALL = {"contexts", "foreign_handle", "secondary_context", "same_context_publication", "image_publication",
        "never_refuses", "never_within_context", "force_publishes", "pipeline_equals_one_stage", "transport_peer",
@@ -192,3 +194,69 @@ def test_the_base_run_is_autos_whatever_mode_the_yaml_names(tmp_path):
     assert b.rows[0]["evidence"] == {"refused": "overlay rows live in ctx A but engine cpu is ctx B",
                                      "overlay_publish_in_yaml": "auto"}
     assert not verdict(b.rows) and not hasattr(b, "image_result")
+
+
+def test_transport_rows_check_the_boundary_between_two_cuda_stages(monkeypatch):
+    """The transport rows read stage 1's boundary, which is shared memory wherever stage 0 or 1 is a CPU: on
+    [cpu, cuda:0, cuda:1] peer and host FAILed on a healthy deployment and transports_bit_identical PASSed by
+    comparing shared-memory runs. They now record the first boundary between two CUDA stages (skip where there is
+    none), and bit-identity passes only where peer and host both ran there. Launches are faked (no GPU here): each
+    boundary's transport is Deployment._transports' own rule, every received activation hashes alike."""
+    import contextlib
+
+    import memra_pp
+    import memra_pp.battery as B
+    from memra_pp.deployment import Deployment
+    from memra_pp.model.weights import open_weights
+    from memra_pp.placement import make_plan, parse_placement
+    mc = open_weights(str(tiny_checkpoint("dense", False)[1]), "auto").config
+    forced = {}
+
+    class Dep:
+        def __init__(self, raw):
+            p = parse_placement(raw)
+            self.plan = make_plan(p, mc)
+            self.tr = forced.get("tr") or Deployment._transports(p, self.plan, None, 1)[0]
+            self.rx, self.actors = None, list(self.plan.stages)
+
+        def stage_actor(self, i):
+            dep = self
+
+            def record(name, on):
+                out, dep.rx = list(dep.rx or []), ([] if on else None)
+                return out
+            return types.SimpleNamespace(run_check=types.SimpleNamespace(remote=record))
+
+        def client(self):
+            def generate(p, **kw):
+                if self.rx is not None:
+                    self.rx.append("sha")
+                return types.SimpleNamespace(token_ids=[1, 2, 3])
+            return types.SimpleNamespace(generate=generate)
+
+        def stats(self):
+            return {"stages": [{"transport": t} for t in self.tr]}
+
+    monkeypatch.setattr(memra_pp, "launch", contextlib.contextmanager(lambda raw: (yield Dep(raw))))
+    monkeypatch.setattr(B, "get", lambda x, *a: x)
+
+    def run(devices):
+        bat = B.Battery.__new__(B.Battery)
+        bat.base = parse_placement({"stages": [{"device": d} for d in devices], "transport": "peer"}).to_dict()
+        bat.rows, bat.say, bat.out, bat.tol = [], lambda m: None, None, 1e-4
+        with memra_pp.launch(bat.base) as dep:
+            ref, bat.base_run = bat.recorded_tokens(dep)
+        bat.transports(ref)
+        return {r["check"]: r for r in bat.rows}
+
+    rows = run(["cpu", "cuda:0", "cuda:1"])
+    for c in ("transport_peer", "transport_host", "transports_bit_identical"):
+        assert rows[c]["outcome"] == "PASS" and rows[c]["evidence"]["boundary"] == 2, rows[c]
+    assert rows["transport_host"]["evidence"]["transport"] == "host"
+    rows = run(["cuda:0", "cpu", "cuda:1"])
+    assert all(rows[c]["outcome"] == "SKIP" and "no boundary between two CUDA stages" in rows[c]["exercised"]
+               for c in ("transport_peer", "transport_host", "transports_bit_identical")), rows
+    forced["tr"] = ["shm"] * 3      # neither transport took effect: nothing may pass, bit-identity least of all
+    rows = run(["cuda:0", "cuda:1", "cuda:2"])
+    assert all(rows[c]["outcome"] == "FAIL" for c in ("transport_peer", "transport_host",
+                                                      "transports_bit_identical")), rows
