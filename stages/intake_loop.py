@@ -105,6 +105,7 @@ class IntakeLoop(_Loop):
             got = True
             if kind == "req":
                 try:
+                    r.check_adapter(item)
                     sched.add(item)
                 except MemraError as e:
                     r.mail.post(sched.fail_one(item, e))

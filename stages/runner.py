@@ -480,6 +480,21 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
                 return {n: (e[0], e[1]) for n, e in self.adapter_registry.items() if e[2] == "loaded"}
             return {n: tuple(e) for n, e in self.adapter_registry.items()}
 
+    def check_adapter(self, r: Request) -> None:
+        """Intake, as the loop takes a request: its adapter must still be in the slot submit found it in. A request
+        queued while a recovery ran (the loop stopped) could outlive its adapter, one whose reload after the restart
+        failed and was dropped (supervisor): it then ran with an empty slot, failing its whole microbatch, or with
+        the next adapter loaded into that slot. InputError (this request alone) where it did."""
+        if r.adapter < 0:
+            return
+        with self._registry_lock:
+            e = self.adapter_registry.get(r.adapter_name)
+            if e is not None and e[0] == r.adapter and e[2] in ("loaded", "unloading"):
+                return
+        raise InputError(f"adapter {r.adapter_name!r} is no longer loaded in slot {r.adapter} (unloaded, or dropped "
+                         f"when its reload after a stage restart failed): this request did not run; load it again "
+                         f"and retry")
+
     def _published(self) -> dict[str, int]:
         return {n: e[0] for n, e in self.adapter_registry.items() if e[2] == "loaded"}
 

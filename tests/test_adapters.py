@@ -400,3 +400,37 @@ def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
     r.inbox.put(("abort", "x"))
     r.inbox.put(("req", types.SimpleNamespace(adapter=0)))
     assert r.adapter_users(1) == 2 and r.adapter_users(0) == 1
+
+
+def test_a_request_queued_past_its_adapters_drop_fails_alone_and_never_takes_the_next_adapter():
+    """A request the intake queued while a recovery ran (its loop stopped) keeps the slot submit found its adapter in.
+    The restart's reload of that adapter failed, and the supervisor dropped it (its name and slot released, no users
+    counted); the next adapter loaded took the same slot. The loop then ran the request with that other adapter's
+    LoRA and token rows (or, with the slot empty, failed its whole microbatch). As the loop takes a request, its
+    adapter must still be in its slot: here it ends alone with InputError naming the adapter, and nothing is
+    scheduled."""
+    import types
+
+    from memra_pp.scheduler import Scheduler
+    from memra_pp.stages.intake_loop import IntakeLoop
+    from memra_pp.stages.runner import StageRunner
+    r = StageRunner()
+    r.index, r.engine = 0, types.SimpleNamespace(is_cuda=False)
+    r.spec = types.SimpleNamespace(intake=True, primary=False)
+    r.mc = types.SimpleNamespace(text=types.SimpleNamespace(vocab_size=512), eos_token_ids=(), vision=None,
+                                 image_token_id=None, video_token_id=None)
+    r.scheduler = Scheduler(max_batch=4, microbatches=1, prefill_chunk=16, max_context=64)
+    r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2), recover="error")
+    r.adapter_registry = {"x": [0, "/adapters/x", "loaded"]}
+    r._reaper = "not started"       # (no Ray here)
+    for rid, adapter in (("q1", "x"), ("q2", None)):
+        r.submit({"rid": rid, "client": "c", "prompt": [5, 6, 7], "max_new_tokens": 4, "adapter": adapter})
+    r.release_adapter("x")                          # the dropped reload (then unloaded on every stage)
+    assert r.reserve_adapter("y", "/adapters/y") == 0
+    r.commit_adapter("y", 0)                        # the next adapter takes slot 0
+    loop = IntakeLoop(r)
+    assert loop._drain(block=False)
+    evs = {e[0]: e for e in r.mail._boxes["c"]}
+    assert set(evs) == {"q1"} and evs["q1"][3] == "error" and evs["q1"][4][0] == "InputError", evs
+    assert "adapter 'x' is no longer loaded in slot 0" in evs["q1"][4][1], evs
+    assert [q.rid for q in r.scheduler.waiting] == ["q2"]       # the request without an adapter goes on
