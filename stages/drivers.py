@@ -2,7 +2,7 @@
 (SIGKILLed, crashed, a host gone) leaves its requests running to max_new_tokens, holding batch slots and KV pages
 that admission gives no one else, and its mailboxes filling for nobody. vLLM aborts a request when its HTTP client
 disconnects; here the signal is Ray's: a deployment handle's poller polls its group every round while it has
-requests, so a group with requests that has not polled for STALE_S is looked up in Ray's job table, and if its
+requests, so a group with requests that has not polled for STALE_S (2 s) is looked up in Ray's job table, and if its
 driver's job has ended, its requests are aborted and its clients' mailboxes forgotten. A driver that is only slow
 (paused in a debugger, its poller starved) has a live job and keeps its requests. Runs in the intake's process,
 mixed into StageRunner.
@@ -27,7 +27,8 @@ def dead_jobs(jobs: set[str]) -> set[str]:
 
 
 class DriversMixin:
-    STALE_S = 5.0       # a group with requests that has not polled for this long: its driver is looked up
+    STALE_S = 2.0       # a group with requests that has not polled for this long: its driver is looked up (a live
+    #                     one, every STALE_S: one call to the GCS; a poll queued behind others is late, not gone)
     REAP_EVERY_S = 1.0  # how often the reaper looks
 
     def _drivers_init(self) -> None:
