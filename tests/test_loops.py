@@ -11,6 +11,12 @@ import pytest
 import torch
 
 from memra_pp.stages.loops import StageLoop
+from memra_pp.stages.runner import StageRunner
+
+# the intake's own check of a request's adapter as its loop takes it, over an empty registry (these requests name no
+# adapter: it lets them through)
+_CHECK_ADAPTER = StageRunner.check_adapter.__get__(types.SimpleNamespace(adapter_registry={},
+                                                                         _registry_lock=threading.Lock()))
 
 
 class Pend:
@@ -147,6 +153,7 @@ def test_a_failed_continuation_comes_after_the_tokens_of_the_step_before_it():
     r = types.SimpleNamespace(
         spec=types.SimpleNamespace(primary=True), index=0, engine=types.SimpleNamespace(make_current=lambda: None),
         scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=64), inbox=queue.Queue(),
+        check_adapter=_CHECK_ADAPTER,
         mail=types.SimpleNamespace(post=events.extend), model=Model(), cache=None, lora=None, token_overlay=None,
         stall_s=0.0, fault=None, ring=None, receiver=None, sender=None,
         placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)))
@@ -188,6 +195,7 @@ def test_a_finished_sequence_gives_its_pages_back_on_every_stage():
 
     r0 = types.SimpleNamespace(
         spec=types.SimpleNamespace(primary=False), index=0, inbox=queue.Queue(), ring=None, receiver=None,
+        check_adapter=_CHECK_ADAPTER,
         sender=Send(),
         scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=512),
         mail=types.SimpleNamespace(post=events.extend), model=models[0], cache=caches[0], **common)
@@ -251,6 +259,7 @@ def test_a_microbatch_failing_mid_pipeline_still_releases_its_slots_on_every_sta
 
     r0 = types.SimpleNamespace(
         spec=types.SimpleNamespace(primary=False), index=0, inbox=queue.Queue(), ring=None, receiver=None,
+        check_adapter=_CHECK_ADAPTER,
         sender=Send(links[0]), scheduler=Scheduler(max_batch=2, microbatches=1, prefill_chunk=64, max_context=512),
         mail=types.SimpleNamespace(post=events.extend), model=models[0], cache=caches[0], **common)
     r1 = types.SimpleNamespace(
