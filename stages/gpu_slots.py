@@ -11,6 +11,8 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import os
+import socket
+import threading
 import time
 from multiprocessing.shared_memory import SharedMemory
 
@@ -20,6 +22,7 @@ from memra_pp import cuda, cuda_views
 from memra_pp.engine import ContextId, Engine, residency_of
 from memra_pp.errors import ProtocolError, ResidencyError
 from memra_pp.shm import segment_name
+from memra_pp.stages.channel import ChannelClosed
 from memra_pp.stages.shm_slots import _attach_shm
 from memra_pp.stages.slots import SlotReceiverBase, SlotSenderBase, _nbytes, _SlotViews
 
@@ -51,6 +54,49 @@ def _require_current(ctx: ContextId, what: str, engine: Engine, fast: bool = Tru
                              f"(engine.make_current())")
 
 
+def _current_ctx_id(cur) -> ContextId:
+    """The ContextId of `cur`, the context current on this thread (for a refusal's message)."""
+    dev = cuda.ck(cuda.drv().cuCtxGetDevice(), "cuCtxGetDevice")
+    return ContextId(socket.gethostname(), os.getpid(), f"cuda:{int(dev)}", cuda.context_uid(cur))
+
+
+def _require_engine_context(engine: Engine, what: str) -> None:
+    """Construction (law 1): cuMemAlloc, cuIpcOpenMemHandle, events and torch's staging land in the context current
+    on this thread, and the endpoint's owner / the sender's _opened_in name the engine's: refuse unless they agree."""
+    if engine.is_current():
+        return
+    cur = cuda.current_context()
+    if int(cur) == 0:  # a fresh thread has no context yet: give it the engine's
+        engine.make_current()
+        return
+    raise ResidencyError(f"{what}: this thread's current context is {_current_ctx_id(cur)}, not the engine's "
+                         f"{engine.ctx}: the slots would live there while named the engine's; make the engine's "
+                         f"context current (engine.make_current())")
+
+
+def _require_placed(engine: Engine, ptr: int, what: str) -> None:
+    """Read back the context `ptr` (an allocation or an IPC mapping just made) lives in and refuse unless it is the
+    engine's. Device and uid decide: the pointer is of this process."""
+    info = cuda.pointer_info(ptr)
+    uid = cuda.context_uid(info.ctx) if int(info.ctx) else None
+    if (f"cuda:{info.device_ordinal}", uid) != (engine.ctx.device, engine.ctx.uid):
+        real = ContextId(socket.gethostname(), os.getpid(), f"cuda:{info.device_ordinal}", uid)
+        raise ResidencyError(f"{what} landed in {real}, not in the engine's {engine.ctx}; make the engine's context "
+                             f"current (engine.make_current())")
+
+
+def _each(fn, items) -> None:
+    """fn(item) for every item, the first error raised after the rest ran (a teardown frees what it can)."""
+    first = None
+    for x in items:
+        try:
+            fn(x)
+        except Exception as e:  # noqa: BLE001
+            first = first or e
+    if first is not None:
+        raise first
+
+
 class _GpuReceiver(SlotReceiverBase):
     # GPU stages hold a whole host core each (num_cpus 1), and their receiver waits only between microbatches:
     # it polls the header mailbox for up to 2 ms before it sleeps in the socket (mailbox.py says why)
@@ -61,6 +107,7 @@ class _GpuReceiver(SlotReceiverBase):
                  fast_checks: bool = True):
         self.engine = _engine_for(engine)
         self.fast_checks = fast_checks      # _require_current's fast path (False: the full one, for the probe)
+        _require_engine_context(self.engine, f"boundary {name}: a {self.TRANSPORT} receiver")
         super().__init__(name, max_bytes, listen_address, n_slots, latency_ring, spin_us)
 
     def _stream(self):
@@ -83,6 +130,7 @@ class PeerSlotReceiver(_GpuReceiver):
         for _ in range(n_slots):
             self._allocs.append(cuda.mem_alloc_2mib(max_bytes))
             self._done.append(cuda.event_create(interprocess=True))
+        _require_placed(self.engine, self._allocs[0].ptr, f"boundary {self.name}: the receiver's slots")
         self._bytes = [cuda_views.device_bytes(a.ptr, max_bytes, idx, owner=a) for a in self._allocs]
         self._views = _SlotViews(self._bytes)    # typed views cached: building one costs three torch ops (~5 us)
         handles = [list(cuda.ipc_export_mem(a.ptr)) for a in self._allocs]
@@ -97,7 +145,9 @@ class PeerSlotReceiver(_GpuReceiver):
             raise ProtocolError(f"boundary {self.name}: expected the sender's {_EVENTS} frame, got {msg['kind']!r}")
         if ContextId(**msg["ctx"]).is_local():
             raise ResidencyError(f"boundary {self.name}: the peer sender is in this process; CUDA IPC needs two")
-        self._ready = [cuda.ipc_open_event(h) for h in msg["ready"]]
+        self._ready = []    # one by one: a failed second open leaves the first to _quiesce / _release
+        for h in msg["ready"]:
+            self._ready.append(cuda.ipc_open_event(h))
 
     def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         _require_current(self.engine.ctx, f"boundary {self.name} slot {slot}", self.engine, self.fast_checks)
@@ -108,18 +158,25 @@ class PeerSlotReceiver(_GpuReceiver):
         # everything the caller enqueued on the slot (on the current stream) precedes the sender's next write
         cuda.event_record(self._done[slot], self._stream())
 
+    def _quiesce(self) -> None:
+        # A halt: our waits on the sender's ready events have run before we drop our imports of them (the sender
+        # destroys them at its close, after every halt). The slots and done events stay: the sender's process may
+        # have them open, a copy queued, until its own halt has returned (importer closes before exporter frees).
+        if getattr(self, "_ready", None):
+            cuda.stream_synchronize(self._stream())
+            ready, self._ready = self._ready, []
+            _each(cuda.event_destroy, ready)
+
     def _release(self) -> None:
-        # The sender must have closed its mapping first (importer closes before exporter frees).
-        if getattr(self, "_allocs", None):
+        # The sender must have closed its mapping first: at a halt's relink or stop, or as the caller orders it.
+        if getattr(self, "_allocs", None) or getattr(self, "_ready", None):
             cuda.stream_synchronize(self._stream())
         self._bytes = []
         if getattr(self, "_views", None) is not None:
             self._views.clear()
-        for a in getattr(self, "_allocs", []):
-            a.free()
-        for e in getattr(self, "_done", []):
-            cuda.event_destroy(e)
+        allocs, done, ready = getattr(self, "_allocs", []), getattr(self, "_done", []), getattr(self, "_ready", [])
         self._allocs, self._done, self._ready = [], [], []
+        _each(lambda f: f(), [a.free for a in allocs] + [lambda e=e: cuda.event_destroy(e) for e in done + ready])
 
 
 class HostSlotReceiver(_GpuReceiver):
@@ -150,6 +207,15 @@ class HostSlotReceiver(_GpuReceiver):
     def _before_credit(self, slot: int) -> None:
         # the sender may overwrite the host slot once our h2d from it has run (usually long done by now)
         cuda.event_synchronize(self._h2d[slot])
+
+    def _quiesce(self) -> None:
+        # a halt: our h2d out of the slots has run, and the names go (a process killed before the relink leaves
+        # nothing in /dev/shm); the mappings and registrations stay until close(), as the peer slots do
+        for s in getattr(self, "_shms", []):
+            with contextlib.suppress(FileNotFoundError):
+                s.unlink()
+        if getattr(self, "_addrs", None):
+            cuda.stream_synchronize(self._stream())
 
     def _release(self) -> None:
         # each step on its own: one that fails (a registration the driver already dropped, a name the driver's
@@ -184,6 +250,8 @@ class _GpuSender(SlotSenderBase):
         # they pass, the full ContextId only for a refusal's message; False: the full path every time (the probe
         # sets both side by side: gpu_checks --handoff-checks)
         self.fast_checks = fast_checks
+        self._lock = threading.Lock()   # _write against a _detach on another thread (a halt under a sending loop)
+        _require_engine_context(self.engine, f"boundary {endpoint['name']}: a {endpoint['transport']} sender")
         super().__init__(endpoint, latency_ring, every_frame_on_socket)
 
     def _stream(self):
@@ -207,11 +275,17 @@ class PeerSlotSender(_GpuSender):
         if owner.is_local():
             raise ResidencyError(f"boundary {self.name}: the receiver's slots live in this process ({owner}); "
                                  f"CUDA IPC cannot open them here: use one stage per process")
-        self._opened_in = self.engine.ctx  # every pointer below means something only in this context
-        self._maps = [cuda.ipc_open_mem(bytes(h), off) for h, off in endpoint["slots"]]
-        self._done = [cuda.ipc_open_event(h) for h in endpoint["done_events"]]
-        self._ready = [cuda.event_create(interprocess=True) for _ in self._maps]
-        self._written: set[int] = set()
+        self._maps, self._done, self._ready = [], [], []   # one by one: what a failure part way opened, _detach
+        self._written: set[int] = set()                     # and _unexport close (SlotSenderBase.__init__)
+        for h, off in endpoint["slots"]:
+            self._maps.append(cuda.ipc_open_mem(bytes(h), off))
+        # every pointer below means something only in the context the mapping was opened in: read it back
+        _require_placed(self.engine, self._maps[0][1], f"boundary {self.name}: the sender's mapping of the slots")
+        self._opened_in = self.engine.ctx
+        for h in endpoint["done_events"]:
+            self._done.append(cuda.ipc_open_event(h))
+        for _ in self._maps:
+            self._ready.append(cuda.event_create(interprocess=True))
 
     def connect(self, timeout: float) -> None:
         super().connect(timeout)
@@ -219,51 +293,64 @@ class PeerSlotSender(_GpuSender):
                        "ready": [cuda.ipc_export_event(e) for e in self._ready]})
 
     def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
-        _require_current(self._opened_in, f"boundary {self.name} IPC slot {slot}", self.engine, self.fast_checks)
-        n = self._check_source(hidden_TD)
-        src = hidden_TD.contiguous()
-        s = self._stream()
-        if slot in self._written:
-            cuda.stream_wait_event(s, self._done[slot])  # the receiver is done with the slot's previous contents
-        cuda.memcpy_dtod_async(self._maps[slot][1], src.data_ptr(), n, s)
-        cuda.event_record(self._ready[slot], s)
-        self._written.add(slot)
+        with self._lock:
+            if not self._maps:      # detached under this sending thread (a halt gave up its join)
+                raise ChannelClosed(f"boundary {self.name}: send on a closed boundary")
+            _require_current(self._opened_in, f"boundary {self.name} IPC slot {slot}", self.engine, self.fast_checks)
+            n = self._check_source(hidden_TD)
+            src = hidden_TD.contiguous()
+            s = self._stream()
+            if slot in self._written:
+                cuda.stream_wait_event(s, self._done[slot])  # the receiver is done with the slot's previous contents
+            cuda.memcpy_dtod_async(self._maps[slot][1], src.data_ptr(), n, s)
+            cuda.event_record(self._ready[slot], s)
+            self._written.add(slot)
 
     def _detach(self) -> None:
-        if getattr(self, "_maps", None):
-            cuda.stream_synchronize(self._stream())  # our copies into the slots have run before we unmap
-        for base, _ptr in getattr(self, "_maps", []):
-            cuda.ipc_close_mem(base)
-        for e in getattr(self, "_ready", []):
-            cuda.event_destroy(e)
-        self._maps, self._ready, self._done = [], [], []
+        with self._lock:
+            maps, done = getattr(self, "_maps", []), getattr(self, "_done", [])
+            if maps or done:
+                cuda.stream_synchronize(self._stream())  # our copies into the slots, our waits on done[k] have run
+            self._maps, self._done = [], []
+            _each(lambda f: f(), [lambda b=b: cuda.ipc_close_mem(b) for b, _ptr in maps]
+                  + [lambda e=e: cuda.event_destroy(e) for e in done])
+
+    def _unexport(self) -> None:
+        # the ready events the receiver imported: after its halt (which drops its imports) or as the caller orders
+        ready, self._ready = getattr(self, "_ready", []), []
+        _each(cuda.event_destroy, ready)
 
 
 class HostSlotSender(_GpuSender):
     """Maps the receiver's shared-memory slots, registers them here too; d2h then waits for the copy."""
 
     def _attach(self, endpoint: dict) -> None:
-        self._mms = [_attach_shm(n, self.max_bytes, self.name) for n in endpoint["shm"]]
-        self._cbufs = [(ctypes.c_char * self.max_bytes).from_buffer(m) for m in self._mms]
-        self._addrs = [cuda.host_register(ctypes.addressof(c), self.max_bytes) for c in self._cbufs]
+        # one slot at a time: what a failure part way mapped and registered, _detach undoes (SlotSenderBase.__init__)
+        self._mms, self._cbufs, self._addrs, self._copied = [], [], [], None
+        for name in endpoint["shm"]:
+            self._mms.append(_attach_shm(name, self.max_bytes, self.name))
+            self._cbufs.append((ctypes.c_char * self.max_bytes).from_buffer(self._mms[-1]))
+            self._addrs.append(cuda.host_register(ctypes.addressof(self._cbufs[-1]), self.max_bytes))
         self._copied = cuda.event_create(interprocess=False)
 
     def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
-        n = self._check_source(hidden_TD)
-        s = self._stream()
-        cuda.memcpy_dtoh_async(self._addrs[slot], hidden_TD.contiguous().data_ptr(), n, s)
-        cuda.event_record(self._copied, s)
-        cuda.event_synchronize(self._copied)  # the header must not announce bytes still in flight
+        with self._lock:
+            if not self._addrs:     # detached under this sending thread (a halt gave up its join)
+                raise ChannelClosed(f"boundary {self.name}: send on a closed boundary")
+            n = self._check_source(hidden_TD)
+            s = self._stream()
+            cuda.memcpy_dtoh_async(self._addrs[slot], hidden_TD.contiguous().data_ptr(), n, s)
+            cuda.event_record(self._copied, s)
+            cuda.event_synchronize(self._copied)  # the header must not announce bytes still in flight
 
     def _detach(self) -> None:
-        for a in getattr(self, "_addrs", []):
-            cuda.host_unregister(a)
-        if getattr(self, "_copied", None) is not None:
-            cuda.event_destroy(self._copied)
-        self._addrs, self._cbufs, self._copied = [], [], None
-        for m in getattr(self, "_mms", []):
-            m.close()
-        self._mms = []
+        with self._lock:
+            addrs, copied, mms = getattr(self, "_addrs", []), getattr(self, "_copied", None), getattr(self, "_mms", [])
+            self._addrs, self._cbufs, self._copied, self._mms = [], [], None, []
+            steps = [lambda a=a: cuda.host_unregister(a) for a in addrs]
+            if copied is not None:
+                steps.append(lambda: cuda.event_destroy(copied))
+            _each(lambda f: f(), steps + [m.close for m in mms])    # (the ctypes views over mms dropped above)
 
 
 RECEIVERS = {"peer": PeerSlotReceiver, "host": HostSlotReceiver}

@@ -27,6 +27,11 @@ class RecoveryMixin:
     # halt makes afresh (the cache, the intake's scheduler, its `lost` mark): the halt fails instead, and the
     # supervisor restarts this stage as it restarts one that cannot halt
     HALT_JOIN_S = 10.0
+    # boundary ends a halt closed only halfway (SlotReceiverBase.halt / SlotSenderBase.halt): the supervisor halts
+    # every survivor at once, so a neighbour's half may still use what these hold (a peer sender's IPC mapping of
+    # our slots, a copy into them queued) until its own halt returns; their close() runs at the next relink (which
+    # the supervisor calls only once every halt has returned) or at stop
+    _halted: tuple = ()
 
     def health(self) -> dict:
         """Is this stage's loop (and, on the intake, the ring reader) running; if not, why (the loop's error)."""
@@ -38,8 +43,8 @@ class RecoveryMixin:
 
     def halt(self, stage: int, message: str) -> None:
         """Stop serving for a rewire: every request this stage holds ends with a stage-lost error naming `stage`
-        (clients replay or fail it), links close, caches reset (decode graphs, if on, rebuilt over the new cache,
-        the old ones released first).
+        (clients replay or fail it), links close (the boundary slots halfway: _close_links), caches reset (decode
+        graphs, if on, rebuilt over the new cache, the old ones released first).
         Loaded weights and adapters stay. A loop still inside a step once the wait for it ends (HALT_JOIN_S) fails
         the halt with StageFailed, after this stage's requests have ended: the supervisor restarts the stage."""
         self.here()
@@ -61,7 +66,7 @@ class RecoveryMixin:
                     if t.is_alive():
                         stuck.append(t.name)
         self.loop = None
-        self._close_links()
+        self._close_links(halting=True)
         sc = self.placement.scheduler
         if self.spec.intake:
             evs = self.fail_lost(stage, message) + self._fail_pending(message, stage)
@@ -94,14 +99,37 @@ class RecoveryMixin:
         if capture is not None:
             self.model.set_decode_graphs(True, self.cache, sc.max_batch, capture=capture)
 
-    def _close_links(self) -> None:
+    def _close_links(self, halting: bool = False) -> None:
+        """Close every link, and the boundary ends a halt kept. halting: the boundary ends only halt (the sender
+        detaches from the downstream slots; the receiver's channel closes, its slots stay) and are kept."""
+        from .slots import SlotReceiverBase, SlotSenderBase
+        kept = list(self._halted)
         for x in (self.sender, self.ring, self.receiver, self.ring_listener):
-            if x is not None:
-                try:
+            if x is None:
+                continue
+            half = halting and isinstance(x, (SlotSenderBase, SlotReceiverBase))
+            if half:
+                kept.append(x)          # first: a halt that fails still leaves its close() to the relink or stop
+            try:
+                if half:
+                    x.halt()
+                else:
                     x.close()
-                except (OSError, MemraError, BufferError):
-                    pass
+            except (OSError, MemraError, BufferError):
+                pass
         self.sender = self.ring = self.receiver = self.ring_listener = None
+        self._halted = tuple(kept)
+        if not halting:
+            self._close_halted()
+
+    def _close_halted(self) -> None:
+        """Close the boundary ends earlier halts kept: free the receiver's slots and a sender's exports."""
+        kept, self._halted = self._halted, ()
+        for x in kept:
+            try:
+                x.close()
+            except (OSError, MemraError, BufferError):
+                pass
 
     def relink(self, run_dir: str, transport: str = "shm") -> dict:
         """Open this stage's receiving side in `run_dir` (at setup, and afresh after a failure, without loading
@@ -109,6 +137,7 @@ class RecoveryMixin:
         import torch
         from .channel import ChannelListener
         self.here()
+        self._close_halted()    # every survivor's halt has returned: no neighbour maps the old slots any more
         from .shm_slots import SlotReceiver
         i, sc = self.index, self.placement.scheduler
         from ..shm import owner_tag

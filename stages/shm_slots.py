@@ -32,6 +32,15 @@ class SlotReceiver(SlotReceiverBase):
     def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         return self._views.get(slot, dtype, shape).detach()  # a fresh alias: callers may not edit the cached one
 
+    def _quiesce(self) -> None:
+        # a halt keeps the mappings (freed at the next relink or stop) but not the names: a process killed before
+        # then leaves nothing in /dev/shm, and the sender's mapping outlives the unlink
+        for shm in getattr(self, "_shms", []):
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
     def _release(self) -> None:
         if hasattr(self, "_views"):
             self._views.clear()
@@ -54,7 +63,9 @@ class SlotSender(SlotSenderBase):
     """CPU sender: maps the receiver's shared-memory segments and copies hidden_TD into them."""
 
     def _attach(self, endpoint: dict) -> None:
-        self._maps = [_attach_shm(name, self.max_bytes, self.name) for name in endpoint["shm"]]
+        self._maps = []         # one by one: a failed second map leaves the first to _detach
+        for name in endpoint["shm"]:
+            self._maps.append(_attach_shm(name, self.max_bytes, self.name))
         self._views = _SlotViews([_u8_over(m, self.max_bytes) for m in self._maps])
 
     def _write(self, slot: int, hidden_TD: torch.Tensor) -> None:
@@ -67,8 +78,9 @@ class SlotSender(SlotSenderBase):
         view.copy_(hidden_TD)
 
     def _detach(self) -> None:
-        maps, self._maps = self._maps, []       # first: a write that finds no view then sees the close (ChannelClosed)
-        self._views.clear()
+        maps, self._maps = getattr(self, "_maps", []), []   # first: a write that finds no view sees the close
+        if hasattr(self, "_views"):                         # (ChannelClosed); absent after a failed _attach
+            self._views.clear()
         for m in maps:
             try:
                 m.close()

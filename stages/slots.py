@@ -223,19 +223,33 @@ class SlotReceiverBase(_Link):
         with self._lock:
             return sorted(self._held)
 
+    def halt(self) -> None:
+        """A halt's half of close() (stages/recovery.py): close the channel and stop using the slots, but keep them:
+        the sender's process may still have them mapped, a copy into them queued, until its own halt has returned.
+        close() frees them later (the next relink, or stop)."""
+        self._close_channel()
+        self._quiesce()
+
     def close(self) -> None:
         """Close the channel and release (unlink) the slots; drop every view from `recv` first."""
+        self._close_channel()
+        self._release()
+
+    def _close_channel(self) -> None:
         if self._ch is not None:
             self._ch.close()
         self._listener.close()
         if self._mbox is not None:
             self._mbox.close()
-        self._release()
 
     # Data-path hooks. _allocate: create the slots, return the plain-data endpoint entries a sender attaches with.
     # _view: a tensor of dtype/shape aliasing the first bytes of a slot. _release: free the slots (idempotent).
+    # _quiesce (halt): finish this side's use of what the sender exported, unlink names; the slots stay (idempotent).
     def _allocate(self, n_slots: int, max_bytes: int) -> dict:
         raise NotImplementedError
+
+    def _quiesce(self) -> None:
+        pass
 
     def _view(self, slot: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         raise NotImplementedError
@@ -257,7 +271,16 @@ class SlotSenderBase(_Link):
         self._in_flight: set[int] = set()  # written and announced, no credit back yet
         self._ch = self._mbox = self._headers = None
         self._stats = _HandoffStats(latency_ring)
-        self._attach(self.endpoint)
+        try:
+            self._attach(self.endpoint)
+        except BaseException:
+            # what _attach opened before it failed (a second mapping refused): no object is returned to close it
+            for undo in (self._detach, self._unexport):
+                try:
+                    undo()
+                except Exception:  # noqa: BLE001 - the attach's own error is the one to raise
+                    pass
+            raise
 
     def connect(self, timeout: float) -> None:
         self._ch = connect(self.endpoint["address"], timeout, label=f"boundary {self.name}")
@@ -339,15 +362,28 @@ class SlotSenderBase(_Link):
         while self._in_flight:
             self._await_credit(deadline, timeout)
 
+    def halt(self) -> None:
+        """A halt's half of close() (stages/recovery.py): close the channel and unmap the receiver's slots (a GPU
+        sender's copies into them have run first); what the receiver's process may still use of this side's (a
+        peer sender's exported events) stays until close()."""
+        self._close_channel()
+        self._detach()
+
     def close(self) -> None:
+        self._close_channel()
+        self._detach()
+        self._unexport()
+
+    def _close_channel(self) -> None:
         if self._ch is not None:
             self._ch.close()
         if self._mbox is not None:
             self._mbox.close()
-        self._detach()
 
-    # Data-path hooks. _attach: map the slots an endpoint names. _write: copy hidden_TD into the first bytes of a
-    # slot, complete (visible to the receiver) on return. _detach: unmap the slots (idempotent).
+    # Data-path hooks. _attach: map the slots an endpoint names (a failure part way leaves the rest to _detach).
+    # _write: copy hidden_TD into the first bytes of a slot, complete (visible to the receiver) on return. _detach:
+    # unmap the slots, tolerating a partial _attach (idempotent). _unexport: free what this side exported to the
+    # receiver, once the receiver is done with it (idempotent).
     def _attach(self, endpoint: dict) -> None:
         raise NotImplementedError
 
@@ -356,3 +392,6 @@ class SlotSenderBase(_Link):
 
     def _detach(self) -> None:
         raise NotImplementedError
+
+    def _unexport(self) -> None:
+        pass
