@@ -10,6 +10,7 @@ but the attention's (tests/fused_decode_check.py checks it both ways). Run under
 fused kinds' launch counts."""
 import sys
 from pathlib import Path
+from gaps import worst_gap
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -40,7 +41,7 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
     cp = pf.CALLS["conv_prefill"] + pf.CALLS["conv_varlen"]   # the prompt's prefill: the Triton norms and conv
     ts, ls = static.greedy([[5, 6, 7, 8]], NEW)
     assert ts == te, (kind, ts, te)
-    d = max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True))
+    d = worst_gap(p for x, y in zip(le, ls, strict=True) for p in zip(x, y, strict=True))
     assert d < 5e-4, (kind, d)
     ran = {k: gemv.CALLS[k] - before[k] for k in gemv.CALLS}
     ran["qk_kv_write"], ran["shared_gate"] = pgd.CALLS["qk_kv_write"] - qk, fused_moe.CALLS["shared_gate"] - sg
@@ -67,7 +68,7 @@ for kind, splits, any_kv, block in (("moe", [(0, 4), (4, 8)], True, False), ("mo
             s.graphs.h.fill_(float("nan"))
         ts, ls = static.greedy(prompts, NEW)
         assert ts == te, (kind, ts, te)
-        d = max(abs(a - b) for x, y in zip(le, ls, strict=True) for a, b in zip(x, y, strict=True))
+        d = worst_gap(p for x, y in zip(le, ls, strict=True) for p in zip(x, y, strict=True))
         assert d < 5e-4, (kind, d)
         assert [s.graphs.stats()["graphs"] for s in static.stages] == [[(1, S), (4, S)]] * 2, static.stages[0].graphs
         # every MoE layer of both stages, each decode step after the prompts' (NEW - 1 of them)

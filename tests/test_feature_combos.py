@@ -9,6 +9,7 @@ from conftest_models import hf_reference, tiny_checkpoint
 from test_runtime_vision import IMG, VE, VS, image
 
 import memra_pp
+from gaps import worst_gap
 
 TOL = 5e-4
 
@@ -43,7 +44,7 @@ def hf_image(model, p, imgs, new):
 
 def same(r, ref, what=""):
     assert r.token_ids == ref[0], (what, r.token_ids, ref[0])
-    d = max(abs(a - b) for a, b in zip(r.logprobs, ref[1], strict=True))
+    d = worst_gap(zip(r.logprobs, ref[1], strict=True))
     assert d < TOL, (what, d)
 
 
@@ -76,7 +77,7 @@ class Streamer:
 
 def same_stream(s, ref, what=""):
     assert s.toks == ref[0], (what, s.toks, ref[0])
-    d = max(abs(a - b) for a, b in zip(s.lps, ref[1], strict=True))
+    d = worst_gap(zip(s.lps, ref[1], strict=True))
     assert d < TOL, (what, d)
 
 

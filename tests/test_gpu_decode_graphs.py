@@ -6,6 +6,7 @@ import torch
 from conftest_models import tiny_checkpoint
 from memra_pp.model.local import LocalPipeline
 from memra_pp.model.weights import SafetensorsSource
+from gaps import worst_gap
 
 # the tests that count graphs by (batch, KV-length) key run with ANY_KV off, whatever the environment says (those of
 # ANY_KV turn it on themselves)
@@ -60,9 +61,9 @@ def test_captured_decode_equals_eager(cuda, kind, splits):
         st = s.graphs.stats()
         assert st["replays"] == 15 and st["captures"] == 1 and st["graphs"] == [(4, 256)], st
     # logprobs compare while the tokens agree: after a bf16 near tie flips, the two continue different sequences
-    worst = max(abs(le[i][j] - lg[i][j]) for i in range(len(prompts))
-                for j in range(next((j for j, (a, b) in enumerate(zip(te[i], tg[i], strict=True)) if a != b),
-                                    len(te[i]))))
+    worst = worst_gap((le[i][j], lg[i][j]) for i in range(len(prompts))
+                      for j in range(next((j for j, (a, b) in enumerate(zip(te[i], tg[i], strict=True)) if a != b),
+                                          len(te[i]))))
     print(f"{kind}: tokens equal {tg == te}, worst logprob diff {worst:.2e} (up to each first difference)")
     if kind == "dense":     # the graphs run the fused kernels (merged GEMVs, one-pass norms): bf16 rounding only
         assert tg == te and worst < 2e-2
@@ -290,7 +291,7 @@ def test_one_captured_graph_serves_every_kv_length(cuda, monkeypatch):
     te, le = eager.greedy(prompts, 16)
     tg, lg = graphed.greedy(prompts, 16)
     assert tg == te
-    assert max(abs(a - b) for x, y in zip(le, lg, strict=True) for a, b in zip(x, y, strict=True)) < 2e-2
+    assert worst_gap(p for x, y in zip(le, lg, strict=True) for p in zip(x, y, strict=True)) < 2e-2
     for s, c in zip(graphed.stages, graphed.caches, strict=True):
         assert s.graphs_failed is None, s.graphs_failed
         assert s.graphs.captures == 1 and s.graphs.stats()["graphs"] == [(2, c.max_positions)], s.graphs.stats()

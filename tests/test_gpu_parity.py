@@ -8,6 +8,7 @@ differ from it by at most twice its own disagreement plus 0.05 nats. Identical g
 generate are printed for the record. The float32 CPU parity (tests/test_decode_graphs.py, 5e-4, the same fused
 step through its torch references) and the compiled kernels against those references (test_gpu_decode_graphs.py)
 are the exact checks."""
+import math
 import random
 
 import pytest
@@ -91,6 +92,7 @@ def test_bf16_engine_tracks_transformers(cuda, tmp_path, size, monkeypatch):
         hgap, hlp = teacher_forced(p, ht)
         o = [gap.max().item(), (lp - torch.tensor(l, device=cuda)).abs().max().item()]
         h = [hgap.max().item(), (hlp - torch.tensor(hl, device=cuda)).abs().max().item()]
+        assert all(math.isfinite(v) for v in o), (p, o)     # (a NaN would vanish in the max below)
         ours = [max(a, b) for a, b in zip(ours, o, strict=True)]
         self_ = [max(a, b) for a, b in zip(self_, h, strict=True)]
         print(f"prompt {len(p):4d}: identical to generate {t == ht}; greedy gap / logprob diff: ours "

@@ -14,6 +14,7 @@ from conftest_models import hf_reference, tiny_checkpoint
 from memra_pp.model.batch import StepBatch, positions_3T
 from memra_pp.model.local import LocalPipeline
 from memra_pp.model.weights import SafetensorsSource
+from gaps import worst_gap
 
 SPLITS = {1: [(0, 8)], 2: [(0, 3), (3, 8)], 3: [(0, 2), (2, 5), (5, 8)]}
 CHUNKS = [1, 1, 2, 3, 5, 8, 17, 63, 64, 65, 200]
@@ -118,7 +119,7 @@ def assert_matches(seqs, reference):
     for i, s in enumerate(seqs):
         ht, hl = reference(s)
         assert s.toks == ht, f"sequence {i} (prompt of {len(s.prompt)}): {s.toks} != transformers {ht}"
-        d = max(abs(a - b) for a, b in zip(s.lps, hl, strict=True))
+        d = worst_gap(zip(s.lps, hl, strict=True))
         assert d < TOL, f"sequence {i} (prompt of {len(s.prompt)}): logprobs differ by {d}"
 
 

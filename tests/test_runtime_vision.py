@@ -11,6 +11,7 @@ import torch
 import memra_pp
 from conftest_models import LaunchedOnce, grown, hf_reference, tiny_checkpoint
 from memra_pp.errors import InputError, ResidencyError
+from gaps import worst_gap
 
 IMG, VS, VE = 300, 302, 303
 NEW = 6
@@ -93,7 +94,7 @@ def test_image_prompts_match_transformers(ray_cluster, shared, n, engine):
         for r, imgs in ((r1, imgs1), (r2, imgs2)):
             ht, hl = hf_image_greedy(model, prompt_for(imgs), imgs)
             assert r.token_ids == ht
-            assert max(abs(a - b) for a, b in zip(r.logprobs, hl, strict=True)) < 5e-4
+            assert worst_gap(zip(r.logprobs, hl, strict=True)) < 5e-4
         assert r3.token_ids == hf_reference("dense", False, (5, 17, 42), NEW)[0]
         # the prompt as the model read it: image 1's lone placeholder counts its 6 rows (as written out in full)
         assert [r.prompt_tokens for r in (r1, r2, r3)] == [len(prompt_for(imgs1)), len(prompt_for(imgs2)), 3]
@@ -168,7 +169,7 @@ def test_the_towers_work_never_holds_the_heartbeat_or_a_requests_answer(ray_clus
     for i in range(8):
         ht, hl = hf_image_greedy(model, prompt_for(imgs[i]), imgs[i])
         assert out[i] is not None and out[i].token_ids == ht
-        assert max(abs(x - y) for x, y in zip(out[i].logprobs, hl, strict=True)) < 5e-4
+        assert worst_gap(zip(out[i].logprobs, hl, strict=True)) < 5e-4
     st = grown(dep, before)[0]
     assert st["overlay_publications"] == 8 and st["publications_via_slot"] == 8
     assert dep.supervisor is None or dep.supervisor.generation == 0      # no stage was found lost

@@ -20,6 +20,7 @@ from memra_pp.model.local import LocalPipeline
 from memra_pp.model.stage_model import StageModel
 from memra_pp.model.weights import DummySource, SafetensorsSource, expected_shape, open_weights
 from tiny_hf import TEXT, hf_greedy, perturb
+from gaps import worst_gap
 
 PROMPTS = [(5, 17, 42), tuple(range(1, 71))]
 NEW = 6
@@ -34,7 +35,7 @@ def check_tokens(src, reference):
     for p, t, l in zip(PROMPTS, toks, lps, strict=True):
         ht, hl = reference(p)
         assert t == ht, f"prompt of {len(p)} tokens: {t} != transformers {ht}"
-        assert max(abs(a - b) for a, b in zip(l, hl, strict=True)) < 5e-4
+        assert worst_gap(zip(l, hl, strict=True)) < 5e-4
 
 
 @functools.lru_cache(maxsize=None)
