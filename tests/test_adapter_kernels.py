@@ -45,12 +45,18 @@ def test_lm_head_kernel_matches_reference(dtype, tied):
                           ops.lm_head_override_ref(narrow.clone(), *args), atol=1e-4, rtol=1e-5)
 
 
-def test_dispatch_on_cuda_takes_triton():
-    """apply_token_embedding / apply_token_lm_head on CUDA tensors must equal the references."""
+def test_dispatch_on_cuda_takes_triton(monkeypatch):
+    """apply_token_embedding / apply_token_lm_head on CUDA tensors must equal the references, through the Triton
+    kernels: the references raise while the dispatch runs (a fallback to them would pass the comparison alone)."""
     tos = overlay_set("cuda")
     ids, slots, emb = embed_inputs("cuda")
     want = ops.embed_override_ref(emb.clone(), ids, slots, tos.embed_map_SV, tos.embed_rows_RH, tos.embed_counts_S)
-    assert torch.equal(ops.apply_token_embedding(tos, ids, slots, emb), want)
     hidden, hs, logits = lm_inputs("cuda")
-    want = ops.lm_head_override_ref(logits.clone(), hidden, hs, tos.lm_ids_R, tos.lm_slot_R, tos.lm_rows_RH)
-    assert torch.allclose(ops.apply_token_lm_head(tos, hidden, hs, logits), want, atol=1e-4, rtol=1e-5)
+    want_lm = ops.lm_head_override_ref(logits.clone(), hidden, hs, tos.lm_ids_R, tos.lm_slot_R, tos.lm_rows_RH)
+
+    def fell_back(*a, **k):
+        raise AssertionError("the CUDA dispatch ran the torch reference, not the Triton kernel")
+    monkeypatch.setattr(ops, "embed_override_ref", fell_back)
+    monkeypatch.setattr(ops, "lm_head_override_ref", fell_back)
+    assert torch.equal(ops.apply_token_embedding(tos, ids, slots, emb), want)
+    assert torch.allclose(ops.apply_token_lm_head(tos, hidden, hs, logits), want_lm, atol=1e-4, rtol=1e-5)

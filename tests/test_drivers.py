@@ -33,15 +33,17 @@ def test_only_a_stale_group_whose_job_has_ended_is_reaped(monkeypatch):
     r._driver_seen("c", "job-a")
     r.mail.post([Event("a.1", "a1", [7], [0.0], None, None), Event("b.1", "b1", [7], [0.0], None, None)])
     assert r.reap() == 0 and asked == []            # every group polled or submitted just now: nobody asked
-    r.STALE_S = 0.05
-    time.sleep(0.1)
-    r._driver_seen("b")                             # b polls: not stale
-    assert r.reap() == 2 and asked == [["job-a"]]   # (c holds no request: not looked up)
+
+    def last_seen(group, ago):                      # (backdated, not slept: a slow machine cannot move a window)
+        r._seen[group] = time.monotonic() - ago
+    for g in ("a", "c"):
+        last_seen(g, 2 * r.STALE_S)                 # b polled just now: not stale
+    assert r.reap() == 2 and asked == [["job-a"]]   # (c holds no request and no mailbox: not looked up)
     assert [r.inbox.get_nowait() for _ in range(2)] == [("abort", "a1"), ("abort", "a2")] and r.inbox.empty()
     assert len(r.mail) == 1 and r.mail.poll("b", 0) and r.reaped == 2
-    time.sleep(0.1)
+    last_seen("b", 2 * r.STALE_S)
     assert r.reap() == 0 and asked[-1] == ["job-b"]  # b stale now, its job alive: it keeps its request
-    assert r.inbox.empty()
+    assert r.inbox.empty() and time.monotonic() - r._seen["b"] < r.STALE_S    # and is looked up again STALE_S on
 
 
 DRIVER = r"""

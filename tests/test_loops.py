@@ -64,6 +64,7 @@ def make_loop():
 
     def model(b, h, c, lora=None, token_overlay=None):
         if r.hang is not None:
+            r.hanging.set()
             r.hang.wait(10)                # a microbatch stuck on the host (inject_stall's kind)
         return torch.zeros(1, 4)
 
@@ -71,6 +72,7 @@ def make_loop():
         spec=types.SimpleNamespace(primary=True), index=1, engine=types.SimpleNamespace(make_current=lambda: None),
         receiver=QueueRecv(msgs), placement=types.SimpleNamespace(timeouts=types.SimpleNamespace(step_s=3)),
         rx_hashes=None, stall_s=0.0, fault=None, model=model, cache=None, lora=None, token_overlay=None, hang=None,
+        hanging=threading.Event(),
         ring=types.SimpleNamespace(send=sent.append), sender=None)
     loop = StageLoop(r)
     loop.sampler = Sampler()
@@ -117,7 +119,7 @@ def test_a_hang_is_seen_while_an_earlier_step_resolves(running):
     wait_for(lambda: loop.sampler.pends)
     r.hang = threading.Event()
     msgs.put(step(1))                                     # hangs inside the model call
-    time.sleep(0.1)
+    assert r.hanging.wait(10)                             # (launched: not a sleep a slow machine could outlast)
     loop.sampler.pends[0].ev.set()                        # step 0's tokens come back meanwhile
     wait_for(lambda: len(sent) == 1)
     time.sleep(0.3)

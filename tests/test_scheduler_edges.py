@@ -274,7 +274,9 @@ def test_max_context_edges(deps, name):
             (0.1, full[:200], dict(max_new_tokens=57)), (0.15, full[:64], dict(max_new_tokens=2))]
     for (_, p, kw), r in zip(jobs, asyncio.run(staggered(c, jobs)), strict=True):
         check(p, kw["max_new_tokens"], r)
-    with pytest.raises(memra_pp.errors.InputError):
+    with pytest.raises(memra_pp.errors.InputError, match=r"the prompt's 200 tokens and max_new_tokens 58 need 257 "
+                                                         r"positions, more than scheduler.max_context \(256\); ask "
+                                                         r"for at most 57 new tokens"):
         c.generate(list(full[:200]), max_new_tokens=58)
     check((3, 4), 3, c.generate([3, 4], max_new_tokens=3))
 
