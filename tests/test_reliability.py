@@ -332,6 +332,42 @@ def test_a_survivor_still_inside_a_step_is_restarted_too(ray_cluster):
         assert [c.generate(list(SHORT), max_new_tokens=4).token_ids for _ in range(2)] == [ref, ref]
 
 
+DRIVER = r"""
+import os, signal, sys, ray, memra_pp
+ray.init(address=sys.argv[1], namespace="memra-test", logging_level="ERROR")
+dep = memra_pp.connect(sys.argv[2], namespace="memra-test", address=sys.argv[1])
+s = dep.client().stream([5, 17, 42], max_new_tokens=500, ignore_eos=True)
+next(s)
+print("streaming", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_sigkilled_drivers_requests_are_aborted_at_the_intake(kept, tmp_path):
+    """A driver that connected to a detached deployment and was SIGKILLed mid-stream: its request ran on to its
+    500 tokens and its mailbox stayed. The intake aborts it within a few seconds (stats: reaped, aborted), and the
+    deployment serves the others as before. (Stage 1 stalls 4 s once the driver is dead, so that the request is
+    still running when the intake looks, however fast this machine decodes.)"""
+    import subprocess
+    import sys
+    dep = kept(DETACHED, detached=True)
+    intake = dep.actors[0]
+    before = ray.get(intake.stats.remote(), timeout=30)
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    p = subprocess.run([sys.executable, str(script), ray.get_runtime_context().gcs_address, DETACHED],
+                       capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "streaming" in p.stdout and p.returncode == -9, (p.stdout, p.stderr[-3000:])
+    ray.get(dep.actors[1].inject_stall.remote(4.0), timeout=30)
+    until(lambda: ray.get(intake.stats.remote(), timeout=30)["reaped"] > before["reaped"],
+          "the dead driver's request was not aborted")
+    st = ray.get(intake.stats.remote(), timeout=30)
+    assert st["reaped"] == before["reaped"] + 1 and st["aborted"] > before["aborted"], st
+    assert st["mailboxes"] == before["mailboxes"], st       # its mailbox forgotten
+    assert dep.client().generate(list(SHORT), max_new_tokens=4).token_ids == hf_reference("dense", False, SHORT, 4)[0]
+
+
 def _pg_state(pg_id: str) -> str | None:
     return ray.util.placement_group_table().get(pg_id, {}).get("state")
 
