@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
-from .errors import InputError, MemraError, StageFailed
+from .errors import InputError, MemraError, RequestTimeout, StageFailed
 from .rayutil import get
 
 
@@ -122,13 +122,25 @@ class ReplayMixin:
         # each on its own: the new intake refusing one (its adapter could not be reloaded: "unknown adapter") ends
         # that one with the refusal. One failure for all held every request of the client again, for a recovery
         # that never came: they hung to their timeout (for ever with timeout=inf)
-        lost = None
+        lost, step, slow = None, self.dep.placement.timeouts.step_s, set()
         try:
-            get(refs, self.dep.placement.timeouts.step_s, "replay")
+            get(refs, step, "replay")
         except MemraError:
             for t, ref in zip(go, refs):    # (all answered or waited out by now: each one's own outcome)
                 try:
-                    get(ref, 0, "replay", refused=InputError)   # (a live intake's task error: its refusal)
+                    get(ref, 0, "replay", timeout_error=RequestTimeout, refused=InputError)
+                except RequestTimeout:      # a live intake that did not take it in time, as a submit's (Client.
+                    #                         _submit): aborted there, this request ends; no stage was lost (taken
+                    #                         for one, every request of the client on that intake was held for a
+                    #                         recovery that never came, the healthy ones too)
+                    self._abort(t.rid)
+                    slow.add(t.rid)
+                    with self._lock:
+                        known = self._tracks.pop(t.rid, None) is not None
+                    if known:
+                        msg = (f"the request was replayed after a stage failure and the intake did not take it within "
+                               f"{step:g} s (timeouts.step_s); request {t.rid} was aborted")
+                        self._deliver(t, ([], [], "error", ("RequestTimeout", msg, None)))
                 except StageFailed as e:    # the new intake gone or silent: a stage failure (held or failed below)
                     lost = e
                 except MemraError as e:     # refused by the intake: this request ends, typed
@@ -142,6 +154,6 @@ class ReplayMixin:
                                  intake=intake._actor_id)
             return
         with self._lock:         # a reader gone between the new rid and the submit: its abort went first
-            gone = [t.rid for t in go if t.rid not in self._tracks]
+            gone = [t.rid for t in go if t.rid not in self._tracks and t.rid not in slow]
         for rid in gone:         # (a request that already finished is no longer in the scheduler: a no-op)
             self._abort(rid)

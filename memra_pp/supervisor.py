@@ -39,7 +39,9 @@ class Supervisor:
         self.sigkilled = 0                    # stage processes a restart SIGKILLed itself (rayutil.kill_actor)
         self.halt_failed: dict[int, str] = {}   # the last restart's survivors whose halt failed: index -> why
         self.reload_from: str | None = None   # where the last restart read its adapters: intake, kv or heartbeat
-        self.intake_id = dep.actors[0]._actor_id if dep.actors else None   # the intake a restart last completed
+        # each stage's actor as the last completed restart (or the launch) left it: one a failed attempt made since
+        # is not the deployment's (it holds no adapters, and an intake's registry is not the deployment's)
+        self.actor_ids = [a._actor_id for a in dep.actors]
         self.thread = threading.Thread(target=self._run, name="memra-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -244,10 +246,13 @@ class Supervisor:
                 self.halt_failed[i] = f"{type(cause).__name__}: {cause}"
                 self.sigkilled += kill_actor(dep.actors[i], dep.procs.get(i))
                 failed.add(i)
-        if 0 not in failed and dep.actors[0]._actor_id != self.intake_id:
-            # an intake a failed attempt made and left half reloaded: its registry is not the deployment's
-            self.sigkilled += kill_actor(dep.actors[0], dep.procs.get(0))
-            failed.add(0)
+        for i in survivors:
+            if i not in failed and dep.actors[i]._actor_id != self.actor_ids[i]:
+                # a stage a failed attempt made and left half reloaded (a survivor of this attempt, but its adapters
+                # were never loaded: relinked only, it served them without their LoRA; an intake's registry is not
+                # the deployment's): it is restarted as a failed one
+                self.sigkilled += kill_actor(dep.actors[i], dep.procs.get(i))
+                failed.add(i)
         # one sub-dir per attempt: a failed attempt leaves the sockets its stages opened (a stage lost during the
         # restart), and a retry in the same dir was refused ("channel socket ... exists") every time after
         run_dir = os.path.join(dep.run_dir, f"r{self.generation}-{len(self.log)}-{attempt}")
@@ -310,7 +315,7 @@ class Supervisor:
             dep._rebudget(t)
         self._live()
         _get([a.start.remote(recovered=True) for a in dep.actors], t, "stage start")
-        self.intake_id = dep.actors[0]._actor_id
+        self.actor_ids = [a._actor_id for a in dep.actors]
 
     def _live(self) -> None:
         """Before each of a restart's Ray calls: stop the restart once shutdown() has begun. Its stop() waits only
@@ -470,7 +475,10 @@ class RemoteSupervisor:
                 c.on_recovery_failed(self.failure)
             self.ready.set()
         elif st["ready"] and st["recovered"] > self.recovered:
-            self.dep.refresh_actors()                  # the new stages, before anything is resubmitted
+            # the new stages, before anything is resubmitted: a lookup that failed (a slow GCS) is tried again next
+            # round; taken for done, the held requests went to the dead intake and stayed held for good
+            if not self.dep.refresh_actors():
+                return checked
             self.recovered = st["recovered"]
             self.ready.set()
             for c in clients:
