@@ -37,7 +37,7 @@ class Supervisor:
         self.failure: StageFailed | None = None   # set when a recovery gave up: wait_ready raises it
         self.log: list[dict] = []             # one record per failure: stage, reason, detect / recovery times
         self.sigkilled = 0                    # stage processes a restart SIGKILLed itself (rayutil.kill_actor)
-        self.halt_failed: dict[int, str] = {}   # the last restart's survivors whose halt failed: index -> why
+        self.halt_failed: dict[int, str] = {}   # the last recovery's survivors whose halt failed: index -> why
         self.reload_from: str | None = None   # where the last restart read its adapters: intake, kv or heartbeat
         # each stage's actor as the last completed restart (or the launch) left it: one a failed attempt made since
         # is not the deployment's (it holds no adapters, and an intake's registry is not the deployment's)
@@ -194,7 +194,7 @@ class Supervisor:
             log.warning(f"{err}; restarting it")
             for c in list(dep._clients):
                 c.on_stage_failed(err)
-            last = None
+            last, self.halt_failed = None, {}       # (every attempt's survivors whose halt failed)
             for attempt in range(ATTEMPTS):
                 if self.stopping.is_set() or not ray.is_initialized() or (dep.detached and self._stop_requested()):
                     self._end_stopped()
@@ -203,6 +203,9 @@ class Supervisor:
                     self._restart(stage, err, attempt)
                     break
                 except Exception as e:  # noqa: BLE001 - any failure to restart is retried, then reported
+                    if self.stopping.is_set() or not ray.is_initialized():     # a shutdown ended it, not a failure
+                        self._end_stopped()
+                        return
                     last = e
                     log.warning(f"restart of stage {stage} failed (attempt {attempt + 1}): {e}")
             else:
@@ -237,7 +240,7 @@ class Supervisor:
         self._live()
         refs = [dep.actors[i].halt.remote(stage, str(err)) for i in survivors]
         ray.wait(refs, num_returns=len(refs), timeout=p.timeouts.step_s)
-        failed, self.halt_failed = {stage}, {}
+        failed = {stage}
         for i, ref in zip(survivors, refs):   # a survivor that cannot halt is restarted too
             try:
                 ray.get(ref, timeout=0)

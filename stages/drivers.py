@@ -22,7 +22,10 @@ def dead_jobs(jobs: set[str]) -> set[str]:
     """Those of `jobs` (hex ids) that Ray's job table says have ended (one call to the GCS, through this worker's
     GCS client: ray._private.state's table is a driver's only)."""
     import ray
-    info = ray._private.worker.global_worker.gcs_client.get_all_job_info(timeout=5)
+    # (the skips: the GCS would read every job's submission record and ask every live driver for its running
+    # tasks, as Ray's own liveness count does not)
+    info = ray._private.worker.global_worker.gcs_client.get_all_job_info(
+        skip_submission_job_info_field=True, skip_is_running_tasks_field=True, timeout=5)
     return {k.hex() for k, v in info.items() if v.is_dead and k.hex() in jobs}
 
 
@@ -62,17 +65,20 @@ class DriversMixin:
                 log.exception("intake: looking for the requests of ended drivers failed")
 
     def _requests_by_group(self) -> dict[str, list[str]]:
-        """group -> the rids it has in the scheduler (waiting or running) or waiting for their images."""
-        out: dict[str, list[str]] = {}
+        """group -> the rids it has waiting for their images, submitted (in the inbox, or taken from it by the loop
+        and not yet added), waiting or running: in the order a request goes through them (adapter_users' order), so
+        one moving on meanwhile is still seen. (Each abort queues behind its request in the inbox.)"""
+        out: dict[str, dict[str, None]] = {}     # (ordered sets: a request seen in two places counts once)
         with self._pending_lock:
-            for r in self._pending.values():
-                out.setdefault(group_of(r.client), []).append(r.rid)
+            reqs = list(self._pending.values())
+        with self.inbox.mutex:
+            reqs += [item[1] for item in [*self.inbox.queue, self.inbox.taken] if item and item[0] == "req"]
         sch = self.scheduler
         with sch.mu:
-            reqs = list(sch.waiting) + [s.req for s in sch.active.values()]
+            reqs += list(sch.waiting) + [s.req for s in sch.active.values()]
         for r in reqs:
-            out.setdefault(group_of(r.client), []).append(r.rid)
-        return out
+            out.setdefault(group_of(r.client), {})[r.rid] = None
+        return {g: list(rids) for g, rids in out.items()}
 
     def reap(self) -> int:
         """Abort the requests of groups whose driver has ended and forget their mailboxes (a group with either that

@@ -20,13 +20,15 @@ def _runner():
 def test_only_a_stale_group_whose_job_has_ended_is_reaped(monkeypatch):
     """Groups "a" and "b" hold requests; "c" is "a"'s job too but holds none. Only a group that has not polled for
     STALE_S is looked up, and only one whose job Ray says has ended loses its requests (aborted through the
-    intake's inbox, as a client's abort) and its clients' mailboxes; a stale group with a live job keeps both."""
+    intake's inbox, as a client's abort; one still in the inbox too) and its clients' mailboxes; a stale group with
+    a live job keeps both."""
     r = _runner()
     asked = []
     monkeypatch.setattr(drivers, "dead_jobs", lambda jobs: (asked.append(sorted(jobs)), {"job-a"} & jobs)[1])
     for rid, client, job in (("a1", "a.1", "job-a"), ("a2", "a.2", "job-a"), ("b1", "b.1", "job-b")):
         r.scheduler.add(Request(rid, client, [1, 2, 3], 4, SamplingParams()))
         r._driver_seen(client.split(".")[0], job)
+    r.inbox.put(("req", Request("a3", "a.1", [4], 4, SamplingParams())))     # submitted, not yet taken by the loop
     r._driver_seen("c", "job-a")
     r.mail.post([Event("a.1", "a1", [7], [0.0], None, None), Event("b.1", "b1", [7], [0.0], None, None)])
     assert r.reap() == 0 and asked == []            # every group polled or submitted just now: nobody asked
@@ -35,9 +37,11 @@ def test_only_a_stale_group_whose_job_has_ended_is_reaped(monkeypatch):
         r._seen[group] = time.monotonic() - ago
     for g in ("a", "c"):
         last_seen(g, 2 * r.STALE_S)                 # b polled just now: not stale
-    assert r.reap() == 2 and asked == [["job-a"]]   # (c holds no request and no mailbox: not looked up)
-    assert [r.inbox.get_nowait() for _ in range(2)] == [("abort", "a1"), ("abort", "a2")] and r.inbox.empty()
-    assert len(r.mail) == 1 and r.mail.poll("b", 0) and r.reaped == 2
+    assert r.reap() == 3 and asked == [["job-a"]]   # (c holds no request and no mailbox: not looked up)
+    items = [r.inbox.get_nowait() for _ in range(4)]
+    assert items[0][0] == "req" and items[1:] == [("abort", "a3"), ("abort", "a1"), ("abort", "a2")], items
+    assert r.inbox.empty()          # (the one in the inbox too: its abort comes after it)
+    assert len(r.mail) == 1 and r.mail.poll("b", 0) and r.reaped == 3
     last_seen("b", 2 * r.STALE_S)
     assert r.reap() == 0 and asked[-1] == ["job-b"]  # b stale now, its job alive: it keeps its request
     assert r.inbox.empty() and time.monotonic() - r._seen["b"] < r.STALE_S    # and is looked up again STALE_S on
