@@ -12,6 +12,7 @@ import numbers
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -121,6 +122,7 @@ class Deployment:
         # name -> (slot, path) as this handle last saw the intake's registry (stages/runner.reserve_adapter: the
         # table that gives out slots, whichever handle loads): what a restart reloads if the intake itself is lost
         self._adapter_paths: dict[str, tuple[int, str]] = {}
+        self._adapter_seq = -1      # the intake registry's version _adapter_paths was read at (saw_adapters)
         self._actors_lock = threading.Lock()
         self._pg, self.transports, self.supervisor = None, ["shm"] * len(actors), None
         self._tokenizer = None
@@ -481,8 +483,14 @@ class Deployment:
                             self._rebudget(t)
                 raise
             self._rebudget(t)            # the first load made LoRA pools: the KV budget shrinks by what they took
-            self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
+            self.saw_adapters(*_get(self.actors[0].adapters_seen.remote(), t, "adapters"))
         return slot
+
+    def saw_adapters(self, seq: int, adapters: dict) -> None:
+        """The intake's loaded adapters at registry version `seq` (adapters_seen): kept if newer than what this handle
+        has (a heartbeat read before a load's commit can arrive after the load's own read)."""
+        if seq > self._adapter_seq:
+            self._adapter_seq, self._adapter_paths = seq, adapters
 
     @contextlib.contextmanager
     def _between_recoveries(self, what: str):
@@ -535,7 +543,7 @@ class Deployment:
                 _get([a.unload_adapter.remote(slot) for a in self.actors], t, f"unload adapter {name!r}")
             finally:    # withdrawn: its slot is free even where a stage failed midway (a load clears a slot first)
                 _get(self.actors[0].release_adapter.remote(name), t, "release the adapter slot")
-            self._adapter_paths = _get(self.actors[0].adapters.remote(True), t, "adapters")
+            self.saw_adapters(*_get(self.actors[0].adapters_seen.remote(), t, "adapters"))
 
     def refresh_actors(self) -> bool:
         """A connect()ed handle: look the stage actors up by name again, since the launching process's supervisor
@@ -708,8 +716,9 @@ class Deployment:
         stays) are SIGKILLed by their pid, then their shared-memory segments and the run dir go."""
         from .rayutil import _pidns, _sigkill
         pids = []
-        for proc in self.procs.values():    # (a process of another host has another start time or pid namespace)
-            if proc.get("start") is not None and proc.get("pidns") == _pidns():
+        host = socket.gethostname()
+        for proc in self.procs.values():    # (only this host's: its name, its pid namespace, the process's start)
+            if proc.get("start") is not None and proc.get("host") == host and proc.get("pidns") == _pidns():
                 _sigkill(proc["pid"], proc["start"])
                 pids.append(proc["pid"])
         unlink_shm([n for names in self.slot_names for n in names])

@@ -55,10 +55,11 @@ def first_line(e: BaseException) -> str:
 
 
 def proc_identity() -> dict:
-    """This process as kill_actor finds it again: its Ray node, pid namespace, pid and start time (a pid reused by
-    another process has another start time)."""
-    return {"node": ray.get_runtime_context().get_node_id(), "pidns": _pidns(), "pid": os.getpid(),
-            "start": _start_time(os.getpid())}
+    """This process as kill_actor finds it again: its Ray node, host name, pid namespace, pid and start time (a pid
+    reused by another process has another start time; the host name, where Ray is gone and cannot name the node: a
+    host's root pid namespace has the same inode on every Linux host)."""
+    return {"node": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(), "pidns": _pidns(),
+            "pid": os.getpid(), "start": _start_time(os.getpid())}
 
 
 def _pidns() -> int | None:

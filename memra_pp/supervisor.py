@@ -163,7 +163,7 @@ class Supervisor:
                 dead.append((i, f"its actor died ({type(e).__name__})"))
                 continue
             if "adapters" in h:     # the intake's loaded adapters, every handle's: what a restart of it reloads
-                self.dep._adapter_paths = h["adapters"]
+                self.dep.saw_adapters(h["adapters_seq"], h["adapters"])
             if not h["alive"]:
                 (lost if h["lost_link"] else broken).append(
                     (i, f"its loop ended: {(h['error'] or 'a link to a neighbour closed').strip().splitlines()[-1]}"))
@@ -310,6 +310,8 @@ class Supervisor:
                 if 0 not in failed:
                     _get([a.unload_adapter.remote(slot) for a in dep.actors], t, "unload a dropped adapter")
         dep._adapter_paths = kept
+        if 0 in failed:     # a new intake numbers its registry's versions from 0
+            dep._adapter_seq = -1
         key = dep.kv_key("adapters") if 0 in failed else None
         if key is not None:     # only now: a reload that fails midway (and is retried) leaves the dead intake's list
             _get(dep.actors[0].registry_key.remote(key), t, "adapter registry key")

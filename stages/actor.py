@@ -106,6 +106,9 @@ class StageActor:
     def adapters(self, loaded_only: bool = False) -> dict:
         return self.runner.adapters(loaded_only)
 
+    def adapters_seen(self) -> tuple:
+        return self.runner.adapters_seen()
+
     def run_check(self, name: str, *args):
         from ..battery_stage import CHECKS
         self.runner.here()

@@ -36,7 +36,7 @@ class RecoveryMixin:
     def health(self) -> dict:
         """Is this stage's loop (and, on the intake, the ring reader) running; if not, why (the loop's error)."""
         # the intake's loaded adapters ride along: the supervisor reloads them if the intake itself is restarted
-        extra = {"adapters": self.adapters(loaded_only=True)} if self.index == 0 else {}
+        extra = dict(zip(("adapters_seq", "adapters"), self.adapters_seen())) if self.index == 0 else {}
         if self.loop is None:
             return {"index": self.index, "started": False, "alive": True, "error": None, "lost_link": False, **extra}
         return {"index": self.index, "started": True, **self.loop.health(), **extra}

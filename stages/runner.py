@@ -455,10 +455,11 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
         import logging
         from ray.experimental import internal_kv
         with self._registry_lock:
+            # (every change has a number, kept in Ray's KV or not: adapters_seen's version)
+            self._registry_seq = seq = self._registry_seq + 1
             key = self._registry_kv
             if key is None:
                 return
-            self._registry_seq = seq = self._registry_seq + 1
             raw = json.dumps({n: [e[0], e[1]] for n, e in self.adapter_registry.items() if e[2] == "loaded"})
         with self._registry_kv_lock:
             if seq < self._registry_written:     # a newer snapshot is already there
@@ -479,6 +480,13 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
             if loaded_only:
                 return {n: (e[0], e[1]) for n, e in self.adapter_registry.items() if e[2] == "loaded"}
             return {n: tuple(e) for n, e in self.adapter_registry.items()}
+
+    def adapters_seen(self) -> tuple[int, dict[str, tuple]]:
+        """Intake: (the registry's version, its loaded adapters name -> (slot, path)), read together. A handle keeps
+        the newest it has seen: a heartbeat's answer read before a load's commit, arriving after the load's own read,
+        overwrote it, and a restart of the intake then reloaded the adapters without that one."""
+        with self._registry_lock:
+            return self._registry_seq, {n: (e[0], e[1]) for n, e in self.adapter_registry.items() if e[2] == "loaded"}
 
     def check_adapter(self, r: Request) -> None:
         """Intake, as the loop takes a request: its adapter must still be in the slot submit found it in. A request

@@ -317,7 +317,7 @@ def test_an_unload_waits_for_the_replays_a_recovery_brings_and_is_refused_before
     from memra_pp.stages.runner import Inbox, StageRunner
     r = StageRunner.__new__(StageRunner)
     r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2), recover="replay")
-    r.adapter_registry, r._registry_lock, r._registry_kv = {}, threading.Lock(), None
+    r.adapter_registry, r._registry_lock, r._registry_kv, r._registry_seq = {}, threading.Lock(), None, 0
     r.reserve_adapter("a", "/a")
     r.commit_adapter("a", 0)
     r.lost = (1, "stage 1 is lost: the ring from it broke")
@@ -362,7 +362,7 @@ def test_the_intakes_adapter_registry_moves_each_name_through_its_states():
     from memra_pp.stages.runner import StageRunner
     r = StageRunner.__new__(StageRunner)
     r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2))
-    r.adapter_registry, r._registry_lock, r._registry_kv = {}, threading.Lock(), None
+    r.adapter_registry, r._registry_lock, r._registry_kv, r._registry_seq = {}, threading.Lock(), None, 0
     assert r.reserve_adapter("a", "/a") == 0 and r.adapters() == {"a": (0, "/a", "loading")}
     with pytest.raises(InputError, match=r"adapter 'a' is being loaded by another handle \(slot 0\)"):
         r.reserve_adapter("a", "/a2")

@@ -196,3 +196,28 @@ def test_a_connected_handle_replays_only_once_it_has_the_new_stages(monkeypatch)
         assert [e for e in log if e[0] == "submit"] == [("submit", "new")], log
     finally:
         c.close()
+
+
+def test_a_heartbeat_read_before_a_load_does_not_undo_the_loads_own_read():
+    """The supervisor's heartbeat reads the intake's loaded adapters (what a restart of the intake reloads); one read
+    before a load's commit but answered after the load's own read overwrote it, and a restart then reloaded the
+    adapters without the new one. Every change of the registry has a number, kept in Ray's KV or not, and a handle
+    keeps the newest list it has seen."""
+    from memra_pp.deployment import Deployment
+    from memra_pp.stages.runner import StageRunner
+    r = StageRunner()
+    r.index = 0
+    r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2))
+    before = r.adapters_seen()                           # the heartbeat's read, before the load
+    assert r.reserve_adapter("a", "/a") == 0
+    r.commit_adapter("a", 0)                             # (not detached: no KV key, still numbered)
+    after = r.adapters_seen()                            # the load's own read, after its commit
+    assert after[0] > before[0] and after[1] == {"a": (0, "/a")} and before[1] == {}
+    dep = Deployment.__new__(Deployment)
+    dep._adapter_paths, dep._adapter_seq = {}, -1
+    dep.saw_adapters(*after)
+    dep.saw_adapters(*before)                            # the heartbeat's answer, arriving last
+    assert dep._adapter_paths == {"a": (0, "/a")}
+    r.release_adapter("a")
+    dep.saw_adapters(*r.adapters_seen())                 # a later change is taken
+    assert dep._adapter_paths == {}

@@ -264,7 +264,7 @@ def test_an_adapter_changed_just_before_the_intake_dies_is_restored_as_it_was(ra
         other = memra_pp.connect("adkept", namespace="memra-test")
         dep.load_adapter("a", adapter("dense", False, "A")[1])
         for _ in range(5):
-            dep._adapter_paths = {}                      # refilled by the next heartbeat: the next is 1 s after it
+            dep._adapter_paths, dep._adapter_seq = {}, -1   # refilled by the next heartbeat: 1 s after the last
             end = time.monotonic() + 30
             while not dep._adapter_paths and time.monotonic() < end:
                 time.sleep(0.01)
