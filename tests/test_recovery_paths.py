@@ -221,3 +221,48 @@ def test_a_heartbeat_read_before_a_load_does_not_undo_the_loads_own_read():
     r.release_adapter("a")
     dep.saw_adapters(*r.adapters_seen())                 # a later change is taken
     assert dep._adapter_paths == {}
+
+
+def test_a_shutdown_during_a_restarts_last_attempt_ends_it_as_stopped(monkeypatch):
+    """A restart's last attempt that a shutdown cut short (its next step found the deployment stopping) was reported
+    as a recovery that failed ATTEMPTS times ("shut the deployment down and launch it again"), logged as not
+    recovered, and published after ray.shutdown() on a detached deployment. It ends as a stop now: the failure
+    says the deployment was shut down during a recovery, and nothing is logged as a failed restart."""
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    dep = types.SimpleNamespace(actors=[types.SimpleNamespace(_actor_id="a0")], detached=False, _clients=set())
+    sup = S.Supervisor(dep)
+    attempts = []
+
+    def restart(stage, err, attempt):
+        attempts.append(attempt)
+        if attempt == S.ATTEMPTS - 1:       # the shutdown lands during the last attempt
+            sup.stopping.set()
+            sup._live()
+        raise StageFailed("stage wiring: no answer within 300 s")
+    monkeypatch.setattr(sup, "_restart", restart)
+    sup.recover(1, "its actor died")
+    assert attempts == list(range(S.ATTEMPTS)) and sup.ready.is_set()
+    assert "shut down during a recovery" in str(sup.failure) and sup.log == [], (sup.failure, sup.log)
+
+
+def test_a_stage_process_is_killed_without_ray_only_on_its_own_host(monkeypatch):
+    """dep.shutdown() after ray.shutdown() SIGKILLs the stage processes by pid: only those of this host (its name,
+    and the pid namespace, whose inode alone is no host's mark), and only processes that started when the stage
+    did (_sigkill checks the start time)."""
+    import socket
+
+    import memra_pp.rayutil as rayutil
+    from memra_pp.deployment import Deployment
+    killed = []
+    monkeypatch.setattr(rayutil, "_sigkill", lambda pid, start: killed.append(pid) or True)
+    unlinked = []
+    monkeypatch.setattr(deployment, "unlink_shm_of", lambda pids: unlinked.extend(pids))
+    monkeypatch.setattr(deployment, "unlink_shm", lambda names: 0)
+    dep = Deployment.__new__(Deployment)
+    ns = rayutil._pidns()
+    dep.procs = {0: {"host": socket.gethostname(), "pidns": ns, "pid": 11, "start": 5},
+                 1: {"host": "another-host", "pidns": ns, "pid": 12, "start": 5},
+                 2: {"host": socket.gethostname(), "pidns": ns, "pid": 13, "start": None}}
+    dep.slot_names, dep.run_dir = [], None
+    dep._teardown_without_ray()
+    assert killed == [11] and unlinked == [11]      # (and its segments, by the pid's tag)
