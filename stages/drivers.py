@@ -85,10 +85,18 @@ class DriversMixin:
         has not polled for STALE_S is looked up; one whose driver lives is looked up again STALE_S later); returns
         how many requests it aborted."""
         now = time.monotonic()
+        with self._drivers_lock:    # (first, and cheap: groups that poll walk no request list every round)
+            late = {g: j for g, j in self._job_of.items() if now - self._seen.get(g, now) > self.STALE_S}
+        if not late:
+            return 0
         by_group = self._requests_by_group()
-        with self._drivers_lock:
-            stale = {g: self._job_of[g] for g in set(by_group) | self.mail.groups()
-                     if g in self._job_of and now - self._seen.get(g, now) > self.STALE_S}
+        busy = set(by_group) | self.mail.groups()
+        with self._drivers_lock:    # late with nothing here: not tracked until its next submit or poll (unless one
+            for g in late.keys() - busy:                        # came meanwhile)
+                if now - self._seen.get(g, now) > self.STALE_S:
+                    self._job_of.pop(g, None)
+                    self._seen.pop(g, None)
+        stale = {g: j for g, j in late.items() if g in busy}
         if not stale:
             return 0
         dead = dead_jobs(set(stale.values()))

@@ -38,6 +38,7 @@ def test_only_a_stale_group_whose_job_has_ended_is_reaped(monkeypatch):
     for g in ("a", "c"):
         last_seen(g, 2 * r.STALE_S)                 # b polled just now: not stale
     assert r.reap() == 3 and asked == [["job-a"]]   # (c holds no request and no mailbox: not looked up)
+    assert "c" not in r._job_of                     # (nor tracked, until its next submit or poll)
     items = [r.inbox.get_nowait() for _ in range(4)]
     assert items[0][0] == "req" and items[1:] == [("abort", "a3"), ("abort", "a1"), ("abort", "a2")], items
     assert r.inbox.empty()          # (the one in the inbox too: its abort comes after it)
