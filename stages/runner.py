@@ -460,7 +460,7 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
             key = self._registry_kv
             if key is None:
                 return
-            raw = json.dumps({n: [e[0], e[1]] for n, e in self.adapter_registry.items() if e[2] == "loaded"})
+            raw = json.dumps(self._loaded())
         with self._registry_kv_lock:
             if seq < self._registry_written:     # a newer snapshot is already there
                 return
@@ -478,15 +478,19 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
         """Intake: the registry, name -> (slot, path, state); `loaded_only`: name -> (slot, path) of the loaded."""
         with self._registry_lock:
             if loaded_only:
-                return {n: (e[0], e[1]) for n, e in self.adapter_registry.items() if e[2] == "loaded"}
+                return self._loaded()
             return {n: tuple(e) for n, e in self.adapter_registry.items()}
+
+    def _loaded(self) -> dict[str, tuple]:
+        """(under _registry_lock) The loaded adapters, name -> (slot, path)."""
+        return {n: (e[0], e[1]) for n, e in self.adapter_registry.items() if e[2] == "loaded"}
 
     def adapters_seen(self) -> tuple[int, dict[str, tuple]]:
         """Intake: (the registry's version, its loaded adapters name -> (slot, path)), read together. A handle keeps
         the newest it has seen: a heartbeat's answer read before a load's commit, arriving after the load's own read,
         overwrote it, and a restart of the intake then reloaded the adapters without that one."""
         with self._registry_lock:
-            return self._registry_seq, {n: (e[0], e[1]) for n, e in self.adapter_registry.items() if e[2] == "loaded"}
+            return self._registry_seq, self._loaded()
 
     def check_adapter(self, r: Request) -> None:
         """Intake, as the loop takes a request: its adapter must still be in the slot submit found it in. A request
