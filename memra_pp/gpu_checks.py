@@ -22,7 +22,7 @@ from memra_pp import cpu_pinning, cuda, cuda_views, handoff_probe
 from memra_pp.engine import ContextId, Engine, EngineCounters, residency_of
 from memra_pp.errors import ResidencyError
 from memra_pp.overlay import EmbedOverlay, TokenOverlay, TokenOverlaySet, overlay_publications, publish_out
-from memra_pp.stages.gpu_slots import RECEIVERS, SENDERS, probe_p2p, probe_pattern
+from memra_pp.stages.gpu_slots import RECEIVERS, SENDERS, join_or_kill, probe_p2p, probe_pattern
 
 HOLD_S = 1.5  # the receiver holds both slots this long: a third send must block, not overwrite
 
@@ -271,10 +271,7 @@ def slots(transport: str, src: int, dst: int, n: int = 500, shape=(64, 5120), ti
         rp.send("close")
         return out
     finally:
-        for p in procs:
-            p.join(timeout=15)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs, 15)
 
 
 def raw_copies(src: int, dst: int, shape=(64, 5120), n: int = 500) -> dict:

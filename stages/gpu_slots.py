@@ -390,6 +390,14 @@ def _probe_sender(src: int, endpoint: dict, conn, timeout: float) -> None:
         conn.send(("error", f"sender: {type(e).__name__}: {e}"))
 
 
+def join_or_kill(procs, timeout: float) -> None:
+    """Wait up to `timeout` s for each of the spawned processes of a two-process check to end; kill one that has not."""
+    for p in procs:
+        p.join(timeout=timeout)
+        if p.is_alive():
+            p.kill()
+
+
 def probe_p2p(src_dev: int, dst_dev: int, nbytes: int = 4 << 20, timeout: float = 60.0) -> dict:
     """Copy a pattern from a process on `src_dev` into a peer slot of a process on `dst_dev` and compare there:
     what `transport: auto` trusts (cuDeviceCanAccessPeer alone does not prove the IPC mapping works)."""
@@ -416,10 +424,7 @@ def probe_p2p(src_dev: int, dst_dev: int, nbytes: int = 4 << 20, timeout: float 
     except Exception as e:
         detail = f"{type(e).__name__}: {e}"
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs, 10)
     try:
         peer = cuda.can_access_peer(src_dev, dst_dev) if src_dev != dst_dev else True
     except cuda.CudaError:

@@ -9,7 +9,7 @@ import traceback
 import torch
 
 from memra_pp.engine import Engine
-from memra_pp.stages.gpu_slots import PeerSlotReceiver, PeerSlotSender, probe_pattern
+from memra_pp.stages.gpu_slots import PeerSlotReceiver, PeerSlotSender, join_or_kill, probe_pattern
 
 SLEEP_CYCLES = 3_000_000_000   # torch.cuda._sleep ahead of the sender's copy: about 1.5-2 s of GPU clock
 NBYTES = 64 << 20
@@ -91,10 +91,7 @@ def halt_order(dev: int = 0, timeout: float = 120.0) -> dict:
         sp.send("bye")
         return out
     finally:
-        for p in procs:
-            p.join(timeout=15)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs, 15)
 
 
 def _endpoint_server(dev: int, conn, timeout: float) -> None:
@@ -118,7 +115,5 @@ def endpoint_server(dev: int = 0, timeout: float = 120.0):
 
     def close():
         parent.send("close")
-        p.join(timeout=15)
-        if p.is_alive():
-            p.kill()
+        join_or_kill([p], 15)
     return ep, close
