@@ -366,10 +366,9 @@ def test_a_halt_whose_loop_is_stuck_still_fails_and_keeps_the_receivers_slots(le
     """A halt whose loop thread is still inside a step raises StageFailed (the supervisor restarts the stage) as
     before; the slots that thread may still read are kept, not freed under it."""
     up, down = _wired(ledger, tmp_path, "peer")
+    from test_recovery import stuck_loop
     gate = threading.Event()
-    down.loop = types.SimpleNamespace(stopping=threading.Event(), ring_thread=None,
-                                      thread=threading.Thread(target=gate.wait, args=(30,), name="memra-stage-1"))
-    down.loop.thread.start()
+    down.loop = stuck_loop("memra-stage-1", gate)
     down.HALT_JOIN_S = 0.2
     try:
         with pytest.raises(StageFailed, match="memra-stage-1 was still inside a step"):

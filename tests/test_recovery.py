@@ -53,6 +53,17 @@ def test_halt_rebuilds_the_decode_graphs_over_the_new_cache(monkeypatch):
     assert g.replays == 2 and g.captures == 1          # the decode steps ran through a graph, captured on first use
 
 
+def stuck_loop(name: str, gate=None, wait_s: float = 30.0):
+    """A stage loop as halt() finds it: its thread (named `name`, started) still inside a step until `gate` is set
+    or `wait_s` has passed."""
+    import threading
+    gate = gate if gate is not None else threading.Event()
+    loop = types.SimpleNamespace(stopping=threading.Event(), ring_thread=None,
+                                 thread=threading.Thread(target=gate.wait, args=(wait_s,), name=name))
+    loop.thread.start()
+    return loop
+
+
 def test_a_halt_whose_loop_is_still_inside_a_step_fails_and_keeps_the_old_state():
     """An intake whose loop is still inside a step when halt() stops waiting for it (HALT_JOIN_S, or half of
     timeouts.step_s) must not carry on: that step would end in the fresh cache and scheduler (it once failed the
@@ -74,9 +85,7 @@ def test_a_halt_whose_loop_is_still_inside_a_step_fails_and_keeps_the_old_state(
     sched.add(Request("held", "g.c", [1, 2, 3], 4, SamplingParams()))
     r.cache = cache = object()
     gate = threading.Event()
-    r.loop = types.SimpleNamespace(stopping=threading.Event(), ring_thread=None,
-                                   thread=threading.Thread(target=gate.wait, args=(30,), name="memra-intake-0"))
-    r.loop.thread.start()
+    r.loop = stuck_loop("memra-intake-0", gate)
     r.HALT_JOIN_S = 0.2
     try:
         with pytest.raises(StageFailed) as e:
@@ -89,9 +98,7 @@ def test_a_halt_whose_loop_is_still_inside_a_step_fails_and_keeps_the_old_state(
     assert [(x[0], x[3], x[4][0]) for x in evs] == [("held", "error", "StageFailed")], evs    # its request ended
     assert r.scheduler is sched and r.cache is cache and r.loop is None     # nothing fresh for the old step
     r.placement.timeouts.step_s = 0.2       # half of step_s where that is less: the supervisor waits step_s
-    r.loop = types.SimpleNamespace(stopping=threading.Event(), ring_thread=None,
-                                   thread=threading.Thread(target=threading.Event().wait, args=(2,), name="t"))
-    r.loop.thread.start()
+    r.loop = stuck_loop("t", wait_s=2)
     r.HALT_JOIN_S = 10.0
     with pytest.raises(StageFailed, match="t was still inside a step 0.1 s into the halt"):
         r.halt(1, "stage 1 is lost")
