@@ -241,19 +241,18 @@ class Supervisor:
         refs = [dep.actors[i].halt.remote(stage, str(err)) for i in survivors]
         ray.wait(refs, num_returns=len(refs), timeout=p.timeouts.step_s)
         failed = {stage}
-        for i, ref in zip(survivors, refs):   # a survivor that cannot halt is restarted too
+        for i, ref in zip(survivors, refs):
+            # restarted too: a survivor that cannot halt, and a stage a failed attempt made and left half reloaded
+            # (relinked only, it never loaded the adapters and served them without their LoRA; an intake's
+            # registry is not the deployment's)
             try:
                 ray.get(ref, timeout=0)
+                again = dep.actors[i]._actor_id != self.actor_ids[i]
             except Exception as e:  # noqa: BLE001
                 cause = getattr(e, "cause", None) or e      # (a RayTaskError carries the stage's own exception)
                 self.halt_failed[i] = f"{type(cause).__name__}: {cause}"
-                self.sigkilled += kill_actor(dep.actors[i], dep.procs.get(i))
-                failed.add(i)
-        for i in survivors:
-            if i not in failed and dep.actors[i]._actor_id != self.actor_ids[i]:
-                # a stage a failed attempt made and left half reloaded (a survivor of this attempt, but its adapters
-                # were never loaded: relinked only, it served them without their LoRA; an intake's registry is not
-                # the deployment's): it is restarted as a failed one
+                again = True
+            if again:
                 self.sigkilled += kill_actor(dep.actors[i], dep.procs.get(i))
                 failed.add(i)
         # one sub-dir per attempt: a failed attempt leaves the sockets its stages opened (a stage lost during the
