@@ -264,10 +264,17 @@ class Supervisor:
             a = dep.new_actor(i)
             with dep._actors_lock:
                 dep.actors[i] = a
-            dep.procs.pop(i, None)      # its setup names the new process (a retry must not aim at the dead one)
+            dep.procs.pop(i, None)      # (a retry must not aim at the dead one)
             if self.stopping.is_set():
                 ray.kill(a)
                 raise StageFailed("the deployment is shutting down")
+        # the new processes, named before their setup (a weights load): a shutdown after ray.shutdown() kills a
+        # stage by its pid, and a detached one it could not name stayed running
+        self._live()
+        new = sorted(failed)
+        for i, proc in zip(new, _get([dep.actors[i].proc.remote() for i in new], t, "new stage processes")):
+            if proc:
+                dep.procs[i] = proc
         self._live()
         stale = {i: dep.slot_names[i] for i in failed if dep.slot_names[i]}
         if stale:   # a killed stage left its receiving segments behind: its replacement (same node) unlinks them
@@ -276,7 +283,6 @@ class Supervisor:
         infos = _get([a.setup.remote(p.to_dict(), dep.plan.to_dict(), i, run_dir, tr[i], dep.switches) if i in failed
                       else a.relink.remote(run_dir, tr[i]) for i, a in enumerate(dep.actors)], t, "stage restart")
         dep.slot_names = [shm_names(x) for x in infos]
-        dep.procs.update({i: infos[i]["proc"] for i in failed if infos[i].get("proc")})
         self._live()
         dep.wire(dep.actors, infos, t)
         # the adapters to reload: the loaded ones of the intake's registry where the intake survived (every

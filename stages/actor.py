@@ -34,6 +34,12 @@ class StageActor:
         return info
 
     @ray.method(concurrency_group=CONTROL)
+    def proc(self) -> dict:
+        """This stage's process (proc_identity), before its setup: a restart names a new actor's process at once."""
+        from ..rayutil import proc_identity
+        return proc_identity()
+
+    @ray.method(concurrency_group=CONTROL)
     def kv_report(self) -> dict:
         return self.runner.kv_report()
 

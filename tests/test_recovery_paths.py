@@ -50,7 +50,7 @@ def test_a_stage_a_failed_attempt_replaced_gets_the_adapters_on_the_retry(monkey
                 if m == "halt" and not self.halt_ok:
                     return _Ref(exc=ray.exceptions.RayActorError())
                 return _Ref({"proc": None} if m in ("setup", "relink") else {"A": (0, "/a")} if m == "adapters"
-                            else None)
+                            else {"pid": self.name} if m == "proc" else None)
             return types.SimpleNamespace(remote=remote)
 
     wires = []
@@ -80,6 +80,8 @@ def test_a_stage_a_failed_attempt_replaced_gets_the_adapters_on_the_retry(monkey
     assert sorted(n for m, n in calls if m == "load_adapter") == sorted(names[1:]), calls   # both new stages
     assert ("kill", "s2-new1") in calls, calls      # attempt 0's stage 2, halted fine but never given adapters
     assert sup.actor_ids == names
+    # each new process named before its setup (a shutdown without Ray kills it by its pid), the killed ones forgotten
+    assert dep.procs == {1: {"pid": names[1]}, 2: {"pid": names[2]}}, dep.procs
 
 
 def _replay_client(monkeypatch, intake_id="the-intake"):

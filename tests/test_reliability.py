@@ -221,6 +221,9 @@ def test_stages_run_with_the_drivers_switches_after_a_restart_too(ray_cluster, m
         until(lambda: dep.supervisor.generation > g0, "the supervisor did not detect the killed stage")
         dep.wait_ready(90)
         assert dep.supervisor.log[-1]["recovered"] and seen(dep) == [(None, want)] * 2
+        # the new stage's process is named (a shutdown without Ray kills it by its pid)
+        pids = [ray.get(a.__ray_call__.remote(lambda self: os.getpid()), timeout=30) for a in dep.actors]
+        assert [dep.procs[i]["pid"] for i in range(2)] == pids, (dep.procs, pids)
         check_serves(dep, dep.client())
         assert [s["gc_frozen"] for s in dep.stats()["stages"]] == [0, 0]
 
