@@ -40,6 +40,7 @@ class DriversMixin:
         self._seen: dict[str, float] = {}       # group -> when it last polled or submitted (time.monotonic())
         self.reaped = 0                         # requests aborted because their driver had ended (stats)
         self._reaper: threading.Thread | None = None
+        self._reaper_stop = threading.Event()
 
     def _driver_seen(self, group: str, job: str | None = None) -> None:
         with self._drivers_lock:
@@ -51,14 +52,21 @@ class DriversMixin:
 
     def _start_reaper(self) -> None:
         with self._drivers_lock:
-            if self._reaper is not None:
+            if self._reaper is not None or self._reaper_stop.is_set():
                 return
             self._reaper = threading.Thread(target=self._reap_loop, name="memra-reaper", daemon=True)
         self._reaper.start()
 
+    def _stop_reaper(self) -> None:
+        """The stage's stop: the reaper ends at its next look (a look under way, a GCS call, is not waited out)."""
+        with self._drivers_lock:
+            self._reaper_stop.set()
+            reaper = self._reaper
+        if isinstance(reaper, threading.Thread):
+            reaper.join(timeout=self.REAP_EVERY_S)
+
     def _reap_loop(self) -> None:
-        while True:
-            time.sleep(self.REAP_EVERY_S)
+        while not self._reaper_stop.wait(self.REAP_EVERY_S):
             try:
                 self.reap()
             except Exception:  # noqa: BLE001 - a failed look (the GCS busy, say) is tried again next round

@@ -654,6 +654,7 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
 
     def stop(self) -> None:
         self.here()
+        self._stop_reaper()
         self._stop_images()
         if self.loop:
             self.loop.stop()

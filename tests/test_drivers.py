@@ -46,3 +46,25 @@ def test_only_a_stale_group_whose_job_has_ended_is_reaped(monkeypatch):
     last_seen("b", 2 * r.STALE_S)
     assert r.reap() == 0 and asked[-1] == ["job-b"]  # b stale now, its job alive: it keeps its request
     assert r.inbox.empty() and time.monotonic() - r._seen["b"] < r.STALE_S    # and is looked up again STALE_S on
+
+
+def test_the_reaper_ends_with_its_stage(monkeypatch):
+    """The reaper thread looks every REAP_EVERY_S until the stage's stop, which ends it (it had no stop, and ran on
+    in a stopped stage's process); a stopped stage starts no reaper again."""
+    r = StageRunner()
+    looks = []
+    monkeypatch.setattr(r, "REAP_EVERY_S", 0.01)
+    monkeypatch.setattr(r, "reap", lambda: looks.append(1) or 0)
+    r._driver_seen("g", "job-a")
+    reaper = r._reaper
+    deadline = time.monotonic() + 10
+    while len(looks) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(looks) >= 3 and reaper.is_alive()
+    r._stop_reaper()
+    assert not reaper.is_alive()
+    n = len(looks)
+    time.sleep(0.05)
+    assert len(looks) == n
+    r._driver_seen("h", "job-b")
+    assert r._reaper is reaper      # no new one
