@@ -22,7 +22,7 @@ from pathlib import Path
 import ray
 
 from .errors import ConfigError, InputError, MemraError, StageFailed
-from .rayutil import attach, get as _get, kill_actor
+from .rayutil import SignalsHeld, attach, get as _get, kill_actor
 from .placement.planner import Plan, make_plan
 from .placement.schema import MAX_TIMEOUT_S, Placement, RaySpec, load_placement
 from .shm import shm_names, stage_pids, unlink_shm, unlink_shm_of
@@ -287,22 +287,28 @@ class Deployment:
         if ray.is_initialized():
             _launch_where_attached(p, detached)
             return False
-        if p.ray.address == "local":
-            need = sum(s.num_cpus for s in p.stages) + 0.5
-            # Ray's "token authentication is enabled" warning on every start of a local cluster: not ours to say
-            quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
-            level = quiet.level
-            quiet.setLevel(logging.ERROR)
-            try:
-                ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-                         namespace=p.ray.namespace, log_to_driver=True, logging_level=logging.WARNING,
-                         _node_ip_address=p.ray.listen)
-            finally:
-                quiet.setLevel(level)
-        else:
-            attach(p.ray.address, p.ray.namespace)
+        with SignalsHeld() as held:     # (a Ctrl-C or SIGTERM inside Ray's start left its agents running)
+            if p.ray.address == "local":
+                need = sum(s.num_cpus for s in p.stages) + 0.5
+                # Ray's "token authentication is enabled" warning on every start of a local cluster: not ours to say
+                quiet = logging.getLogger("ray._private.authentication.authentication_token_setup")
+                level = quiet.level
+                quiet.setLevel(logging.ERROR)
+                try:
+                    ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
+                             namespace=p.ray.namespace, log_to_driver=True, logging_level=logging.WARNING,
+                             _node_ip_address=p.ray.listen)
+                finally:
+                    quiet.setLevel(level)
+            else:
+                attach(p.ray.address, p.ray.namespace)
         for f in AFTER_RAY_INIT:
             f()
+        try:        # a signal held while Ray started, now that it can stop cleanly: the cluster goes with the launch
+            held.deliver()
+        except BaseException:
+            ray.shutdown()
+            raise
         return True
 
     @classmethod

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 
 import ray
@@ -131,6 +132,57 @@ def _drain(refs, end: float) -> None:
                 ray.get(r, timeout=0)
             except Exception:  # noqa: BLE001 - fetched to be handled; the first failure is the one raised
                 pass
+
+
+class SignalsHeld:
+    """`with SignalsHeld() as held: ray.init(...)`: SIGINT and SIGTERM held back while Ray starts or attaches.
+
+    Ctrl-C there raised KeyboardInterrupt inside Ray's start, among its threads (a `memra-pp launch` interrupted
+    3.2 s in ended with SIGSEGV, exit 139), and SIGTERM met the handler ray.init installs first, sys.exit (exit 15,
+    no message); either way Ray's agent processes stayed up to two minutes. Held, a signal is delivered by
+    `deliver()` once ray.init has returned, to the handlers in place then: the one Ray's start would have left
+    (Ray's own SIGTERM handler is installed on the way out, as ray.init would have, and a launching command's hook
+    replaces it after). Main thread only: Python runs handlers there alone. A signal ignored on entry stays so."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.pending: list[int] = []
+        self._old: dict = {}
+        self._ray_term = None
+        self._on = False
+
+    def __enter__(self) -> "SignalsHeld":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        import ray._private.utils as ray_utils
+        self._utils, self._set, self._on = ray_utils, ray_utils.set_sigterm_handler, True
+
+        def hold(signum, frame):
+            self.pending.append(signum)
+
+        def keep(handler):      # (ray.init's SIGTERM handlers: the last one is installed on the way out)
+            self._ray_term = handler
+        for s in self.SIGNALS:
+            if signal.getsignal(s) is not signal.SIG_IGN:
+                self._old[s] = signal.signal(s, hold)
+        ray_utils.set_sigterm_handler = keep
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if not self._on:
+            return False
+        self._utils.set_sigterm_handler = self._set
+        for s, old in self._old.items():
+            signal.signal(s, signal.SIG_DFL if old is None else old)
+        if self._ray_term is not None:
+            self._set(self._ray_term)
+        return False
+
+    def deliver(self) -> None:
+        """Each held signal once, in order, to its handler now (which may raise: KeyboardInterrupt, SystemExit)."""
+        for s in dict.fromkeys(self.pending):
+            signal.raise_signal(s)
 
 
 def attach(address: str, namespace: str) -> None:

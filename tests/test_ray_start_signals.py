@@ -1,0 +1,79 @@
+"""A Ctrl-C or SIGTERM while a launch starts Ray (Deployment._ray_up; rayutil.SignalsHeld), driven without a cluster:
+ray.init is a fake that receives the signal in the middle of its work. Before, Ctrl-C raised inside Ray's start
+(`memra-pp launch` ended with SIGSEGV) and SIGTERM met ray.init's sys.exit (exit 15, no message), and Ray's agent
+processes stayed up to two minutes. Now the signal waits until ray.init has returned, then the cluster goes and the
+signal takes its course."""
+import os
+import signal
+import types
+
+import pytest
+import ray
+import ray._private.utils as ray_utils
+
+import memra_pp.cli as cli
+import memra_pp.deployment as deployment
+from memra_pp.deployment import Deployment
+
+
+def _placement():
+    return types.SimpleNamespace(stages=[types.SimpleNamespace(num_cpus=0.1)] * 2, ray=types.SimpleNamespace(
+        address="local", namespace="memra-test", listen=None))
+
+
+def ray_term_a(signum, frame):     # the SIGTERM handlers ray.init installs (its own first, then its head node's)
+    raise AssertionError("ray.init's first SIGTERM handler is replaced by its node's")
+
+
+def ray_term_b(signum, frame):
+    raise SystemExit(1)
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    events = []
+
+    def init(*a, **kw):
+        ray_utils.set_sigterm_handler(ray_term_a)
+        if fake_ray_signal:
+            os.kill(os.getpid(), fake_ray_signal[0])     # delivered at once to a handler in place, if any
+            events.append("signalled")
+        ray_utils.set_sigterm_handler(ray_term_b)
+        events.append("init returned")
+    fake_ray_signal = []
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: events.append("shutdown"))
+    term, intr = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    yield events, fake_ray_signal
+    signal.signal(signal.SIGTERM, term)
+    signal.signal(signal.SIGINT, intr)
+    assert ray_utils.set_sigterm_handler.__module__ == "ray._private.utils"       # Ray's own again
+
+
+def test_ctrl_c_while_ray_starts_is_raised_after_it_and_the_cluster_goes(fake_ray):
+    events, sig = fake_ray
+    sig.append(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        Deployment._ray_up(_placement())
+    assert events == ["signalled", "init returned", "shutdown"], events
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is ray_term_b      # as ray.init leaves it
+
+
+def test_sigterm_while_a_command_starts_ray_is_its_ctrl_c(fake_ray, monkeypatch):
+    """A launching command's hook makes SIGTERM Ctrl-C once Ray is up (cli._sigterm_is_ctrl_c): a SIGTERM held
+    through the start reaches that hook's handler, not ray.init's sys.exit."""
+    events, sig = fake_ray
+    sig.append(signal.SIGTERM)
+    monkeypatch.setattr(deployment, "AFTER_RAY_INIT", [cli._sigterm_is_ctrl_c])
+    monkeypatch.setattr(cli, "_TERM_SEEN", False)
+    with pytest.raises(KeyboardInterrupt):
+        Deployment._ray_up(_placement())
+    assert events == ["signalled", "init returned", "shutdown"] and cli._TERM_SEEN, events
+
+
+def test_a_start_without_signals_leaves_rays_handler(fake_ray):
+    events, _ = fake_ray
+    assert Deployment._ray_up(_placement()) is True
+    assert events == ["init returned"] and signal.getsignal(signal.SIGTERM) is ray_term_b, events
