@@ -184,6 +184,9 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
             self.tower = VisionTower(self.mc.vision).load(lambda n: self.src.get("visual." + n, self.dtype,
                                                                                   sp.device))
         sc = self.placement.scheduler
+        # the weights (and tower) are loaded: the cache's up-front bytes are checked against what the device has left
+        # after them (StageCache refuses max_batch x max_context that do not fit with a ConfigError naming both);
+        # the graph captures below and the activations come after, with only the check's slack left for them
         self.cache = self.model.new_cache(sc.max_batch, sc.max_context)
         if self.engine.is_cuda:
             self.model.set_decode_graphs(True, self.cache, sc.max_batch)

@@ -19,13 +19,14 @@ MEMRA_PP_KV_IN_PLACE=0, or a driver without the virtual memory API) a growth rep
 """
 from __future__ import annotations
 
-
 import torch
 
+from ..errors import ConfigError
 from .batch import h2d
 from .config import TextConfig
 from ..switches import initial
-from .kv_memory import FIRST_FREE, fits, growth_size, headroom, kv_budget
+from .kv_memory import (FIRST_FREE, fits, growth_size, headroom, host_available, kv_budget, reachable_blocks,
+                        size_text, upfront, upfront_bytes)
 
 KV_BLOCK = 64           # positions a KV page holds, unless a cache is made with another
 NULL, SINK = 0, 1      # the null block, the scratch slot's sink block (FIRST_FREE: the first block given out)
@@ -45,28 +46,63 @@ class StageCache:
         rows = max_seqs + 1
         self.dtype, self.device, self.kv_block = dtype, torch.device(device), kv_block
         self.max_blocks = -(-max_context // kv_block)             # table columns: one sequence's most blocks
-        K = cfg.linear_conv_kernel_dim
-        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.conv: dict[int, torch.Tensor] = {}
         self.rec: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
-        n_blocks = FIRST_FREE + max_seqs * min(initial_blocks_per_slot, self.max_blocks)
         self._bufs: dict[tuple[str, int], object] = {}      # GrowableBuffer of each pool growing in place
-        shape = (n_blocks, cfg.num_key_value_heads, kv_block, cfg.head_dim)
-        self.copy_growth = self._make_kv_pools([i for i in layers if cfg.is_full(i)], shape)
-        for i in layers:
-            if not cfg.is_full(i):
-                self.conv[i] = torch.zeros(rows, cfg.conv_dim, K - 1, dtype=dtype, device=device)
-                self.rec[i] = torch.zeros(rows, nv, dk, dv, dtype=torch.float32, device=device)
+        self.layers, self._initial = layers, initial_blocks_per_slot
+        parts = upfront(cfg, layers, max_seqs, max_context, dtype, kv_block, initial_blocks_per_slot)
+        self._refuse_upfront(parts)
+        n_blocks = parts["kv"][1][0]
+        try:    # what the check could not see (several stages on one host, say) still ends in the error it gives
+            self.copy_growth = self._make_kv_pools([i for i in layers if cfg.is_full(i)], parts["kv"][1])
+            for i in layers:
+                if not cfg.is_full(i):
+                    self.conv[i] = torch.zeros(parts["conv"][1], dtype=dtype, device=device)
+                    self.rec[i] = torch.zeros(parts["rec"][1], dtype=torch.float32, device=device)
+            self.table = torch.zeros(parts["table"][1], dtype=torch.long, device=device)    # unused entries: NULL
+        except RuntimeError as e:      # torch.OutOfMemoryError, or the CPU allocator's (unmappable pools copy)
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            for d in (self.conv, self.rec, self.k, self.v, self._bufs):
+                d.clear()
+            raise ConfigError(self._too_big(parts, "ran out of memory with")) from e
         self.n_blocks = n_blocks if self.k else 0
-        self.table = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)   # unused entries: NULL
         self.table[self.scratch] = SINK
         self.owned: list[list[int]] = [[] for _ in range(rows)]
         self.free_blocks = list(range(self.n_blocks - 1, FIRST_FREE - 1, -1))   # NULL and SINK never given out
         self.lens = [0] * rows
         self.grown = 0                                            # growths (stats, tests)
         self.generation = 0     # bumped whenever a pool moves (a copying growth; decode graphs bake in the addresses)
+
+    def _refuse_upfront(self, parts: dict) -> None:
+        """Refuse settings whose up-front tensors the device cannot hold, before any is allocated. The figure is this
+        cache's alone against what the device has now: in a stage, after its weights are loaded (stages/runner.py);
+        what comes after (graph captures, activations) has only `fits`' slack left."""
+        have = self._available()
+        if have is not None and not fits(upfront_bytes(parts), have):
+            raise ConfigError(self._too_big(parts, "has"))
+
+    def _available(self) -> int | None:
+        """Bytes the device has now (None: unknown): a GPU's free memory, in this process's (primary) context, or
+        the host's MemAvailable."""
+        return self._free_bytes()[0] if self.device.type == "cuda" else host_available()
+
+    def _too_big(self, parts: dict, verb: str) -> str:
+        """One line for settings whose up-front cache does not fit: the keys, the bytes by part, how many fit."""
+        have, names = self._available(), {"table": "block table", "conv": "conv states", "rec": "recurrent states",
+                                          "kv": "first KV blocks"}
+        by = ", ".join(f"{names[p]} {size_text(upfront_bytes(parts, p))}" for p in names if parts[p][0])
+        free = "?" if have is None else size_text(have)
+        free += " free" if self.device.type == "cuda" else " available (MemAvailable)"
+        n = 0 if have is None else reachable_blocks(0, self.max_seqs, lambda m: fits(upfront_bytes(upfront(
+            self.cfg, self.layers, m, self.max_context, self.dtype, self.kv_block, self._initial)), have))
+        most = f" (at most {n} fit at this max_context)" if 0 < n < self.max_seqs else ""
+        return (f"scheduler.max_batch {self.max_seqs} x scheduler.max_context {self.max_context}: the cache of "
+                f"layers [{self.layers.start}, {self.layers.stop}) needs {size_text(upfront_bytes(parts))} up front "
+                f"({by}) on {self.device}, which {verb} {free}; lower scheduler.max_batch{most} or "
+                f"scheduler.max_context")
 
     def _make_kv_pools(self, full: list[int], shape: tuple) -> str | None:
         """The zeroed KV pools of the full layers `full`, mapped to grow in place where the device can; returns why

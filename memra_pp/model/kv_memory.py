@@ -1,7 +1,16 @@
 """What KV memory a stage's pools may take: the slack and headroom a growth must leave, how far a growth goes, and
 the pages every stage may hold at once (`kv_budget`, from the stages' `StageCache.kv_report`s; the intake admits
-requests against it). Pure functions, run in the driver and in stage processes."""
+requests against it), and what a cache allocates before its first request (`upfront`, checked against the device's
+memory). Pure functions but `host_available`, run in the driver and in stage processes."""
 from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:       # (the driver imports this module without torch: a CPU placement's driver never loads it)
+    import torch
+
+    from .config import TextConfig
 
 FIRST_FREE = 2          # the null and sink blocks come first in every pool (model/cache.py)
 SLACK_BYTES = 64 << 20
@@ -66,3 +75,43 @@ def kv_budget(reports: list[dict], limit: int | None = None) -> int:
             return fits(grow + max(r["pool_page_bytes"] for r in short) * (blocks - 1), free, keep)
         cap = reachable_blocks(0, cap, ok)
     return cap
+
+
+def upfront(cfg: TextConfig, layers: range, max_seqs: int, max_context: int, dtype, kv_block: int,
+            initial_blocks_per_slot: int = 4) -> dict[str, tuple[int, tuple, torch.dtype]]:
+    """The tensors a StageCache allocates up front, by part: (how many, shape, dtype). The one source of their shapes:
+    the constructor allocates these. table: a row of max_blocks int64 per slot and scratch; conv, rec: a linear
+    layer's states, a row per slot and scratch; kv: a full layer's K and V pools, the null and sink blocks and the
+    first blocks of each slot."""
+    import torch
+    rows, max_blocks = max_seqs + 1, -(-max_context // kv_block)
+    n_full = sum(1 for i in layers if cfg.is_full(i))
+    n_lin = len(layers) - n_full
+    n_blocks = FIRST_FREE + max_seqs * min(initial_blocks_per_slot, max_blocks)
+    return {"table": (1, (rows, max_blocks), torch.long),
+            "conv": (n_lin, (rows, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), dtype),
+            "rec": (n_lin, (rows, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                    torch.float32),
+            "kv": (2 * n_full, (n_blocks, cfg.num_key_value_heads, kv_block, cfg.head_dim), dtype)}
+
+
+def upfront_bytes(parts: dict, part: str | None = None) -> int:
+    """Bytes of `upfront`'s tensors (of one part, or all). On a GPU a pool growing in place maps whole granules: up
+    to 2 MiB more a pool, within `fits`' slack."""
+    return sum(n * math.prod(shape) * dt.itemsize for p, (n, shape, dt) in parts.items() if part in (None, p))
+
+
+def host_available() -> int | None:
+    """The host's MemAvailable in bytes (None where /proc/meminfo does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def size_text(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
