@@ -17,6 +17,16 @@ from .errors import ConfigError, MemraError, StageFailed
 from .shm import proc_stat
 
 
+class Limit(float):
+    """A timeout that names the placement key it comes from: get's "no answer" says which one to raise (a large
+    model's load past timeouts.ready_s was refused as "stage setup: no answer within 300 s", naming no key)."""
+
+    def __new__(cls, value: float, key: str):
+        self = super().__new__(cls, value)
+        self.key = key
+        return self
+
+
 def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error: type = StageFailed,
         refused: type = StageFailed):
     """ray.get of `refs` within `timeout`: our own errors as they were raised, anything else StageFailed naming
@@ -28,7 +38,8 @@ def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error
     try:
         return ray.get(refs, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
-        raise timeout_error(f"{what}: no answer within {timeout:g} s") from None
+        key = f" ({timeout.key})" if isinstance(timeout, Limit) else ""
+        raise timeout_error(f"{what}: no answer within {timeout:g} s{key}") from None
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
         _drain(refs, end)
         raise _ours(e, what, stage, refused) from None

@@ -15,7 +15,7 @@ import ray
 from ray.experimental import internal_kv
 
 from .errors import ConfigError, InputError, StageFailed
-from .rayutil import get as _get, kill_actor
+from .rayutil import Limit, get as _get, kill_actor
 from .shm import shm_names
 
 log = logging.getLogger("memra_pp")
@@ -231,7 +231,7 @@ class Supervisor:
         """Kill the failed actor, halt the survivors, start a new actor in the same bundle, reload its weights,
         open every receiving side afresh in a new run sub-dir (one per attempt), rewire, reload adapters, start."""
         dep, p = self.dep, self.dep.placement
-        t = p.timeouts.ready_s
+        t = Limit(p.timeouts.ready_s, "timeouts.ready_s")
         self._live()
         # its process first where it runs here: Ray waits about 5 s for one that does not answer (a hung or stopped
         # stage), and the new actor waits for its bundle

@@ -268,3 +268,23 @@ def test_a_stage_process_is_killed_without_ray_only_on_its_own_host(monkeypatch)
     dep.slot_names, dep.run_dir = [], None
     dep._teardown_without_ray()
     assert killed == [11] and unlinked == [11]      # (and its segments, by the pid's tag)
+
+
+def test_a_call_past_ready_s_names_the_key_to_raise(monkeypatch):
+    """A launch's and a restart's calls wait timeouts.ready_s; one that ran out said "stage setup: no answer within
+    300 s" and named no key (a large model's load outlives the default). The timeout names its key now."""
+    import memra_pp.rayutil as rayutil
+
+    def slow(refs, timeout=None):
+        raise ray.exceptions.GetTimeoutError("slow")
+    monkeypatch.setattr(ray, "get", slow)
+    try:
+        rayutil.get([], rayutil.Limit(0.01, "timeouts.ready_s"), "stage setup")
+        raise AssertionError("must time out")
+    except StageFailed as e:
+        assert str(e) == "stage setup: no answer within 0.01 s (timeouts.ready_s)", e
+    try:
+        rayutil.get([], 0.01, "stats")
+        raise AssertionError("must time out")
+    except StageFailed as e:
+        assert str(e) == "stats: no answer within 0.01 s", e
