@@ -132,6 +132,16 @@ def _in_own_session(argv: list[str]) -> int:
     return rc if rc >= 0 else 128 - rc
 
 
+def _stdout_gone() -> None:
+    """stdout's reader has gone: point it at /dev/null, so that Python's flush at exit does not fail again there."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):      # (no real stdout: an in-process call's StringIO)
+        pass
+
+
 def _die_with_parent() -> None:
     """(In the child, before exec) SIGTERM when the parent ends, however it ends (Linux)."""
     import ctypes
@@ -369,6 +379,9 @@ def main(argv=None) -> int:
     except MemraError as e:
         print(f"memra-pp {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:          # a reader that stopped (`| head`): quiet, as other Unix tools (exit as SIGPIPE's)
+        _stdout_gone()
+        return 141
     except OSError as e:             # the environment's (a file, a disk, HOME): one line, not a traceback
         print(f"memra-pp {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

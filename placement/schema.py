@@ -424,6 +424,8 @@ def load_placement(src: str | Path | Mapping) -> Placement:
         raise ConfigError(f"a placement is a YAML file's path or a dict of placement keys, got {type(src).__name__}")
     else:
         where = str(src)
+        if not os.fspath(src):      # ("" is the working directory to a path, then "not a regular file")
+            raise ConfigError("a placement file's path is empty: give the YAML's path (cluster_configs/*.yaml)")
         raw = _read_yaml(_expand(src, where), where)
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where}: the top level must be a mapping of placement keys (name, model, stages, "

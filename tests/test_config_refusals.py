@@ -485,3 +485,27 @@ def test_bounds_leave_real_values_alone(tmp_path):
     p = load_placement(f)
     assert p.stages[0].threads == 1024 and p.timeouts.step_s == 1e9 and p.scheduler.max_context == 2 ** 24
     assert json.loads(json.dumps(p.to_dict()))["scheduler"]["max_batch"] == 65536
+
+
+def test_an_empty_placement_path_is_named_as_such():
+    """`memra-pp launch ""` was refused as ": cannot read the placement file (not a regular file)": no file named,
+    and the working directory taken for it."""
+    e = _error_of(load_placement, "")
+    assert isinstance(e, ConfigError) and str(e) == \
+        "a placement file's path is empty: give the YAML's path (cluster_configs/*.yaml)", e
+
+
+def test_a_command_whose_reader_has_gone_exits_quietly():
+    """`memra-pp plan ... --json | head -c 10` ended with "memra-pp plan: BrokenPipeError: [Errno 32] Broken pipe"
+    (exit 1); Unix tools exit quietly there. Here the pipe's reader is gone before the command writes."""
+    import subprocess
+    import sys
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "memra_pp.cli", "plan", "cluster_configs/tiny-cpu.yaml", "--json"],
+                           stdout=w, stderr=subprocess.PIPE, text=True, timeout=120,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    finally:
+        os.close(w)
+    assert p.returncode == 141 and p.stderr == "", (p.returncode, p.stderr[-2000:])
