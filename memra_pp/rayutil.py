@@ -26,6 +26,9 @@ class Limit(float):
         self.key = key
         return self
 
+    def __reduce__(self):       # sent to a stage (a wiring's timeout): a plain float there
+        return float, (float(self),)
+
 
 def get(refs, timeout: float, what: str, stage: int | None = None, timeout_error: type = StageFailed,
         refused: type = StageFailed):

@@ -288,3 +288,6 @@ def test_a_call_past_ready_s_names_the_key_to_raise(monkeypatch):
         raise AssertionError("must time out")
     except StageFailed as e:
         assert str(e) == "stats: no answer within 0.01 s", e
+    import pickle       # (a stage is sent the timeout as an argument: a plain float)
+    t = pickle.loads(pickle.dumps(rayutil.Limit(2.5, "timeouts.ready_s")))
+    assert type(t) is float and t == 2.5
