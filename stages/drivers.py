@@ -62,7 +62,7 @@ class DriversMixin:
         with self._drivers_lock:
             self._reaper_stop.set()
             reaper = self._reaper
-        if isinstance(reaper, threading.Thread):
+        if reaper is not None:
             reaper.join(timeout=self.REAP_EVERY_S)
 
     def _reap_loop(self) -> None:

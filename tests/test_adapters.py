@@ -423,7 +423,7 @@ def test_a_request_queued_past_its_adapters_drop_fails_alone_and_never_takes_the
     r.scheduler = Scheduler(max_batch=4, microbatches=1, prefill_chunk=16, max_context=64)
     r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2), recover="error")
     r.adapter_registry = {"x": [0, "/adapters/x", "loaded"]}
-    r._reaper = "not started"       # (no Ray here)
+    r._reaper_stop.set()            # (no Ray here: no reaper)
     for rid, adapter in (("q1", "x"), ("q2", None)):
         r.submit({"rid": rid, "client": "c", "prompt": [5, 6, 7], "max_new_tokens": 4, "adapter": adapter})
     r.release_adapter("x")                          # the dropped reload (then unloaded on every stage)

@@ -13,7 +13,7 @@ def _runner():
     r = StageRunner()
     r.index, r.spec = 0, types.SimpleNamespace(intake=True)
     r.scheduler = Scheduler(4, 1, 16, 64)
-    r._reaper = "not started"       # (the test calls reap() itself)
+    r._reaper_stop.set()            # (no reaper: the test calls reap() itself)
     return r
 
 
