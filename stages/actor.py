@@ -28,9 +28,8 @@ class StageActor:
 
     def setup(self, placement: dict, plan: dict, index: int, run_dir: str, transport: str = "shm",
               switches: dict | None = None) -> dict:
-        from ..rayutil import proc_identity
         info = self.runner.setup(placement, plan, index, run_dir, transport, switches)
-        info["proc"] = proc_identity()      # a supervisor kills a stage that stops answering by it (kill_actor)
+        info["proc"] = self.proc()      # a supervisor kills a stage that stops answering by it (kill_actor)
         return info
 
     @ray.method(concurrency_group=CONTROL)

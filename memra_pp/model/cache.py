@@ -67,7 +67,7 @@ class StageCache:
                 raise
             for d in (self.conv, self.rec, self.k, self.v, self._bufs):
                 d.clear()
-            raise ConfigError(self._too_big(parts, "ran out of memory with")) from e
+            raise ConfigError(self._too_big(parts, "ran out of memory with", self._available())) from e
         self.n_blocks = n_blocks if self.k else 0
         self.table[self.scratch] = SINK
         self.owned: list[list[int]] = [[] for _ in range(rows)]
@@ -82,17 +82,17 @@ class StageCache:
         what comes after (graph captures, activations) has only `fits`' slack left."""
         have = self._available()
         if have is not None and not fits(upfront_bytes(parts), have):
-            raise ConfigError(self._too_big(parts, "has"))
+            raise ConfigError(self._too_big(parts, "has", have))
 
     def _available(self) -> int | None:
         """Bytes the device has now (None: unknown): a GPU's free memory, in this process's (primary) context, or
         the host's MemAvailable."""
         return self._free_bytes()[0] if self.device.type == "cuda" else host_available()
 
-    def _too_big(self, parts: dict, verb: str) -> str:
-        """One line for settings whose up-front cache does not fit: the keys, the bytes by part, how many fit."""
-        have, names = self._available(), {"table": "block table", "conv": "conv states", "rec": "recurrent states",
-                                          "kv": "first KV blocks"}
+    def _too_big(self, parts: dict, verb: str, have: int | None) -> str:
+        """One line for settings whose up-front cache does not fit in `have` bytes: the keys, the bytes by part, how
+        many fit."""
+        names = {"table": "block table", "conv": "conv states", "rec": "recurrent states", "kv": "first KV blocks"}
         by = ", ".join(f"{names[p]} {size_text(upfront_bytes(parts, p))}" for p in names if parts[p][0])
         free = "?" if have is None else size_text(have)
         free += " free" if self.device.type == "cuda" else " available (MemAvailable)"
