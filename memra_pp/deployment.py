@@ -183,7 +183,7 @@ class Deployment:
             pg = placement_group([{"CPU": s.num_cpus} for s in plan.stages], strategy="STRICT_PACK",
                                  lifetime="detached" if detached else None,    # detached actors outlive us
                                  name=pg_name(placement.name) if detached else "")
-            t = Limit(placement.timeouts.ready_s, "timeouts.ready_s")
+            t = Limit.of(placement.timeouts, "ready_s")
             _get(pg.ready(), t, "placement group")
             for s in plan.stages:
                 actors.append(cls._make_actor(placement, s, pg, detached))
@@ -466,7 +466,7 @@ class Deployment:
             raise InputError(f"adapter {name!r}: its path is a str or os.PathLike of a str, got {_clip(path)}")
         # absolute here: each stage reads the path from its own working directory, not the caller's
         path = str(Path(fs).expanduser().absolute())
-        t = Limit(self.placement.timeouts.ready_s, "timeouts.ready_s")
+        t = Limit.of(self.placement.timeouts, "ready_s")
         with self._between_recoveries(f"load_adapter({name!r})"):
             self.refresh_actors()       # a connect()ed handle: the stages as they are now (after any restart)
             slot = _get(self.actors[0].reserve_adapter.remote(name, path), t, "reserve an adapter slot",
@@ -533,7 +533,7 @@ class Deployment:
         if not isinstance(name, str):
             raise InputError(f"unknown adapter {name!r}: an adapter's name is a string")
         name = str.__str__(name)    # (a str subclass: as load_adapter)
-        t = Limit(self.placement.timeouts.ready_s, "timeouts.ready_s")
+        t = Limit.of(self.placement.timeouts, "ready_s")
         with self._between_recoveries(f"unload_adapter({name!r})"):
             self.refresh_actors()       # a connect()ed handle: the stages as they are now (after any restart)
             slot = _get(self.actors[0].begin_unload.remote(name), t, "withdraw the adapter's name")   # no new use

@@ -26,6 +26,11 @@ class Limit(float):
         self.key = key
         return self
 
+    @classmethod
+    def of(cls, timeouts, name: str) -> "Limit":
+        """The placement's `timeouts.<name>`, naming itself."""
+        return cls(getattr(timeouts, name), f"timeouts.{name}")
+
     def __reduce__(self):       # sent to a stage (a wiring's timeout): a plain float there
         return float, (float(self),)
 

@@ -231,7 +231,7 @@ class Supervisor:
         """Kill the failed actor, halt the survivors, start a new actor in the same bundle, reload its weights,
         open every receiving side afresh in a new run sub-dir (one per attempt), rewire, reload adapters, start."""
         dep, p = self.dep, self.dep.placement
-        t = Limit(p.timeouts.ready_s, "timeouts.ready_s")
+        t = Limit.of(p.timeouts, "ready_s")
         self._live()
         # its process first where it runs here: Ray waits about 5 s for one that does not answer (a hung or stopped
         # stage), and the new actor waits for its bundle

@@ -291,3 +291,5 @@ def test_a_call_past_ready_s_names_the_key_to_raise(monkeypatch):
     import pickle       # (a stage is sent the timeout as an argument: a plain float)
     t = pickle.loads(pickle.dumps(rayutil.Limit(2.5, "timeouts.ready_s")))
     assert type(t) is float and t == 2.5
+    t = rayutil.Limit.of(types.SimpleNamespace(ready_s=300.0), "ready_s")    # (as the launch and a restart make it)
+    assert t == 300.0 and t.key == "timeouts.ready_s"
