@@ -162,7 +162,7 @@ class Deployment:
         # read now: a malformed tokenizer.json is refused at boot, not at the end of every request (whose tokens
         # were computed and then lost to the ConfigError its text raised)
         from .model.tokenizer import Tokenizer
-        tokenizer = Tokenizer.for_model(placement.model.path)
+        tokenizer = Tokenizer.for_model(placement.model.path, placement.model.format)
         for w in plan.warnings:
             log.warning(w)
         owns_ray = cls._ray_up(placement, detached)
@@ -208,7 +208,7 @@ class Deployment:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         dep = cls(placement, plan, actors, infos, run_dir, owns_ray, detached)
-        dep._tokenizer = tokenizer or False
+        dep._tokenizer, dep._mc = tokenizer or False, mc
         dep._pg, dep.transports, dep.switches = pg, transports, switches
         from .supervisor import Supervisor
         dep.supervisor = Supervisor(dep)
@@ -444,7 +444,7 @@ class Deployment:
         if self._tokenizer is None:
             from .model.tokenizer import Tokenizer
             p = Path(self.placement.model.path).expanduser()
-            self._tokenizer = Tokenizer.for_model(p)
+            self._tokenizer = Tokenizer.for_model(p, self.placement.model.format)
             if self._tokenizer is None:
                 self._tokenizer = False
         return self._tokenizer or None

@@ -579,7 +579,7 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
         read here, where the model directory is (the handle's host may not have it, or another checkpoint there)."""
         from ..model.tokenizer import Tokenizer
         if self._tokenizer is None:
-            self._tokenizer = Tokenizer.for_model(self.placement.model.path) or False
+            self._tokenizer = Tokenizer.for_model(self.placement.model.path, self.placement.model.format) or False
         return {"config": self.mc, "tokenizer": self._tokenizer or None}
 
     def describe(self) -> dict:

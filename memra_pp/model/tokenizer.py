@@ -10,6 +10,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
 from ..errors import ConfigError
+from .gguf_check import is_gguf
 
 log = logging.getLogger(__name__)
 
@@ -116,18 +117,18 @@ class Tokenizer:
         return cls(tok, str(f))
 
     @classmethod
-    def for_model(cls, path: str | Path) -> "Tokenizer | None":
-        """The tokenizer for a placement's model.path: a directory's tokenizer.json (else, in a directory that
-        open_weights reads as GGUF, its one .gguf file's), or a GGUF file's own (by its magic bytes, whatever its
-        name); None when there is none (the deployment then runs on token ids)."""
+    def for_model(cls, path: str | Path, fmt: str = "auto") -> "Tokenizer | None":
+        """The tokenizer for a placement's `model: {path, format}`: a directory's tokenizer.json, else the tokenizer
+        of the GGUF file open_weights reads there (weights.gguf_file_of), or a GGUF file's own (by its magic bytes,
+        whatever its name); None when there is none (the deployment then runs on token ids)."""
+        from .weights import gguf_file_of
         p = Path(path).expanduser()
         if p.is_dir():
             t = cls.from_model_dir(p)
-            found = sorted(p.glob("*.gguf"))
-            if t is None and len(found) == 1 and not any(p.glob("*.safetensors*")):
-                return cls.from_gguf(found[0])
+            if t is None and (g := gguf_file_of(p, fmt)) is not None:
+                return cls.from_gguf(g)
             return t
-        return cls.from_gguf(p) if p.is_file() and (p.suffix == ".gguf" or _gguf_magic(p)) else None
+        return cls.from_gguf(p) if p.is_file() and (p.suffix.lower() == ".gguf" or is_gguf(p)) else None
 
     @property
     def vocab_size(self) -> int:
@@ -155,15 +156,6 @@ def _kind_of(v) -> str:
         kinds = sorted({type(x).__name__ for x in v})
         return f"an array of {' / '.join(kinds) or 'nothing'}"
     return f"{type(v).__name__} {v!r}"[:80]
-
-
-def _gguf_magic(path: Path) -> bool:
-    """A GGUF file by its first bytes, whatever its name: model.format gguf loads weights from any file name."""
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == b"GGUF"
-    except OSError:
-        return False
 
 
 class IncrementalDecoder:

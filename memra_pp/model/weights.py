@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError
 from .config import ModelConfig, TextConfig, load_config, parse_config, read_json
+from .gguf_check import gguf_files, is_gguf
 from . import presets
 
 if TYPE_CHECKING:
@@ -150,6 +151,12 @@ class SafetensorsSource:
         keys = self._file_of.keys()
         self._prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in keys) \
             else "model."
+        n = self.config.text.num_hidden_layers
+        layer = re.compile(re.escape(self._prefix) + r"layers\.(\d+)\.")
+        for k in keys:      # a config that undercounts the layers would run a shorter model without a word
+            if (m := layer.match(k)) and int(m[1]) >= n:
+                raise ConfigError(f"{self.dir}: tensor {k!r} is past the last layer: config.json's num_hidden_layers "
+                                  f"is {n}; the config undercounts the layers (fix num_hidden_layers and layer_types)")
         if self.config.tied and "lm_head.weight" in keys:
             # transformers ties only a head the checkpoint lacks: its own lm_head.weight is loaded and used
             # (modeling_utils tie_weights; one equal to the embedding gives the same logits either way)
@@ -285,6 +292,19 @@ class DummySource:
         return (torch.randn(shape, device=device, generator=g, dtype=torch.float32) / math.sqrt(fan_in)).to(dtype)
 
 
+def gguf_file_of(path: str | Path, fmt: str = "auto") -> Path | None:
+    """The GGUF file that open_weights reads for `model: {path, format}` (weights, or with format dummy the
+    dimensions), or None where it reads no GGUF (or would refuse the path: open_weights says why)."""
+    p = Path(str(path)).expanduser()
+    if p.is_file():
+        return p if fmt == "gguf" or (fmt in ("auto", "dummy") and (p.suffix.lower() == ".gguf" or is_gguf(p))) \
+            else None
+    if not p.is_dir() or fmt == "dummy" or (fmt == "auto" and any(p.glob("*.safetensors*"))):
+        return None
+    found = gguf_files(p) if fmt in ("auto", "gguf") else []
+    return found[0] if len(found) == 1 else None
+
+
 def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
     """Pick the weight source for a placement's `model: {path, format}`."""
     p = Path(str(path)).expanduser()
@@ -293,25 +313,28 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
             return DummySource(parse_config(presets.get(str(path)[7:]), str(path)))
         if not p.exists():      # not its parent's config.json instead
             raise ConfigError(f"model.path {str(path)!r} does not exist")
+        if gguf_file_of(p, fmt) is not None:    # the file's own dimensions, not a config.json beside it
+            from .gguf_source import GGUFSource
+            return DummySource(GGUFSource(p).config)
         return DummySource(load_config(p if p.is_dir() else p.parent))
     if str(path).startswith("preset:") and not p.exists():
         raise ConfigError(f"model.path {str(path)!r} names a preset, which has no weights: set model.format: dummy "
                           f"(random weights with the preset's dimensions)")
-    if fmt == "gguf" or (fmt == "auto" and (p.suffix == ".gguf" or (p.is_dir() and not any(p.glob(
-            "*.safetensors*")) and any(p.glob("*.gguf"))))):
+    if fmt == "gguf" or (fmt == "auto" and (p.suffix.lower() == ".gguf" or (p.is_file() and is_gguf(p)) or (
+            p.is_dir() and not any(p.glob("*.safetensors*")) and gguf_files(p)))):
         from .gguf_source import GGUFSource
         if p.is_dir():
-            found = sorted(p.glob("*.gguf"))
+            found = gguf_files(p)
             if len(found) != 1:     # which quantisation, or a split file's shards: not ours to guess
                 raise ConfigError(f"model.path {str(path)!r}: " + (
                     f"holds {len(found)} .gguf files ({', '.join(f.name for f in found)}); name one file"
                     if found else "holds no .gguf file for model.format gguf"))
             p = found[0]
-        if re.search(r"-\d{5}-of-\d{5}\.gguf$", p.name):
+        if re.search(r"-\d{5}-of-\d{5}\.gguf$", p.name, re.IGNORECASE):
             raise ConfigError(f"model.path {str(path)!r}: one shard of a split GGUF; merge the shards into one file "
                               f"first (llama.cpp: llama-gguf-split --merge)")
         return GGUFSource(p)
-    if fmt == "safetensors" and p.is_file() and p.suffix == ".gguf":
+    if fmt == "safetensors" and p.is_file() and (p.suffix.lower() == ".gguf" or is_gguf(p)):
         raise ConfigError(f"model.path {str(path)!r} is a GGUF file but model.format is safetensors; use gguf or auto")
     if fmt in ("auto", "safetensors"):
         from ..defaults import ensure_embedded
