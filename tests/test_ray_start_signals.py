@@ -45,6 +45,10 @@ def fake_ray(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: events.append("shutdown"))
     term, intr = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    # as a terminal's foreground process has them: a suite started in the background (`pytest &` in a script)
+    # inherits SIGINT ignored, which SignalsHeld leaves ignored (test_a_signal_ignored_on_entry_stays_ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     yield events, fake_ray_signal
     signal.signal(signal.SIGTERM, term)
     signal.signal(signal.SIGINT, intr)
@@ -77,3 +81,13 @@ def test_a_start_without_signals_leaves_rays_handler(fake_ray):
     events, _ = fake_ray
     assert Deployment._ray_up(_placement()) is True
     assert events == ["init returned"] and signal.getsignal(signal.SIGTERM) is ray_term_b, events
+
+
+def test_a_signal_ignored_on_entry_stays_ignored(fake_ray):
+    """A launch started with SIGINT ignored (a background job of a script) is not made interruptible by it."""
+    events, sig = fake_ray
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sig.append(signal.SIGINT)
+    assert Deployment._ray_up(_placement()) is True
+    assert events == ["signalled", "init returned"], events
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
