@@ -618,7 +618,9 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
         if "socket_headers" in snd:     # headers this stage sent: into the receiver's mailbox, and over the socket
             st["send_mailbox_headers"], st["send_socket_headers"] = snd["mailbox_headers"], snd["socket_headers"]
         st["kv_pages_free"] = len(self.cache.free_blocks)
-        st["kv_pages_held"] = sum(map(len, self.cache.owned))      # by this stage's live sequences
+        # by this stage's sequences: live ones, and those finished since the last microbatch, whose pages go back
+        # with the next one (Scheduler._finish; admission counts them free already: kv_pages_reserved)
+        st["kv_pages_held"] = sum(map(len, self.cache.owned))
         # KV pool growths, and how they grow: "in place" (the decode graphs stay) or why they copy
         st["kv_growths"], st["kv_growth"] = self.kv_growths(), self.cache.copy_growth or "in place"
         if self.spec.intake:
