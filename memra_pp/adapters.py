@@ -65,12 +65,13 @@ class AdapterWeights:
     embed_rows: torch.Tensor | None = None    # (K, H)
     lm_head_ids: torch.Tensor | None = None   # (L,) long, untied models only
     lm_head_rows: torch.Tensor | None = None  # (L, H)
+    digest: str = ""    # sha256 of what was read (adapter_config.json's values and every tensor): `content_digest`
 
     def for_layers(self, start: int, end: int) -> AdapterWeights:
         """The LoRA of layers [start, end) only (what one stage holds), token rows unchanged."""
         keep = {m: w for m, w in self.lora.items() if start <= int(m.split(".")[1]) < end}
         return AdapterWeights(self.name, self.vocab_size, self.tied, self.rank, keep, self.embed_ids,
-                              self.embed_rows, self.lm_head_ids, self.lm_head_rows)
+                              self.embed_rows, self.lm_head_ids, self.lm_head_rows, self.digest)
 
     def token_overlay(self) -> TokenOverlay | None:
         """This adapter's rows for `TokenOverlaySet.from_slots`, or None when it trains no token rows."""
@@ -85,6 +86,20 @@ class AdapterWeights:
 def token_overlay_set(engine, slots: dict, max_loras: int, tied: bool) -> TokenOverlaySet:
     """The TokenOverlaySet of an engine from {slot: AdapterWeights}; rebuild it after every load/unload."""
     return TokenOverlaySet.from_slots(engine, {s: a.token_overlay() for s, a in slots.items()}, max_loras, tied)
+
+
+def content_digest(cfg: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of an adapter as read: its config's values and each tensor's name, dtype, shape and bytes. Every stage
+    reads the adapter's files itself, so this is how they are known to hold the same adapter (a load whose files
+    changed while the stages read them, a restarted stage reading files rewritten since the others read them)."""
+    import hashlib
+    import json
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for k in sorted(tensors):
+        t = tensors[k].contiguous().reshape(-1)
+        h.update(f"\0{k}\0{t.dtype}\0{tuple(tensors[k].shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def _read_config(d: Path) -> dict:
@@ -317,4 +332,5 @@ def load_peft_adapter(path, model_config: ModelConfig, max_rank: int, name: str 
             raise ConfigError(f"{where}: {target} token rows have shape {tuple(t.shape)}, the model needs (K, {H})")
         tok[target] = (_token_ids(cfg, target, t.shape[0], V, where), t)
     e, lm = tok.get("embed_tokens", (None, None)), tok.get("lm_head", (None, None))
-    return AdapterWeights(name or d.name, V, model_config.tied, top, lora, e[0], e[1], lm[0], lm[1])
+    return AdapterWeights(name or d.name, V, model_config.tied, top, lora, e[0], e[1], lm[0], lm[1],
+                          content_digest(cfg, tensors))

@@ -473,8 +473,12 @@ class Deployment:
                         refused=ConfigError)
             try:
                 # (a live stage that raised something not ours refused this adapter: ConfigError, no stage lost)
-                _get([a.load_adapter.remote(name, path, slot) for a in self.actors], t, f"load adapter {name!r}",
-                     refused=ConfigError)
+                digests = _get([a.load_adapter.remote(name, path, slot) for a in self.actors], t,
+                               f"load adapter {name!r}", refused=ConfigError)
+                if len(set(digests)) > 1:   # each stage reads the files itself: they changed between the reads
+                    raise ConfigError(f"adapter {name!r}: its files at {path} changed while the stages read them "
+                                      f"(the stages read {len(set(digests))} different adapters); load it again "
+                                      f"once they are written")
                 _get(self.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
             except BaseException:
                 try:

@@ -302,8 +302,9 @@ class Supervisor:
             try:
                 if 0 in failed:
                     _get(dep.actors[0].reserve_adapter.remote(name, path, slot), t, "reserve adapter slot")
-                _get([dep.actors[i].load_adapter.remote(name, path, slot) for i in sorted(failed)], t,
-                     f"reload adapter {name!r}")
+                got = _get([dep.actors[i].load_adapter.remote(name, path, slot) for i in sorted(failed)], t,
+                           f"reload adapter {name!r}")
+                self._same_adapter(name, path, slot, failed, got, t)
                 if 0 in failed:
                     _get(dep.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
                 kept[name] = (slot, path)
@@ -333,6 +334,23 @@ class Supervisor:
         local cluster (Ray's auto-init) and leave it running."""
         if self.stopping.is_set() or not ray.is_initialized():
             raise StageFailed("the deployment is shutting down")
+
+    def _same_adapter(self, name: str, path: str, slot: int, failed, got: list, t: float) -> None:
+        """The restarted stages read the adapter's files again: what they read must be what the surviving stages
+        hold (their digests, adapters.content_digest), or the adapter would run as two (files rewritten in place
+        since the load, as a trainer saving its next checkpoint to the same directory does). ConfigError: the
+        caller drops it."""
+        dep = self.dep
+        survivors = [i for i in range(len(dep.actors)) if i not in failed]
+        if not survivors:       # every stage read the files now: one adapter, whatever they hold
+            if len(set(got)) > 1:
+                raise ConfigError(f"its files at {path} changed while the restarted stages read them")
+            return
+        held = _get(dep.actors[survivors[0]].adapter_digest.remote(slot), t, "adapter digest")
+        if any(g != held for g in got):
+            raise ConfigError(f"its files at {path} changed since it was loaded: the restarted stage(s) "
+                              f"{sorted(failed)} read other weights (sha256 {got[0][:12]}) than stage "
+                              f"{survivors[0]} holds ({str(held)[:12]}); load it again to serve the new files")
 
     def _kept_registry(self) -> dict | None:
         """The loaded adapters a detached deployment's intake kept in Ray's KV, name -> (slot, path); None: not

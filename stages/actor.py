@@ -79,8 +79,11 @@ class StageActor:
     def forget_client(self, client: str) -> None:
         return self.runner.forget_client(client)
 
-    def load_adapter(self, name: str, path: str, slot: int) -> None:
+    def load_adapter(self, name: str, path: str, slot: int) -> str:
         return self.runner.load_adapter(name, path, slot)
+
+    def adapter_digest(self, slot: int) -> str | None:
+        return self.runner.adapter_digest(slot)
 
     def unload_adapter(self, slot: int) -> None:
         return self.runner.unload_adapter(slot)

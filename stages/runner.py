@@ -112,6 +112,7 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
         self.lora = None                # this stage's LoraPool, made at the first adapter load
         self.token_overlay = None       # intake / primary: the TokenOverlaySet of the loaded adapters
         self.adapter_weights: dict[int, object] = {}
+        self.adapter_digests: dict[int, str] = {}     # slot -> what this stage loaded there (content_digest)
         self.switches: dict[str, bool] = {}       # the MEMRA_PP_* modes setup ran with (switches.current)
         # intake: every adapter loading, loaded or unloading, name -> [slot, path, state], whichever handle (launch's
         # or a connect()'s) loads it: the one table that gives out slots and publishes names (the loaded ones are
@@ -119,7 +120,7 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
         # loading; the supervisor reads its loaded ones every heartbeat, and a detached deployment's intake also
         # keeps them in Ray's KV under _registry_kv at every change (what a restart of this intake reloads)
         self.adapter_registry: dict[str, list] = {}
-        self._registry_lock = threading.Lock()
+        self._registry_lock = threading.Condition()     # (a lock, notified when an unloading entry is decided)
         self._registry_kv: bytes | None = None
         self._registry_kv_lock = threading.Lock()   # the KV writes, in snapshot order
         self._registry_seq = self._registry_written = 0     # the last snapshot taken, and written
@@ -315,8 +316,9 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
                     self._submitting[slot] -= 1
 
     # -- adapters ---------------------------------------------------------------------------------------------
-    def load_adapter(self, name: str, path: str, slot: int) -> None:
-        """Load a PEFT adapter into `slot` on this stage (its own layers' LoRA; token rows on intake/primary)."""
+    def load_adapter(self, name: str, path: str, slot: int) -> str:
+        """Load a PEFT adapter into `slot` on this stage (its own layers' LoRA; token rows on intake/primary);
+        the digest of what it read (adapters.content_digest), which every stage's must equal."""
         from ..adapters import load_peft_adapter, token_overlay_set
         from ..model.lora import LoraPool
         self.here()
@@ -331,11 +333,20 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
             if sp.intake or sp.primary:
                 self.adapter_weights[slot] = aw
                 self.token_overlay = token_overlay_set(self.engine, self.adapter_weights, ad.max_loras, self.mc.tied)
+            self.adapter_digests[slot] = aw.digest
+        return aw.digest
+
+    def adapter_digest(self, slot: int) -> str | None:
+        """The digest of the adapter this stage holds in `slot` (None: none): a restart's reload is checked
+        against a surviving stage's."""
+        with self._adapter_lock:
+            return self.adapter_digests.get(slot)
 
     def unload_adapter(self, slot: int) -> None:
         from ..adapters import token_overlay_set
         self.here()
         with self._adapter_lock:
+            self.adapter_digests.pop(slot, None)
             if self.lora is not None:
                 self.lora.unload(slot)
             if self.adapter_weights.pop(slot, None) is not None:
@@ -433,12 +444,14 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
             if e is None or e[2] != "unloading":
                 return
             e[2] = "loaded"
+            self._registry_lock.notify_all()
         self._keep_registry()
 
     def release_adapter(self, name: str) -> None:
         """Intake: give `name`'s slot back (an unload, or a load that failed) and withdraw its name."""
         with self._registry_lock:
             self.adapter_registry.pop(name, None)
+            self._registry_lock.notify_all()
         self._keep_registry()
 
     def registry_key(self, key: bytes | None) -> None:
@@ -546,11 +559,18 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
         if not isinstance(name, str):
             raise InputError(f"adapter must be a loaded adapter's name (a string) or None, got {name!r}")
         with self._registry_lock:
-            e = self.adapter_registry.get(name)
+            e, until = self.adapter_registry.get(name), time.monotonic() + self.UNLOAD_DECIDED_S
+            # an unload withdraws the name before it counts the users, and is refused if there are any: a request
+            # in between waits for the decision (milliseconds), not refused for an adapter that stays loaded
+            while e is not None and e[2] == "unloading" and (left := until - time.monotonic()) > 0:
+                self._registry_lock.wait(left)
+                e = self.adapter_registry.get(name)
             if e is None or e[2] != "loaded":
                 raise InputError(f"unknown adapter {name!r}; loaded: {sorted(self._published())}")
             self._submitting[e[0]] = self._submitting.get(e[0], 0) + 1
             return e[0]
+
+    UNLOAD_DECIDED_S = 2.0      # the longest a request waits for an unload of its adapter to be done or refused
 
     ABORTS_KEPT = 4096      # the last aborts remembered for a submit they overtook
 

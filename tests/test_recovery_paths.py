@@ -293,3 +293,69 @@ def test_a_call_past_ready_s_names_the_key_to_raise(monkeypatch):
     assert type(t) is float and t == 2.5
     t = rayutil.Limit.of(types.SimpleNamespace(ready_s=300.0), "ready_s")    # (as the launch and a restart make it)
     assert t == 300.0 and t.key == "timeouts.ready_s"
+
+
+class _DigestActor:
+    """A stage that answers load_adapter and adapter_digest with the digest it holds."""
+
+    def __init__(self, digest, calls):
+        self.digest, self.calls = digest, calls
+
+    def __getattr__(self, m):
+        def remote(*a, **kw):
+            self.calls.append((m, id(self)))
+            return _Ref(self.digest if m in ("load_adapter", "adapter_digest") else 0 if m == "reserve_adapter"
+                        else None)
+        return types.SimpleNamespace(remote=remote)
+
+
+def _fake_ray(monkeypatch):
+    monkeypatch.setattr(ray, "get", lambda refs, timeout=None: [_res(r) for r in refs] if isinstance(refs, list)
+                        else _res(refs))
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (list(refs), []))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+
+
+def test_a_restarted_stage_must_read_the_adapter_the_survivors_hold(monkeypatch):
+    """Supervisor._same_adapter: a restarted stage's reload of an adapter whose files were rewritten since the load
+    is a ConfigError naming the stages and both digests (the caller drops the adapter); the same digest passes;
+    with no survivor, the restarted stages need only agree among themselves."""
+    import pytest
+    from memra_pp.errors import ConfigError
+    _fake_ray(monkeypatch)
+    calls = []
+    sup = S.Supervisor.__new__(S.Supervisor)
+    sup.dep = types.SimpleNamespace(actors=[_DigestActor("a" * 64, calls), _DigestActor("b" * 64, calls)])
+    sup._same_adapter("x", "/x", 0, {1}, ["a" * 64], 1.0)
+    with pytest.raises(ConfigError, match=r"^its files at /x changed since it was loaded: the restarted stage\(s\) "
+                                          r"\[1\] read other weights \(sha256 bbbbbbbbbbbb\) than stage 0 holds "
+                                          r"\(aaaaaaaaaaaa\); load it again to serve the new files$"):
+        sup._same_adapter("x", "/x", 0, {1}, ["b" * 64], 1.0)
+    assert ("adapter_digest", id(sup.dep.actors[0])) in calls
+    calls.clear()
+    sup._same_adapter("x", "/x", 0, {0, 1}, ["c" * 64, "c" * 64], 1.0)
+    assert calls == []
+    with pytest.raises(ConfigError, match=r"^its files at /x changed while the restarted stages read them$"):
+        sup._same_adapter("x", "/x", 0, {0, 1}, ["c" * 64, "d" * 64], 1.0)
+
+
+def test_a_load_whose_stages_read_different_files_is_refused_and_undone(monkeypatch, tmp_path):
+    """Deployment.load_adapter: every stage reads the adapter's files itself; if they read different contents (the
+    files rewritten during the load) the load is refused with ConfigError, unloaded on every stage and its slot
+    released, not published to run as two adapters."""
+    import pytest
+    from memra_pp.deployment import Deployment
+    from memra_pp.errors import ConfigError
+    _fake_ray(monkeypatch)
+    calls = []
+    dep = Deployment.__new__(Deployment)
+    dep._down, dep._gone, dep.supervisor, dep.connected = False, None, None, False
+    dep.placement = types.SimpleNamespace(name="x", timeouts=types.SimpleNamespace(ready_s=1.0))
+    dep.actors = [_DigestActor("a" * 64, calls), _DigestActor("b" * 64, calls)]
+    dep.refresh_actors, dep._rebudget = (lambda: False), (lambda t: None)
+    with pytest.raises(ConfigError, match=r"^adapter 'x': its files at .*changed while the stages read them \(the "
+                                          r"stages read 2 different adapters\); load it again once they are "
+                                          r"written$"):
+        dep.load_adapter("x", str(tmp_path))
+    done = [m for m, _ in calls]
+    assert done.count("unload_adapter") == 2 and "release_adapter" in done and "commit_adapter" not in done, done

@@ -279,7 +279,7 @@ def _runner(recover="replay"):
     from memra_pp.stages.runner import Inbox, StageRunner
     r = StageRunner.__new__(StageRunner)
     r.placement = types.SimpleNamespace(adapters=types.SimpleNamespace(max_loras=2), recover=recover)
-    r.adapter_registry, r._registry_lock, r._registry_kv, r._registry_seq = {}, threading.Lock(), None, 0
+    r.adapter_registry, r._registry_lock, r._registry_kv, r._registry_seq = {}, threading.Condition(), None, 0
     r.scheduler = Scheduler(max_batch=2, microbatches=1, prefill_chunk=16, max_context=64)
     r._submitting, r._pending, r._pending_lock, r.inbox = {}, {}, threading.Lock(), Inbox()
     r.reserve_adapter("a", "/a")

@@ -188,6 +188,35 @@ def test_a_recovered_stage_reloads_its_adapter_and_the_kv_budget_is_measured_aga
     assert dep.stats()["stages"][0]["kv_rebudgets"] == rb0 + 2
 
 
+def test_a_restarted_stage_reading_rewritten_adapter_files_drops_the_adapter(shared, tmp_path, caplog):
+    """The adapter's directory re-saved in place after the load (a trainer writing its next checkpoint to the same
+    output_dir), then stage 1 dies. Its replacement read the new files while the intake kept the old weights, and
+    "a" ran as half of each: tokens neither PEFT A's nor B's. Now the reload is checked against a survivor's digest:
+    "a" is dropped and logged, requests naming it are refused, the others served, and loading it again serves the
+    new files."""
+    import shutil
+    import ray
+    live = tmp_path / "live"
+    shutil.copytree(adapter("dense", False, "A")[1], live)
+    dep = emptied(shared)
+    dep.load_adapter("a", str(live))
+    p, cl = PROMPTS[0], dep.client()
+    assert cl.generate(list(p), max_new_tokens=NEW, adapter="a").token_ids == peft_reference("dense", False, "A", p)[0]
+    shutil.rmtree(live)
+    shutil.copytree(adapter("dense", False, "B")[1], live)
+    with caplog.at_level("WARNING", logger="memra_pp"):
+        kill_and_recover(dep, 1)
+    assert dep.supervisor.log[-1]["recovered"] and dep.supervisor.log[-1]["stage"] == 1, dep.supervisor.log
+    assert "adapter 'a' (slot 0" in caplog.text and "could not be reloaded and is dropped: its files at" in caplog.text
+    assert "changed since it was loaded: the restarted stage(s) [1] read other weights" in caplog.text
+    with pytest.raises(InputError, match="unknown adapter 'a'"):
+        cl.generate(list(p), max_new_tokens=NEW, adapter="a")
+    assert ray.get(dep.actors[0].adapters.remote(), timeout=30) == {}
+    assert cl.generate(list(p), max_new_tokens=NEW).token_ids == hf_reference("dense", False, p, NEW)[0]
+    dep.load_adapter("a", str(live))
+    assert cl.generate(list(p), max_new_tokens=NEW, adapter="a").token_ids == peft_reference("dense", False, "B", p)[0]
+
+
 def serves_b_not_a(dep):
     """After an intake restart: adapter "b" serves PEFT's tokens and "a" is unknown; the client used."""
     p, cl = PROMPTS[1], dep.client()
