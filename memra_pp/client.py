@@ -480,11 +480,11 @@ class Client(ReplayMixin):
 
     def _raw_image(self, x):
         """A raw image's rows (a PIL image, an (H, W, 3) array), made as the model's processor makes them."""
-        from .model.image import preprocess_image
+        from .model.image import patch_budget, preprocess_image
         from .multimodal import require_tower
         mc = self.dep.model_config
         require_tower(mc)
-        return preprocess_image(x, mc.vision)
+        return preprocess_image(x, mc.vision, patch_budget(mc), mc.image_pixels)     # (preprocessor_config.json's)
 
     def _prompt_len(self, ids, images) -> int:
         """The prompt's tokens as the model reads them (vLLM's num_prompt_tokens): a lone image placeholder counts

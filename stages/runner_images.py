@@ -10,7 +10,7 @@ import threading
 import torch
 
 from ..errors import InputError, MemraError, StageFailed
-from ..model.image import DEFAULT_MAX_PATCHES
+from ..model.image import patch_budget
 from ..multimodal import plan_images
 from ..overlay import EmbedOverlay, must_publish, publish_out
 from ..scheduler import Event, Request
@@ -27,7 +27,7 @@ class ImagesMixin:
     def _plan_images(self, r: Request, images):
         """Everything an image request can be refused for before the tower runs: raises InputError."""
         try:
-            ip = plan_images(r.prompt, images, self.mc, DEFAULT_MAX_PATCHES, generated=r.step0)
+            ip = plan_images(r.prompt, images, self.mc, patch_budget(self.mc), generated=r.step0)
         except (TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
             if isinstance(e, MemraError):
                 raise

@@ -188,3 +188,88 @@ def test_a_request_takes_raw_images_as_its_processor_would():
     for bad, what in ((rng.random((24, 40, 4)), r"ndarray of shape \(24, 40, 4\)"), ("cat.png", "str")):
         with pytest.raises(InputError, match=r"a PIL image or an \(H, W, 3\) array of pixels, got " + what):
             request_dict({"images": [bad]}, raw_image=raw, prompt=[1], max_new_tokens=1)
+
+
+def _vision_dir(tmp_path, processor=None, video=None):
+    """A tiny vision checkpoint's config (no weights: load_config reads config.json and the processor files)."""
+    import json
+    from memra_pp.model.tiny import tiny_config
+    d = tmp_path / "vis"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(tiny_config(vision=True)))
+    for name, raw in (("preprocessor_config.json", processor), ("video_preprocessor_config.json", video)):
+        if raw is not None:
+            (d / name).write_text(raw if isinstance(raw, str) else json.dumps(raw))
+    return d
+
+
+CLIP = {"image_processor_type": "Qwen2VLImageProcessor", "do_resize": True, "do_rescale": True,
+        "do_normalize": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "size": {"shortest_edge": 1024, "longest_edge": 4096},
+        "patch_size": 4, "temporal_patch_size": 2, "merge_size": 2}
+
+
+def test_a_checkpoints_preprocessor_config_sizes_and_normalises_its_raw_images(tmp_path):
+    """A raw image (PIL, array) is made as the checkpoint's own processor makes it: its preprocessor_config.json's
+    size and mean / std (a helper found them ignored: a checkpoint with CLIP's mean / std and other limits got
+    another grid and other rows than transformers' AutoImageProcessor of the same folder, and other tokens)."""
+    from transformers import AutoImageProcessor
+    from memra_pp.model.config import load_config
+    from memra_pp.model.image import patch_budget
+    d = _vision_dir(tmp_path, CLIP)
+    mc = load_config(d)
+    assert (mc.image_pixels.min_pixels, mc.image_pixels.max_pixels) == (1024, 4096)
+    assert mc.image_pixels.image_mean == tuple(CLIP["image_mean"]) and mc.video_pixels == image_mod.VIDEO_PIXELS
+    proc = AutoImageProcessor.from_pretrained(str(d))
+    rng = np.random.default_rng(7)
+    for hw in ((97, 131), (20, 300), (300, 300)):
+        img = PIL.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8))
+        out = proc(images=[img], return_tensors="pt")
+        got = preprocess_image(img, mc.vision, patch_budget(mc), mc.image_pixels)
+        assert got.grid_thw == tuple(out["image_grid_thw"][0].tolist()), hw
+        torch.testing.assert_close(got.pixel_values, out["pixel_values"].float(), atol=1e-5, rtol=0)
+    # Qwen2-VL's keys (min_pixels / max_pixels at the top) are read too; without the file, Qwen3.5's defaults
+    mc2 = load_config(_vision_dir(tmp_path / "q2", {"min_pixels": 256, "max_pixels": 1 << 20}))
+    assert (mc2.image_pixels.min_pixels, mc2.image_pixels.max_pixels) == (256, 1 << 20)
+    assert load_config(_vision_dir(tmp_path / "none")).image_pixels == image_mod.IMAGE_PIXELS
+
+
+def test_the_patch_budget_is_the_largest_input_the_processor_makes():
+    """Qwen3.5's processor resizes an image to at most 16777216 pixels, 65,536 patches of 16x16: the budget was
+    16,384 (the merged rows), which refused a 2560x2560 image transformers accepts. A clip's budget counts its
+    frames merged in time."""
+    from memra_pp.model.config import ModelConfig, PixelSpec
+    v16 = VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=16,
+                       temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+    mc = ModelConfig("qwen3_5", None, v16)
+    assert image_mod.patch_budget(mc) == 65536 == image_mod.DEFAULT_MAX_PATCHES
+    img = np.zeros((2560, 2560, 3), np.uint8)
+    got = preprocess_image(img, v16, image_mod.patch_budget(mc))
+    assert got.grid_thw == (1, 160, 160)
+    validate_image_input(got, v16, image_mod.patch_budget(mc))
+    big_video = ModelConfig("qwen3_5", None, v16, video_pixels=PixelSpec(max_pixels=1 << 28))
+    assert image_mod.patch_budget(big_video) == (1 << 28) // (2 * 256)
+
+
+@pytest.mark.parametrize("raw,match", [
+    ("[1, 2]", r"must hold a JSON object, got list"),
+    ({"do_normalize": False}, r"do_normalize false is not supported"),
+    ({"do_resize": False}, r"do_resize false is not supported"),
+    ({"patch_size": 16}, r"patch_size 16 differs from the vision tower's \(4, config.json\)"),
+    ({"merge_size": 1}, r"merge_size 1 differs from the vision tower's \(2"),
+    ({"size": {"shortest_edge": 5000, "longest_edge": 4096}}, r"min_pixels 5000 is above max_pixels 4096"),
+    ({"size": {"longest_edge": -1}}, r"max_pixels \(size.longest_edge\) must be a positive integer, got -1"),
+    ({"size": [1, 2]}, r"size must be an object"),
+    ({"image_std": [0.5, 0, 0.5]}, r"image_std must be 3 finite numbers \(none 0\)"),
+    ({"image_mean": [0.5, 0.5]}, r"image_mean must be 3 finite numbers, got \[0.5, 0.5\]"),
+    ({"rescale_factor": 0}, r"rescale_factor must be a positive number, got 0"),
+    ("{", r"not valid JSON"),
+], ids=["list", "no-normalize", "no-resize", "patch", "merge", "min-above-max", "negative", "size-list", "std-0",
+        "mean-2", "rescale-0", "json"])
+def test_a_bad_preprocessor_config_is_refused_naming_the_file_and_key(tmp_path, raw, match):
+    from memra_pp.errors import ConfigError
+    from memra_pp.model.config import load_config
+    with pytest.raises(ConfigError, match=r"preprocessor_config.json: .*" + match):
+        load_config(_vision_dir(tmp_path, raw))
+    with pytest.raises(ConfigError, match=r"video_preprocessor_config.json: .*" + match):
+        load_config(_vision_dir(tmp_path / "v", None, raw))

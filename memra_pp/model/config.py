@@ -114,6 +114,10 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
     depth: int
@@ -147,6 +151,67 @@ class VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PixelSpec:
+    """How an input is sized and normalised. Defaults are Qwen3.5's preprocessor_config.json (Qwen3-VL values); a
+    checkpoint's own preprocessor_config.json (video_preprocessor_config.json) gives its values (`from_processor`)."""
+    min_pixels: int = 65536             # size.shortest_edge: the resized image has at least this many pixels
+    max_pixels: int = 16777216          # size.longest_edge: ... and at most this many (per image, per clip)
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale_factor: float = 1 / 255     # float input in [0, 1] is first rounded to uint8 (x * 255)
+
+    @classmethod
+    def from_processor(cls, raw, where: str, default: "PixelSpec", vision: "VisionConfig") -> "PixelSpec":
+        """The spec a Hugging Face image processor config gives (Qwen2-VL's min_pixels / max_pixels or Qwen3-VL's
+        size.shortest_edge / longest_edge, image_mean, image_std, rescale_factor), `default` for what it leaves
+        out. Refused (ConfigError naming the key): a step turned off that this runtime always takes, and a patch,
+        temporal patch or merge size other than the vision tower's."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{where}: must hold a JSON object, got {type(raw).__name__}")
+        for k in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+            if raw.get(k) is False:
+                raise ConfigError(f"{where}: {k} false is not supported (raw images are always resized, rescaled, "
+                                  f"normalised and made RGB, as the model was trained); pass ImageInput rows made "
+                                  f"your own way instead")
+        for k, mine in (("patch_size", vision.patch_size), ("temporal_patch_size", vision.temporal_patch_size),
+                        ("merge_size", vision.spatial_merge_size)):
+            if k in raw and raw[k] != mine:
+                raise ConfigError(f"{where}: {k} {raw[k]!r} differs from the vision tower's ({mine}, config.json)")
+        size = raw.get("size") or {}
+        if not isinstance(size, dict):
+            raise ConfigError(f"{where}: size must be an object, got {size!r}")
+
+        def first(*vals):
+            return next((v for v in vals if v is not None), None)
+        mn = first(raw.get("min_pixels"), size.get("shortest_edge"), size.get("min_pixels"), default.min_pixels)
+        mx = first(raw.get("max_pixels"), size.get("longest_edge"), size.get("max_pixels"), default.max_pixels)
+        for k, v in (("min_pixels (size.shortest_edge)", mn), ("max_pixels (size.longest_edge)", mx)):
+            if not _is_int(v) or v <= 0:
+                raise ConfigError(f"{where}: {k} must be a positive integer, got {v!r}")
+        if mn > mx:
+            raise ConfigError(f"{where}: min_pixels {mn} is above max_pixels {mx}")
+        n = vision.in_channels
+
+        def channels(k: str, dflt, nonzero: bool) -> tuple:
+            v = raw.get(k, dflt)
+            v = [v] * n if _is_number(v) else v
+            if not isinstance(v, (list, tuple)) or len(v) != n or not all(_is_number(x) and math.isfinite(x) and
+                                                                          (x != 0 or not nonzero) for x in v):
+                raise ConfigError(f"{where}: {k} must be {n} finite numbers{' (none 0)' if nonzero else ''}, "
+                                  f"got {raw.get(k)!r}")
+            return tuple(float(x) for x in v)
+        r = raw.get("rescale_factor", default.rescale_factor)
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            raise ConfigError(f"{where}: rescale_factor must be a positive number, got {r!r}")
+        return cls(mn, mx, channels("image_mean", default.image_mean, False),
+                   channels("image_std", default.image_std, True), float(r))
+
+
+IMAGE_PIXELS = PixelSpec()
+VIDEO_PIXELS = PixelSpec(min_pixels=4096, max_pixels=25165824)   # video_preprocessor_config.json size
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Everything a stage needs to know about the model, independent of where its weights come from."""
     model_type: str
@@ -157,6 +222,8 @@ class ModelConfig:
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    image_pixels: PixelSpec = IMAGE_PIXELS      # raw images' sizing and normalisation (preprocessor_config.json)
+    video_pixels: PixelSpec = VIDEO_PIXELS      # raw videos' (video_preprocessor_config.json)
 
     @property
     def tied(self) -> bool:
@@ -378,4 +445,15 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     more = _eos(g.get("eos_token_id"), "eos_token_id", mc.text.vocab_size, str(gen))
     if any(i not in mc.eos_token_ids for i in more):
         mc = dataclasses.replace(mc, eos_token_ids=tuple(dict.fromkeys(mc.eos_token_ids + more)))
+    # the image processor's settings, as transformers' AutoImageProcessor (and vLLM) read them beside config.json
+    for name, field, default in (("preprocessor_config.json", "image_pixels", IMAGE_PIXELS),
+                                 ("video_preprocessor_config.json", "video_pixels", VIDEO_PIXELS)):
+        f = path.with_name(name)
+        if mc.vision is None or not f.is_file():
+            continue
+        try:
+            raw = read_json(f, "not valid JSON")
+        except OSError as e:
+            raise ConfigError(f"{f}: cannot read {name} ({e.strerror or e})") from None
+        mc = dataclasses.replace(mc, **{field: PixelSpec.from_processor(raw, str(f), default, mc.vision)})
     return mc

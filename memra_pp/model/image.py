@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from .config import VisionConfig
+from .config import IMAGE_PIXELS, VIDEO_PIXELS, PixelSpec, VisionConfig  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,19 +72,18 @@ def _wire(pv):
     return pv
 
 
-@dataclasses.dataclass(frozen=True)
-class PixelSpec:
-    """How an input is sized and normalised. Defaults are Qwen3.5's preprocessor_config.json (Qwen3-VL values)."""
-    min_pixels: int = 65536             # size.shortest_edge: the resized image has at least this many pixels
-    max_pixels: int = 16777216          # size.longest_edge: ... and at most this many (per image, per clip)
-    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
-    rescale_factor: float = 1 / 255     # float input in [0, 1] is first rounded to uint8 (x * 255)
+# the largest image Qwen3.5's own processor makes: size.longest_edge 16777216 pixels / 16^2 (each patch 16x16). A
+# model's own budget is patch_budget(mc), from its preprocessor_config.json and patch size.
+DEFAULT_MAX_PATCHES = 65536
 
 
-IMAGE_PIXELS = PixelSpec()
-VIDEO_PIXELS = PixelSpec(min_pixels=4096, max_pixels=25165824)   # video_preprocessor_config.json size
-DEFAULT_MAX_PATCHES = 16384             # 16777216 / 16^2: the largest image Qwen3.5's own limits produce
+def patch_budget(mc) -> int:
+    """The most patches one image or video input may have (ModelConfig `mc`, with a vision tower): the largest its
+    processor settings make (an image: max_pixels / patch^2; a clip: max_pixels over its frames / (temporal x
+    patch^2)), so that an input given as ImageInput is bounded as a raw one is."""
+    v = mc.vision
+    p2 = v.patch_size ** 2
+    return max(mc.image_pixels.max_pixels // p2, mc.video_pixels.max_pixels // (v.temporal_patch_size * p2))
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -189,8 +188,9 @@ def _hw(img, what: str) -> tuple[int, int]:
 
 def _budget(n: int, max_patches: int, what: str):
     if n > max_patches:
-        raise InputError(f"{what} {n} patches, over the budget max_patches={max_patches}; downscale it or lower "
-                         "max_pixels")
+        raise InputError(f"{what} {n} patches, over the budget max_patches={max_patches} (the largest input the "
+                         f"model's processor settings make: preprocessor_config.json's size.longest_edge / "
+                         f"patch_size^2); downscale it")
 
 
 def preprocess_image(img, vcfg: VisionConfig, max_patches: int = DEFAULT_MAX_PATCHES,
