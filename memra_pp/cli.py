@@ -31,9 +31,10 @@ def _num(v, fmt: str) -> str:
 
 def cmd_plan(args) -> int:
     from .model.weights import open_weights
-    from .placement import format_plan, load_placement, make_plan
+    from .placement import format_plan, load_placement
+    from .placement.planner import plan_of
     p = load_placement(args.config)
-    plan = make_plan(p, open_weights(p.model.path, p.model.format).config)
+    plan = plan_of(args.config, p, open_weights(p.model.path, p.model.format).config)
     _print(args, plan.to_dict(), format_plan(plan))
     return 0
 

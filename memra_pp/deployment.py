@@ -23,7 +23,7 @@ import ray
 
 from .errors import ConfigError, InputError, MemraError, StageFailed
 from .rayutil import Limit, SignalsHeld, attach, get as _get, kill_actor
-from .placement.planner import Plan, make_plan
+from .placement.planner import Plan, plan_of
 from .placement.schema import MAX_TIMEOUT_S, Placement, RaySpec, load_placement
 from .shm import shm_names, stage_pids, unlink_shm, unlink_shm_of
 from .switches import check_environment
@@ -158,7 +158,7 @@ class Deployment:
                     except ConfigError as e:
                         raise ConfigError(f"stages[{i}].device: {e}") from None
         mc = open_weights(placement.model.path, placement.model.format).config
-        plan = make_plan(placement, mc)
+        plan = plan_of(config, placement, mc)
         # read now: a malformed tokenizer.json is refused at boot, not at the end of every request (whose tokens
         # were computed and then lost to the ConfigError its text raised)
         from .model.tokenizer import Tokenizer
@@ -287,6 +287,12 @@ class Deployment:
         if ray.is_initialized():
             _launch_where_attached(p, detached)
             return False
+        if threading.current_thread() is not threading.main_thread():
+            # Ray started from another thread serves until that thread ends; then the deployment's shutdown waited
+            # 60 s for Ray's GCS and Ray ended the process (exit 1)
+            raise ConfigError(f"memra_pp.launch({p.name!r}) from thread {threading.current_thread().name!r} would "
+                              f"start Ray there: launch from the main thread (or call ray.init() in the main thread "
+                              f"first; a launch onto Ray already up may run in any thread)")
         with SignalsHeld() as held:     # (a Ctrl-C or SIGTERM inside Ray's start left its agents running)
             if p.ray.address == "local":
                 need = sum(s.num_cpus for s in p.stages) + 0.5

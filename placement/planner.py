@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from memra_pp.errors import ConfigError
 from memra_pp.model.config import ModelConfig, TextConfig
@@ -331,6 +331,17 @@ def _warnings(placement: Placement, model: ModelConfig, n: int, tower: int, mb: 
         out.append(f"scheduler.max_context: {ctx} is more than the model's max_position_embeddings ({mpe}): "
                    f"sequences longer than {mpe} run past the context it was trained for")
     return tuple(out)
+
+
+def plan_of(src, placement: Placement, model: ModelConfig) -> Plan:
+    """make_plan for a placement read from `src` (load_placement's argument): a refusal names the file, as the
+    schema's do (a dict's refusals name their keys only, as before)."""
+    try:
+        return make_plan(placement, model)
+    except ConfigError as e:
+        if isinstance(src, Mapping):
+            raise
+        raise ConfigError(f"{src}: {e}") from None
 
 
 def make_plan(placement: Placement, model: ModelConfig, layer_costs: Sequence[float] | None = None,

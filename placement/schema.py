@@ -359,6 +359,7 @@ def parse_placement(raw: Any) -> Placement:
         timeouts=_timeouts(to))
 
 
+MIN_STEP_S = 0.05
 MIN_HEARTBEAT_S = 0.05      # the supervisor waits 3 beats for each health answer: 150 ms against an actor call's ~1
 
 
@@ -367,6 +368,9 @@ def _timeouts(to: dict) -> TimeoutSpec:
     if t.heartbeat_s < MIN_HEARTBEAT_S:     # (0.001: 3 ms for a health answer; healthy stages killed in a loop)
         raise _bad("timeouts.heartbeat_s", f"must be at least {MIN_HEARTBEAT_S:g} s (the supervisor gives a stage 3 "
                    f"heartbeats to answer, and an actor call takes about a millisecond), got {t.heartbeat_s:g}")
+    if t.step_s < MIN_STEP_S:       # (0.001: every submit, stats and poll call ran out before its answer came)
+        raise _bad("timeouts.step_s", f"must be at least {MIN_STEP_S:g} s (it bounds each call to a stage, which "
+                   f"takes about a millisecond, and a step's wait), got {t.step_s:g}")
     return t
 
 
@@ -387,6 +391,31 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node):
+        """YAML 1.1's integers, but the two forms a reader takes for decimal: PyYAML reads a leading 0 as octal
+        (064 is 52) and colons as base 60 (1:30 is 90)."""
+        _not_sexagesimal_or_octal(self.construct_scalar(node), node, lambda: super(
+            _UniqueKeyLoader, self).construct_yaml_int(node))
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        _not_sexagesimal_or_octal(self.construct_scalar(node), node, lambda: super(
+            _UniqueKeyLoader, self).construct_yaml_float(node))
+        return super().construct_yaml_float(node)
+
+
+def _not_sexagesimal_or_octal(text: str, node, value) -> None:
+    t = text.replace("_", "").lstrip("+-")
+    if ":" in t or (len(t) > 1 and t[0] == "0" and t.isdigit()):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text} is read as {value()} (YAML 1.1 reads " + (
+                "colons as base 60" if ":" in t else "a leading 0 as octal") + "): write the number in decimal "
+            "without them", node.start_mark)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
 
 
 def _read_yaml(path: Path, where: str) -> Any:

@@ -295,6 +295,8 @@ def test_layer_refusals(stages, needles):
     ({"timeouts": {"step_s": 0}}, ["timeouts.step_s: must be a positive finite number, got 0"]),
     # a heartbeat too short for any health answer: the supervisor killed healthy stages in a loop
     ({"timeouts": {"heartbeat_s": 0.001}}, ["timeouts.heartbeat_s: must be at least 0.05 s", "got 0.001"]),
+    # a step bound shorter than any call to a stage: every request and stats call of the launched deployment timed out
+    ({"timeouts": {"step_s": 0.001}}, ["timeouts.step_s: must be at least 0.05 s", "got 0.001"]),
     ({"timeouts": {"ready_s": float("nan")}}, ["timeouts.ready_s: must be a positive finite number"]),
     ({"stages": [{"device": "cpu", "num_cpus": 0}]}, ["stages[0].num_cpus: must be a positive finite number"]),
     ({"stages": [{"device": "cpu", "threads": 0}]}, ["stages[0].threads: must be an integer >= 1, got 0"]),
@@ -323,6 +325,13 @@ def test_missing_stages_and_non_mapping():
     ("", ["the top level must be a mapping", "got NoneType"]),
     ("stages: [{device: cpu}]\nstages: [{device: cpu}]\n", ["not valid YAML", "duplicate key 'stages'"]),
     ("stages: [{device: cpu}]\nscheduler: {prefill_chunk: -4}\n", ["scheduler.prefill_chunk: must be"]),
+    # YAML 1.1 (PyYAML) reads these as octal and base 60: max_batch 064 was 52, max_context 1:08:16 was 4096
+    ("stages: [{device: cpu}]\nscheduler: {max_batch: 064}\n", [":2:24: not valid YAML: 064 is read as 52 (YAML 1.1 "
+                                                               "reads a leading 0 as octal): write the number in "
+                                                               "decimal without them"]),
+    ("stages: [{device: cpu}]\nscheduler: {max_context: 1:08:16}\n", [
+        ":2:26: not valid YAML: 1:08:16 is read as 4096 (YAML 1.1 reads colons as base 60)"]),
+    ("stages: [{device: cpu}]\ntimeouts: {step_s: 1:30.5}\n", ["1:30.5 is read as 90.5 (YAML 1.1 reads colons"]),
 ])
 def test_yaml_refusals_name_the_file(tmp_path, text, needles):
     """Malformed YAML and bad values in a file must be refused with the file's path first."""
@@ -330,6 +339,29 @@ def test_yaml_refusals_name_the_file(tmp_path, text, needles):
     f.write_text(text)
     assert refused(lambda: load_placement(f), *needles).startswith(str(f))
     refused(lambda: load_placement(tmp_path / "none.yaml"), "none.yaml: cannot read the placement file")
+
+
+def test_yaml_numbers_written_plainly_still_read(tmp_path):
+    """Decimal, hexadecimal, 0 and floats with a leading 0 are read as before."""
+    f = tmp_path / "ok.yaml"
+    f.write_text("stages: [{device: cpu}]\nscheduler: {max_batch: 0x40, max_context: 4096}\n"
+                 "timeouts: {step_s: 0.5, ready_s: 010.5}\n")
+    p = load_placement(f)
+    assert (p.scheduler.max_batch, p.scheduler.max_context, p.timeouts.step_s, p.timeouts.ready_s) == (64, 4096, 0.5,
+                                                                                                       10.5)
+
+
+def test_a_planner_refusal_of_a_file_names_the_file(tmp_path, capsys):
+    """The planner's refusals (layers that overlap, say) named the key but not the file, as the schema's do."""
+    from memra_pp import cli
+    from memra_pp.model.tiny import make_tiny
+    m = tmp_path / "m"
+    make_tiny(m)
+    f = tmp_path / "overlap.yaml"
+    f.write_text(f"model: {{path: {m}}}\nstages: [{{device: cpu, layers: [0, 5]}}, {{device: cpu, layers: [4, 8]}}]\n")
+    assert cli.main(["plan", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"ConfigError: {f}: stages[1].layers: [4, 8) overlaps stages[0].layers (ends at 5)" in err
 
 
 def test_planner_argument_refusals():
