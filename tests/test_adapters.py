@@ -328,6 +328,30 @@ def test_pool_refusals():
     assert all(torch.equal(before[k], v) for k, v in pool.b.items()), "the refused load changed the pool"
 
 
+def test_lora_pools_the_device_cannot_hold_are_refused_before_any_is_allocated(monkeypatch):
+    """adapters.max_loras 10^9 passed the schema, and the first load_adapter took the node's memory until Ray's OOM
+    killer ended both stages (a helper's run: 100 s, then Ray's OutOfMemoryError). The pools are sized first: the
+    refusal names both keys, the bytes, what the device has and how many slots fit; nothing is allocated."""
+    from memra_pp.model import kv_memory, lora as lora_mod
+    cfg = SafetensorsSource(tiny_checkpoint()[1]).config
+    small = LoraPool(cfg, range(0, 3), 2, 8)
+    per_slot = sum(t.numel() * t.element_size() for t in [*small.a.values(), *small.b.values()]) // 2
+    made = []
+    monkeypatch.setattr(lora_mod.torch, "zeros", lambda *a, **kw: made.append(a) or torch.empty(0))
+    with pytest.raises(ConfigError, match=r"^adapters.max_loras 1000000000 x adapters.max_rank 8: the LoRA pools of "
+                                          r"layers \[0, 3\) need [0-9.]+ GiB on cpu, which has [0-9.]+ GiB available; "
+                                          r"lower adapters.max_loras \(at most \d+ fit at this max_rank\) or "
+                                          r"adapters.max_rank$"):
+        LoraPool(cfg, range(0, 3), 10 ** 9, 8)
+    assert made == []
+    have = 200 * per_slot + (64 << 20)       # room for about 190 slots, after fits' slack
+    monkeypatch.setattr(kv_memory, "host_available", lambda: have)
+    with pytest.raises(ConfigError, match=r"at most 190 fit at this max_rank"):
+        LoraPool(cfg, range(0, 3), 191, 8)
+    monkeypatch.undo()
+    assert LoraPool(cfg, range(0, 3), 190, 8).S == 190       # (the bytes counted are the bytes allocated)
+
+
 def test_an_unload_waits_for_the_replays_a_recovery_brings_and_is_refused_before_it():
     """begin_unload: while a stage loss has ended requests at the intake (clients hold them for a replay) it refuses
     with StageFailed naming the stage, the name left loaded; after a recovery with recover: replay it waits until

@@ -113,5 +113,16 @@ def host_available() -> int | None:
     return None
 
 
+def device_available(device) -> int | None:
+    """Bytes a torch device has for a new allocation now: a GPU's free memory plus what the caching allocator holds
+    unused (in this process's context), or the host's MemAvailable (None: unknown)."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return host_available()
+
+
 def size_text(n: int) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"

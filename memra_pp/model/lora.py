@@ -45,6 +45,7 @@ class LoraPool:
         self.mc, self.layers = mc, list(layers)
         self.S, self.R, self.dtype, self.device = max_loras, max_rank, dtype, torch.device(device)
         C = max_loras * max_rank
+        self._require_fits(tc, dtype)
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         for i in self.layers:
@@ -55,6 +56,23 @@ class LoraPool:
         self.targets: dict[tuple[int, str], set[int]] = {k: set() for k in self.a}
         self.names: list[str | None] = [None] * max_loras
         self.col_slot_C = torch.arange(C, device=self.device) // max_rank
+
+    def _require_fits(self, tc: TextConfig, dtype) -> None:
+        """Refuse adapters.max_loras x max_rank whose pools the device cannot hold, before any is allocated (a
+        billion slots passed the schema, and the first load took the node's memory until Ray's OOM killer ended
+        both stages)."""
+        from .kv_memory import device_available, fits, size_text
+        per_rank = sum(sum(expected_shape(f"layers.{i}.{m}.weight", tc)) for i in self.layers
+                       for m in layer_modules(tc, i)) * torch.empty(0, dtype=dtype).element_size()
+        need, have = self.S * self.R * per_rank, device_available(self.device)
+        if have is None or fits(need, have):
+            return
+        most = max(0, int((have - (64 << 20)) / 1.05) // (self.R * per_rank))
+        raise ConfigError(f"adapters.max_loras {self.S} x adapters.max_rank {self.R}: the LoRA pools of layers "
+                          f"[{self.layers[0]}, {self.layers[-1] + 1}) need {size_text(need)} on {self.device}, which "
+                          f"has {size_text(have)} {'free' if self.device.type == 'cuda' else 'available'}; lower "
+                          f"adapters.max_loras" + (f" (at most {most} fit at this max_rank)" if most else "") +
+                          " or adapters.max_rank")
 
     def __repr__(self) -> str:
         return f"LoraPool(layers={self.layers[0]}..{self.layers[-1]}, slots={self.names}, max_rank={self.R})"
