@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..errors import InputError, StageFailed
+from ..errors import ConfigError, InputError, StageFailed
 from ..model import attention
 from ..model.config import ModelConfig
 from ..model.stage_model import StageModel
@@ -165,7 +165,10 @@ class StageRunner(ImagesMixin, RecoveryMixin, DriversMixin):
         sp = self.plan.stages[index]
         self.spec = sp
         torch.set_num_threads(sp.threads)
-        self.engine = Engine(sp.device)
+        try:
+            self.engine = Engine(sp.device)
+        except ConfigError as e:    # (launch checks devices first only where it starts the cluster on this host)
+            raise ConfigError(f"stages[{index}].device: {e}") from None
         if self.engine.is_cuda and not attention.SDPA_CUDNN:
             # for the whole process, not around each call (model/attention.sdpa): the vision tower runs on Ray's
             # pool threads beside the loop thread's prefill, and torch's switch is one flag for the process

@@ -509,3 +509,18 @@ def test_a_command_whose_reader_has_gone_exits_quietly():
     finally:
         os.close(w)
     assert p.returncode == 141 and p.stderr == "", (p.returncode, p.stderr[-2000:])
+
+
+def test_a_stage_refusing_its_device_names_its_key(tmp_path):
+    """A launch onto a Ray cluster it did not start cannot check devices in the driver (the stages may run on other
+    hosts): the stage's own refusal said "device 'cuda:99': this process sees 0 CUDA device(s)" without the key.
+    It now names stages[i].device, as the driver's check does."""
+    from memra_pp.defaults import ensure_tiny
+    from memra_pp.model.weights import open_weights
+    from memra_pp.placement.planner import make_plan
+    from memra_pp.stages.runner import StageRunner
+    p = load_placement({"model": {"path": str(ensure_tiny())}, "stages": [{"device": "cpu"}, {"device": "cuda:99"}]})
+    plan = make_plan(p, open_weights(p.model.path).config)
+    with pytest.raises(ConfigError, match=r"^stages\[1\].device: device 'cuda:99': this process sees \d+ CUDA "
+                                          r"device\(s\)"):
+        StageRunner().setup(p.to_dict(), plan.to_dict(), 1, str(tmp_path), "shm", None)
