@@ -17,8 +17,8 @@ from memra_pp.deployment import Deployment
 
 
 def _placement():
-    return types.SimpleNamespace(stages=[types.SimpleNamespace(num_cpus=0.1)] * 2, ray=types.SimpleNamespace(
-        address="local", namespace="memra-test", listen=None))
+    return types.SimpleNamespace(name="sig", stages=[types.SimpleNamespace(num_cpus=0.1)] * 2,
+                                 ray=types.SimpleNamespace(address="local", namespace="memra-test", listen=None))
 
 
 def ray_term_a(signum, frame):     # the SIGTERM handlers ray.init installs (its own first, then its head node's)
@@ -91,3 +91,25 @@ def test_a_signal_ignored_on_entry_stays_ignored(fake_ray):
     assert Deployment._ray_up(_placement()) is True
     assert events == ["signalled", "init returned"], events
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def test_a_launch_that_would_start_ray_in_another_thread_is_refused(fake_ray):
+    """(Was a defect.) Ray started from a thread served until that thread ended; the deployment's shutdown then
+    waited 60 s for Ray's GCS and Ray ended the process with exit 1. Such a launch is refused before Ray starts."""
+    import threading
+    from memra_pp.errors import ConfigError
+    events, _ = fake_ray
+    out = []
+
+    def run():
+        try:
+            out.append(Deployment._ray_up(_placement()))
+        except ConfigError as e:
+            out.append(e)
+    t = threading.Thread(target=run, name="worker-7")
+    t.start()
+    t.join(10)
+    assert isinstance(out[0], ConfigError) and events == [], (out, events)
+    assert str(out[0]) == ("memra_pp.launch('sig') from thread 'worker-7' would start Ray there: launch from the main "
+                           "thread (or call ray.init() in the main thread first; a launch onto Ray already up may run "
+                           "in any thread)")
