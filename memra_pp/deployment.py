@@ -287,9 +287,11 @@ class Deployment:
         if ray.is_initialized():
             _launch_where_attached(p, detached)
             return False
-        if threading.current_thread() is not threading.main_thread():
-            # Ray started from another thread serves until that thread ends; then the deployment's shutdown waited
-            # 60 s for Ray's GCS and Ray ended the process (exit 1)
+        if p.ray.address == "local" and threading.current_thread() is not threading.main_thread():
+            # a local cluster started from another thread serves until that thread ends: Ray's head processes are
+            # started with PR_SET_PDEATHSIG (SIGKILL), which Linux sends when the thread that forked them exits; the
+            # deployment's shutdown then waited 60 s for Ray's GCS and Ray ended the process (exit 1). Attaching
+            # to a running cluster from a thread starts no process and is left alone.
             raise ConfigError(f"memra_pp.launch({p.name!r}) from thread {threading.current_thread().name!r} would "
                               f"start Ray there: launch from the main thread (or call ray.init() in the main thread "
                               f"first; a launch onto Ray already up may run in any thread)")

@@ -113,3 +113,18 @@ def test_a_launch_that_would_start_ray_in_another_thread_is_refused(fake_ray):
     assert str(out[0]) == ("memra_pp.launch('sig') from thread 'worker-7' would start Ray there: launch from the main "
                            "thread (or call ray.init() in the main thread first; a launch onto Ray already up may run "
                            "in any thread)")
+
+
+def test_a_launch_attaching_from_another_thread_is_left_alone(fake_ray, monkeypatch):
+    """Attaching to a running cluster starts no Ray process (whose parent-death signal would follow the thread):
+    allowed from any thread."""
+    import threading
+    events, _ = fake_ray
+    monkeypatch.setattr(deployment, "attach", lambda address, namespace: events.append(("attach", address)))
+    p = _placement()
+    p.ray.address = "10.0.0.1:6379"
+    out = []
+    t = threading.Thread(target=lambda: out.append(Deployment._ray_up(p)))
+    t.start()
+    t.join(10)
+    assert out == [True] and events == [("attach", "10.0.0.1:6379")], (out, events)
