@@ -25,8 +25,8 @@ from ..errors import ConfigError
 from .batch import h2d
 from .config import TextConfig
 from ..switches import initial
-from .kv_memory import (FIRST_FREE, fits, growth_size, headroom, host_available, kv_budget, reachable_blocks,
-                        size_text, upfront, upfront_bytes)
+from .kv_memory import (FIRST_FREE, cuda_free_total, fits, growth_size, headroom, host_available, kv_budget,
+                        reachable_blocks, size_text, upfront, upfront_bytes)
 
 KV_BLOCK = 64           # positions a KV page holds, unless a cache is made with another
 NULL, SINK = 0, 1      # the null block, the scratch slot's sink block (FIRST_FREE: the first block given out)
@@ -277,8 +277,7 @@ class StageCache:
     def _free_bytes(self) -> tuple[int, int]:
         """(bytes the device has for a growth: its free memory and what the caching allocator holds unused, its total
         memory)."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device), total
+        return cuda_free_total(self.device)
 
     def _fits(self, n_blocks: int) -> bool:
         return self.device.type != "cuda" or fits(self._peak_bytes(n_blocks), self._free_bytes()[0])

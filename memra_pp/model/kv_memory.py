@@ -113,15 +113,20 @@ def host_available() -> int | None:
     return None
 
 
+def cuda_free_total(device) -> tuple[int, int]:
+    """(bytes a GPU has for a new allocation: its free memory plus what the caching allocator holds unused, in this
+    process's context; its total memory)."""
+    import torch
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+
+
 def device_available(device) -> int | None:
-    """Bytes a torch device has for a new allocation now: a GPU's free memory plus what the caching allocator holds
-    unused (in this process's context), or the host's MemAvailable (None: unknown)."""
+    """Bytes a torch device has for a new allocation now (`cuda_free_total`), or the host's MemAvailable (None:
+    unknown)."""
     import torch
     device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return host_available()
+    return cuda_free_total(device)[0] if device.type == "cuda" else host_available()
 
 
 def size_text(n: int) -> str:
