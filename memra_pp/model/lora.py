@@ -61,13 +61,13 @@ class LoraPool:
         """Refuse adapters.max_loras x max_rank whose pools the device cannot hold, before any is allocated (a
         billion slots passed the schema, and the first load took the node's memory until Ray's OOM killer ended
         both stages)."""
-        from .kv_memory import device_available, fits, size_text
+        from .kv_memory import device_available, fits, reachable_blocks, size_text
         per_rank = sum(sum(expected_shape(f"layers.{i}.{m}.weight", tc)) for i in self.layers
                        for m in layer_modules(tc, i)) * torch.empty(0, dtype=dtype).element_size()
         need, have = self.S * self.R * per_rank, device_available(self.device)
         if have is None or fits(need, have):
             return
-        most = max(0, int((have - (64 << 20)) / 1.05) // (self.R * per_rank))
+        most = reachable_blocks(0, self.S, lambda m: fits(m * self.R * per_rank, have))
         raise ConfigError(f"adapters.max_loras {self.S} x adapters.max_rank {self.R}: the LoRA pools of layers "
                           f"[{self.layers[0]}, {self.layers[-1] + 1}) need {size_text(need)} on {self.device}, which "
                           f"has {size_text(have)} {'free' if self.device.type == 'cuda' else 'available'}; lower "
