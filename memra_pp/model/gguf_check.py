@@ -57,12 +57,21 @@ def open_gguf(path: Path) -> "GGUFFile":
 
 
 def is_gguf(path: Path) -> bool:
-    """A GGUF file by its first bytes, whatever its name (`Qwen3.5-Q8_0.GGUF`, a file without a suffix)."""
+    """A GGUF file by its first bytes, whatever its name (`Qwen3.5-Q8_0.GGUF`, a file without a suffix); only a
+    regular file is opened (a FIFO's open would wait for a writer)."""
     try:
+        if not Path(path).is_file():
+            return False
         with open(path, "rb") as fh:
             return fh.read(4) == b"GGUF"
     except OSError:
         return False
+
+
+def gguf_named(path: Path) -> bool:
+    """A path to read as GGUF: named `.gguf` (in any case; a missing or bad one is then refused as GGUF), or a
+    file that is one by its magic."""
+    return path.suffix.lower() == ".gguf" or is_gguf(path)
 
 
 def gguf_files(directory: Path) -> list[Path]:

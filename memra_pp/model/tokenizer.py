@@ -10,7 +10,7 @@ from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
 from ..errors import ConfigError
-from .gguf_check import is_gguf
+from .gguf_check import gguf_named
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Tokenizer:
             if t is None and (g := gguf_file_of(p, fmt)) is not None:
                 return cls.from_gguf(g)
             return t
-        return cls.from_gguf(p) if p.is_file() and (p.suffix.lower() == ".gguf" or is_gguf(p)) else None
+        return cls.from_gguf(p) if p.is_file() and gguf_named(p) else None
 
     @property
     def vocab_size(self) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError
 from .config import ModelConfig, TextConfig, load_config, parse_config, read_json
-from .gguf_check import gguf_files, is_gguf
+from .gguf_check import gguf_files, gguf_named
 from . import presets
 
 if TYPE_CHECKING:
@@ -297,8 +297,7 @@ def gguf_file_of(path: str | Path, fmt: str = "auto") -> Path | None:
     dimensions), or None where it reads no GGUF (or would refuse the path: open_weights says why)."""
     p = Path(str(path)).expanduser()
     if p.is_file():
-        return p if fmt == "gguf" or (fmt in ("auto", "dummy") and (p.suffix.lower() == ".gguf" or is_gguf(p))) \
-            else None
+        return p if fmt == "gguf" or (fmt in ("auto", "dummy") and gguf_named(p)) else None
     if not p.is_dir() or fmt == "dummy" or (fmt == "auto" and any(p.glob("*.safetensors*"))):
         return None
     found = gguf_files(p) if fmt in ("auto", "gguf") else []
@@ -320,7 +319,7 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
     if str(path).startswith("preset:") and not p.exists():
         raise ConfigError(f"model.path {str(path)!r} names a preset, which has no weights: set model.format: dummy "
                           f"(random weights with the preset's dimensions)")
-    if fmt == "gguf" or (fmt == "auto" and (p.suffix.lower() == ".gguf" or (p.is_file() and is_gguf(p)) or (
+    if fmt == "gguf" or (fmt == "auto" and (gguf_named(p) or (
             p.is_dir() and not any(p.glob("*.safetensors*")) and gguf_files(p)))):
         from .gguf_source import GGUFSource
         if p.is_dir():
@@ -334,7 +333,7 @@ def open_weights(path: str | Path, fmt: str = "auto") -> WeightSource:
             raise ConfigError(f"model.path {str(path)!r}: one shard of a split GGUF; merge the shards into one file "
                               f"first (llama.cpp: llama-gguf-split --merge)")
         return GGUFSource(p)
-    if fmt == "safetensors" and p.is_file() and (p.suffix.lower() == ".gguf" or is_gguf(p)):
+    if fmt == "safetensors" and p.is_file() and gguf_named(p):
         raise ConfigError(f"model.path {str(path)!r} is a GGUF file but model.format is safetensors; use gguf or auto")
     if fmt in ("auto", "safetensors"):
         from ..defaults import ensure_embedded
