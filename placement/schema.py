@@ -395,23 +395,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_yaml_int(self, node):
         """YAML 1.1's integers, but the two forms a reader takes for decimal: PyYAML reads a leading 0 as octal
         (064 is 52) and colons as base 60 (1:30 is 90)."""
-        _not_sexagesimal_or_octal(self.construct_scalar(node), node, lambda: super(
-            _UniqueKeyLoader, self).construct_yaml_int(node))
-        return super().construct_yaml_int(node)
+        return _decimal_only(self.construct_scalar(node), super().construct_yaml_int(node), node)
 
     def construct_yaml_float(self, node):
-        _not_sexagesimal_or_octal(self.construct_scalar(node), node, lambda: super(
-            _UniqueKeyLoader, self).construct_yaml_float(node))
-        return super().construct_yaml_float(node)
+        return _decimal_only(self.construct_scalar(node), super().construct_yaml_float(node), node)
 
 
-def _not_sexagesimal_or_octal(text: str, node, value) -> None:
+def _decimal_only(text: str, value, node):
+    """`value` (YAML 1.1's reading of `text`), refused where that reading is octal or base 60."""
     t = text.replace("_", "").lstrip("+-")
     if ":" in t or (len(t) > 1 and t[0] == "0" and t.isdigit()):
         raise yaml.constructor.ConstructorError(
-            None, None, f"{text} is read as {value()} (YAML 1.1 reads " + (
+            None, None, f"{text} is read as {value} (YAML 1.1 reads " + (
                 "colons as base 60" if ":" in t else "a leading 0 as octal") + "): write the number in decimal "
             "without them", node.start_mark)
+    return value
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
