@@ -304,7 +304,7 @@ class Supervisor:
                     _get(dep.actors[0].reserve_adapter.remote(name, path, slot), t, "reserve adapter slot")
                 got = _get([dep.actors[i].load_adapter.remote(name, path, slot) for i in sorted(failed)], t,
                            f"reload adapter {name!r}")
-                self._same_adapter(name, path, slot, failed, got, t)
+                self._same_adapter(path, slot, failed, got, t)
                 if 0 in failed:
                     _get(dep.actors[0].commit_adapter.remote(name, slot), t, "publish the adapter's name")
                 kept[name] = (slot, path)
@@ -335,7 +335,7 @@ class Supervisor:
         if self.stopping.is_set() or not ray.is_initialized():
             raise StageFailed("the deployment is shutting down")
 
-    def _same_adapter(self, name: str, path: str, slot: int, failed, got: list, t: float) -> None:
+    def _same_adapter(self, path: str, slot: int, failed, got: list, t: float) -> None:
         """The restarted stages read the adapter's files again: what they read must be what the surviving stages
         hold (their digests, adapters.content_digest), or the adapter would run as two (files rewritten in place
         since the load, as a trainer saving its next checkpoint to the same directory does). ConfigError: the

@@ -326,17 +326,17 @@ def test_a_restarted_stage_must_read_the_adapter_the_survivors_hold(monkeypatch)
     calls = []
     sup = S.Supervisor.__new__(S.Supervisor)
     sup.dep = types.SimpleNamespace(actors=[_DigestActor("a" * 64, calls), _DigestActor("b" * 64, calls)])
-    sup._same_adapter("x", "/x", 0, {1}, ["a" * 64], 1.0)
+    sup._same_adapter("/x", 0, {1}, ["a" * 64], 1.0)
     with pytest.raises(ConfigError, match=r"^its files at /x changed since it was loaded: the restarted stage\(s\) "
                                           r"\[1\] read other weights \(sha256 bbbbbbbbbbbb\) than stage 0 holds "
                                           r"\(aaaaaaaaaaaa\); load it again to serve the new files$"):
-        sup._same_adapter("x", "/x", 0, {1}, ["b" * 64], 1.0)
+        sup._same_adapter("/x", 0, {1}, ["b" * 64], 1.0)
     assert ("adapter_digest", id(sup.dep.actors[0])) in calls
     calls.clear()
-    sup._same_adapter("x", "/x", 0, {0, 1}, ["c" * 64, "c" * 64], 1.0)
+    sup._same_adapter("/x", 0, {0, 1}, ["c" * 64, "c" * 64], 1.0)
     assert calls == []
     with pytest.raises(ConfigError, match=r"^its files at /x changed while the restarted stages read them$"):
-        sup._same_adapter("x", "/x", 0, {0, 1}, ["c" * 64, "d" * 64], 1.0)
+        sup._same_adapter("/x", 0, {0, 1}, ["c" * 64, "d" * 64], 1.0)
 
 
 def test_a_load_whose_stages_read_different_files_is_refused_and_undone(monkeypatch, tmp_path):
